@@ -1,0 +1,160 @@
+"""Built-in model presets: configs of real decoder architectures, built offline with random weights.
+
+Contract: ``get_preset(name)`` returns a :class:`Preset`; ``preset.build_model()`` returns an eval-mode
+``transformers`` causal LM with weights drawn from a fixed seed (same seed -> bit-identical weights), so
+every part of MegaBake runs without network access. ``PRESETS`` lists them; ``DEFAULT_PRESET`` is a tiny
+Llama that bakes in seconds on a CPU.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+DEFAULT_PRESET = "tiny-llama"
+DEFAULT_SEED = 0
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A named architecture config; ``model_id`` is what reports and package paths call it."""
+
+    name: str
+    model_id: str
+    architecture: str
+    config: dict[str, Any] = field(hash=False)
+    description: str = ""
+
+    def make_config(self):
+        import transformers
+
+        config_cls = getattr(transformers, self.architecture).config_class
+        return config_cls(**self.config)
+
+    def config_hash(self) -> str:
+        return config_hash(self.make_config())
+
+    def build_model(self, seed: int = DEFAULT_SEED, dtype=None):
+        """Instantiate the model with random weights from ``seed`` (CPU, eval mode)."""
+        import torch
+        import transformers
+
+        config = self.make_config()
+        model_cls = getattr(transformers, self.architecture)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = model_cls(config)
+            _randomize_norm_weights(model, seed)
+        model = model.eval()
+        if dtype is not None:
+            model = model.to(dtype)
+        return model
+
+
+def _randomize_norm_weights(model, seed: int) -> None:
+    """HF initialises norm weights to exactly 1.0; perturb them so a kernel that ignores them fails."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.ndim == 1 and "norm" in name:
+                param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=gen))
+
+
+def config_hash(config) -> str:
+    """sha256 of the config's canonical JSON (diff-relevant fields only, no bookkeeping keys)."""
+    data = config.to_diff_dict() if hasattr(config, "to_diff_dict") else dict(config)
+    for volatile in ("transformers_version", "_name_or_path", "_commit_hash", "torch_dtype", "dtype"):
+        data.pop(volatile, None)
+    text = json.dumps(data, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+_LLAMA_COMMON = dict(hidden_act="silu", rms_norm_eps=1e-5, attention_bias=False, mlp_bias=False)
+
+PRESETS: dict[str, Preset] = {
+    p.name: p
+    for p in [
+        Preset(
+            name="tiny-llama",
+            model_id="megabake/tiny-llama",
+            architecture="LlamaForCausalLM",
+            description="2-layer Llama (hidden 256, 4/2 heads, head_dim 64): the offline default, bakes in seconds",
+            config=dict(
+                _LLAMA_COMMON,
+                hidden_size=256,
+                intermediate_size=512,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=64,
+                vocab_size=1024,
+                max_position_embeddings=2048,
+                rope_theta=10000.0,
+                tie_word_embeddings=True,
+            ),
+        ),
+        Preset(
+            name="smollm-135m",
+            model_id="HuggingFaceTB/SmolLM-135M",
+            architecture="LlamaForCausalLM",
+            description="SmolLM-135M shape: hidden 576, 30 layers, 9/3 heads, intermediate 1536, vocab 49152, tied",
+            config=dict(
+                _LLAMA_COMMON,
+                hidden_size=576,
+                intermediate_size=1536,
+                num_hidden_layers=30,
+                num_attention_heads=9,
+                num_key_value_heads=3,
+                head_dim=64,
+                vocab_size=49152,
+                max_position_embeddings=2048,
+                rope_theta=10000.0,
+                tie_word_embeddings=True,
+            ),
+        ),
+        Preset(
+            name="llama-3.2-1b",
+            model_id="meta-llama/Llama-3.2-1B",
+            architecture="LlamaForCausalLM",
+            description="Llama-3.2-1B shape: hidden 2048, 16 layers, 32/8 heads, intermediate 8192, vocab 128256, llama3 RoPE",
+            config=dict(
+                _LLAMA_COMMON,
+                hidden_size=2048,
+                intermediate_size=8192,
+                num_hidden_layers=16,
+                num_attention_heads=32,
+                num_key_value_heads=8,
+                head_dim=64,
+                vocab_size=128256,
+                max_position_embeddings=131072,
+                rope_theta=500000.0,
+                rope_scaling=dict(
+                    rope_type="llama3",
+                    factor=32.0,
+                    low_freq_factor=1.0,
+                    high_freq_factor=4.0,
+                    original_max_position_embeddings=8192,
+                ),
+                tie_word_embeddings=True,
+            ),
+        ),
+    ]
+}
+
+
+def get_preset(name: str) -> Preset:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise KeyError(
+            f"unknown preset {name!r}; built-in presets are: {', '.join(sorted(PRESETS))}. "
+            "To bake a Hub model instead, pass its repo id (e.g. HuggingFaceTB/SmolLM-135M) and --revision."
+        ) from None
+
+
+def is_preset(name: str) -> bool:
+    return name in PRESETS
