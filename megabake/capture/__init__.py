@@ -1,1 +1,137 @@
-"""TODO"""
+"""Capture: a Hugging Face causal LM + a static KV cache -> an exported single-token decode step.
+
+Contract: ``capture_decode_step(model, batch, capacity)`` returns a :class:`CapturedStep` holding the
+``torch.export`` program of one decode step (ATen ops; KV cache as buffers mutated in place by
+``index_copy_``), the mapping from graph placeholders to the model's parameters and cache buffers, and the
+provenance of every node (HF module path, source line). Nothing here knows about kernels.
+We use the library path that exists: ``transformers.integrations.executorch``'s static-cache export.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import MegaBakeError
+
+_WRAPPER_PREFIX = "model."  # the executorch wrapper holds the HF model as attribute "model"
+
+
+@dataclass
+class CapturedStep:
+    """An exported decode step and what its placeholders stand for."""
+
+    program: "torch.export.ExportedProgram"
+    model: torch.nn.Module
+    config: object
+    batch: int
+    capacity: int
+    parameters: dict[str, str] = field(default_factory=dict)  # placeholder -> HF parameter fqn
+    cache_buffers: dict[str, tuple[int, str]] = field(default_factory=dict)  # placeholder -> (layer, k|v)
+    other_buffers: dict[str, str] = field(default_factory=dict)  # placeholder -> buffer target
+    user_inputs: list[str] = field(default_factory=list)  # [input_ids, cache_position]
+    seconds: float = 0.0
+
+    @property
+    def graph(self):
+        return self.program.graph
+
+    def parameter_tensor(self, placeholder: str) -> torch.Tensor:
+        return self.model.get_parameter(self.parameters[placeholder])
+
+    def buffer_tensor(self, placeholder: str) -> torch.Tensor:
+        target = self.other_buffers[placeholder]
+        if target in self.program.state_dict:
+            return self.program.state_dict[target]
+        return self.program.constants[target]
+
+
+def hf_module_path(node) -> str:
+    """The innermost HF module path of an FX node, without the export wrapper's prefix."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    return path[len(_WRAPPER_PREFIX):] if path.startswith(_WRAPPER_PREFIX) else path
+
+
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
+
+
+def source_line(node) -> str:
+    """'file.py:LINE in func' of the innermost frame of the node's stack trace, or ''."""
+    frames = _FRAME.findall(node.meta.get("stack_trace") or "")
+    if not frames:
+        return ""
+    path, line, func = frames[-1]
+    return f"{path.rsplit('site-packages/', 1)[-1]}:{line} in {func}"
+
+
+def _static_cache_generation_config(model, batch: int, capacity: int, device: str):
+    from transformers import GenerationConfig
+
+    model.generation_config = GenerationConfig(
+        use_cache=True,
+        cache_implementation="static",
+        max_length=capacity,
+        cache_config={"batch_size": batch, "max_cache_len": capacity, "device": device},
+    )
+
+
+def capture_decode_step(model, *, batch: int = 1, capacity: int = 128) -> CapturedStep:
+    """Export one decode step (one new token per sequence at a runtime cache position)."""
+    from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
+
+    if batch < 1 or capacity < 2:
+        raise MegaBakeError(f"bucket batch={batch}, capacity={capacity} is invalid: need batch >= 1, capacity >= 2")
+    max_pos = getattr(model.config, "max_position_embeddings", None)
+    if max_pos is not None and capacity > max_pos:
+        raise MegaBakeError(
+            f"KV capacity {capacity} exceeds the model's max_position_embeddings {max_pos}; "
+            f"bake with --capacity {max_pos} or less"
+        )
+    started = time.perf_counter()
+    device = str(next(model.parameters()).device)
+    _static_cache_generation_config(model, batch, capacity, device)
+    exportable = TorchExportableModuleForDecoderOnlyLM(model, batch_size=batch, max_cache_len=capacity)
+    input_ids = torch.full((batch, 1), 1, dtype=torch.long, device=device)
+    cache_position = torch.tensor([min(3, capacity - 1)], dtype=torch.long, device=device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            program = exportable.export(input_ids=input_ids, cache_position=cache_position)
+        except Exception as exc:  # torch.export failures are long; keep the cause, add the fix
+            raise MegaBakeError(
+                f"torch.export of the decode step failed for {type(model).__name__}: {type(exc).__name__}: "
+                f"{str(exc).splitlines()[0] if str(exc) else ''}. The model must support transformers' "
+                "static-cache export (StaticCache + TorchExportableModuleForDecoderOnlyLM)."
+            ) from exc
+    step = CapturedStep(program=program, model=model, config=model.config, batch=batch, capacity=capacity)
+    _classify_placeholders(step)
+    step.seconds = time.perf_counter() - started
+    return step
+
+
+_CACHE_TARGET = re.compile(r"^(key|value)_cache_(\d+)$")
+
+
+def _classify_placeholders(step: CapturedStep) -> None:
+    from torch.export.graph_signature import InputKind
+
+    for spec in step.program.graph_signature.input_specs:
+        name = spec.arg.name
+        if spec.kind == InputKind.PARAMETER:
+            target = spec.target
+            step.parameters[name] = target[len(_WRAPPER_PREFIX):] if target.startswith(_WRAPPER_PREFIX) else target
+        elif spec.kind == InputKind.BUFFER:
+            match = _CACHE_TARGET.match(spec.target or "")
+            if match:
+                step.cache_buffers[name] = (int(match.group(2)), "k" if match.group(1) == "key" else "v")
+            else:
+                step.other_buffers[name] = spec.target
+        elif spec.kind == InputKind.USER_INPUT:
+            step.user_inputs.append(name)

@@ -1,0 +1,52 @@
+"""Packed-weight layout executor: model parameters -> the plan's weight buffers and rotary tables.
+
+Contract: ``pack_weights(plan, lookup, dtype=..., device=...)`` returns ``{buffer name: tensor}`` for every
+weight buffer of the plan, built only from the plan's :class:`PackedWeight` sources (HF parameter fqns,
+concatenated along rows, stacked per layer). Norm weights are packed in fp32 with the plan's weight offset
+folded in (Gemma's ``1 + w``). ``rotary_tables(plan, inv_freq)`` evaluates cos/sin for every cache slot.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from . import Plan
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "int32": torch.int32,
+           "int64": torch.int64}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return _DTYPES[name]
+
+
+def pack_weights(plan: Plan, lookup: Callable[[str], torch.Tensor], *, dtype: torch.dtype | None = None,
+                 device=None) -> dict[str, torch.Tensor]:
+    packed: dict[str, torch.Tensor] = {}
+    for spec in plan.packed:
+        buf = plan.buffer(spec.buffer)
+        is_norm = buf.dtype == "float32"
+        target = torch.float32 if is_norm else (dtype or torch_dtype(buf.dtype))
+        layers = []
+        for sources in spec.sources:
+            parts = [lookup(fqn).detach().to(device=device, dtype=torch.float32 if is_norm else target)
+                     for fqn, _ in sources]
+            if is_norm:
+                parts = [p + plan.dims.norm_offset for p in parts]
+            layers.append(torch.stack(parts) if is_norm and len(parts) > 1 else torch.cat(parts, dim=0))
+        tensor = torch.stack(layers) if spec.per_layer else layers[0]
+        if list(tensor.shape) != buf.shape:
+            raise ValueError(f"packed {spec.buffer} has shape {list(tensor.shape)}, plan says {buf.shape}")
+        packed[spec.buffer] = tensor.contiguous()
+    return packed
+
+
+def rotary_tables(plan: Plan, inv_freq: torch.Tensor, *, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [capacity, head_dim] in fp32: halves duplicated, times the attention scaling."""
+    positions = torch.arange(plan.capacity, dtype=torch.float32, device=device)
+    freqs = positions[:, None] * inv_freq.to(device=device, dtype=torch.float32)[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    scale = plan.rotary.attention_scaling
+    return (emb.cos() * scale).contiguous(), (emb.sin() * scale).contiguous()

@@ -1,0 +1,162 @@
+"""Reference executor: runs a plan stage by stage, tile by tile, with torch ops on the CPU.
+
+Contract: ``ReferenceExecutor(plan, weights, rope_cos, rope_sin)`` owns the plan's state and workspace
+buffers (fp32 math, KV cache in the weights' dtype) and ``step(tokens, position) -> logits [B, V]`` performs
+exactly what the generated kernel does: the same stages, the same tile -> (CTA, warp) assignment, the same
+indexing into packed weights and the KV cache, and the same fused recomputation (RMSNorm per tile, RoPE and
+KV append inside attention). It checks that every tile is owned by exactly one worker, so partitioning bugs
+fail here, on a CPU, before any GPU run.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import Plan, Stage, WARP
+from .packing import torch_dtype
+
+
+class ReferenceExecutor:
+    def __init__(self, plan: Plan, weights: dict[str, torch.Tensor], rope_cos: torch.Tensor,
+                 rope_sin: torch.Tensor, *, lm_head: str = "embed"):
+        self.plan = plan
+        self.w = {k: v.float() for k, v in weights.items()}
+        self.cache_dtype = next(v.dtype for k, v in weights.items() if k == "w_qkv")
+        self.cos, self.sin = rope_cos.float(), rope_sin.float()
+        self.lm_head = "lm_head" if "lm_head" in weights else lm_head
+        self.buffers: dict[str, torch.Tensor] = {}
+        for buf in plan.buffers:
+            if buf.role in ("state", "workspace", "output"):
+                dtype = self.cache_dtype if buf.role == "state" else torch_dtype(buf.dtype)
+                self.buffers[buf.name] = torch.zeros(buf.shape, dtype=dtype)
+        self.tile_owners: dict[str, dict[int, tuple[int, int]]] = {}
+
+    # -------------------------------------------------------------------------------------------
+    def step(self, tokens: torch.Tensor, position: int) -> torch.Tensor:
+        tokens = tokens.reshape(-1).long()
+        for stage in self.plan.stages:
+            if stage.scope == "layer":
+                continue
+            if stage.scope == "prologue":
+                self._run(stage, None, tokens, position)
+        for layer in range(self.plan.dims.layers):
+            for stage in self.plan.stages:
+                if stage.scope == "layer":
+                    self._run(stage, layer, tokens, position)
+        for stage in self.plan.stages:
+            if stage.scope == "epilogue":
+                self._run(stage, None, tokens, position)
+        return self.buffers["logits"].clone()
+
+    def _run(self, stage: Stage, layer, tokens, position):
+        getattr(self, f"_stage_{stage.kind}")(stage, layer, tokens, position)
+
+    # -- work assignment (mirrors the kernel) ------------------------------------------------------
+    def _row_tiles(self, stage: Stage):
+        """Yield (tile, rows) with tile t owned by global warp t % total_warps (a grid-stride loop)."""
+        total_warps = self.plan.ctas * self.plan.warps
+        owners = {}
+        tiling = stage.tiling
+        for warp in range(total_warps):
+            for tile in range(warp, tiling.tiles, total_warps):
+                assert tile not in owners, f"tile {tile} of {stage.name} owned twice"
+                owners[tile] = (warp // self.plan.warps, warp % self.plan.warps)
+        assert len(owners) == tiling.tiles, f"{stage.name}: {tiling.tiles - len(owners)} tiles have no owner"
+        self.tile_owners[stage.name] = owners
+        for tile in range(tiling.tiles):
+            first = tile * tiling.per_tile
+            yield tile, range(first, min(first + tiling.per_tile, tiling.units))
+
+    def _gemv(self, stage: Stage, weight: torch.Tensor, vec: torch.Tensor, out: torch.Tensor, accumulate: bool):
+        for _, rows in self._row_tiles(stage):
+            rows = list(rows)
+            result = vec @ weight[rows].T  # [B, len(rows)]
+            if accumulate:
+                out[:, rows] += result
+            else:
+                out[:, rows] = result
+
+    def _rmsnorm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        inv = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.plan.dims.eps)
+        return x * inv * weight
+
+    # -- stages -------------------------------------------------------------------------------------
+    def _stage_embed(self, stage, layer, tokens, position):
+        vocab = self.plan.dims.vocab
+        if int(tokens.max()) >= vocab or int(tokens.min()) < 0:
+            raise IndexError(f"token id out of range [0, {vocab})")
+        x = self.buffers["x"]
+        flat = x.view(-1)
+        hidden = self.plan.dims.hidden
+        for tile in range(stage.tiling.tiles):
+            first = tile * stage.tiling.per_tile
+            for i in range(first, min(first + stage.tiling.per_tile, stage.tiling.units)):
+                b, h = divmod(i, hidden)
+                flat[i] = self.w["embed"][tokens[b], h]
+
+    def _stage_norm_gemv(self, stage, layer, tokens, position):
+        slot = 0 if stage.name == "norm_qkv" else 1
+        weight = self.w["w_qkv" if slot == 0 else "w_gate_up"][layer]
+        normed = self._rmsnorm(self.buffers["x"], self.w["norms"][layer, slot])
+        self._gemv(stage, weight, normed, self.buffers["qkv" if slot == 0 else "gate_up"], accumulate=False)
+
+    def _stage_gemv_residual(self, stage, layer, tokens, position):
+        self._gemv(stage, self.w["w_o"][layer], self.buffers["attn"].clone(), self.buffers["x"], accumulate=True)
+
+    def _stage_act_gemv_residual(self, stage, layer, tokens, position):
+        inter = self.plan.dims.intermediate
+        gu = self.buffers["gate_up"]
+        act = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
+        self._gemv(stage, self.w["w_down"][layer], act, self.buffers["x"], accumulate=True)
+
+    def _stage_norm_gemv_out(self, stage, layer, tokens, position):
+        normed = self._rmsnorm(self.buffers["x"], self.w["final_norm"])
+        self._gemv(stage, self.w[self.lm_head], normed, self.buffers["logits"], accumulate=False)
+
+    def _stage_attention(self, stage, layer, tokens, position):
+        d = self.plan.dims
+        if not 0 <= position < self.plan.capacity:
+            raise IndexError(f"position {position} outside the KV capacity {self.plan.capacity}")
+        qkv, attn = self.buffers["qkv"], self.buffers["attn"]
+        kc, vc = self.buffers["k_cache"][layer], self.buffers["v_cache"][layer]
+        group = d.n_heads // d.n_kv_heads
+        cos, sin = self.cos[position], self.sin[position]
+        owners = {}
+        for tile in range(stage.tiling.tiles):
+            cta = tile % self.plan.ctas
+            owners[tile] = (cta, 0)
+            b, head = divmod(tile, d.n_heads)
+            kv_head = head // group
+            q = _rope(qkv[b, head * d.head_dim:(head + 1) * d.head_dim], cos, sin)
+            k_off = d.q_rows + kv_head * d.head_dim
+            v_off = d.q_rows + d.kv_rows + kv_head * d.head_dim
+            k_new = _rope(qkv[b, k_off:k_off + d.head_dim], cos, sin).to(self.cache_dtype)
+            v_new = qkv[b, v_off:v_off + d.head_dim].to(self.cache_dtype)
+            if head % group == 0:  # the first q head of each group owns the append
+                kc[b, kv_head, position] = k_new
+                vc[b, kv_head, position] = v_new
+            keys = torch.cat([kc[b, kv_head, :position].float(), k_new.float()[None]])
+            values = torch.cat([vc[b, kv_head, :position].float(), v_new.float()[None]])
+            scores = (keys @ q) * d.attn_scale
+            probs = torch.softmax(scores, dim=0)
+            attn[b, head * d.head_dim:(head + 1) * d.head_dim] = probs @ values
+        self.tile_owners[stage.name] = owners
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[half:], x[:half]])
+    return x * cos + rotated * sin
+
+
+def reference_executor_for(plan: Plan, model, *, dtype=torch.float32) -> ReferenceExecutor:
+    """Build a reference executor bound to an HF model's parameters (packed in ``dtype``)."""
+    from .packing import pack_weights, rotary_tables
+
+    weights = pack_weights(plan, model.get_parameter, dtype=dtype)
+    inv_freq = model.get_buffer(plan.rotary.inv_freq_buffer)
+    cos, sin = rotary_tables(plan, inv_freq)
+    return ReferenceExecutor(plan, weights, cos, sin)
+
+
+__all__ = ["ReferenceExecutor", "reference_executor_for", "WARP"]
