@@ -1,1 +1,280 @@
-"""TODO"""
+"""Runtime: bind a plan + generated module to a model's weights and run decode steps.
+
+Contract: :class:`MegakernelDecoder` owns the packed weights, the KV cache (``[L, B, KVH, C, D]``) and the
+workspace of one bucket. ``step(token_ids, position) -> logits [B, V]`` (fp32, a view of a static buffer)
+runs one decode step: on an SM90 GPU as exactly one cooperative launch of the compiled megakernel, replayed
+from a CUDA graph; on the CPU (``backend="reference"``) through the plan's reference executor.
+``prefill(prompt_ids)`` runs the HF model eagerly and copies its KV cache into the decoder's;
+``generate(prompt_ids, max_new_tokens)`` does prefill then greedy megakernel decode. Inputs outside the
+bucket (position >= capacity, token id >= vocab, batch > bucket) raise :class:`InputError`.
+``MegakernelDecoder.from_package(path, device=...)`` rebuilds the model named by ``report.json`` (preset
+with its seed, or a Hub repo at the pinned revision) and binds it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..errors import DeviceError, InputError, MegaBakeError
+from ..plan import Plan
+from ..plan.packing import pack_weights, rotary_tables, torch_dtype
+from ..plan.reference import ReferenceExecutor
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    name: str
+    capability: tuple[int, int]
+    sm_count: int
+    smem_per_block_optin: int
+
+    @property
+    def gpu_class(self) -> str:
+        major, minor = self.capability
+        suffix = "a" if (major, minor) == (9, 0) else ""
+        return f"sm{major}{minor}{suffix}-{self.sm_count}sm"
+
+
+def gpu_info(device=None) -> GpuInfo | None:
+    if not torch.cuda.is_available():
+        return None
+    props = torch.cuda.get_device_properties(device or torch.cuda.current_device())
+    optin = getattr(props, "shared_memory_per_block_optin", 227 * 1024)
+    return GpuInfo(props.name, (props.major, props.minor), props.multi_processor_count, int(optin))
+
+
+def require_hopper(device=None) -> GpuInfo:
+    info = gpu_info(device)
+    if info is None:
+        raise DeviceError("no CUDA GPU is visible; MegaBake megakernels run on Hopper (SM90) GPUs such as the "
+                          "H100/H200. On a CPU use backend='reference' (device='cpu') to run the plan's "
+                          "reference executor.")
+    if info.capability != (9, 0):
+        raise DeviceError(f"{info.name} has compute capability {info.capability[0]}.{info.capability[1]}; "
+                          "MegaBake megakernels need SM90 (Hopper: H100/H200). Use device='cpu' for the "
+                          "reference executor or bake with --fallback inductor.")
+    return info
+
+
+def check_admission(plan: Plan, info: GpuInfo) -> None:
+    """Every CTA of the cooperative grid must be co-resident: one CTA per SM, smem within the opt-in limit."""
+    smem = plan.smem_bytes
+    if plan.ctas > info.sm_count:
+        raise DeviceError(f"the plan launches {plan.ctas} cooperative CTAs but {info.name} has {info.sm_count} SMs; "
+                          f"re-bake on this GPU (its GPU class is {info.gpu_class})")
+    if smem > info.smem_per_block_optin:
+        raise DeviceError(f"the kernel needs {smem} bytes of shared memory per CTA, over this GPU's limit of "
+                          f"{info.smem_per_block_optin}; bake with a smaller batch")
+    if plan.threads > 1024:
+        raise DeviceError(f"{plan.threads} threads per CTA exceeds 1024")
+
+
+class MegakernelDecoder:
+    """A baked decode step bound to weights, a KV cache and (on GPU) a compiled, graph-captured kernel."""
+
+    def __init__(self, plan: Plan, module_source: str, model, *, device=None, backend: str | None = None,
+                 package_dir: Path | None = None, report: dict | None = None, use_graph: bool = True):
+        self.plan = plan
+        self.module_source = module_source
+        self.package_dir = Path(package_dir) if package_dir else None
+        self.report = report or {}
+        device = torch.device(device) if device is not None else torch.device(
+            "cuda" if torch.cuda.is_available() else "cpu")
+        self.device = device
+        self.backend = backend or ("cuda" if device.type == "cuda" else "reference")
+        self.batch, self.capacity = plan.batch, plan.capacity
+        self.vocab_size = plan.dims.vocab
+        self.launches_per_step = 1
+        self._graph = None
+        self._use_graph = use_graph
+        if self.backend == "cuda":
+            self.gpu = require_hopper(device)
+            check_admission(plan, self.gpu)
+            self.model = model.to(device=device, dtype=torch.bfloat16)
+            self._bind_cuda()
+        elif self.backend == "reference":
+            self.model = model
+            dtype = next(model.parameters()).dtype
+            weights = pack_weights(plan, model.get_parameter, dtype=dtype)
+            cos, sin = rotary_tables(plan, model.get_buffer(plan.rotary.inv_freq_buffer))
+            self._reference = ReferenceExecutor(plan, weights, cos, sin)
+            self.buffers = self._reference.buffers
+        else:
+            raise ValueError(f"unknown backend {backend!r}: use 'cuda' or 'reference'")
+
+    # ------------------------------------------------------------------------------------- binding
+    def _bind_cuda(self) -> None:
+        plan, device = self.plan, self.device
+        weights = pack_weights(plan, self.model.get_parameter, dtype=torch.bfloat16, device=device)
+        cos, sin = rotary_tables(plan, self.model.get_buffer(plan.rotary.inv_freq_buffer), device=device)
+        self.buffers: dict[str, torch.Tensor] = dict(weights)
+        self.buffers["rope_cos"], self.buffers["rope_sin"] = cos, sin
+        for buf in plan.buffers:
+            if buf.name not in self.buffers:
+                self.buffers[buf.name] = torch.zeros(buf.shape, dtype=torch_dtype(buf.dtype), device=device)
+        self.weight_bytes = plan.weight_bytes()
+        from .compile import load_module
+
+        self.module = load_module(self.module_source)
+        self._compile()
+
+    def _kernel_tensors(self) -> list[torch.Tensor]:
+        return [self.buffers.get(name, self.buffers["embed"]) for name in self.module.ARGUMENTS]
+
+    def _compile(self) -> None:
+        import cuda.bindings.driver as cuda
+        import cutlass.cute as cute
+        from cutlass.cute.runtime import from_dlpack
+
+        self._torch_args = self._kernel_tensors()
+        self._cute_args = [from_dlpack(t, assumed_align=16) for t in self._torch_args]
+        stream = cuda.CUstream(torch.cuda.current_stream(self.device).cuda_stream)
+        self._compiled = cute.compile(self.module.launch, *self._cute_args, stream)
+
+    def _launch(self) -> None:
+        import cuda.bindings.driver as cuda
+
+        stream = cuda.CUstream(torch.cuda.current_stream(self.device).cuda_stream)
+        self._compiled(*self._cute_args, stream)
+
+    def _capture_graph(self) -> None:
+        self._launch()  # warm: module load, first-launch setup
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._launch()
+        self._graph = graph
+
+    # ------------------------------------------------------------------------------------- inputs
+    def _check_inputs(self, token_ids, position: int) -> torch.Tensor:
+        tokens = torch.as_tensor(token_ids).reshape(-1).to(torch.long)
+        if tokens.numel() > self.batch:
+            raise InputError(f"batch of {tokens.numel()} sequences is larger than the baked bucket (batch "
+                             f"{self.batch}); bake a bucket with --batch {tokens.numel()}")
+        if tokens.numel() == 0:
+            raise InputError("no token ids given")
+        bad = tokens[(tokens < 0) | (tokens >= self.vocab_size)]
+        if bad.numel():
+            raise InputError(f"token id {int(bad[0])} is outside the vocabulary [0, {self.vocab_size})")
+        if not isinstance(position, int) and not (torch.is_tensor(position) and position.numel() == 1):
+            raise InputError(f"position must be an int, got {type(position).__name__}")
+        position = int(position)
+        if position < 0 or position >= self.capacity:
+            raise InputError(f"position {position} is outside the KV capacity [0, {self.capacity}): the cache "
+                             f"is full; bake a bucket with a larger --capacity")
+        if tokens.numel() < self.batch:
+            tokens = torch.cat([tokens, tokens.new_zeros(self.batch - tokens.numel())])
+        return tokens
+
+    # ------------------------------------------------------------------------------------- steps
+    def step(self, token_ids, position: int) -> torch.Tensor:
+        """One decode step at ``position`` (same for every sequence). Returns fp32 logits [B, V]."""
+        tokens = self._check_inputs(token_ids, position)
+        if self.backend == "reference":
+            return self._reference.step(tokens, int(position))
+        self.buffers["tokens"].copy_(tokens.to(torch.int32), non_blocking=True)
+        self.buffers["position"].fill_(int(position))
+        if self._use_graph:
+            if self._graph is None:
+                self._capture_graph_safely()
+            if self._graph is not None:
+                self._graph.replay()
+                return self.buffers["logits"]
+        self._launch()
+        return self.buffers["logits"]
+
+    def _capture_graph_safely(self) -> None:
+        # Capture replays the kernel once, which would advance the cache: snapshot and restore it.
+        saved = {k: self.buffers[k].clone() for k in ("k_cache", "v_cache")}
+        try:
+            self._capture_graph()
+        except Exception as exc:  # graph capture unsupported: fall back to direct launches, say why
+            self._use_graph = False
+            self.graph_error = f"{type(exc).__name__}: {exc}"
+        for key, value in saved.items():
+            self.buffers[key].copy_(value)
+
+    def reset(self) -> None:
+        """Zero the KV cache (a new sequence)."""
+        self.buffers["k_cache"].zero_()
+        self.buffers["v_cache"].zero_()
+
+    def kv_cache(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.buffers["k_cache"], self.buffers["v_cache"]
+
+    @torch.no_grad()
+    def prefill(self, prompt_ids) -> torch.Tensor:
+        """Eager HF forward over the prompt; its KV cache becomes the decoder's. Returns last logits [B, V]."""
+        from transformers import StaticCache
+
+        prompt = torch.as_tensor(prompt_ids)
+        if prompt.ndim == 1:
+            prompt = prompt[None]
+        length = prompt.shape[1]
+        self._check_inputs(prompt[:, -1], length - 1)
+        if prompt.shape[0] != self.batch:
+            raise InputError(f"prefill needs exactly {self.batch} sequences (the bucket's batch), got {prompt.shape[0]}")
+        device = next(self.model.parameters()).device
+        cache = StaticCache(config=self.model.config, max_cache_len=self.capacity)
+        out = self.model(prompt.to(device), past_key_values=cache, use_cache=True,
+                         cache_position=torch.arange(length, device=device))
+        self.reset()
+        k_cache, v_cache = self.kv_cache()
+        for i, layer in enumerate(cache.layers):
+            k_cache[i].copy_(layer.keys.to(k_cache.dtype))
+            v_cache[i].copy_(layer.values.to(v_cache.dtype))
+        return out.logits[:, -1].float()
+
+    @torch.no_grad()
+    def generate(self, prompt_ids, max_new_tokens: int = 16) -> torch.Tensor:
+        """Greedy decoding: eager prefill, then one megakernel launch per new token."""
+        prompt = torch.as_tensor(prompt_ids)
+        if prompt.ndim == 1:
+            prompt = prompt[None]
+        length = prompt.shape[1]
+        if length + max_new_tokens > self.capacity + 1:
+            raise InputError(f"prompt of {length} + {max_new_tokens} new tokens exceeds the KV capacity {self.capacity}")
+        logits = self.prefill(prompt)
+        tokens = [logits.argmax(-1).cpu()]
+        for i in range(max_new_tokens - 1):
+            logits = self.step(tokens[-1], length + i)
+            tokens.append(logits.argmax(-1).cpu())
+        return torch.cat([prompt.cpu(), torch.stack(tokens, dim=1)], dim=1)
+
+    # ------------------------------------------------------------------------------------- package
+    @classmethod
+    def from_package(cls, package_dir, *, device=None, model=None, use_graph: bool = True) -> "MegakernelDecoder":
+        package_dir = Path(package_dir)
+        try:
+            plan = Plan.from_json((package_dir / "plan.json").read_text())
+            report = json.loads((package_dir / "report.json").read_text())
+            source = (package_dir / "module.py").read_text()
+        except FileNotFoundError as exc:
+            raise MegaBakeError(f"{package_dir} is not a MegaBake package: missing {Path(exc.filename).name}") from exc
+        if model is None:
+            model = load_model_for_report(report)
+        device = torch.device(device) if device is not None else None
+        return cls(plan, source, model, device=device, package_dir=package_dir, report=report, use_graph=use_graph)
+
+
+def load_model_for_report(report: dict):
+    """Rebuild the model a package was baked from: a preset with its seed, or a Hub repo at its revision."""
+    from ..presets import config_hash, get_preset, is_preset
+
+    info = report["model"]
+    if info.get("preset") and is_preset(info["preset"]):
+        model = get_preset(info["preset"]).build_model(seed=info.get("seed") or 0)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(info["id"], revision=info["revision"], dtype=torch.float32)
+        model.eval()
+    actual = config_hash(model.config)
+    if info.get("config_hash") and actual != info["config_hash"]:
+        raise MegaBakeError(f"model config hash {actual[:12]} does not match the package's "
+                            f"{info['config_hash'][:12]}: the package was baked for a different model revision")
+    return model
