@@ -135,12 +135,13 @@ class Plan:
         return asdict(self)
 
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), sort_keys=True, indent=1, default=_json_default)
+        """Canonical text of plan.json (sorted keys, fixed indent, trailing newline)."""
+        return json.dumps(self.to_dict(), sort_keys=True, indent=1, default=_json_default) + "\n"
 
     @property
     def hash(self) -> str:
-        canonical = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"), default=_json_default)
-        return hashlib.sha256(canonical.encode()).hexdigest()
+        """sha256 of the canonical plan.json bytes."""
+        return hashlib.sha256(self.to_json().encode()).hexdigest()
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":

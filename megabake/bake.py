@@ -1,0 +1,258 @@
+"""Bake: model (preset or Hub id @ revision) -> a decode package folder, running the whole pipeline.
+
+Contract: ``bake(model, revision=None, batch=1, capacity=128, out="packages", ...) -> BakeResult`` runs
+capture -> ir -> plan -> codegen, checks the plan's reference executor against eager fp32 PyTorch, compiles
+``module.py`` for sm_90a with CuTe DSL (works without a GPU), and on a Hopper GPU also runs the kernel and
+records a first numerical check and its latency. It writes ``module.py``, ``plan.json``,
+``source_map.json`` and ``report.json`` (+ ``manifest.json``) atomically through ``megabake.package``.
+Without a Hopper GPU the report is ``unverified`` with the reason. Progress goes to ``progress(msg)``.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from . import __version__
+from .errors import MegaBakeError
+
+DEFAULT_GPU_CLASS = "sm90a-132sm"  # H100/H200 SXM
+
+
+@dataclass
+class BakeResult:
+    path: Path
+    report: dict
+    plan_hash: str
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class ModelSource:
+    model: torch.nn.Module
+    model_id: str
+    revision: str
+    weights: str  # random | pretrained
+    seed: int | None
+    preset: str | None
+
+
+def load_source(model: str, revision: str | None, seed: int) -> ModelSource:
+    """A preset name (random weights from ``seed``) or a Hub repo id at ``revision`` (resolved to a sha)."""
+    from .presets import get_preset, is_preset
+
+    if is_preset(model):
+        if revision not in (None, "", f"random-seed{seed}"):
+            raise MegaBakeError(f"--revision does not apply to the built-in preset {model!r} (random weights "
+                                f"from --seed); drop it or bake a Hub model id")
+        preset = get_preset(model)
+        return ModelSource(preset.build_model(seed=seed), preset.model_id, f"random-seed{seed}", "random", seed, model)
+    if "/" not in model:
+        from .presets import PRESETS
+
+        raise MegaBakeError(f"{model!r} is neither a built-in preset ({', '.join(sorted(PRESETS))}) nor a Hub "
+                            "repo id of the form ORG/NAME")
+    from huggingface_hub import HfApi
+    from transformers import AutoModelForCausalLM
+
+    sha = HfApi().model_info(model, revision=revision or "main").sha
+    hf_model = AutoModelForCausalLM.from_pretrained(model, revision=sha, dtype=torch.float32).eval()
+    return ModelSource(hf_model, model, sha, "pretrained", None, None)
+
+
+def parse_gpu_class(gpu_class: str) -> tuple[tuple[int, int], int]:
+    import re
+
+    match = re.fullmatch(r"sm(\d)(\d)a?-(\d+)sm", gpu_class)
+    if not match:
+        raise MegaBakeError(f"GPU class {gpu_class!r} is not of the form sm90a-132sm")
+    return (int(match.group(1)), int(match.group(2))), int(match.group(3))
+
+
+def bake(model: str, *, revision: str | None = None, batch: int = 1, capacity: int = 128,
+         out: str | Path = "packages", gpu_class: str | None = None, seed: int = 0, threads: int = 256,
+         reference_steps: int = 4, gpu_steps: int = 64, gpu_prefill: int = 16, run_on_gpu: bool = True,
+         progress: Callable[[str], None] = lambda msg: None) -> BakeResult:
+    from .capture import capture_decode_step
+    from .codegen import generate
+    from .ir import lower
+    from .package import package_dir, variant_name, write_package
+    from .plan import build_plan
+    from .plan.rotary import recover_rotary
+    from .presets import config_hash
+    from .runtime import gpu_info
+
+    if batch < 1:
+        raise MegaBakeError(f"--batch must be at least 1, got {batch}")
+    timings: dict[str, float] = {}
+    clock = _Clock(timings, progress)
+    info = gpu_info() if run_on_gpu else None
+    hopper = info is not None and info.capability == (9, 0)
+    gpu_class = gpu_class or (info.gpu_class if hopper else DEFAULT_GPU_CLASS)
+    _, sm_count = parse_gpu_class(gpu_class)
+
+    with clock("load model"):
+        source = load_source(model, revision, seed)
+    with clock("capture decode step (torch.export, static KV cache)"):
+        captured = capture_decode_step(source.model, batch=batch, capacity=capacity)
+    with clock("lower to IR"):
+        ir = lower(captured)
+    with clock("plan stages, tiles, buffers"):
+        inv_freq, scaling = recover_rotary(captured, ir)
+        plan = build_plan(ir, ctas=sm_count, threads=threads, inv_freq_buffer=inv_freq, rotary_scaling=scaling)
+    with clock("generate module.py"):
+        generated = generate(plan)
+    with clock(f"reference executor vs eager fp32 ({reference_steps} steps)"):
+        reference = reference_check(plan, source.model, steps=reference_steps)
+    with clock("CuTe DSL compile check for sm_90a"):
+        compile_result = _compile_check(plan, generated.source)
+
+    variant = variant_name("decode", batch, capacity, gpu_class)
+    report = _report(source, config_hash(source.model.config), plan, variant, gpu_class, compile_result, reference)
+    if hopper:
+        with clock(f"run on {info.name}: numerics ({gpu_steps} steps) and latency"):
+            _gpu_evidence(report, plan, generated.source, source.model, steps=gpu_steps, prefill=gpu_prefill)
+    else:
+        reason = ("no Hopper GPU on this machine: module.py was compiled for sm_90a but not run; "
+                  "run `megabake verify` on an H100/H200")
+        report["status_reasons"].append(reason)
+    if not reference["ok"]:
+        report["status"] = "failed"
+        report["status_reasons"].insert(0, f"reference executor disagrees with eager fp32 (rel_l2 {reference['rel_l2']:.3g})")
+    if not compile_result.ok:
+        report["status"] = "failed"
+        report["status_reasons"].insert(0, f"CuTe DSL compile for sm_90a failed: {compile_result.error}")
+
+    dest = package_dir(out, source.model_id, source.revision, variant)
+    with clock(f"write package {dest}"):
+        files = {
+            "module.py": generated.source,
+            "plan.json": plan.to_json(),
+            "source_map.json": _json(generated.source_map),
+        }
+        write_package(dest, files, report)
+    return BakeResult(dest, report, plan.hash, timings)
+
+
+class _Clock:
+    def __init__(self, timings: dict, progress):
+        self.timings, self.progress = timings, progress
+
+    def __call__(self, label: str):
+        clock = self
+
+        class _Span:
+            def __enter__(self):
+                clock.progress(f"{label} ...")
+                self.started = time.perf_counter()
+
+            def __exit__(self, *exc):
+                clock.timings[label] = time.perf_counter() - self.started
+                if exc[0] is None:
+                    clock.progress(f"{label}: done in {clock.timings[label]:.1f} s")
+                return False
+
+        return _Span()
+
+
+def _json(obj) -> str:
+    import json
+
+    return json.dumps(obj, indent=1, sort_keys=True) + "\n"
+
+
+@torch.no_grad()
+def reference_check(plan, model, *, steps: int = 4, seed: int = 0) -> dict:
+    """Run the plan's reference executor and the eager fp32 HF model on the same random tokens."""
+    from transformers import StaticCache
+
+    from .plan.reference import reference_executor_for
+
+    fp32 = model.float()
+    executor = reference_executor_for(plan, fp32, dtype=torch.float32)
+    cache = StaticCache(config=fp32.config, max_cache_len=plan.capacity)
+    generator = torch.Generator().manual_seed(seed)
+    steps = min(steps, plan.capacity)
+    tokens = torch.randint(0, plan.dims.vocab, (plan.batch, steps), generator=generator)
+    worst_abs, worst_rel = 0.0, 0.0
+    for position in range(steps):
+        expected = fp32(tokens[:, position:position + 1], past_key_values=cache, use_cache=True,
+                        cache_position=torch.tensor([position])).logits[:, -1]
+        got = executor.step(tokens[:, position], position)
+        worst_abs = max(worst_abs, float((got - expected).abs().max()))
+        worst_rel = max(worst_rel, float((got - expected).norm() / expected.norm()))
+    return {"ok": worst_rel < 1e-4, "steps": steps, "max_abs_err": worst_abs, "rel_l2": worst_rel}
+
+
+def _compile_check(plan, source: str):
+    from .runtime.compile import CompileResult, compile_check, load_module
+
+    try:
+        module = load_module(source)
+    except Exception as exc:  # a missing cutlass or broken module is recorded, with the fix
+        return CompileResult(False, "sm_90a", 0.0, error=f"{type(exc).__name__}: {exc}")
+    return compile_check(plan, module)
+
+
+def _toolchain() -> dict:
+    try:
+        from .verify import toolchain
+
+        return toolchain()
+    except Exception:  # the verifier's helpers are optional at bake time
+        import platform
+
+        import transformers
+
+        return {"megabake": __version__, "git_revision": None, "python": platform.python_version(),
+                "torch": torch.__version__, "transformers": transformers.__version__,
+                "huggingface_hub": None, "cutlass_dsl": None, "cuda_driver": None}
+
+
+def _report(source: ModelSource, cfg_hash: str, plan, variant: str, gpu_class: str, compile_result, reference) -> dict:
+    created = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return {
+        "schema_version": 1,
+        "status": "unverified",
+        "status_reasons": [],
+        "created_at": created,
+        "model": {"id": source.model_id, "revision": source.revision, "config_hash": cfg_hash,
+                  "weights": source.weights, "seed": source.seed, "preset": source.preset,
+                  "architecture": type(source.model).__name__, "dtype": "bfloat16"},
+        "bucket": {"mode": "decode", "batch": plan.batch, "capacity": plan.capacity},
+        "gpu_class": gpu_class,
+        "variant": variant,
+        "plan": {"hash": plan.hash, "stages": len(plan.stages), "barriers_per_step": plan.barriers_per_step,
+                 "ctas": plan.ctas, "threads_per_cta": plan.threads, "layers": plan.dims.layers,
+                 "weight_bytes": plan.weight_bytes()},
+        "toolchain": _toolchain(),
+        "kernel": {"grid": [plan.ctas, 1, 1], "block": [plan.threads, 1, 1], "registers": None,
+                   "shared_memory_bytes": plan.smem_bytes, "compile_check": compile_result.to_report()},
+        "reference_check": reference,
+        "environment": None,
+        "numerics": None,
+        "timings": None,
+    }
+
+
+def _gpu_evidence(report: dict, plan, source: str, model, *, steps: int, prefill: int) -> None:
+    """On a Hopper GPU: run the kernel, record numerics and a first latency (baselines: `megabake verify`)."""
+    from .runtime import MegakernelDecoder
+    from .verify import environment, run_numerics
+
+    decoder = MegakernelDecoder(plan, source, model, device="cuda")
+    report["environment"] = environment()
+    numerics = run_numerics(decoder, prefill=prefill, steps=steps)
+    report["numerics"] = numerics
+    if not numerics.get("pass"):
+        report["status"] = "failed"
+        report["status_reasons"].extend(numerics.get("failures", [])[:10] or ["numerics check failed"])
+        return
+    report["status_reasons"].append(
+        f"numerics pass on {report['environment'].get('gpu_name')}; latency against graphed Inductor not yet "
+        "measured: run `megabake verify` to verify and time this package")
