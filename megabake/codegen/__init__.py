@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..plan import Plan, Stage
+from ..plan import Plan, Stage, smem_floats
 
 KERNEL_ARGUMENTS = [
     "embed", "w_qkv", "w_o", "w_gate_up", "w_down", "norms", "final_norm", "lm_head", "rope_cos", "rope_sin",
@@ -68,7 +68,7 @@ def generate(plan: Plan, *, plan_hash: str | None = None) -> GeneratedModule:
     w("gwarp = cta * WARPS + tidx // 32", 1)
     w("smem = cutlass.memory.SmemAllocator()", 1)
     w("s_vec = smem.allocate_tensor(Float32, cute.make_layout((BATCH, VEC_WIDTH), stride=(VEC_WIDTH, 1)), byte_alignment=16)", 1)
-    w("s_red = smem.allocate_tensor(Float32, cute.make_layout(WARPS * BATCH), byte_alignment=16)", 1)
+    w("s_red = smem.allocate_tensor(Float32, cute.make_layout(RED_SCRATCH), byte_alignment=16)", 1)
     w("s_att = smem.allocate_tensor(Float32, cute.make_layout(ATT_SCRATCH), byte_alignment=16)", 1)
     w("pos = position[0]", 1)
     for stage in plan.stages:
@@ -115,17 +115,18 @@ def _header(w: _Writer, plan: Plan, plan_hash: str) -> None:
         "N_HEADS": d.n_heads, "N_KV_HEADS": d.n_kv_heads, "HEAD_DIM": d.head_dim, "Q_ROWS": d.q_rows,
         "QKV_ROWS": d.qkv_rows, "INTER": d.intermediate, "VOCAB": d.vocab, "CTAS": plan.ctas,
         "THREADS": plan.threads, "WARPS": plan.warps, "TOTAL_WARPS": plan.ctas * plan.warps,
-        "VEC_WIDTH": max(d.hidden, d.q_rows, d.intermediate),
-        "ATT_SCRATCH": 3 * d.head_dim + plan.warps * (d.head_dim + 2),
     }
+    scratch = smem_floats(d, plan.batch, plan.capacity, plan.threads)
+    consts.update({"VEC_WIDTH": scratch["vec_width"], "RED_SCRATCH": scratch["red"], "ATT_SCRATCH": scratch["att"]})
     for name, value in consts.items():
         w(f"{name} = {value}")
     w(f"EPS = {d.eps!r}")
     w(f"ATTN_SCALE = {d.attn_scale!r}")
     w(f"ROWS_PER_TILE = {{{', '.join(repr(s.name) + ': ' + str(s.tiling.per_tile) for s in plan.stages if s.tiling.kind == 'rows')}}}")
+    w("GEMV_UNROLL = 4  # 16-byte loads in flight per lane and row")
     w("GRID = (CTAS, 1, 1)")
     w("BLOCK = (THREADS, 1, 1)")
-    w("SMEM_BYTES = 4 * (BATCH * VEC_WIDTH + WARPS * BATCH + ATT_SCRATCH) + 64")
+    w(f"SMEM_BYTES = {plan.smem_bytes}  # 4 * (BATCH * VEC_WIDTH + RED_SCRATCH + ATT_SCRATCH) + alignment")
     w("")
     w("")
 
@@ -153,13 +154,45 @@ def _stage(w: _Writer, plan: Plan, stage: Stage, indent: int, layer_var) -> None
         w(call, indent)
         w.end()
     if stage.barrier_after:
+        prefetch = _prefetch_call(plan, stage)
+        if prefetch:
+            w(prefetch, indent)
         w("bodies.grid_barrier(barrier, tidx, CTAS)", indent)
     w.end()
 
 
 def _gemv(weight: str, out: str, rows: str, cols: str, stage: Stage, accumulate: bool) -> str:
     return (f"bodies.gemv_rows({weight}, s_vec, {out}, gwarp, lane, TOTAL_WARPS, {rows}, {cols}, BATCH, "
-            f"ROWS_PER_TILE[{stage.name!r}], {accumulate})")
+            f"ROWS_PER_TILE[{stage.name!r}], {accumulate}, GEMV_UNROLL)")
+
+
+PREFETCH_BUDGET_BYTES = 16 << 20  # per barrier wait; L2 is 50-60 MB on H100/H200
+
+# The next GEMV after the barrier that ends a stage: (weight expression, rows, cols, stage of that GEMV).
+_NEXT_GEMV = {
+    "embed": ("w_qkv[0, None, None]", "qkv", "norm_qkv"),
+    "norm_qkv": ("w_o[layer, None, None]", "o", "o_residual"),
+    "o_residual": ("w_gate_up[layer, None, None]", "gate_up", "norm_gate_up"),
+    "norm_gate_up": ("w_down[layer, None, None]", "down", "down_residual"),
+    "down_residual": ("w_qkv[cutlass.min(layer + 1, LAYERS - 1), None, None]", "qkv", "norm_qkv"),
+}
+
+
+def _prefetch_call(plan: Plan, stage: Stage) -> str | None:
+    """L2 prefetch of the next GEMV's first tiles, issued before waiting at the barrier."""
+    if stage.name not in _NEXT_GEMV:
+        return None
+    weight, shape_key, next_name = _NEXT_GEMV[stage.name]
+    d = plan.dims
+    rows, cols = {"qkv": (d.qkv_rows, d.hidden), "o": (d.hidden, d.q_rows),
+                  "gate_up": (2 * d.intermediate, d.hidden), "down": (d.hidden, d.intermediate)}[shape_key]
+    next_stage = next(s for s in plan.stages if s.name == next_name)
+    per_tile = next_stage.tiling.per_tile
+    total_warps = plan.ctas * plan.warps
+    tile_bytes = per_tile * cols * 2
+    tiles_per_warp = -(-next_stage.tiling.tiles // total_warps)
+    max_tiles = min(tiles_per_warp, max(1, PREFETCH_BUDGET_BYTES // (tile_bytes * total_warps)))
+    return (f"bodies.prefetch_rows({weight}, gwarp, lane, TOTAL_WARPS, {rows}, {cols}, {per_tile}, {max_tiles})")
 
 
 _BODY_CALLS = {
@@ -172,8 +205,8 @@ _BODY_CALLS = {
     ],
     "attention": lambda plan, st: [
         ("decode_attention", "bodies.decode_attention(qkv, rope_cos, rope_sin, k_cache[layer, None, None, None, None], "
-                             "v_cache[layer, None, None, None, None], attn, pos, s_att, cta, tidx, BATCH, N_HEADS, "
-                             "N_KV_HEADS, HEAD_DIM, CTAS, THREADS, ATTN_SCALE)"),
+                             "v_cache[layer, None, None, None, None], attn, pos, s_att, s_red, cta, tidx, BATCH, N_HEADS, "
+                             "N_KV_HEADS, HEAD_DIM, CAPACITY, CTAS, THREADS, ATTN_SCALE)"),
     ],
     "gemv_residual": lambda plan, st: [
         ("copy_to_smem", "bodies.copy_to_smem(attn, s_vec, tidx, BATCH, Q_ROWS, THREADS)"),

@@ -377,7 +377,7 @@ def build_plan(ir: IRGraph, *, ctas: int = 132, threads: int = 256, weight_dtype
     rotary_ops = [op.id for op in ir.of_kind(RotaryTable)]
     return Plan(
         version=PLAN_VERSION, dims=dims, batch=batch, capacity=capacity, ctas=ctas, threads=threads,
-        smem_bytes=_smem_bytes(dims, batch, threads), weight_dtype=weight_dtype,
+        smem_bytes=_smem_bytes(dims, batch, capacity, threads), weight_dtype=weight_dtype,
         buffers=_buffers(dims, batch, capacity, weight_dtype, tied), packed=_packing(blocks, embed, final_norm, lm_head, tied),
         stages=stages, layers=layers,
         rotary=Rotary(inv_freq_buffer=inv_freq_buffer, attention_scaling=rotary_scaling, head_dim=dims.head_dim,
@@ -481,9 +481,16 @@ def _stages(dims: ModelDims, batch: int) -> list[Stage]:
     ]
 
 
-def _smem_bytes(dims: ModelDims, batch: int, threads: int) -> int:
-    """fp32 staging of the widest GEMV input per sequence + attention scratch + reduction scratch."""
-    vector = 4 * batch * max(dims.hidden, dims.q_rows, dims.intermediate)
-    attention = 4 * (2 * dims.head_dim + (threads // WARP) * (dims.head_dim + 2)) * 2
-    reduce = 4 * (threads // WARP) * batch + 64
-    return vector + attention + reduce
+def smem_floats(dims: ModelDims, batch: int, capacity: int, threads: int) -> dict[str, int]:
+    """Shared-memory scratch in fp32 elements: GEMV input vectors, reductions, attention scratch."""
+    warps = threads // WARP
+    return {
+        "vec_width": max(dims.hidden, dims.q_rows, dims.intermediate),
+        "red": warps * max(batch, 1),
+        "att": dims.head_dim + capacity + warps * dims.head_dim,
+    }
+
+
+def _smem_bytes(dims: ModelDims, batch: int, capacity: int, threads: int) -> int:
+    floats = smem_floats(dims, batch, capacity, threads)
+    return 4 * (batch * floats["vec_width"] + floats["red"] + floats["att"]) + 3 * 16

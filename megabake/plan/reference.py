@@ -55,26 +55,30 @@ class ReferenceExecutor:
     def _row_tiles(self, stage: Stage):
         """Yield (tile, rows) with tile t owned by global warp t % total_warps (a grid-stride loop)."""
         total_warps = self.plan.ctas * self.plan.warps
-        owners = {}
         tiling = stage.tiling
-        for warp in range(total_warps):
-            for tile in range(warp, tiling.tiles, total_warps):
-                assert tile not in owners, f"tile {tile} of {stage.name} owned twice"
-                owners[tile] = (warp // self.plan.warps, warp % self.plan.warps)
-        assert len(owners) == tiling.tiles, f"{stage.name}: {tiling.tiles - len(owners)} tiles have no owner"
-        self.tile_owners[stage.name] = owners
+        if stage.name not in self.tile_owners:
+            owners = {}
+            for warp in range(total_warps):
+                for tile in range(warp, tiling.tiles, total_warps):
+                    assert tile not in owners, f"tile {tile} of {stage.name} owned twice"
+                    owners[tile] = (warp // self.plan.warps, warp % self.plan.warps)
+            assert len(owners) == tiling.tiles, f"{stage.name}: {tiling.tiles - len(owners)} tiles have no owner"
+            self.tile_owners[stage.name] = owners
         for tile in range(tiling.tiles):
             first = tile * tiling.per_tile
             yield tile, range(first, min(first + tiling.per_tile, tiling.units))
 
     def _gemv(self, stage: Stage, weight: torch.Tensor, vec: torch.Tensor, out: torch.Tensor, accumulate: bool):
+        product = vec @ weight.T  # [B, rows]; each tile's rows are taken from it exactly once
+        written = torch.zeros(out.shape[1], dtype=torch.int32)
         for _, rows in self._row_tiles(stage):
-            rows = list(rows)
-            result = vec @ weight[rows].T  # [B, len(rows)]
+            part = slice(rows.start, rows.stop)
+            written[part] += 1
             if accumulate:
-                out[:, rows] += result
+                out[:, part] += product[:, part]
             else:
-                out[:, rows] = result
+                out[:, part] = product[:, part]
+        assert bool((written == 1).all()), f"{stage.name}: some output rows written {int(written.max())}x or never"
 
     def _rmsnorm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         inv = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.plan.dims.eps)

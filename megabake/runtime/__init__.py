@@ -91,6 +91,8 @@ class MegakernelDecoder:
         self.launches_per_step = 1
         self._graph = None
         self._use_graph = use_graph
+        # RoPE tables come from the fp32 inverse frequencies, before any cast to bf16 rounds them.
+        self.inv_freq_fp32 = model.get_buffer(plan.rotary.inv_freq_buffer).detach().float().cpu().clone()
         if self.backend == "cuda":
             self.gpu = require_hopper(device)
             check_admission(plan, self.gpu)
@@ -100,7 +102,7 @@ class MegakernelDecoder:
             self.model = model
             dtype = next(model.parameters()).dtype
             weights = pack_weights(plan, model.get_parameter, dtype=dtype)
-            cos, sin = rotary_tables(plan, model.get_buffer(plan.rotary.inv_freq_buffer))
+            cos, sin = rotary_tables(plan, self.inv_freq_fp32)
             self._reference = ReferenceExecutor(plan, weights, cos, sin)
             self.buffers = self._reference.buffers
         else:
@@ -110,9 +112,12 @@ class MegakernelDecoder:
     def _bind_cuda(self) -> None:
         plan, device = self.plan, self.device
         weights = pack_weights(plan, self.model.get_parameter, dtype=torch.bfloat16, device=device)
-        cos, sin = rotary_tables(plan, self.model.get_buffer(plan.rotary.inv_freq_buffer), device=device)
+        cos, sin = rotary_tables(plan, self.inv_freq_fp32, device=device)
         self.buffers: dict[str, torch.Tensor] = dict(weights)
         self.buffers["rope_cos"], self.buffers["rope_sin"] = cos, sin
+        # tokens and position share one int32 buffer so a step uploads them with a single copy, no kernel
+        self._inputs = torch.zeros(plan.batch + 1, dtype=torch.int32, device=device)
+        self.buffers["tokens"], self.buffers["position"] = self._inputs[:plan.batch], self._inputs[plan.batch:]
         for buf in plan.buffers:
             if buf.name not in self.buffers:
                 self.buffers[buf.name] = torch.zeros(buf.shape, dtype=torch_dtype(buf.dtype), device=device)
@@ -131,7 +136,8 @@ class MegakernelDecoder:
         from cutlass.cute.runtime import from_dlpack
 
         self._torch_args = self._kernel_tensors()
-        self._cute_args = [from_dlpack(t, assumed_align=16) for t in self._torch_args]
+        self._cute_args = [from_dlpack(t, assumed_align=16 if t.data_ptr() % 16 == 0 else t.element_size())
+                           for t in self._torch_args]
         stream = cuda.CUstream(torch.cuda.current_stream(self.device).cuda_stream)
         self._compiled = cute.compile(self.module.launch, *self._cute_args, stream)
 
@@ -176,8 +182,10 @@ class MegakernelDecoder:
         tokens = self._check_inputs(token_ids, position)
         if self.backend == "reference":
             return self._reference.step(tokens, int(position))
-        self.buffers["tokens"].copy_(tokens.to(torch.int32), non_blocking=True)
-        self.buffers["position"].fill_(int(position))
+        host = torch.empty(self.batch + 1, dtype=torch.int32)
+        host[:self.batch] = tokens
+        host[self.batch] = int(position)
+        self._inputs.copy_(host)  # one host-to-device copy; the launch is the step's only kernel
         if self._use_graph:
             if self._graph is None:
                 self._capture_graph_safely()
@@ -205,6 +213,17 @@ class MegakernelDecoder:
 
     def kv_cache(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.buffers["k_cache"], self.buffers["v_cache"]
+
+    def fp32_reference_model(self):
+        """A deep fp32 copy of the bound model with exact (fp32) RoPE frequencies: the numerics reference.
+
+        Casting to bf16 rounds HF's ``inv_freq`` buffer; upcasting a bf16 copy would keep that rounding.
+        """
+        import copy
+
+        reference = copy.deepcopy(self.model).float()
+        reference.get_buffer(self.plan.rotary.inv_freq_buffer).copy_(self.inv_freq_fp32)
+        return reference
 
     @torch.no_grad()
     def prefill(self, prompt_ids) -> torch.Tensor:

@@ -24,20 +24,42 @@ VEC = 8  # bf16 elements per 16-byte load
 def grid_barrier(barrier: cute.Tensor, tidx: Int32, ctas: cutlass.Constexpr[int]):
     """Counting grid barrier with an epoch: never reset, survives CUDA-graph replay.
 
-    The counter only grows; the value returned by this CTA's arrival tells which generation it is in,
-    so the target is the next multiple of ``ctas`` (64-bit: no wrap in practice).
+    The counter only grows (64-bit: no wrap in practice). The old value returned by this CTA's release
+    arrival says which generation it is in, so it waits (acquire loads) for the next multiple of ``ctas``.
+    ``bar.sync`` before the arrival orders the CTA's writes before thread 0's release (cumulativity);
+    ``bar.sync`` after the acquire makes everyone's writes visible to the whole CTA.
     """
     cute.arch.sync_threads()
     if tidx == 0:
         ptr = barrier.iterator.llvm_ptr
-        cute.arch.fence_acq_rel_gpu()
-        old = cute.arch.atomic_add(ptr, Int64(1), sem="acq_rel", scope="gpu")
+        old = cute.arch.atomic_add(ptr, Int64(1), sem="release", scope="gpu")
         target = (old // ctas + 1) * ctas
         current = cute.arch.load(ptr, Int64, sem="acquire", scope="gpu")
         while current < target:
             current = cute.arch.load(ptr, Int64, sem="acquire", scope="gpu")
-        cute.arch.fence_acq_rel_gpu()
     cute.arch.sync_threads()
+
+
+@cute.jit
+def prefetch_rows(weight: cute.Tensor, gwarp: Int32, lane: Int32, total_warps: cutlass.Constexpr[int],
+                  rows: cutlass.Constexpr[int], cols: cutlass.Constexpr[int], per_tile: cutlass.Constexpr[int],
+                  max_tiles: cutlass.Constexpr[int]):
+    """Ask L2 for the first ``max_tiles`` weight tiles this warp owns in the next GEMV stage.
+
+    Issued just before a grid barrier: weights do not depend on the barrier, so their DRAM latency and
+    bandwidth overlap the wait. One ``prefetch.global.L2`` per 128-byte line, spread over the lanes.
+    """
+    lines_per_row = (cols * 2 + 127) // 128
+    tiles = (rows + per_tile - 1) // per_tile
+    if cutlass.const_expr(max_tiles > 0):
+        for i in cutlass.range_constexpr(max_tiles):
+            tile = gwarp + i * total_warps
+            if tile < tiles:
+                for r in cutlass.range_constexpr(per_tile):
+                    row = cutlass.min(tile * per_tile + r, rows - 1)
+                    for line in range(lane, lines_per_row, WARP):
+                        ptr = weight[row, None].iterator + line * 64
+                        cute.arch.prefetch(ptr.llvm_ptr, cache_level="L2")
 
 
 # --------------------------------------------------------------------------------------- embedding
@@ -104,30 +126,46 @@ def silu_mul_to_smem(gate_up: cute.Tensor, s_vec: cute.Tensor, tidx: Int32, batc
 
 # -------------------------------------------------------------------------------------------- GEMV
 @cute.jit
+def _gemv_chunk(weight: cute.Tensor, s_vec: cute.Tensor, acc: cute.Tensor, tile: Int32, kv: Int32,
+                rows: cutlass.Constexpr[int], batch: cutlass.Constexpr[int], per_tile: cutlass.Constexpr[int]):
+    for r in cutlass.range_constexpr(per_tile):
+        row = cutlass.min(tile * per_tile + r, rows - 1)
+        w = cute.zipped_divide(weight[row, None], (VEC,))[(None, kv)].load().to(Float32)
+        for b in cutlass.range_constexpr(batch):
+            xv = cute.zipped_divide(s_vec[b, None], (VEC,))[(None, kv)].load()
+            acc[r * batch + b] = acc[r * batch + b] + (w * xv).reduce(
+                cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
+
+
+@cute.jit
 def gemv_rows(weight: cute.Tensor, s_vec: cute.Tensor, out: cute.Tensor, gwarp: Int32, lane: Int32,
               total_warps: cutlass.Constexpr[int], rows: cutlass.Constexpr[int], cols: cutlass.Constexpr[int],
               batch: cutlass.Constexpr[int], per_tile: cutlass.Constexpr[int],
-              accumulate: cutlass.Constexpr[bool]):
+              accumulate: cutlass.Constexpr[bool], unroll: cutlass.Constexpr[int]):
     """out[b, r] (+)= sum_k weight[r, k] * s_vec[b, k] for the rows of the tiles this warp owns.
 
     Tile t covers rows [t*per_tile, (t+1)*per_tile) and belongs to global warp t % total_warps. Each lane
-    reads 16-byte vectors of ``per_tile`` rows per iteration (independent loads in flight), accumulates in
-    fp32, and the warp reduces with shuffles; lane 0 writes (each output element has one owner).
+    reads 16-byte vectors; ``unroll`` x ``per_tile`` independent loads per lane are in flight per step of
+    the K loop (fully unrolled bodies, compile-time K), accumulation is fp32, the warp reduces with
+    shuffles, and lane 0 writes (each output element has exactly one owner).
     """
     tiles = (rows + per_tile - 1) // per_tile
     kvecs = cols // VEC
+    chunk = WARP * unroll
+    full_chunks = kvecs // chunk
+    tail = kvecs - full_chunks * chunk
     acc = cute.make_rmem_tensor(cute.make_layout(per_tile * batch), Float32)
     for tile in range(gwarp, tiles, total_warps):
         for i in cutlass.range_constexpr(per_tile * batch):
             acc[i] = Float32(0.0)
-        for kv in range(lane, kvecs, WARP):
-            for r in cutlass.range_constexpr(per_tile):
-                row = cutlass.min(tile * per_tile + r, rows - 1)
-                w = cute.zipped_divide(weight[row, None], (VEC,))[(None, kv)].load().to(Float32)
-                for b in cutlass.range_constexpr(batch):
-                    xv = cute.zipped_divide(s_vec[b, None], (VEC,))[(None, kv)].load()
-                    acc[r * batch + b] = acc[r * batch + b] + (w * xv).reduce(
-                        cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
+        for c in range(full_chunks):
+            for u in cutlass.range_constexpr(unroll):
+                _gemv_chunk(weight, s_vec, acc, tile, c * chunk + u * WARP + lane, rows, batch, per_tile)
+        if cutlass.const_expr(tail > 0):
+            for u in cutlass.range_constexpr((tail + WARP - 1) // WARP):
+                kv = full_chunks * chunk + u * WARP + lane
+                if kv < kvecs:
+                    _gemv_chunk(weight, s_vec, acc, tile, kv, rows, batch, per_tile)
         for r in cutlass.range_constexpr(per_tile):
             row = tile * per_tile + r
             for b in cutlass.range_constexpr(batch):
@@ -141,31 +179,60 @@ def gemv_rows(weight: cute.Tensor, s_vec: cute.Tensor, out: cute.Tensor, gwarp: 
 
 # --------------------------------------------------------------------------------------- attention
 @cute.jit
+def _block_reduce(value: Float32, s_red: cute.Tensor, tidx: Int32, warps: cutlass.Constexpr[int],
+                  is_max: cutlass.Constexpr[bool]) -> Float32:
+    """Reduce one float over the CTA (max or sum); every thread gets the result."""
+    lane = tidx % WARP
+    warp = tidx // WARP
+    if cutlass.const_expr(is_max):
+        value = cute.arch.warp_reduction_max(value)
+    else:
+        value = cute.arch.warp_reduction_sum(value)
+    if lane == 0:
+        s_red[warp] = value
+    cute.arch.sync_threads()
+    result = s_red[0]
+    for w in cutlass.range_constexpr(1, warps):
+        if cutlass.const_expr(is_max):
+            result = cute.arch.fmax(result, s_red[w])
+        else:
+            result = result + s_red[w]
+    cute.arch.sync_threads()
+    return result
+
+
+@cute.jit
 def decode_attention(qkv: cute.Tensor, rope_cos: cute.Tensor, rope_sin: cute.Tensor, k_cache: cute.Tensor,
-                     v_cache: cute.Tensor, attn: cute.Tensor, pos: Int32, s_att: cute.Tensor, cta: Int32,
-                     tidx: Int32, batch: cutlass.Constexpr[int], n_heads: cutlass.Constexpr[int],
-                     n_kv_heads: cutlass.Constexpr[int], head_dim: cutlass.Constexpr[int],
+                     v_cache: cute.Tensor, attn: cute.Tensor, pos: Int32, s_att: cute.Tensor,
+                     s_red: cute.Tensor, cta: Int32, tidx: Int32, batch: cutlass.Constexpr[int],
+                     n_heads: cutlass.Constexpr[int], n_kv_heads: cutlass.Constexpr[int],
+                     head_dim: cutlass.Constexpr[int], capacity: cutlass.Constexpr[int],
                      ctas: cutlass.Constexpr[int], threads: cutlass.Constexpr[int],
                      scale: cutlass.Constexpr[float]):
-    """RoPE + KV append + single-query attention over positions [0, pos] for each (batch, head) tile.
+    """RoPE + KV append + single-query attention over positions [0, pos] for each (batch, q head) tile.
 
-    The CTA of a tile ropes q and the new k itself, keeps the new k/v (rounded to the cache dtype) in
-    shared memory and uses them for slot ``pos``; the first q head of each KV group also writes them to
-    the cache (other CTAs never read slot ``pos`` of this step, so there is no race). Warps split the
-    positions and keep an online softmax each; the partial results merge through shared memory.
+    Every CTA of a KV group ropes the new k itself and writes the same bytes (k, v rounded to the cache
+    dtype) into slot ``pos`` of its layer's cache, then synchronises and reads the cache normally; the
+    duplicate writes store identical values, and no CTA reads slot ``pos`` before its own write.
+    Positions are spread over lane groups (head_dim/8 lanes read one 16-byte-vectorised row): scores go
+    to shared memory, a CTA-wide max/sum gives the softmax, and P @ V merges across groups and warps.
 
-    s_att layout (fp32): [0,D) q | [D,2D) k_new | [2D,3D) v_new | then per warp: m, l, acc[D].
+    s_att layout (fp32): [0, D) roped q | [D, D + capacity) scores | then warps x D partial outputs.
     """
     warps = threads // WARP
     lane = tidx % WARP
     warp = tidx // WARP
     group = n_heads // n_kv_heads
     half = head_dim // 2
-    per_lane = head_dim // WARP
     q_rows = n_heads * head_dim
     kv_rows = n_kv_heads * head_dim
-    stride = head_dim + 2
-    base = 3 * head_dim
+    lanes_per_pos = head_dim // VEC
+    pos_per_warp = WARP // lanes_per_pos
+    grp = lane // lanes_per_pos
+    sub = lane - grp * lanes_per_pos
+    s_q = cute.make_tensor(s_att.iterator, cute.make_layout(head_dim))
+    s_score = cute.make_tensor(s_att.iterator + head_dim, cute.make_layout(capacity))
+    s_part = cute.make_tensor(s_att.iterator + head_dim + capacity, cute.make_layout((head_dim, warps)))
     for tile in range(cta, batch * n_heads, ctas):
         b = tile // n_heads
         head = tile - b * n_heads
@@ -182,56 +249,56 @@ def decode_attention(qkv: cute.Tensor, rope_cos: cute.Tensor, rope_sin: cute.Ten
             q_off = head * head_dim
             k_off = q_rows + kvh * head_dim
             v_off = q_rows + kv_rows + kvh * head_dim
-            s_att[d] = qkv[b, q_off + d] * c + sign * qkv[b, q_off + partner] * s
-            k_new = (qkv[b, k_off + d] * c + sign * qkv[b, k_off + partner] * s).to(k_cache.element_type)
-            v_new = qkv[b, v_off + d].to(v_cache.element_type)
-            s_att[head_dim + d] = k_new.to(Float32)
-            s_att[2 * head_dim + d] = v_new.to(Float32)
-            if head % group == 0:
-                k_cache[b, kvh, pos, d] = k_new
-                v_cache[b, kvh, pos, d] = v_new
+            s_q[d] = qkv[b, q_off + d] * c + sign * qkv[b, q_off + partner] * s
+            k_cache[b, kvh, pos, d] = (qkv[b, k_off + d] * c + sign * qkv[b, k_off + partner] * s).to(
+                k_cache.element_type)
+            v_cache[b, kvh, pos, d] = qkv[b, v_off + d].to(v_cache.element_type)
         cute.arch.sync_threads()
-        m = -Float32.inf
-        l = Float32(0.0)
-        acc = cute.make_rmem_tensor(cute.make_layout(per_lane), Float32)
-        for e in cutlass.range_constexpr(per_lane):
+        keys = k_cache[b, kvh, None, None]
+        values = v_cache[b, kvh, None, None]
+        qv = cute.zipped_divide(s_q, (VEC,))[(None, sub)].load()
+        local_max = -Float32.inf
+        for base in range(warp * pos_per_warp, pos + 1, warps * pos_per_warp):
+            t = cutlass.min(base + grp, pos)
+            kv = cute.zipped_divide(keys[t, None], (VEC,))[(None, sub)].load().to(Float32)
+            part = (qv * kv).reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
+            offset = lanes_per_pos // 2
+            while cutlass.const_expr(offset > 0):
+                part = part + cute.arch.shuffle_sync_bfly(part, offset)
+                offset //= 2
+            score = part * scale
+            if sub == 0 and base + grp <= pos:
+                s_score[t] = score
+                local_max = cute.arch.fmax(local_max, score)
+        row_max = _block_reduce(local_max, s_red, tidx, warps, True)
+        local_sum = Float32(0.0)
+        for t in range(tidx, pos + 1, threads):
+            p = cute.math.exp(s_score[t] - row_max)
+            s_score[t] = p
+            local_sum = local_sum + p
+        denom = _block_reduce(local_sum, s_red, tidx, warps, False)
+        acc = cute.make_rmem_tensor(cute.make_layout(VEC), Float32)
+        for e in cutlass.range_constexpr(VEC):
             acc[e] = Float32(0.0)
-        for t in range(warp, pos + 1, warps):
-            dot = Float32(0.0)
-            for e in cutlass.range_constexpr(per_lane):
-                d = lane * per_lane + e
-                k_val = s_att[head_dim + d]
-                if t < pos:
-                    k_val = k_cache[b, kvh, t, d].to(Float32)
-                dot = dot + s_att[d] * k_val
-            score = cute.arch.warp_reduction_sum(dot) * scale
-            m_new = cute.arch.fmax(m, score)
-            correction = cute.math.exp(m - m_new)
-            p = cute.math.exp(score - m_new)
-            l = l * correction + p
-            for e in cutlass.range_constexpr(per_lane):
-                d = lane * per_lane + e
-                v_val = s_att[2 * head_dim + d]
-                if t < pos:
-                    v_val = v_cache[b, kvh, t, d].to(Float32)
-                acc[e] = acc[e] * correction + p * v_val
-            m = m_new
-        slot = base + warp * stride
-        if lane == 0:
-            s_att[slot] = m
-            s_att[slot + 1] = l
-        for e in cutlass.range_constexpr(per_lane):
-            s_att[slot + 2 + lane * per_lane + e] = acc[e]
+        for base in range(warp * pos_per_warp, pos + 1, warps * pos_per_warp):
+            t = base + grp
+            if t <= pos:
+                vv = cute.zipped_divide(values[t, None], (VEC,))[(None, sub)].load().to(Float32)
+                p = s_score[t]
+                for e in cutlass.range_constexpr(VEC):
+                    acc[e] = acc[e] + p * vv[e]
+        for e in cutlass.range_constexpr(VEC):
+            total = acc[e]
+            offset = lanes_per_pos
+            while cutlass.const_expr(offset < WARP):
+                total = total + cute.arch.shuffle_sync_bfly(total, offset)
+                offset *= 2
+            if grp == 0:
+                s_part[sub * VEC + e, warp] = total
         cute.arch.sync_threads()
         if tidx < head_dim:
-            m_all = -Float32.inf
+            out = Float32(0.0)
             for w in cutlass.range_constexpr(warps):
-                m_all = cute.arch.fmax(m_all, s_att[base + w * stride])
-            denom = Float32(0.0)
-            numer = Float32(0.0)
-            for w in cutlass.range_constexpr(warps):
-                weight = cute.math.exp(s_att[base + w * stride] - m_all)
-                denom = denom + s_att[base + w * stride + 1] * weight
-                numer = numer + s_att[base + w * stride + 2 + tidx] * weight
-            attn[b, head * head_dim + tidx] = numer / denom
+                out = out + s_part[tidx, w]
+            attn[b, head * head_dim + tidx] = out / denom
         cute.arch.sync_threads()

@@ -1,0 +1,47 @@
+"""`megabake bake` end to end on the CPU: the default preset bakes into a valid package in under 2 minutes."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+import time
+
+from megabake.package import read_package
+
+
+def test_bake_default_preset_on_cpu(tmp_path):
+    started = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "megabake.cli", "bake", "--out", str(tmp_path), "--no-gpu"],
+                          capture_output=True, text=True, timeout=300)
+    elapsed = time.perf_counter() - started
+    assert proc.returncode == 0, proc.stderr
+    assert elapsed < 120, f"bake took {elapsed:.0f} s on this machine"
+    path = proc.stdout.strip().splitlines()[-1]
+    assert path.endswith("megabake--tiny-llama/random-seed0/decode-b1-c128-sm90a-132sm")
+    assert "CuTe DSL compile check for sm_90a" in proc.stderr  # progress is shown
+    package = read_package(path)  # digests and schemas are checked on read
+    report = package.report
+    assert report["status"] == "unverified"
+    assert any("no Hopper GPU" in reason for reason in report["status_reasons"])
+    assert report["kernel"]["compile_check"]["ok"] is True
+    assert report["reference_check"]["ok"] is True and report["reference_check"]["rel_l2"] < 1e-4
+    plan = json.loads((package.path / "plan.json").read_text())
+    assert report["plan"]["hash"] == hashlib.sha256((package.path / "plan.json").read_bytes()).hexdigest()
+    assert plan["dims"]["layers"] == report["plan"]["layers"] == 2
+
+
+def test_bake_rejects_unknown_model(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "megabake.cli", "bake", "--model", "not-a-preset", "--out",
+                           str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert "neither a built-in preset" in proc.stderr and "Traceback" not in proc.stderr
+    assert not any(tmp_path.iterdir())  # nothing half-written
+
+
+def test_bake_help_lists_options():
+    proc = subprocess.run([sys.executable, "-m", "megabake.cli", "bake", "--help"], capture_output=True, text=True)
+    assert proc.returncode == 0
+    for option in ("--model", "--revision", "--batch", "--capacity", "--out", "--gpu-class"):
+        assert option in proc.stdout

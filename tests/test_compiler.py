@@ -1,0 +1,213 @@
+"""CPU tests of the compiler: capture, IR by semantics, plan, reference executor vs eager fp32, codegen."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import StaticCache
+
+from megabake.errors import InputError, PlanError, UnsupportedGraphError
+from megabake.ir import Add, DecodeAttention, Embedding, GatedAct, KVAppend, Linear, RMSNorm, RoPE
+from megabake.plan import Plan
+from megabake.plan.reference import reference_executor_for
+from megabake.presets import get_preset
+from tests.compiler_fixtures import compile_model, compile_preset
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return compile_preset("tiny-llama")
+
+
+def test_capture_classifies_placeholders(tiny):
+    cap = tiny.captured
+    assert cap.user_inputs == ["input_ids", "cache_position"]
+    assert sorted(cap.cache_buffers.values()) == [(0, "k"), (0, "v"), (1, "k"), (1, "v")]
+    assert "model.layers.0.self_attn.q_proj.weight" in cap.parameters.values()
+
+
+def test_ir_recognises_every_op_kind(tiny):
+    counts = tiny.ir.summary()
+    assert counts == {"Embedding": 1, "RotaryTable": 1, "RMSNorm": 5, "Linear": 15, "RoPE": 4, "KVAppend": 4,
+                      "DecodeAttention": 2, "Add": 4, "GatedAct": 2}
+    attn = tiny.ir.of_kind(DecodeAttention)[0]
+    assert (attn.n_heads, attn.n_kv_heads, attn.head_dim) == (4, 2, 64)
+    assert attn.scale == pytest.approx(64 ** -0.5)
+    norm = tiny.ir.of_kind(RMSNorm)[0]
+    assert norm.hf_module == "model.layers.0.input_layernorm" and norm.eps == pytest.approx(1e-5)
+    assert {"pow_1", "rsqrt", "mean"} <= set(norm.fx_nodes)
+    assert tiny.ir.of_kind(Linear)[-1].out == tiny.ir.output  # LM head produces the logits
+
+
+class _OddlyNamedNorm(torch.nn.Module):
+    """Same math as LlamaRMSNorm, different class and attribute names: must still lower to RMSNorm."""
+
+    def __init__(self, original):
+        super().__init__()
+        self.scale_vector = torch.nn.Parameter(original.weight.detach().clone())
+        self.epsilon = original.variance_epsilon
+
+    def forward(self, hidden):
+        h = hidden.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.epsilon)
+        return self.scale_vector * h.to(hidden.dtype)
+
+
+def test_ir_matches_semantics_not_module_names():
+    model = get_preset("tiny-llama").build_model()
+    model.model.layers[1].post_attention_layernorm = _OddlyNamedNorm(model.model.layers[1].post_attention_layernorm)
+    compiled = compile_model(model)
+    norms = compiled.ir.of_kind(RMSNorm)
+    assert len(norms) == 5
+    assert any(n.weight.endswith("post_attention_layernorm.scale_vector") for n in norms)
+    executor = reference_executor_for(compiled.plan, model)
+    _assert_matches_eager(model, executor, steps=3)
+
+
+def test_unsupported_node_names_node_target_module_and_source():
+    model = get_preset("tiny-llama").build_model()
+    model.model.layers[0].mlp.act_fn = torch.nn.GELU(approximate="tanh")
+    with pytest.raises(UnsupportedGraphError) as info:
+        compile_model(model)
+    message = str(info.value)
+    assert "gelu" in message and "model.layers.0.mlp.act_fn" in message
+    assert ".py:" in message and "--fallback inductor" in message
+
+
+def test_plan_is_data_with_a_stable_hash(tiny):
+    plan = tiny.plan
+    again = Plan.from_json(plan.to_json())
+    assert again.hash == plan.hash and again.to_json() == plan.to_json()
+    assert plan.barriers_per_step == 1 + 5 * plan.dims.layers
+    data = json.loads(plan.to_json())
+    assert data["dims"]["hidden"] == 256 and data["ctas"] == 132
+    other = compile_preset("tiny-llama", ctas=60).plan
+    assert other.hash != plan.hash
+
+
+def test_plan_rejects_biased_linears():
+    preset = get_preset("tiny-llama")
+    import dataclasses
+
+    biased = dataclasses.replace(preset, config=dict(preset.config, attention_bias=True))
+    with pytest.raises(PlanError, match="bias"):
+        compile_model(biased.build_model())
+
+
+@torch.no_grad()
+def _assert_matches_eager(model, executor, steps: int, tol: float = 1e-5):
+    plan = executor.plan
+    cache = StaticCache(config=model.config, max_cache_len=plan.capacity)
+    tokens = torch.randint(1, plan.dims.vocab, (steps,), generator=torch.Generator().manual_seed(3))
+    for pos in range(steps):
+        want = model(tokens[pos:pos + 1][None], past_key_values=cache, use_cache=True,
+                     cache_position=torch.tensor([pos])).logits[0, -1]
+        got = executor.step(tokens[pos:pos + 1], pos)[0]
+        assert float((got - want).norm() / want.norm()) < tol, f"step {pos}"
+    keys = torch.stack([layer.keys for layer in cache.layers])
+    assert torch.allclose(executor.buffers["k_cache"], keys, atol=1e-5)
+
+
+def test_reference_executor_matches_eager_fp32_tiny(tiny):
+    _assert_matches_eager(tiny.model, reference_executor_for(tiny.plan, tiny.model), steps=10)
+
+
+def test_reference_executor_matches_eager_fp32_smollm_shaped_stack():
+    compiled = compile_preset("smollm-135m", layers=4, capacity=16)
+    assert compiled.plan.dims.hidden == 576 and compiled.plan.dims.n_heads == 9
+    _assert_matches_eager(compiled.model, reference_executor_for(compiled.plan, compiled.model), steps=5)
+
+
+def test_reference_executor_checks_tile_ownership(tiny):
+    executor = reference_executor_for(tiny.plan, tiny.model)
+    executor.step(torch.tensor([5]), 0)
+    owners = executor.tile_owners["norm_qkv"]
+    assert len(owners) == tiny.plan.stages[1].tiling.tiles
+    assert all(0 <= cta < tiny.plan.ctas and 0 <= warp < tiny.plan.warps for cta, warp in owners.values())
+
+
+def test_source_map_points_at_module_lines(tiny):
+    lines = tiny.generated.source.splitlines()
+    entries = tiny.generated.source_map["entries"]
+    assert tiny.generated.source_map["plan_hash"] == tiny.plan.hash
+    bodies = [e for e in entries if e["kind"] == "body_call"]
+    assert {e["name"].split(".")[-1] for e in bodies} >= {"embed_gather", "rmsnorm_to_smem", "gemv_rows",
+                                                         "decode_attention", "silu_mul_to_smem"}
+    for entry in entries:
+        start, end = entry["lines"]
+        assert 1 <= start <= end <= len(lines)
+        if entry["kind"] == "body_call":
+            assert "bodies." + entry["name"].split(".")[-1] in "\n".join(lines[start - 1:end])
+    attention = next(e for e in bodies if e["name"].endswith("decode_attention"))
+    assert "model.layers.1.self_attn" in attention["hf_modules"]
+    assert "scaled_dot_product_attention_1" in attention["fx_nodes"]
+    covered = {op for e in entries for op in e["ir_ops"]}
+    wanted = {op.id for op in tiny.ir.ops if not isinstance(op, type(None)) and op.kind != "RotaryTable"}
+    assert wanted <= covered
+
+
+def test_module_is_one_cooperative_kernel(tiny):
+    source = tiny.generated.source
+    assert source.count("@cute.kernel") == 1 and "cooperative=True" in source
+    assert "for layer in range(LAYERS):" in source
+    imports = [line for line in source.splitlines() if line.startswith(("import ", "from "))]
+    assert all(any(mod in line for mod in ("cutlass", "cuda.bindings", "megabake.codegen")) for line in imports)
+
+
+def test_generated_module_compiles_for_sm90a(tiny, tmp_path):
+    from megabake.runtime.compile import compile_check, load_module
+
+    result = compile_check(tiny.plan, load_module(tiny.generated.source), dump_dir=str(tmp_path))
+    assert result.ok, result.error
+    ptx = next(tmp_path.glob("*.ptx")).read_text()
+    assert ".target sm_90a" in ptx
+    assert result.ptx_stats["vector_loads_16B"] >= 5  # 16-byte weight loads in every GEMV
+    assert "atom.global.release.add.u64" in ptx and "ld.acquire.gpu" in ptx  # the grid barrier
+    assert "prefetch.global.L2" in ptx
+
+
+def test_reference_decoder_rejects_bad_inputs(tiny):
+    from megabake.runtime import MegakernelDecoder
+
+    decoder = MegakernelDecoder(tiny.plan, tiny.generated.source, tiny.model, device="cpu")
+    with pytest.raises(InputError, match="capacity"):
+        decoder.step(torch.tensor([1]), tiny.plan.capacity)
+    with pytest.raises(InputError, match="vocabulary"):
+        decoder.step(torch.tensor([tiny.plan.dims.vocab]), 0)
+    with pytest.raises(InputError, match="batch"):
+        decoder.step(torch.tensor([1, 2]), 0)
+    with pytest.raises(InputError, match="position"):
+        decoder.step(torch.tensor([1]), -1)
+
+
+def test_cuda_backend_needs_hopper(tiny):
+    from megabake.errors import DeviceError
+    from megabake.runtime import require_hopper
+
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
+        pytest.skip("this machine has a Hopper GPU")
+    with pytest.raises(DeviceError, match="SM90|Hopper"):
+        require_hopper()
+
+
+def test_missing_cutlass_says_how_to_install(monkeypatch):
+    import sys
+
+    from megabake.errors import MissingDependencyError, require_cutlass
+
+    monkeypatch.setitem(sys.modules, "cutlass", None)
+    with pytest.raises(MissingDependencyError, match="pip install"):
+        require_cutlass()
+
+
+def test_reference_decoder_generate_matches_hf_greedy(tiny):
+    from megabake.runtime import MegakernelDecoder
+
+    decoder = MegakernelDecoder(tiny.plan, tiny.generated.source, tiny.model, device="cpu")
+    prompt = torch.randint(1, tiny.plan.dims.vocab, (1, 5), generator=torch.Generator().manual_seed(0))
+    ours = decoder.generate(prompt, max_new_tokens=6)
+    with torch.no_grad():
+        theirs = tiny.model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(ours, theirs)
