@@ -1,1 +1,64 @@
-"""TODO"""
+"""Hub layer: publish packages to the Hugging Face Hub and load them back.
+
+Contract: ``publish(packages, repo_id, ...)`` -> :class:`PublishResult` (one atomic commit with every package
+file, ``registry/index.json`` and the ``README.md`` model card; one immutable tag per package);
+``load_from_hub(repo_id, revision, ...)`` -> runnable decoder; ``fetch_package(...)`` -> verified
+:class:`FetchedPackage` without importing any code. All Hub I/O goes through ``huggingface_hub``.
+"""
+
+from megabake.hub.errors import (
+    HubError,
+    ImmutableTagError,
+    NoMatchingPackageError,
+    PublishConflictError,
+    PublishFailedError,
+    PublishRefusedError,
+    UntrustedCodeError,
+)
+from megabake.hub.load import (
+    FetchedPackage,
+    check_trust,
+    fetch_package,
+    load_from_hub,
+    read_hub_index,
+    resolve_commit,
+)
+from megabake.hub.publish import (
+    CARD_PATH,
+    INDEX_PATH,
+    PublishPlan,
+    PublishResult,
+    check_publishable,
+    commit_publish,
+    make_api,
+    plan_publish,
+    publish,
+)
+from megabake.hub.select import Request, select_entry
+
+__all__ = [
+    "CARD_PATH",
+    "INDEX_PATH",
+    "FetchedPackage",
+    "HubError",
+    "ImmutableTagError",
+    "NoMatchingPackageError",
+    "PublishConflictError",
+    "PublishFailedError",
+    "PublishPlan",
+    "PublishRefusedError",
+    "PublishResult",
+    "Request",
+    "UntrustedCodeError",
+    "check_publishable",
+    "check_trust",
+    "commit_publish",
+    "fetch_package",
+    "load_from_hub",
+    "make_api",
+    "plan_publish",
+    "publish",
+    "read_hub_index",
+    "resolve_commit",
+    "select_entry",
+]

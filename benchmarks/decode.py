@@ -1,0 +1,285 @@
+"""Bake and verify a list of presets in one run; write a markdown table and a PNG chart of ms/token.
+
+Usage (on a Hopper GPU, from the repo root; on the H200: `source .cute/activate.sh` first):
+
+    python3 benchmarks/decode.py --presets smollm-135m llama-3.2-1b --out DIR
+    python3 benchmarks/decode.py --from-results DIR/results.json --out DIR   # re-render table + chart
+
+For every preset: bake (``megabake.bake.bake``, packages under DIR/packages), then ``verify_package``
+(numerics over advancing decode calls, timings against the strongest CUDA-graphed Inductor baseline). A
+preset that fails is logged with its traceback and the run goes on. Writes DIR/decode.log (everything),
+DIR/results.json (one row per preset), DIR/decode.md (the table) and DIR/decode.png (needs matplotlib; when
+it is missing the chart is skipped with a note and can be rendered later with --from-results). The short
+table is printed last. ``--stand-in`` times eager HF as the "megabake" candidate instead of baking: a check
+of this harness on a GPU without a megakernel (its rows say so).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+LOG = logging.getLogger("benchmarks.decode")
+MEASURES = ("sync_call", "pipelined", "gpu_event")
+
+
+@dataclass
+class Row:
+    """One preset's headline numbers (ms per token = ms per batch-1 decode call)."""
+
+    preset: str
+    model_id: str = ""
+    status: str = "error"
+    reasons: list[str] = field(default_factory=list)
+    package: str | None = None
+    megabake_ms: float | None = None
+    megabake_ci: list[float] | None = None
+    megabake_gpu_ms: float | None = None
+    baselines_ms: dict[str, float] = field(default_factory=dict)
+    baseline: str | None = None
+    speedup: float | None = None
+    speedup_ci: list[float] | None = None
+    floor_ms: float | None = None
+    seconds: float = 0.0
+    stand_in: bool = False
+
+
+def row_from_report(preset: str, report: dict, *, package: str | None = None, seconds: float = 0.0,
+                    stand_in: bool = False) -> Row:
+    """The table row of a verified (or failed) report."""
+    timings = report.get("timings") or {}
+    candidates = timings.get("candidates") or {}
+    mk = next((c for c in candidates.values() if c.get("kind") == "megabake"), {})
+    sync = mk.get("sync_call") or {}
+    gpu = mk.get("gpu_event") or {}
+    speedup = timings.get("speedup") or {}
+    return Row(
+        preset=preset, model_id=report.get("model", {}).get("id", ""), status=report.get("status", "?"),
+        reasons=list(report.get("status_reasons", [])), package=package,
+        megabake_ms=sync.get("median"), megabake_ci=sync.get("ci95"), megabake_gpu_ms=gpu.get("median"),
+        baselines_ms={name: c["sync_call"]["median"] for name, c in candidates.items()
+                      if c.get("kind") == "baseline" and c.get("sync_call")},
+        baseline=timings.get("baseline"), speedup=speedup.get("median"), speedup_ci=speedup.get("ci95"),
+        floor_ms=timings.get("floor_ms"), seconds=seconds, stand_in=stand_in,
+    )
+
+
+def _ms(value) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def markdown_table(rows: list[Row]) -> str:
+    """ms/token (synchronized complete call, median) per preset; speedup vs the fastest baseline."""
+    names = sorted({name for row in rows for name in row.baselines_ms})
+    header = (["preset", "status", "MegaBake ms [95% CI]", "MegaBake GPU ms"] + [f"{n} ms" for n in names]
+              + ["floor ms", "speedup [95% CI]"])
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in rows:
+        ci = row.megabake_ci
+        mk = _ms(row.megabake_ms) + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "")
+        speed = "-" if row.speedup is None else (
+            f"{row.speedup:.2f}x" + (f" [{row.speedup_ci[0]:.2f}, {row.speedup_ci[1]:.2f}]" if row.speedup_ci else "")
+            + (f" vs {row.baseline}" if row.baseline else ""))
+        label = row.preset + (" (stand-in: eager HF, not a megakernel)" if row.stand_in else "")
+        cells = ([label, row.status, mk, _ms(row.megabake_gpu_ms)] + [_ms(row.baselines_ms.get(n)) for n in names]
+                 + [_ms(row.floor_ms), speed])
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    lines.append("ms/token = median of synchronized complete decode calls (host + GPU), batch 1; GPU ms = "
+                 "CUDA-event time of the kernel alone; floor = weight bytes / device copy bandwidth.")
+    return "\n".join(lines) + "\n"
+
+
+def write_chart(rows: list[Row], path: Path) -> str | None:
+    """Grouped bars of ms/token (log scale) per preset; returns None, or why the chart was skipped."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: chart skipped (re-render with --from-results on a machine with it)"
+    rows = [r for r in rows if r.megabake_ms is not None]
+    if not rows:
+        return "no timed preset: chart skipped"
+    series = ["MegaBake"] + sorted({n for r in rows for n in r.baselines_ms}) + ["floor"]
+    width = 0.8 / len(series)
+    fig, ax = plt.subplots(figsize=(4.2 + 2.0 * len(rows), 4.5))
+    for k, name in enumerate(series):
+        values = [r.megabake_ms if name == "MegaBake" else r.floor_ms if name == "floor" else r.baselines_ms.get(name)
+                  for r in rows]
+        xs = [i + (k - (len(series) - 1) / 2) * width for i in range(len(rows))]
+        bars = ax.bar(xs, [v or 0.0 for v in values], width, label=name)
+        for bar, value in zip(bars, values):
+            if value:
+                ax.annotate(f"{value:.3g}", (bar.get_x() + bar.get_width() / 2, value), ha="center", va="bottom",
+                            fontsize=7)
+    ax.set_xticks(range(len(rows)))
+    ax.set_xticklabels([r.preset + (f"\n{r.speedup:.2f}x [{r.speedup_ci[0]:.2f}, {r.speedup_ci[1]:.2f}]"
+                                    if r.speedup and r.speedup_ci else "") for r in rows])
+    ax.set_yscale("log")
+    ax.set_ylabel("ms / token (batch 1, synchronized call)")
+    ax.set_title("MegaBake decode vs CUDA-graphed Inductor" + (" (stand-in)" if any(r.stand_in for r in rows) else ""))
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return None
+
+
+# ------------------------------------------------------------------------------------------ running
+
+
+def bake_preset(preset: str, out: Path, capacity: int):
+    from megabake.bake import bake
+
+    result = bake(preset, capacity=capacity, out=out / "packages",
+                  progress=lambda msg: LOG.info("[bake %s] %s", preset, msg))
+    return result.path
+
+
+def verify_preset(preset: str, args) -> Row:
+    from megabake.verify import verify_package
+
+    started = time.perf_counter()
+    path = bake_preset(preset, args.out, args.capacity)
+    LOG.info("[%s] baked %s; verifying", preset, path)
+    report = verify_package(path, steps=args.steps, prefill=args.prefill, samples=args.samples,
+                            baselines=args.baselines)
+    return row_from_report(preset, report, package=str(path), seconds=time.perf_counter() - started)
+
+
+def stand_in_preset(preset: str, args) -> Row:
+    """Eager HF on the GPU in place of the megakernel: exercises numerics + timings + assembly."""
+    import torch
+
+    from megabake.presets import get_preset
+    from megabake.verify.api import verify_decoder
+    from megabake.verify.doubles import EagerDecoder
+
+    started = time.perf_counter()
+    spec = get_preset(preset)
+    model = spec.build_model(dtype=torch.bfloat16).to("cuda")
+    decoder = EagerDecoder(model, capacity=args.capacity, exact=False)
+    report = verify_decoder(decoder, _stand_in_report(spec, args.capacity), steps=args.steps, prefill=args.prefill,
+                            samples=args.samples, baselines=args.baselines)
+    return row_from_report(preset, report, seconds=time.perf_counter() - started, stand_in=True)
+
+
+def _stand_in_report(spec, capacity: int) -> dict:
+    from megabake.verify.env import environment
+
+    env = environment()
+    return {"schema_version": 1, "status": "unverified", "status_reasons": [], "created_at": "2026-01-01T00:00:00Z",
+            "model": {"id": spec.model_id, "revision": "random-seed0", "config_hash": spec.config_hash(),
+                      "weights": "random", "seed": 0, "preset": spec.name, "architecture": spec.architecture,
+                      "dtype": "bfloat16"},
+            "bucket": {"mode": "decode", "batch": 1, "capacity": capacity}, "gpu_class": env["gpu_class"],
+            "variant": f"decode-b1-c{capacity}-{env['gpu_class']}", "plan": {"hash": "0" * 64},
+            "toolchain": {"megabake": "stand-in", "python": "-", "torch": "-", "transformers": "-"},
+            "kernel": None}
+
+
+def run(args) -> list[Row]:
+    rows = []
+    for preset in args.presets:
+        LOG.info("=== %s ===", preset)
+        started = time.perf_counter()
+        try:
+            row = stand_in_preset(preset, args) if args.stand_in else verify_preset(preset, args)
+        except Exception as exc:  # keep going: one broken preset must not cost the others' GPU time
+            LOG.error("[%s] failed: %s\n%s", preset, exc, traceback.format_exc())
+            row = Row(preset, status="error", reasons=[f"{type(exc).__name__}: {exc}"],
+                      seconds=time.perf_counter() - started, stand_in=args.stand_in)
+        LOG.info("[%s] %s in %.0f s: %s", preset, row.status, row.seconds, "; ".join(row.reasons[:3]))
+        rows.append(row)
+        _free_gpu()
+    return rows
+
+
+def _free_gpu() -> None:
+    import gc
+
+    gc.collect()
+    try:
+        import torch
+
+        torch._dynamo.reset()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    except Exception:
+        pass
+
+
+def write_outputs(rows: list[Row], out: Path) -> str:
+    (out / "results.json").write_text(json.dumps([asdict(r) for r in rows], indent=2) + "\n")
+    table = markdown_table(rows)
+    (out / "decode.md").write_text(table)
+    skipped = write_chart(rows, out / "decode.png")
+    if skipped:
+        LOG.warning(skipped)
+        table += f"\n({skipped})\n"
+    return table
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--presets", nargs="+", default=["smollm-135m", "llama-3.2-1b"])
+    parser.add_argument("--out", type=Path, required=True, help="folder for logs, packages, table and chart")
+    parser.add_argument("--capacity", type=int, default=128)
+    parser.add_argument("--steps", default=64, help="numerics decode steps (an int or 'max')")
+    parser.add_argument("--prefill", type=int, default=16)
+    parser.add_argument("--samples", type=int, default=40)
+    parser.add_argument("--baselines", nargs="+", default=None,
+                        help="baselines to time (default: inductor-reduce-overhead inductor-graph)")
+    parser.add_argument("--from-results", type=Path, default=None, help="re-render from a results.json")
+    parser.add_argument("--stand-in", action="store_true", help="time eager HF instead of a baked megakernel")
+    args = parser.parse_args(argv)
+    if args.steps != "max":
+        args.steps = int(args.steps)
+    return args
+
+
+def setup_logging(out: Path) -> list[logging.Handler]:
+    """Log everything to OUT/decode.log and warnings to stderr; returns the handlers to remove after."""
+    out.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(out / "decode.log")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    console = logging.StreamHandler(sys.stderr)
+    console.setLevel(logging.WARNING)
+    root = logging.getLogger()
+    root.setLevel(logging.INFO)
+    root.addHandler(handler)
+    root.addHandler(console)
+    return [handler, console]
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    handlers = setup_logging(args.out)
+    try:
+        if args.from_results:
+            rows = [Row(**r) for r in json.loads(args.from_results.read_text())]
+        else:
+            rows = run(args)
+        table = write_outputs(rows, args.out)
+    finally:
+        for handler in handlers:
+            logging.getLogger().removeHandler(handler)
+            handler.close()
+    print(table)
+    return 0 if rows and all(r.status == "verified" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,224 @@
+"""Load a published package from the Hub: resolve, select, download, verify, trust, construct.
+
+Contract: ``fetch_package(repo_id, revision, ...)`` resolves ``revision`` (branch, tag or commit) to ONE commit
+with ``HfApi.resolve_revision`` and does everything else at that commit: reads ``registry/index.json`` (or,
+without an index, the packages' report + manifest files), picks the package for the GPU class and the
+smallest bucket that fits (:mod:`megabake.hub.select`), downloads only its folder with ``snapshot_download``
+(``allow_patterns``; the standard HF cache, so ``HF_HUB_OFFLINE=1`` works from it), and verifies digests,
+schemas and that the package is the one the index names. ``load_from_hub`` then refuses to import
+``module.py`` unless ``trust_remote_code=True`` or the caller pinned the 40-hex commit as ``revision``, and
+returns ``megabake.runtime.MegakernelDecoder.from_package(path, device=device)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from huggingface_hub import HfApi, hf_hub_download, snapshot_download
+from huggingface_hub.errors import EntryNotFoundError
+
+from megabake.hub.errors import HubError, NoMatchingPackageError, UntrustedCodeError
+from megabake.hub.publish import INDEX_PATH
+from megabake.hub.select import Request, select_entry
+from megabake.package import (
+    DigestMismatchError,
+    Package,
+    empty_index,
+    entry_from_report,
+    merge_index,
+    read_package,
+    sha256_bytes,
+    validate,
+)
+from megabake.package.store import MANIFEST, REPORT
+
+COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
+_CACHE_FIX = ("delete the cached copy (`hf cache rm model/{repo_id}`) and load again with force_download=True; "
+              "if the error persists, the copy on the Hub is corrupt: republish the package")
+
+
+@dataclass
+class FetchedPackage:
+    """A verified package folder in the HF cache and where it came from."""
+
+    repo_id: str
+    revision: str
+    commit: str
+    path: Path
+    package: Package
+    entry: dict[str, Any]
+    model_id: str
+    model_revision: str
+
+    @property
+    def pinned(self) -> bool:
+        """True when the caller asked for this exact commit (a 40-hex revision)."""
+        return self.revision == self.commit
+
+
+@dataclass
+class _Hub:
+    """One repo at one resolved commit, with the download settings every call shares."""
+
+    repo_id: str
+    commit: str
+    cache_dir: str | Path | None
+    endpoint: str | None
+    token: str | bool | None
+    local_files_only: bool
+    force_download: bool
+
+    def kwargs(self) -> dict[str, Any]:
+        return dict(revision=self.commit, cache_dir=self.cache_dir, endpoint=self.endpoint, token=self.token,
+                    local_files_only=self.local_files_only, force_download=self.force_download,
+                    library_name="megabake")
+
+    def snapshot(self, patterns: list[str]) -> Path:
+        return Path(snapshot_download(self.repo_id, allow_patterns=patterns, **self.kwargs()))
+
+    def index(self) -> tuple[dict[str, Any], str]:
+        """The registry index at the commit, or one built from the packages' reports when there is none."""
+        try:
+            path = hf_hub_download(self.repo_id, INDEX_PATH, **self.kwargs())
+        except EntryNotFoundError:
+            return self._index_from_reports(), f"the package folders of {self.repo_id}@{self.commit[:12]}"
+        where = f"{self.repo_id}@{self.commit[:12]}:{INDEX_PATH}"
+        try:
+            return validate("registry_index", json.loads(Path(path).read_text()), source=where), where
+        except ValueError as exc:
+            raise HubError(f"{where} is not a valid registry index ({exc}). fix: republish to rebuild it") from None
+
+    def _index_from_reports(self) -> dict[str, Any]:
+        folder = self.snapshot([f"packages/*/{REPORT}", f"packages/*/{MANIFEST}"])
+        entries = []
+        for manifest in sorted(folder.glob(f"packages/*/*/*/{MANIFEST}")):
+            report_path = manifest.parent / REPORT
+            report = validate("report", json.loads(report_path.read_text()), source=str(report_path))
+            entry = entry_from_report(report, sha256_bytes(manifest.read_bytes()), self.repo_id)
+            entries.append((report["model"]["id"], report["model"]["revision"], entry))
+        return merge_index(empty_index(), entries)
+
+
+def resolve_commit(api: HfApi, repo_id: str, revision: str, cache_dir=None, local_files_only: bool = False) -> str:
+    """Branch / tag / commit -> 40-hex commit (from the HF cache's refs when offline)."""
+    resolved = api.resolve_revision(repo_id, revision=revision, cache_dir=cache_dir, local_files_only=local_files_only)
+    return resolved.resolved
+
+
+def fetch_package(repo_id: str, revision: str = "main", *, model_id: str | None = None,
+                  model_revision: str | None = None, bucket: Any = None, gpu_class: str | None = None,
+                  allow_unverified: bool = False, cache_dir: str | Path | None = None, endpoint: str | None = None,
+                  token: str | bool | None = None, local_files_only: bool = False,
+                  force_download: bool = False) -> FetchedPackage:
+    """Resolve, select, download and verify one package (no code is imported). See the module docstring.
+
+    ``gpu_class=None`` accepts any GPU class (what the CPU reference executor can run).
+    """
+    revision = revision or "main"
+    request = Request.from_args(bucket, gpu_class, model_id, model_revision).with_tag_defaults(revision)
+    return _fetch(repo_id, revision, request, allow_unverified, cache_dir, endpoint, token, local_files_only,
+                  force_download)
+
+
+def _fetch(repo_id, revision, request, allow_unverified, cache_dir, endpoint, token, local_files_only,
+           force_download) -> FetchedPackage:
+    api = HfApi(endpoint=endpoint, token=token, library_name="megabake")
+    commit = resolve_commit(api, repo_id, revision, cache_dir, local_files_only)
+    hub = _Hub(repo_id, commit, cache_dir, endpoint, token, local_files_only, force_download)
+    index, where = hub.index()
+    found_model, found_revision, entry = select_entry(index, request, allow_unverified, where)
+    folder = hub.snapshot([f"{entry['path']}/*"])
+    package = _verify(folder / entry["path"], entry, where, _CACHE_FIX.format(repo_id=repo_id))
+    return FetchedPackage(repo_id, revision, commit, package.path, package, entry, found_model, found_revision)
+
+
+def _verify(path: Path, entry: dict[str, Any], where: str, fix: str) -> Package:
+    try:
+        package = read_package(path)
+    except DigestMismatchError as exc:
+        raise DigestMismatchError(exc.package, exc.path, exc.expected, exc.actual, fix=fix) from None
+    mismatches = [(key, entry[key], value) for key, value in (
+        ("variant", package.report["variant"]), ("path", package.repo_path),
+        ("manifest_sha256", package.manifest_sha256), ("status", package.status))
+        if entry[key] != value]
+    if mismatches:
+        listing = "; ".join(f"{key}: index says {want!r}, package has {got!r}" for key, want, got in mismatches)
+        raise DigestMismatchError(str(path), MANIFEST, f"the package named by {where}", listing, fix=fix)
+    return package
+
+
+def check_trust(fetched: FetchedPackage, trust_remote_code: bool) -> None:
+    """Refuse to run module.py unless trusted explicitly or pinned to a commit by the caller."""
+    if trust_remote_code or fetched.pinned:
+        return
+    raise UntrustedCodeError(
+        f"refusing to import {fetched.path / 'module.py'}: it is generated code from {fetched.repo_id} "
+        f"(revision {fetched.revision!r} = commit {fetched.commit}) and would run in this process, and "
+        f"{fetched.revision!r} is a movable reference, not a commit you pinned. fix: review that module.py, then "
+        f"pass trust_remote_code=True, or pin revision={fetched.commit!r}")
+
+
+def load_from_hub(repo_id: str, revision: str = "main", *, model_revision: str | None = None, bucket: Any = None,
+                  device: Any = None, trust_remote_code: bool = False, model_id: str | None = None,
+                  gpu_class: str | None = None, allow_unverified: bool = False, cache_dir: str | Path | None = None,
+                  endpoint: str | None = None, token: str | bool | None = None, local_files_only: bool = False,
+                  force_download: bool = False):
+    """Return the runnable decoder of the best published package for this device (see the module docstring).
+
+    ``bucket``: None (batch 1, smallest capacity), a KV capacity, ``(batch, capacity)``, ``"b1-c512"`` or a
+    variant name. ``device``: None (CUDA if available, else CPU), ``"cpu"`` (CPU reference executor: any GPU
+    class fits) or a CUDA device (its GPU class must match). ``gpu_class`` overrides the detected class.
+    """
+    device = _device(device)
+    revision = revision or "main"
+    request = Request.from_args(bucket, gpu_class, model_id, model_revision).with_tag_defaults(revision)
+    detected = None if gpu_class else _device_gpu_class(device)
+    if detected and request.variant and not request.variant.endswith(detected):
+        raise NoMatchingPackageError(f"revision {revision!r} names variant {request.variant}, but {device} is GPU "
+                                     f"class {detected}. fix: load the repo's branch or another tag for {detected}")
+    if detected and request.variant is None:
+        request = dataclasses.replace(request, gpu_class=detected)
+    fetched = _fetch(repo_id, revision, request, allow_unverified, cache_dir, endpoint, token, local_files_only,
+                     force_download)
+    check_trust(fetched, trust_remote_code)
+    try:
+        from megabake.runtime import MegakernelDecoder
+    except ImportError as exc:
+        raise HubError(f"megabake.runtime.MegakernelDecoder is unavailable ({exc}); the package was fetched and "
+                       f"verified at {fetched.path}. fix: install megabake completely (pip install -e .)") from exc
+    return MegakernelDecoder.from_package(fetched.path, device=device)
+
+
+def _device(device: Any) -> str:
+    if device is not None:
+        return str(device)
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _device_gpu_class(device: str) -> str | None:
+    """GPU class of a CUDA device (as the runtime names it), None for the CPU: the reference executor runs any."""
+    if not device.startswith("cuda"):
+        return None
+    import torch
+
+    from megabake.runtime import gpu_info
+
+    info = gpu_info(torch.device(device))
+    return info.gpu_class if info is not None else None
+
+
+def read_hub_index(repo_id: str, revision: str = "main", *, cache_dir: str | Path | None = None,
+                   endpoint: str | None = None, token: str | bool | None = None,
+                   local_files_only: bool = False) -> tuple[dict[str, Any], str]:
+    """(registry index, commit) of ``repo_id`` at ``revision`` (built from the package reports if it has none)."""
+    api = HfApi(endpoint=endpoint, token=token, library_name="megabake")
+    commit = resolve_commit(api, repo_id, revision, cache_dir, local_files_only)
+    index, _ = _Hub(repo_id, commit, cache_dir, endpoint, token, local_files_only, False).index()
+    return index, commit

@@ -1,0 +1,101 @@
+"""Package layout: folder names, variant names and GPU classes.
+
+Contract (docs/FORMATS.md):
+``package_dir(root, model_id, model_revision, variant)`` -> ``root/<org>--<model>/<model-rev>/<variant>`` where
+``root`` is a packages root (e.g. ``packages/``); ``repo_path(...)`` is the same folder inside a repository
+(``packages/<org>--<model>/<model-rev>/<variant>``), used for the Hub and the registry index.
+``variant_name(mode, batch, capacity, gpu_class)`` -> ``decode-b1-c128-sm90a-132sm``; ``parse_variant`` inverts it.
+``gpu_class_of((9, 0), 132, "a")`` -> ``sm90a-132sm``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+PACKAGES_DIR = "packages"
+MODES = ("decode",)
+_GPU_CLASS = r"sm(?P<cc>[0-9]+)(?P<suffix>[a-z]*)-(?P<sm_count>[0-9]+)sm"
+GPU_CLASS_RE = re.compile(rf"^{_GPU_CLASS}$")
+VARIANT_RE = re.compile(rf"^(?P<mode>[a-z]+)-b(?P<batch>[0-9]+)-c(?P<capacity>[0-9]+)-(?P<gpu_class>{_GPU_CLASS})$")
+MODEL_ID_RE = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*/)?[A-Za-z0-9][A-Za-z0-9._-]*$")
+MODEL_REVISION_RE = re.compile(r"^([0-9a-f]{40}|random-seed[0-9]+)$")
+
+
+@dataclass(frozen=True, order=True)
+class Variant:
+    """What must match at load time: mode, bucket (batch, KV capacity) and GPU class."""
+
+    mode: str
+    batch: int
+    capacity: int
+    gpu_class: str
+
+    @property
+    def name(self) -> str:
+        return variant_name(self.mode, self.batch, self.capacity, self.gpu_class)
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def gpu_class_of(compute_capability: tuple[int, int] = (9, 0), sm_count: int = 132, arch_suffix: str = "a") -> str:
+    """GPU class = compute capability + arch suffix + SM count, e.g. ((9, 0), 132, "a") -> "sm90a-132sm"."""
+    major, minor = compute_capability
+    name = f"sm{major}{minor}{arch_suffix}-{sm_count}sm"
+    if not GPU_CLASS_RE.match(name) or sm_count < 1:
+        raise ValueError(f"cannot form a GPU class from compute capability {compute_capability}, "
+                         f"sm_count {sm_count}, suffix {arch_suffix!r}; expected e.g. ((9, 0), 132, 'a')")
+    return name
+
+
+def variant_name(mode: str, batch: int, capacity: int, gpu_class: str) -> str:
+    """``decode-b<batch>-c<capacity>-<gpu_class>``."""
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; supported modes: {', '.join(MODES)}")
+    if int(batch) < 1 or int(capacity) < 1:
+        raise ValueError(f"batch and capacity must be >= 1, got batch={batch}, capacity={capacity}")
+    if not GPU_CLASS_RE.match(gpu_class):
+        raise ValueError(f"GPU class {gpu_class!r} is not like 'sm90a-132sm' (see gpu_class_of)")
+    return f"{mode}-b{int(batch)}-c{int(capacity)}-{gpu_class}"
+
+
+def parse_variant(name: str) -> Variant:
+    """Inverse of :func:`variant_name`; raises ValueError naming the expected form."""
+    match = VARIANT_RE.match(name)
+    if not match or match["mode"] not in MODES:
+        raise ValueError(f"variant {name!r} is not of the form <mode>-b<batch>-c<capacity>-<gpu_class>, "
+                         "e.g. 'decode-b1-c128-sm90a-132sm'")
+    return Variant(match["mode"], int(match["batch"]), int(match["capacity"]), match["gpu_class"])
+
+
+def model_dirname(model_id: str) -> str:
+    """``org/model`` -> ``org--model`` (a model id without an org stays as is)."""
+    if not MODEL_ID_RE.match(model_id) or "--" in model_id.split("/")[0]:
+        raise ValueError(f"model id {model_id!r} is not a Hub model id like 'HuggingFaceTB/SmolLM-135M'")
+    return model_id.replace("/", "--", 1)
+
+
+def check_model_revision(model_revision: str) -> str:
+    if not MODEL_REVISION_RE.match(model_revision):
+        raise ValueError(f"model revision {model_revision!r} must be a resolved 40-hex commit sha "
+                         "or 'random-seed<N>' for preset weights")
+    return model_revision
+
+
+def package_dir(root: str | Path, model_id: str, model_revision: str, variant: str) -> Path:
+    """``root/<org>--<model>/<model-rev>/<variant>``; ``root`` is a packages root such as ``packages/``."""
+    parse_variant(variant)
+    return Path(root) / model_dirname(model_id) / check_model_revision(model_revision) / variant
+
+
+def repo_path(model_id: str, model_revision: str, variant: str) -> str:
+    """The package folder inside a repository (Hub or git): ``packages/<org>--<model>/<model-rev>/<variant>``."""
+    return package_dir(PACKAGES_DIR, model_id, model_revision, variant).as_posix()
+
+
+def package_tag(model_id: str, model_revision: str, variant: str) -> str:
+    """Immutable Hub tag of a published package: ``<org>--<model>.<model-rev>.<variant>``."""
+    parse_variant(variant)
+    return f"{model_dirname(model_id)}.{check_model_revision(model_revision)}.{variant}"

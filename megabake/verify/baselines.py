@@ -1,0 +1,113 @@
+"""Baselines the megakernel is timed against: the same HF decode step through torch.compile / CUDA graphs.
+
+Contract: ``build_baseline(name, model, prompt_ids, capacity, *, compile_kwargs=None)`` returns a
+:class:`BaselineStep` whose ``call(token_ids [B], position [1] long tensor) -> logits [B, V]`` runs one
+decode step of ``model`` (its own weights, no copy) over its own transformers ``StaticCache`` of
+``capacity`` slots, already prefilled eagerly with ``prompt_ids``. The returned logits may live in a static
+buffer (clone to keep). Names (``BASELINES``):
+
+* ``inductor-reduce-overhead``: ``torch.compile(step, fullgraph=True, mode="reduce-overhead")`` (Inductor
+  with its CUDA-graph trees);
+* ``inductor-graph``: ``torch.compile(step, fullgraph=True, mode="max-autotune-no-cudagraphs")`` captured
+  by hand in one ``torch.cuda.CUDAGraph`` with static input buffers; a call copies the token ids and the
+  position into those buffers and replays the graph (CUDA only);
+* ``eager``: the uncompiled step (not a default; a sanity point).
+
+``compile_kwargs`` replaces the compile options (tests use ``{"backend": "eager"}`` to check on a CPU that
+the step traces with ``fullgraph=True``). ``eager_reference_logits`` gives the eager bf16 logits of the first
+timed call, against which every candidate's first call is checked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..errors import DeviceError
+from .reference import ReferenceDecoder, model_device
+
+DEFAULT_BASELINES = ("inductor-reduce-overhead", "inductor-graph")
+WARMUP_BEFORE_CAPTURE = 3
+
+
+@dataclass
+class BaselineStep:
+    name: str
+    call: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    description: str
+
+
+def _prefilled(model, prompt_ids: torch.Tensor, capacity: int) -> ReferenceDecoder:
+    runner = ReferenceDecoder(model, capacity=capacity)
+    runner.prefill(prompt_ids)
+    return runner
+
+
+def build_eager(model, prompt_ids, capacity, compile_kwargs=None) -> BaselineStep:
+    module = _prefilled(model, prompt_ids, capacity).module
+    return BaselineStep("eager", lambda ids, pos: module(ids.reshape(-1, 1), pos), "eager HF forward, StaticCache")
+
+
+def build_reduce_overhead(model, prompt_ids, capacity, compile_kwargs=None) -> BaselineStep:
+    module = _prefilled(model, prompt_ids, capacity).module
+    options = compile_kwargs or {"fullgraph": True, "mode": "reduce-overhead"}
+    compiled = torch.compile(module, **options)
+
+    def call(ids, pos):
+        torch.compiler.cudagraph_mark_step_begin()
+        return compiled(ids.reshape(-1, 1), pos)
+
+    return BaselineStep("inductor-reduce-overhead", call, f"torch.compile({options})")
+
+
+def build_graph_captured(model, prompt_ids, capacity, compile_kwargs=None) -> BaselineStep:
+    if model_device(model).type != "cuda":
+        raise DeviceError("the inductor-graph baseline captures a CUDA graph: the model must be on a CUDA GPU")
+    runner = _prefilled(model, prompt_ids, capacity)
+    options = compile_kwargs or {"fullgraph": True, "mode": "max-autotune-no-cudagraphs"}
+    compiled = torch.compile(runner.module, **options)
+    device = model_device(model)
+    static_ids = prompt_ids[:, -1:].clone().to(device)
+    static_pos = torch.tensor([prompt_ids.shape[1]], dtype=torch.long, device=device)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad(), torch.cuda.stream(side):
+        for _ in range(WARMUP_BEFORE_CAPTURE):
+            compiled(static_ids, static_pos)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        static_out = compiled(static_ids, static_pos)
+
+    def call(ids, pos):
+        static_ids.copy_(ids.reshape(-1, 1))
+        static_pos.copy_(pos)
+        graph.replay()
+        return static_out
+
+    return BaselineStep("inductor-graph", call, f"torch.compile({options}) in one hand-captured CUDAGraph")
+
+
+BASELINES = {
+    "inductor-reduce-overhead": build_reduce_overhead,
+    "inductor-graph": build_graph_captured,
+    "eager": build_eager,
+}
+
+
+def build_baseline(name: str, model, prompt_ids, capacity: int, *, compile_kwargs=None) -> BaselineStep:
+    try:
+        builder = BASELINES[name]
+    except KeyError:
+        raise ValueError(f"unknown baseline {name!r}; known: {', '.join(BASELINES)}") from None
+    with torch.no_grad():
+        return builder(model, prompt_ids, capacity, compile_kwargs)
+
+
+@torch.no_grad()
+def eager_reference_logits(model, prompt_ids, token_ids, position: int, capacity: int) -> torch.Tensor:
+    """Eager logits [B, V] (fp32) of one step at ``position`` after prefilling ``prompt_ids``."""
+    return _prefilled(model, prompt_ids, capacity).step(token_ids, position)

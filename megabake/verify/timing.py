@@ -1,0 +1,372 @@
+"""Timing of the megakernel decoder against the strongest CUDA-graphed Inductor baseline.
+
+Contract: ``run_timings(decoder, *, samples=40, baselines=DEFAULT_BASELINES, ...)`` returns the report's
+``timings`` object (docs/FORMATS.md); it needs a CUDA GPU and raises :class:`DeviceError` without one.
+Method: every candidate (the megakernel and each baseline of ``baselines.py``) runs on the same weights,
+bucket, token ids and positions (``inner`` calls at positions ``prefill, prefill+1, ...``). Each candidate's
+first call is compared with eager bf16 (``rel_l2_vs_eager``); all warm up; a graph check then profiles one
+call and looks for ``cudaGraphLaunch`` (``graph_replays``). Then ``samples`` rounds run every candidate
+once each, in an order that rotates every round (``alternating_schedule``: AB, BA, AB, ...); a round
+measures, per candidate, ``inner`` synchronized complete calls (host + GPU, clock read after
+``synchronize``), ``inner`` pipelined calls with one sync, and the GPU-event time of ``inner`` calls queued
+behind a spin kernel (so host launch gaps do not count). Each sample is a per-call mean in ms. Summaries:
+median + seeded bootstrap 95% interval, raw samples kept. The baseline is the baseline candidate with the
+lowest synchronized median; the speedup is the paired ratio baseline/megakernel of synchronized calls.
+The weight-streaming floor is ``weight_bytes`` / device copy bandwidth measured in the same run (read +
+write bytes of a device-to-device copy).
+The pure parts (schedule, sample collection with an injected sync/clock, floor, assembly) run on a CPU.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from ..errors import DeviceError
+from .stats import paired_ratio, summarize
+
+MIN_SAMPLES = 40
+GHZ_GUESS = 2.0  # spin-kernel cycles per ns, to hold the stream (only needs the right order of magnitude)
+
+
+@dataclass(frozen=True)
+class TimingSettings:
+    samples: int = MIN_SAMPLES
+    inner: int = 20  # calls per sample
+    warmup: int = 30  # calls per candidate before the first round
+    prefill: int = 16
+    seed: int = 0
+
+
+@dataclass
+class Candidate:
+    """One thing to time: ``call(i)`` runs decode call i of the shared (token, position) schedule."""
+
+    name: str
+    kind: str  # "megabake" | "baseline"
+    call: Callable[[int], object] | None
+    graph_replays: bool | None = None
+    launches: int | None = None  # kernel launches seen outside graphs in one profiled call
+    rel_l2_vs_eager: float | None = None  # first call's logits vs eager bf16 at the same state
+    error: str | None = None
+
+
+@dataclass
+class Samples:
+    sync_call: list[float] = field(default_factory=list)
+    pipelined: list[float] = field(default_factory=list)
+    gpu_event: list[float] = field(default_factory=list)
+
+
+def require_cuda() -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise DeviceError("timing needs a CUDA GPU (a Hopper/SM90 one for the megakernel); none is visible "
+                          "to torch on this machine. Run `megabake verify` on an H100/H200.")
+
+
+# -------------------------------------------------------------------------------------- schedule
+
+
+def alternating_schedule(names: Sequence[str], rounds: int) -> list[tuple[str, ...]]:
+    """Order of candidates in each round: the list rotated by one every round (AB, BA, AB, ...)."""
+    names = list(names)
+    if not names:
+        return []
+    return [tuple(names[r % len(names):] + names[:r % len(names)]) for r in range(rounds)]
+
+
+# ------------------------------------------------------------------------------- measurement core
+
+
+def measure_sync_call(call, indices, sync, clock=time.perf_counter) -> float:
+    """Mean ms of complete calls, each followed by ``sync()`` before the clock is read."""
+    total = 0.0
+    sync()
+    for i in indices:
+        start = clock()
+        call(i)
+        sync()
+        total += clock() - start
+    return total * 1e3 / len(indices)
+
+
+def measure_pipelined(call, indices, sync, clock=time.perf_counter) -> float:
+    """Mean ms per call of back-to-back calls with a single ``sync()`` at the end."""
+    sync()
+    start = clock()
+    for i in indices:
+        call(i)
+    sync()
+    return (clock() - start) * 1e3 / len(indices)
+
+
+def measure_gpu_events(call, indices, hold_ms: float) -> float:
+    """Mean GPU ms per call between CUDA events, the calls queued behind a ``hold_ms`` spin kernel."""
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(hold_ms * 1e6 * GHZ_GUESS))
+    start.record()
+    for i in indices:
+        call(i)
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / len(indices)
+
+
+def warm_up(candidates: Sequence[Candidate], settings: TimingSettings, sync) -> None:
+    """``settings.warmup`` calls of every live candidate (compiles, autotunes, records CUDA graphs)."""
+    for candidate in candidates:
+        if candidate.call is not None and candidate.error is None:
+            for k in range(settings.warmup):
+                candidate.call(k % settings.inner)
+    sync()
+
+
+def measure_rounds(candidates: Sequence[Candidate], settings: TimingSettings, sync, *, gpu_events: bool = False,
+                   clock=time.perf_counter) -> dict[str, Samples]:
+    """``settings.samples`` alternating rounds over the live candidates; raw samples by candidate name."""
+    live = {c.name: c for c in candidates if c.call is not None and c.error is None}
+    indices = list(range(settings.inner))
+    results = {name: Samples() for name in live}
+    for order in alternating_schedule(list(live), settings.samples):
+        for name in order:
+            call, out = live[name].call, results[name]
+            out.sync_call.append(measure_sync_call(call, indices, sync, clock))
+            out.pipelined.append(measure_pipelined(call, indices, sync, clock))
+            if gpu_events:
+                hold = 0.5 + 2.0 * out.pipelined[-1] * len(indices)
+                out.gpu_event.append(measure_gpu_events(call, indices, hold))
+    return results
+
+
+def collect(candidates: Sequence[Candidate], settings: TimingSettings, sync, *, gpu_events: bool = False,
+            clock=time.perf_counter) -> dict[str, Samples]:
+    """Warm up, then measure the rounds (``warm_up`` + ``measure_rounds``)."""
+    warm_up(candidates, settings, sync)
+    return measure_rounds(candidates, settings, sync, gpu_events=gpu_events, clock=clock)
+
+
+# ------------------------------------------------------------------------------ floor, bandwidth
+
+
+def floor_ms(weight_bytes: int, bandwidth_GBps: float) -> float:
+    """Time to stream the weights once at the device copy bandwidth, in ms."""
+    if bandwidth_GBps <= 0:
+        raise ValueError(f"bandwidth must be positive, got {bandwidth_GBps}")
+    return weight_bytes / (bandwidth_GBps * 1e9) * 1e3
+
+
+def measure_copy_bandwidth(nbytes: int = 1 << 30, reps: int = 10, trials: int = 5) -> float:
+    """Device-to-device copy bandwidth in GB/s, counting bytes read + written (median of trials)."""
+    import torch
+
+    from .stats import median
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    rates = []
+    for _ in range(trials):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            dst.copy_(src)
+        end.record()
+        torch.cuda.synchronize()
+        rates.append(2 * nbytes * reps / (start.elapsed_time(end) * 1e-3) / 1e9)
+    del src, dst
+    torch.cuda.empty_cache()
+    return median(rates)
+
+
+# ------------------------------------------------------------------------------------ graph check
+
+
+@dataclass(frozen=True)
+class GraphCheck:
+    replays: bool | None  # None: the profiler saw no CUDA runtime calls at all (CUPTI unavailable)
+    launches: int | None  # kernel launches outside a graph
+
+
+def check_graph(call) -> GraphCheck:
+    """Profile one call: does it replay a CUDA graph, and how many kernels does it launch outside one?"""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        call(0)
+        torch.cuda.synchronize()
+    return graph_check_from_names([event.name for event in prof.events()])
+
+
+def graph_check_from_names(names: Sequence[str]) -> GraphCheck:
+    """Read a profiled call's event names: graph launches, and kernel launches outside graphs."""
+    if not any(n.startswith(("cuda", "cu")) for n in names):
+        return GraphCheck(replays=None, launches=None)
+    graph = sum("GraphLaunch" in n for n in names)
+    kernels = sum(n in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
+                  for n in names)
+    return GraphCheck(replays=graph > 0, launches=kernels)
+
+
+# -------------------------------------------------------------------------------------- assembly
+
+
+def _candidate_dict(candidate: Candidate, samples: Samples | None, seed: int) -> dict:
+    data = {"kind": candidate.kind}
+    if candidate.graph_replays is not None:  # the schema wants a boolean: unknown is left out
+        data["graph_replays"] = candidate.graph_replays
+    for metric in ("sync_call", "pipelined", "gpu_event"):
+        values = getattr(samples, metric) if samples else []
+        data[metric] = summarize(values, seed=seed).to_dict() if values else None
+    data["launches_outside_graph"] = candidate.launches
+    data["rel_l2_vs_eager"] = candidate.rel_l2_vs_eager
+    data["error"] = candidate.error
+    return data
+
+
+def pick_baseline(candidates: Sequence[Candidate], results: dict[str, Samples]) -> str | None:
+    """The timed baseline with the lowest median synchronized call, or None if none was timed."""
+    from .stats import median
+
+    timed = [c.name for c in candidates if c.kind == "baseline" and results.get(c.name)
+             and results[c.name].sync_call]
+    return min(timed, key=lambda name: median(results[name].sync_call), default=None)
+
+
+def assemble_timings(candidates: Sequence[Candidate], results: dict[str, Samples], *, weight_bytes: int,
+                     bandwidth_GBps: float | None, settings: TimingSettings) -> dict:
+    """The report's ``timings`` object from raw samples (pure)."""
+    megabake = next((c for c in candidates if c.kind == "megabake"), None)
+    baseline = pick_baseline(candidates, results)
+    speedup = None
+    if megabake is not None and baseline and results.get(megabake.name) and results[megabake.name].sync_call:
+        speedup = paired_ratio(results[baseline].sync_call, results[megabake.name].sync_call,
+                               seed=settings.seed).to_dict()
+        speedup["measure"] = "sync_call"
+    return {
+        "unit": "ms",
+        "candidates": {c.name: _candidate_dict(c, results.get(c.name), settings.seed) for c in candidates},
+        "baseline": baseline,
+        "speedup": speedup,
+        "floor_ms": floor_ms(weight_bytes, bandwidth_GBps) if bandwidth_GBps else None,
+        "weight_bytes": int(weight_bytes),
+        "copy_bandwidth_GBps": bandwidth_GBps,
+        "method": {"samples": settings.samples, "calls_per_sample": settings.inner,
+                   "warmup_calls": settings.warmup, "order": "alternating", "ci": "bootstrap95-median",
+                   "bootstrap_seed": settings.seed},
+    }
+
+
+# --------------------------------------------------------------------------------------- runner
+
+
+@dataclass
+class TimingInputs:
+    """Token ids and positions shared by every candidate, on the device."""
+
+    prompt: object  # LongTensor [B, P]
+    tokens: list  # inner x LongTensor [B]
+    positions: list[int]
+    position_tensors: list  # inner x LongTensor [1]
+
+    @classmethod
+    def make(cls, decoder, settings: TimingSettings) -> "TimingInputs":
+        import torch
+
+        from .numerics import teacher_tokens
+
+        room = decoder.capacity - settings.prefill
+        if room < 1:
+            raise ValueError(f"prefill {settings.prefill} leaves no room in KV capacity {decoder.capacity}")
+        ids = teacher_tokens(decoder.batch, settings.prefill + settings.inner, decoder.vocab_size,
+                             settings.seed + 1).to(decoder.device)
+        positions = [settings.prefill + (i % room) for i in range(settings.inner)]
+        return cls(prompt=ids[:, :settings.prefill],
+                   tokens=[ids[:, settings.prefill + i].contiguous() for i in range(settings.inner)],
+                   positions=positions,
+                   position_tensors=[torch.tensor([p], dtype=torch.long, device=decoder.device) for p in positions])
+
+
+def megakernel_candidate(decoder, inputs: TimingInputs) -> Candidate:
+    decoder.reset()
+    decoder.prefill(inputs.prompt)
+    return Candidate("megabake", "megabake", lambda i: decoder.step(inputs.tokens[i], inputs.positions[i]))
+
+
+def baseline_candidate(name: str, model, inputs: TimingInputs, capacity: int) -> Candidate:
+    from .baselines import build_baseline
+
+    try:
+        step = build_baseline(name, model, inputs.prompt, capacity)
+    except Exception as exc:  # a baseline that cannot be built is recorded, not fatal
+        return Candidate(name, "baseline", None, error=f"{type(exc).__name__}: {str(exc)[:400]}")
+    return Candidate(name, "baseline", lambda i: step.call(inputs.tokens[i], inputs.position_tensors[i]))
+
+
+def _live(candidates: Sequence[Candidate]) -> list[Candidate]:
+    return [c for c in candidates if c.error is None and c.call is not None]
+
+
+def _first_call(candidate: Candidate, reference) -> None:
+    """First call (compiles a baseline) compared with eager bf16 at the same state; errors are recorded."""
+    import torch
+
+    from .numerics import rel_l2
+
+    try:
+        with torch.no_grad():
+            logits = candidate.call(0).float().clone()
+        candidate.rel_l2_vs_eager = rel_l2(logits.cpu(), reference.cpu())
+    except Exception as exc:
+        candidate.error = f"{type(exc).__name__}: {str(exc)[:400]}"
+
+
+def _graph_check(candidate: Candidate) -> None:
+    """After warm-up (CUDA-graph trees record late): does a call replay a graph? Errors are recorded."""
+    try:
+        check = check_graph(candidate.call)
+        candidate.graph_replays, candidate.launches = check.replays, check.launches
+    except Exception as exc:
+        candidate.error = f"graph check: {type(exc).__name__}: {str(exc)[:400]}"
+
+
+def run_timings(decoder, *, samples: int = MIN_SAMPLES, baselines=None, prefill: int = 16, inner: int = 20,
+                warmup: int = 30, seed: int = 0) -> dict:
+    """Time the decoder and the baselines (module doc); returns the report's ``timings`` object."""
+    import torch
+
+    from .baselines import DEFAULT_BASELINES, eager_reference_logits
+
+    require_cuda()
+    settings = TimingSettings(samples=samples, inner=inner, warmup=warmup, prefill=prefill, seed=seed)
+    inputs = TimingInputs.make(decoder, settings)
+    reference = eager_reference_logits(decoder.model, inputs.prompt, inputs.tokens[0], inputs.positions[0],
+                                       decoder.capacity)
+    candidates = [megakernel_candidate(decoder, inputs)]
+    candidates += [baseline_candidate(name, decoder.model, inputs, decoder.capacity)
+                   for name in (DEFAULT_BASELINES if baselines is None else baselines)]
+    with torch.no_grad():
+        for candidate in _live(candidates):
+            _first_call(candidate, reference)
+        warm_up(_live(candidates), settings, torch.cuda.synchronize)
+        for candidate in _live(candidates):
+            _graph_check(candidate)
+        results = measure_rounds(_live(candidates), settings, torch.cuda.synchronize, gpu_events=True)
+    bandwidth = measure_copy_bandwidth()
+    return assemble_timings(candidates, results, weight_bytes=weight_bytes_of(decoder),
+                            bandwidth_GBps=bandwidth, settings=settings)
+
+
+def weight_bytes_of(decoder) -> int:
+    """``decoder.weight_bytes``, else the bytes of its model's parameters (tied weights counted once)."""
+    found = getattr(decoder, "weight_bytes", None)
+    if found:
+        return int(found)
+    return sum(p.numel() * p.element_size() for p in decoder.model.parameters())

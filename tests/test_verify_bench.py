@@ -1,0 +1,83 @@
+"""benchmarks/decode.py on the CPU: rows from reports, the markdown table, the PNG chart, robustness to a
+preset that fails, and re-rendering from results.json."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from megabake.verify.report import assemble_report
+from megabake.verify.timing import Candidate, Samples, TimingSettings, assemble_timings
+from tests.fixtures_packages import make_report
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_decode", ROOT / "benchmarks" / "decode.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve their annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+def _report(mk_ms=0.5):
+    spread = [1 + 0.01 * ((i % 7) - 3) for i in range(40)]
+    candidates = [Candidate("megabake", "megabake", None, graph_replays=True),
+                  Candidate("inductor-reduce-overhead", "baseline", None, graph_replays=True),
+                  Candidate("inductor-graph", "baseline", None, graph_replays=True)]
+    results = {"megabake": Samples([mk_ms * s for s in spread], [mk_ms * s for s in spread], [0.4 * s for s in spread]),
+               "inductor-reduce-overhead": Samples([2.05 * s for s in spread]),
+               "inductor-graph": Samples([1.45 * s for s in spread])}
+    timings = assemble_timings(candidates, results, weight_bytes=270_000_000, bandwidth_GBps=4280.0,
+                               settings=TimingSettings())
+    numerics = {"prefill": 16, "steps": 64, "pass": True, "per_step": [], "summary": {}, "failures": []}
+    return assemble_report(make_report(status="unverified", megabake_ms=None), numerics=numerics, timings=timings,
+                           environment=None)
+
+
+def test_row_and_table(bench):
+    row = bench.row_from_report("smollm-135m", _report())
+    assert row.status == "verified" and row.megabake_ms == pytest.approx(0.5)
+    assert row.baseline == "inductor-graph" and row.speedup == pytest.approx(2.9)
+    assert row.baselines_ms == pytest.approx({"inductor-reduce-overhead": 2.05, "inductor-graph": 1.45})
+    assert row.floor_ms == pytest.approx(0.0631, abs=1e-4)
+    table = bench.markdown_table([row, bench.Row("llama-3.2-1b", reasons=["boom"])])
+    lines = table.splitlines()
+    assert lines[0].startswith("| preset | status | MegaBake ms [95% CI]")
+    assert "inductor-graph ms" in lines[0] and "speedup [95% CI]" in lines[0]
+    assert "| smollm-135m | verified | 0.500 [" in table and "2.90x [" in table and "vs inductor-graph" in table
+    assert "| llama-3.2-1b | error | - |" in table
+
+
+def test_chart_png(bench, tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = [bench.row_from_report("smollm-135m", _report()), bench.row_from_report("llama-3.2-1b", _report(0.9))]
+    assert bench.write_chart(rows, tmp_path / "decode.png") is None
+    assert (tmp_path / "decode.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_failing_preset_is_logged_and_the_run_goes_on(bench, tmp_path, capsys, monkeypatch):
+    def fake_verify(preset, args):
+        if preset == "broken":
+            raise RuntimeError("bake exploded")
+        return bench.row_from_report(preset, _report())
+
+    monkeypatch.setattr(bench, "verify_preset", fake_verify)
+    code = bench.main(["--presets", "broken", "smollm-135m", "--out", str(tmp_path)])
+    assert code == 1  # not every preset verified
+    out = capsys.readouterr().out
+    assert out.strip().splitlines()[0].startswith("| preset |")  # the table is printed last
+    assert "| broken | error |" in out and "| smollm-135m | verified |" in out
+    log = (tmp_path / "decode.log").read_text()
+    assert "bake exploded" in log and "Traceback" in log
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert [r["preset"] for r in results] == ["broken", "smollm-135m"]
+    assert (tmp_path / "decode.md").read_text().startswith("| preset |")
+
+    again = tmp_path / "again"
+    assert bench.main(["--from-results", str(tmp_path / "results.json"), "--out", str(again)]) == 1
+    assert (again / "decode.md").read_text() == (tmp_path / "decode.md").read_text()

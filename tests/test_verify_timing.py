@@ -1,0 +1,189 @@
+"""Timing and baselines, pure parts on the CPU: schedule, sample collection (fake clock), floor arithmetic,
+baseline choice, assembly; baselines trace with fullgraph=True and agree with eager; GPU paths refuse."""
+
+import pytest
+import torch
+
+from megabake.errors import DeviceError
+from megabake.presets import get_preset
+from megabake.verify.baselines import BASELINES, DEFAULT_BASELINES, build_baseline, eager_reference_logits
+from megabake.verify.commands import KNOWN_BASELINES
+from megabake.verify.numerics import rel_l2, teacher_tokens
+from megabake.verify.timing import (
+    Candidate,
+    Samples,
+    TimingSettings,
+    alternating_schedule,
+    assemble_timings,
+    collect,
+    floor_ms,
+    measure_pipelined,
+    measure_sync_call,
+    pick_baseline,
+    run_timings,
+)
+
+
+class FakeClock:
+    """Seconds that advance only when a fake call (2 ms) or a fake sync (1 ms) runs."""
+
+    def __init__(self):
+        self.now = 0.0
+        self.log = []
+
+    def __call__(self):
+        return self.now
+
+    def call(self, name):
+        def run(i):
+            self.log.append((name, i))
+            self.now += 2e-3
+        return run
+
+    def sync(self):
+        self.now += 1e-3
+
+
+def test_alternating_schedule_rotates_and_balances():
+    assert alternating_schedule(["a", "b"], 4) == [("a", "b"), ("b", "a"), ("a", "b"), ("b", "a")]
+    rounds = alternating_schedule(["a", "b", "c"], 6)
+    assert all(sorted(r) == ["a", "b", "c"] for r in rounds)
+    for position in range(3):  # every candidate takes every slot equally often
+        assert sorted(r[position] for r in rounds) == ["a", "a", "b", "b", "c", "c"]
+    assert alternating_schedule([], 3) == []
+
+
+def test_sync_and_pipelined_arithmetic_with_fake_clock():
+    clock = FakeClock()
+    assert measure_sync_call(clock.call("x"), range(10), clock.sync, clock) == pytest.approx(3.0)  # call + sync
+    assert measure_pipelined(clock.call("x"), range(10), clock.sync, clock) == pytest.approx(2.1)  # one sync / 10
+
+
+def test_collect_warms_up_then_alternates_rounds():
+    clock = FakeClock()
+    candidates = [Candidate("megabake", "megabake", clock.call("m")), Candidate("base", "baseline", clock.call("b")),
+                  Candidate("broken", "baseline", None, error="RuntimeError: no")]
+    settings = TimingSettings(samples=4, inner=3, warmup=5)
+    results = collect(candidates, settings, clock.sync, clock=clock)
+    assert set(results) == {"megabake", "base"}
+    for samples in results.values():
+        assert len(samples.sync_call) == len(samples.pipelined) == 4 and samples.gpu_event == []
+        assert samples.sync_call == pytest.approx([3.0] * 4)
+    timed = clock.log[10:]  # after 5 warm-up calls each
+    assert [name for name, _ in clock.log[:10]] == ["m"] * 5 + ["b"] * 5
+    firsts = [timed[k * 12][0] for k in range(4)]  # each candidate block = 3 sync + 3 pipelined calls
+    assert firsts == ["m", "b", "m", "b"]
+    assert {i for _, i in timed} == {0, 1, 2}
+
+
+def test_floor_arithmetic():
+    # SmolLM-135M: ~270 MB of bf16 weights at 4.28 TB/s copy bandwidth -> ~0.063 ms (shared/GPU.md)
+    assert floor_ms(270_000_000, 4280.0) == pytest.approx(0.0631, abs=1e-4)
+    assert floor_ms(2_471_000_000, 4280.0) == pytest.approx(0.5773, abs=1e-3)
+    with pytest.raises(ValueError):
+        floor_ms(1, 0.0)
+
+
+def _samples(value, n=40, spread=0.01):
+    return [value * (1 + spread * ((i % 5) - 2)) for i in range(n)]
+
+
+def test_pick_baseline_is_fastest_timed_baseline():
+    candidates = [Candidate("megabake", "megabake", None), Candidate("slow", "baseline", None),
+                  Candidate("fast", "baseline", None), Candidate("failed", "baseline", None, error="x")]
+    results = {"megabake": Samples(_samples(0.5)), "slow": Samples(_samples(2.0)), "fast": Samples(_samples(1.5))}
+    assert pick_baseline(candidates, results) == "fast"
+    assert pick_baseline(candidates[:1], results) is None
+
+
+def test_assemble_timings_object():
+    candidates = [Candidate("megabake", "megabake", None, graph_replays=True),
+                  Candidate("inductor-graph", "baseline", None, graph_replays=True, rel_l2_vs_eager=0.001),
+                  Candidate("inductor-reduce-overhead", "baseline", None, error="BackendCompilerFailed: x")]
+    results = {"megabake": Samples(_samples(0.5), _samples(0.45), _samples(0.4)),
+               "inductor-graph": Samples(_samples(1.5), _samples(1.4), _samples(1.3))}
+    timings = assemble_timings(candidates, results, weight_bytes=270_000_000, bandwidth_GBps=4280.0,
+                               settings=TimingSettings())
+    assert timings["unit"] == "ms" and timings["baseline"] == "inductor-graph"
+    assert timings["speedup"]["median"] == pytest.approx(3.0)
+    assert timings["speedup"]["measure"] == "sync_call"
+    lo, hi = timings["speedup"]["ci95"]
+    assert lo <= 3.0 <= hi
+    mk = timings["candidates"]["megabake"]
+    assert mk["sync_call"]["samples"] == results["megabake"].sync_call and len(mk["gpu_event"]["samples"]) == 40
+    assert timings["candidates"]["inductor-reduce-overhead"]["sync_call"] is None
+    assert "graph_replays" not in timings["candidates"]["inductor-reduce-overhead"]
+    assert timings["floor_ms"] == pytest.approx(0.0631, abs=1e-4)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
+def test_run_timings_without_cuda_raises_clearly():
+    model = get_preset("tiny-llama").build_model()
+    from megabake.verify.doubles import EagerDecoder
+
+    with pytest.raises(DeviceError, match="CUDA GPU"):
+        run_timings(EagerDecoder(model, capacity=32))
+
+
+# ----------------------------------------------------------------------------------- baselines on CPU
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model = get_preset("tiny-llama").build_model()  # fp32: a step and a prefill agree to rounding
+    ids = teacher_tokens(1, 12, model.config.vocab_size, seed=0)
+    return model, ids
+
+
+def test_known_baselines_match_registry():
+    assert set(KNOWN_BASELINES) == set(BASELINES)
+    assert set(DEFAULT_BASELINES) == {"inductor-reduce-overhead", "inductor-graph"}
+
+
+@pytest.mark.parametrize("name,kwargs", [("eager", None),
+                                         ("inductor-reduce-overhead", {"fullgraph": True, "backend": "eager"})])
+def test_baseline_steps_agree_with_eager_at_repeated_positions(tiny, name, kwargs):
+    torch._dynamo.reset()
+    model, ids = tiny
+    prompt = ids[:, :8]
+    step = build_baseline(name, model, prompt, 16, compile_kwargs=kwargs)
+    for position in (8, 9, 10, 8, 9):  # repeating a position rewrites the same KV slot
+        token = ids[:, position]
+        ref = eager_reference_logits(model, ids[:, :position], token, position, 16)
+        with torch.no_grad():
+            got = step.call(token, torch.tensor([position]))
+        assert rel_l2(got.float(), ref) < 1e-5, (name, position)
+
+
+def test_graph_captured_baseline_needs_cuda(tiny):
+    model, ids = tiny
+    with pytest.raises(DeviceError, match="CUDA"):
+        build_baseline("inductor-graph", model, ids[:, :8], 16)
+
+
+def test_unknown_baseline(tiny):
+    with pytest.raises(ValueError, match="known"):
+        build_baseline("tensorrt", tiny[0], tiny[1][:, :8], 16)
+
+
+def test_graph_check_from_profiler_names():
+    from megabake.verify.timing import graph_check_from_names
+
+    replayed = graph_check_from_names(["cudaMemcpyAsync", "cudaGraphLaunch", "cudaStreamSynchronize"])
+    assert replayed.replays is True and replayed.launches == 0
+    eager = graph_check_from_names(["aten::mm", "cudaLaunchKernel", "cudaLaunchKernel"])
+    assert eager.replays is False and eager.launches == 2
+    blind = graph_check_from_names(["aten::mm", "aten::add"])  # CUPTI unavailable: unknown, not False
+    assert blind.replays is None and blind.launches is None
+
+
+def test_weight_bytes_fallback():
+    from megabake.verify.doubles import EagerDecoder
+    from megabake.verify.timing import weight_bytes_of
+
+    model = get_preset("tiny-llama").build_model(dtype=torch.bfloat16)
+    decoder = EagerDecoder(model, capacity=16)
+    expected = sum(p.numel() for p in model.parameters()) * 2
+    assert weight_bytes_of(decoder) == expected
+    del decoder.weight_bytes
+    assert weight_bytes_of(decoder) == expected
