@@ -58,9 +58,21 @@ def load_source(model: str, revision: str | None, seed: int) -> ModelSource:
         raise MegaBakeError(f"{model!r} is neither a built-in preset ({', '.join(sorted(PRESETS))}) nor a Hub "
                             "repo id of the form ORG/NAME")
     from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
     from transformers import AutoModelForCausalLM
 
-    sha = HfApi().model_info(model, revision=revision or "main").sha
+    wanted = revision or "main"
+    try:
+        sha = HfApi().model_info(model, revision=wanted).sha
+    except RevisionNotFoundError:
+        raise MegaBakeError(f"revision {wanted!r} does not exist in the Hub repo {model}; pass a branch, tag or "
+                            "commit sha that exists (see the repo's 'Files and versions')") from None
+    except RepositoryNotFoundError:
+        raise MegaBakeError(f"the Hub repo {model} does not exist or needs a token: check the id, or log in "
+                            "with `hf auth login` / set HF_TOKEN for gated models") from None
+    except (HfHubHTTPError, OSError) as exc:
+        raise MegaBakeError(f"could not reach the Hub to resolve {model}@{wanted}: {exc}. Bake a built-in "
+                            "preset offline, or retry with network access") from exc
     hf_model = AutoModelForCausalLM.from_pretrained(model, revision=sha, dtype=torch.float32).eval()
     return ModelSource(hf_model, model, sha, "pretrained", None, None)
 

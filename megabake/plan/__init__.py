@@ -236,7 +236,7 @@ def _inputs(op) -> list[str]:
 def _only(items: list, what: str, where: str):
     if len(items) != 1:
         raise PlanError(f"expected exactly one {what} after {where}, found {len(items)}; "
-                        "this decoder layout is not supported by the megakernel plan (try --fallback inductor)")
+                        "this decoder layout is not supported by the megakernel plan yet")
     return items[0]
 
 

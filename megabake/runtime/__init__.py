@@ -56,7 +56,7 @@ def require_hopper(device=None) -> GpuInfo:
     if info.capability != (9, 0):
         raise DeviceError(f"{info.name} has compute capability {info.capability[0]}.{info.capability[1]}; "
                           "MegaBake megakernels need SM90 (Hopper: H100/H200). Use device='cpu' for the "
-                          "reference executor or bake with --fallback inductor.")
+                          "reference executor.")
     return info
 
 
