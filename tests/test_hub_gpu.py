@@ -7,10 +7,6 @@ import torch
 
 from megabake.hub import load_from_hub, publish
 
-try:
-    from tests.hub_server import hub_server  # noqa: F401
-except ImportError:  # bare `pytest` puts tests/ (not the repo root) on sys.path
-    from hub_server import hub_server  # noqa: F401
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a Hopper GPU")]
 

@@ -24,12 +24,7 @@ from megabake.hub import (
 from megabake.hub.select import Request, select_entry
 from megabake.package import DigestMismatchError, build_index, build_manifest, read_package, store
 
-try:
-    from tests.fixtures_packages import PRETRAINED, PRETRAINED_REV, write_fixture_package
-    from tests.hub_server import hub_server  # noqa: F401
-except ImportError:  # bare `pytest` puts tests/ (not the repo root) on sys.path
-    from fixtures_packages import PRETRAINED, PRETRAINED_REV, write_fixture_package
-    from hub_server import hub_server  # noqa: F401
+from tests.fixtures_packages import PRETRAINED, PRETRAINED_REV, write_fixture_package
 
 REPO = "my-org/smollm-megabake"
 TOKEN = "hf_fake_token"

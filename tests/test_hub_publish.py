@@ -23,12 +23,7 @@ from megabake.hub import (
 from megabake.hub.commands import publish as publish_cmd
 from megabake.package import DigestMismatchError, read_package, validate, write_package
 
-try:
-    from tests.fixtures_packages import PRETRAINED, PRETRAINED_REV, fixture_files, make_report, write_fixture_package
-    from tests.hub_server import hub_server  # noqa: F401
-except ImportError:  # bare `pytest` puts tests/ (not the repo root) on sys.path
-    from fixtures_packages import PRETRAINED, PRETRAINED_REV, fixture_files, make_report, write_fixture_package
-    from hub_server import hub_server  # noqa: F401
+from tests.fixtures_packages import PRETRAINED, PRETRAINED_REV, fixture_files, make_report, write_fixture_package
 
 REPO = "my-org/smollm-megabake"
 TOKEN = "hf_fake_token"

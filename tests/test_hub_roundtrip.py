@@ -18,10 +18,6 @@ from megabake.hub import PublishRefusedError, fetch_package, load_from_hub, publ
 from megabake.hub.commands import publish as publish_cmd
 from megabake.package import read_package
 
-try:
-    from tests.hub_server import hub_server  # noqa: F401
-except ImportError:  # bare `pytest` puts tests/ (not the repo root) on sys.path
-    from hub_server import hub_server  # noqa: F401
 
 REPO = "my-org/tiny-llama-megabake"
 TOKEN = "hf_fake_token"

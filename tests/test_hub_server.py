@@ -21,10 +21,7 @@ from huggingface_hub.errors import (
     RevisionNotFoundError,
 )
 
-try:
-    from tests.hub_server import HubServer, git_blob_sha1, hub_env, hub_server  # noqa: F401
-except ImportError:  # bare `pytest` puts tests/ (not the repo root) on sys.path
-    from hub_server import HubServer, git_blob_sha1, hub_env, hub_server  # noqa: F401
+from tests.hub_server import HubServer, git_blob_sha1
 
 REPO = "megabake/tiny-llama"
 BIG = bytes(range(256)) * (3 * 4096 + 7)  # ~3 MB: must still travel inline ("regular")

@@ -30,10 +30,7 @@ from megabake.package import (
 from megabake.package import store
 from megabake.package.commands import inspect
 
-try:
-    from tests.fixtures_packages import PRETRAINED, PRETRAINED_REV, fixture_files, make_report, write_fixture_package
-except ImportError:  # bare `pytest` puts tests/ (not the repo root) on sys.path
-    from fixtures_packages import PRETRAINED, PRETRAINED_REV, fixture_files, make_report, write_fixture_package
+from tests.fixtures_packages import PRETRAINED, PRETRAINED_REV, fixture_files, make_report, write_fixture_package
 
 
 def _dest(root: Path, report: dict) -> Path:
