@@ -28,7 +28,8 @@ def schemas_dir() -> Path:
     override = os.environ.get("MEGABAKE_SCHEMAS")
     if override:
         return Path(override)
-    return Path(__file__).resolve().parents[2] / "schemas"
+    # megabake/schemas: in a checkout a link to the top-level schemas/, in an installed wheel a copy of it
+    return Path(__file__).resolve().parents[1] / "schemas"
 
 
 @functools.lru_cache(maxsize=None)
