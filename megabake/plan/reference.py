@@ -136,9 +136,9 @@ class ReferenceExecutor:
             v_off = d.q_rows + d.kv_rows + kv_head * d.head_dim
             k_new = _rope(qkv[b, k_off:k_off + d.head_dim], cos, sin).to(self.cache_dtype)
             v_new = qkv[b, v_off:v_off + d.head_dim].to(self.cache_dtype)
-            if head % group == 0:  # the first q head of each group owns the append
-                kc[b, kv_head, position] = k_new
-                vc[b, kv_head, position] = v_new
+            # every CTA of a KV group writes the same bytes into slot `position` (as the kernel does)
+            kc[b, kv_head, position] = k_new
+            vc[b, kv_head, position] = v_new
             keys = torch.cat([kc[b, kv_head, :position].float(), k_new.float()[None]])
             values = torch.cat([vc[b, kv_head, :position].float(), v_new.float()[None]])
             scores = (keys @ q) * d.attn_scale
