@@ -180,6 +180,12 @@ def test_reference_decoder_rejects_bad_inputs(tiny):
         decoder.step(torch.tensor([1, 2]), 0)
     with pytest.raises(InputError, match="position"):
         decoder.step(torch.tensor([1]), -1)
+    with pytest.raises(InputError, match="prompt token id"):
+        decoder.prefill(torch.tensor([[1, tiny.plan.dims.vocab + 5, 2]]))
+    with pytest.raises(InputError, match="capacity"):
+        decoder.prefill(torch.ones(1, tiny.plan.capacity + 1, dtype=torch.long))
+    with pytest.raises(InputError, match="max_new_tokens"):
+        decoder.generate(torch.tensor([[1, 2]]), max_new_tokens=0)
 
 
 def test_cuda_backend_needs_hopper(tiny):

@@ -234,7 +234,12 @@ class MegakernelDecoder:
         if prompt.ndim == 1:
             prompt = prompt[None]
         length = prompt.shape[1]
-        self._check_inputs(prompt[:, -1], length - 1)
+        if length < 1:
+            raise InputError("the prompt is empty: prefill needs at least one token")
+        bad = prompt[(prompt < 0) | (prompt >= self.vocab_size)]
+        if bad.numel():
+            raise InputError(f"prompt token id {int(bad[0])} is outside the vocabulary [0, {self.vocab_size})")
+        self._check_inputs(prompt[:, -1], length - 1)  # batch and capacity
         if prompt.shape[0] != self.batch:
             raise InputError(f"prefill needs exactly {self.batch} sequences (the bucket's batch), got {prompt.shape[0]}")
         device = next(self.model.parameters()).device
@@ -255,6 +260,8 @@ class MegakernelDecoder:
         if prompt.ndim == 1:
             prompt = prompt[None]
         length = prompt.shape[1]
+        if max_new_tokens < 1:
+            raise InputError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
         if length + max_new_tokens > self.capacity + 1:
             raise InputError(f"prompt of {length} + {max_new_tokens} new tokens exceeds the KV capacity {self.capacity}")
         logits = self.prefill(prompt)
