@@ -217,3 +217,35 @@ def test_reference_decoder_generate_matches_hf_greedy(tiny):
     with torch.no_grad():
         theirs = tiny.model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
     assert torch.equal(ours, theirs)
+
+
+_SMALL = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=64, vocab_size=1024, max_position_embeddings=512,
+              tie_word_embeddings=False)
+
+
+def _small(arch: str, **extra):
+    import transformers
+
+    cls = getattr(transformers, arch)
+    torch.manual_seed(0)
+    return cls(cls.config_class(**_SMALL, **extra)).eval()
+
+
+def test_other_architectures_with_llama_semantics_bake():
+    """Mistral's modules have other class names; the IR sees the same computation (and an untied LM head)."""
+    model = _small("MistralForCausalLM", sliding_window=None)
+    compiled = compile_model(model)
+    assert not compiled.plan.tied_lm_head and compiled.plan.buffer("lm_head").shape == [1024, 256]
+    _assert_matches_eager(model, reference_executor_for(compiled.plan, model), steps=4)
+
+
+@pytest.mark.parametrize("arch, error, where", [
+    ("Qwen2ForCausalLM", PlanError, "q_proj has a bias"),
+    ("Qwen3ForCausalLM", UnsupportedGraphError, "model.layers.0.self_attn"),
+    ("OlmoForCausalLM", UnsupportedGraphError, "layer_norm"),
+])
+def test_unsupported_architectures_fail_with_the_cause(arch, error, where):
+    with pytest.raises(error) as info:
+        compile_model(_small(arch))
+    assert where in str(info.value)
