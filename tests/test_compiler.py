@@ -9,7 +9,7 @@ import torch
 from transformers import StaticCache
 
 from megabake.errors import InputError, PlanError, UnsupportedGraphError
-from megabake.ir import Add, DecodeAttention, Embedding, GatedAct, KVAppend, Linear, RMSNorm, RoPE
+from megabake.ir import DecodeAttention, Linear, RMSNorm
 from megabake.plan import Plan
 from megabake.plan.reference import reference_executor_for
 from megabake.presets import get_preset

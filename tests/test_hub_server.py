@@ -21,7 +21,7 @@ from huggingface_hub.errors import (
     RevisionNotFoundError,
 )
 
-from tests.hub_server import HubServer, git_blob_sha1
+from tests.hub_server import git_blob_sha1
 
 REPO = "megabake/tiny-llama"
 BIG = bytes(range(256)) * (3 * 4096 + 7)  # ~3 MB: must still travel inline ("regular")
@@ -70,7 +70,7 @@ def test_commit_history_tree_and_paths_info(hub_server):
     c1 = _publish(api, parent=root)
     assert c1.oid == hub_server.head(REPO) and c1.oid != root and len(c1.oid) == 40
     assert hub_server.files(REPO) == {"a.txt": b"hello", "weights/big.bin": BIG, "weights/sub/c.json": b'{"x": 1}'}
-    commit_reqs = [r for r in hub_server.requests if r["path"].endswith(f"/commit/main")]
+    commit_reqs = [r for r in hub_server.requests if r["path"].endswith("/commit/main")]
     assert len(commit_reqs) == 1 and not any("lfs" in r["path"] for r in hub_server.requests)
 
     c2 = api.create_commit(REPO, commit_message="second", commit_description="details", parent_commit=c1.oid,

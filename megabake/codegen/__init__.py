@@ -57,7 +57,6 @@ class _Writer:
 def generate(plan: Plan, *, plan_hash: str | None = None) -> GeneratedModule:
     plan_hash = plan_hash or plan.hash
     w = _Writer()
-    d = plan.dims
     _header(w, plan, plan_hash)
     w("@cute.kernel")
     w("def megakernel(" + ", ".join(f"{a}: cute.Tensor" for a in KERNEL_ARGUMENTS) + "):")

@@ -358,7 +358,7 @@ class _Lowering:
               and (mask is None or isinstance(mask, Position)))
         if not ok or node.kwargs.get("is_causal") or (len(args) > 5 and args[5]):
             self.fail(node, "attention that is not over this layer's freshly appended static KV cache")
-        q_shape, k_shape = self.shape(node.args[0]), self.shape(node.args[1])
+        q_shape = self.shape(node.args[0])
         n_heads, head_dim = int(q_shape[1]), int(q_shape[-1])
         kv_heads = int(self.captured.model.config.num_key_value_heads)
         scale = node.kwargs.get("scale")
@@ -473,7 +473,9 @@ def _slice(lw: _Lowering, node, args):
 
 
 def _cat(lw: _Lowering, node, args):
-    parts, dim = args[0], (args[1] if len(args) > 1 else 0)
+    dim = args[1] if len(args) > 1 else node.kwargs.get("dim", 0)
+    if dim not in (-1, len(lw.shape(node)) - 1):  # rotate-half concatenates along the head dimension only
+        return None
     parts = [lw.val(p) if hasattr(p, "name") else p for p in node.args[0]]
     if len(parts) == 2 and isinstance(parts[0], Partial) and isinstance(parts[1], Partial):
         neg, lo = parts
