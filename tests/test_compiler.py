@@ -249,3 +249,16 @@ def test_unsupported_architectures_fail_with_the_cause(arch, error, where):
     with pytest.raises(error) as info:
         compile_model(_small(arch))
     assert where in str(info.value)
+
+
+def test_plan_refuses_buckets_that_do_not_fit_shared_memory():
+    from megabake.plan import HOPPER_SMEM_PER_BLOCK, ModelDims, _check_shared_memory
+
+    dims = ModelDims(hidden=2048, n_heads=32, n_kv_heads=8, head_dim=64, intermediate=8192, vocab=128256,
+                     layers=16, eps=1e-5, norm_offset=0.0, attn_scale=0.125, act="silu")
+    _check_shared_memory(dims, batch=1, capacity=4096, threads=256)  # Llama-3.2-1B, the usual bucket: fits
+    with pytest.raises(PlanError, match=r"--batch 6 or less") as info:
+        _check_shared_memory(dims, batch=8, capacity=128, threads=256)
+    assert str(HOPPER_SMEM_PER_BLOCK) in str(info.value)
+    with pytest.raises(PlanError, match=r"--capacity \d+ or less"):
+        _check_shared_memory(dims, batch=1, capacity=60000, threads=256)

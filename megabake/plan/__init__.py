@@ -371,6 +371,7 @@ def build_plan(ir: IRGraph, *, ctas: int = 132, threads: int = 256, weight_dtype
         if k % 8:
             raise PlanError(f"a GEMV reduction length of {k} is not a multiple of 8 (16-byte bf16 vectors)")
     batch, capacity = ir.batch, ir.capacity
+    _check_shared_memory(dims, batch, capacity, threads)
     layers = [_bind_layer(block) for block in blocks]
     tied = lm_head.weight == embed.table
     stages = _stages(dims, batch)
@@ -489,6 +490,24 @@ def smem_floats(dims: ModelDims, batch: int, capacity: int, threads: int) -> dic
         "red": warps * max(batch, 1),
         "att": dims.head_dim + capacity + warps * dims.head_dim,
     }
+
+
+HOPPER_SMEM_PER_BLOCK = 227 * 1024  # opt-in maximum of dynamic shared memory per CTA on SM90
+
+
+def _check_shared_memory(dims: ModelDims, batch: int, capacity: int, threads: int) -> None:
+    """The kernel stages each GEMV input row (fp32) and the attention scores of one head in shared memory."""
+    need = _smem_bytes(dims, batch, capacity, threads)
+    if need <= HOPPER_SMEM_PER_BLOCK:
+        return
+    floats = smem_floats(dims, batch, capacity, threads)
+    spare = HOPPER_SMEM_PER_BLOCK - (need - 4 * capacity)
+    max_capacity = max(0, spare // 4)
+    max_batch = max(0, (HOPPER_SMEM_PER_BLOCK - (need - 4 * batch * floats["vec_width"])) // (4 * floats["vec_width"]))
+    raise PlanError(f"bucket batch={batch}, capacity={capacity} needs {need} bytes of shared memory per CTA, over "
+                    f"Hopper's {HOPPER_SMEM_PER_BLOCK}: the kernel stages each sequence's {floats['vec_width']}-wide "
+                    f"fp32 GEMV input and one head's attention scores on chip. For this model use --batch "
+                    f"{max_batch} or less at this capacity, or --capacity {max_capacity} or less at this batch")
 
 
 def _smem_bytes(dims: ModelDims, batch: int, capacity: int, threads: int) -> int:
