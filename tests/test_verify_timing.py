@@ -187,3 +187,15 @@ def test_weight_bytes_fallback():
     assert weight_bytes_of(decoder) == expected
     del decoder.weight_bytes
     assert weight_bytes_of(decoder) == expected
+
+
+def test_candidate_errors_are_logged_when_they_happen(caplog):
+    from megabake.verify.timing import Candidate, _log_errors
+
+    broken = Candidate("inductor-graph", "baseline", None, error="AcceleratorError: illegal memory access")
+    fine = Candidate("megabake", "megabake", lambda i: None)
+    with caplog.at_level("WARNING"):
+        _log_errors([fine, broken], "build")
+        _log_errors([fine, broken], "first call")  # logged once, not again
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages == ["build: inductor-graph failed: AcceleratorError: illegal memory access"]

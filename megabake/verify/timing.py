@@ -19,6 +19,7 @@ The pure parts (schedule, sample collection with an injected sync/clock, floor, 
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -50,6 +51,7 @@ class Candidate:
     launches: int | None = None  # kernel launches seen outside graphs in one profiled call
     rel_l2_vs_eager: float | None = None  # first call's logits vs eager bf16 at the same state
     error: str | None = None
+    error_logged: bool = False
 
 
 @dataclass
@@ -352,9 +354,11 @@ def run_timings(decoder, *, samples: int = MIN_SAMPLES, baselines=None, prefill:
     candidates = [megakernel_candidate(decoder, inputs)]
     candidates += [baseline_candidate(name, decoder.model, inputs, decoder.capacity)
                    for name in (DEFAULT_BASELINES if baselines is None else baselines)]
+    _log_errors(candidates, "build")
     with torch.no_grad():
         for candidate in _live(candidates):
             _first_call(candidate, reference)
+        _log_errors(candidates, "first call")
         warm_up(_live(candidates), settings, torch.cuda.synchronize)
         for candidate in _live(candidates):
             _graph_check(candidate)
@@ -362,6 +366,14 @@ def run_timings(decoder, *, samples: int = MIN_SAMPLES, baselines=None, prefill:
     bandwidth = measure_copy_bandwidth()
     return assemble_timings(candidates, results, weight_bytes=weight_bytes_of(decoder),
                             bandwidth_GBps=bandwidth, settings=settings)
+
+
+def _log_errors(candidates: Sequence[Candidate], stage: str) -> None:
+    """Log candidate errors as they happen: a later crash (a sticky CUDA error) must not hide the first one."""
+    for candidate in candidates:
+        if candidate.error and not candidate.error_logged:
+            logging.getLogger(__name__).warning("%s: %s failed: %s", stage, candidate.name, candidate.error)
+            candidate.error_logged = True
 
 
 def weight_bytes_of(decoder) -> int:
