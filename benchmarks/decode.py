@@ -141,21 +141,23 @@ def write_chart(rows: list[Row], path: Path) -> str | None:
 
 
 def bake_preset(preset: str, out: Path, capacity: int):
+    """Bake on this GPU; one CPU reference step (verify's 64 GPU steps are the real numerics evidence)."""
     from megabake.bake import bake
 
-    result = bake(preset, capacity=capacity, out=out / "packages",
-                  progress=lambda msg: LOG.info("[bake %s] %s", preset, msg))
-    return result.path
+    return bake(preset, capacity=capacity, out=out / "packages", reference_steps=1,
+                progress=lambda msg: LOG.info("[bake %s] %s", preset, msg))
 
 
 def verify_preset(preset: str, args) -> Row:
     from megabake.verify import verify_package
 
     started = time.perf_counter()
-    path = bake_preset(preset, args.out, args.capacity)
+    baked = bake_preset(preset, args.out, args.capacity)
+    path = baked.path
     LOG.info("[%s] baked %s; verifying", preset, path)
     report = verify_package(path, steps=args.steps, prefill=args.prefill, samples=args.samples,
-                            baselines=args.baselines)
+                            baselines=args.baselines, model=baked.model)
+    del baked
     return row_from_report(preset, report, package=str(path), seconds=time.perf_counter() - started)
 
 

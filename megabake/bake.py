@@ -30,6 +30,7 @@ class BakeResult:
     report: dict
     plan_hash: str
     timings: dict[str, float] = field(default_factory=dict)
+    model: object = field(default=None, repr=False, compare=False)  # the baked model, for an in-process verify
 
 
 @dataclass
@@ -148,7 +149,7 @@ def bake(model: str, *, revision: str | None = None, batch: int = 1, capacity: i
             "source_map.json": _json(generated.source_map),
         }
         write_package(dest, files, report)
-    return BakeResult(dest, report, plan.hash, timings)
+    return BakeResult(dest, report, plan.hash, timings, model=source.model)
 
 
 class _Clock:

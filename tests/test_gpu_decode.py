@@ -100,3 +100,27 @@ def test_generate_runs_prefill_then_megakernel():
     prompt = torch.randint(1, compiled.plan.dims.vocab, (1, 8), generator=torch.Generator().manual_seed(1))
     out = decoder.generate(prompt, max_new_tokens=12)
     assert out.shape == (1, 20) and torch.equal(out[:, :8], prompt)
+
+
+def test_timeline_build_accounts_for_the_step():
+    """The profiling build records a clock per stage; their sum is the kernel's time, and logits are unchanged."""
+    from megabake.codegen import generate, timeline_labels
+    from megabake.runtime import MegakernelDecoder
+
+    compiled, decoder = _decoder("tiny-llama")
+    timed = MegakernelDecoder(compiled.plan, generate(compiled.plan, timeline=True).source, compiled.model,
+                              device="cuda", use_graph=False)
+    for position, token in enumerate([11, 5, 42]):
+        want = decoder.step(torch.tensor([token]), position).clone()
+        got = timed.step(torch.tensor([token]), position).clone()
+    assert torch.equal(got, want)
+    stages = timed.stage_timeline()
+    assert [label for label, _ in stages] == timeline_labels(compiled.plan)
+    assert all(us > 0 for _, us in stages), stages
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    timed.step(torch.tensor([7]), 3)
+    end.record()
+    end.synchronize()
+    total_us = sum(us for _, us in timed.stage_timeline())
+    assert total_us <= start.elapsed_time(end) * 1e3 * 1.05, (total_us, start.elapsed_time(end))

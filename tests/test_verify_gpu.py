@@ -69,6 +69,28 @@ def test_baselines_replay_a_graph_and_agree_with_eager(tiny, name):
     assert check.replays, f"{name} did not replay a CUDA graph"
 
 
+def test_hand_captured_graph_survives_graph_trees_built_in_verify_order(tiny):
+    """CUDA-graph trees clear cuBLAS workspaces while recording; a hand-captured graph using cuBLAS must be
+    captured after them (``build_order``) or its replay faults (seen on Llama-1B: illegal address)."""
+    from megabake.verify.baselines import build_baseline, build_order, eager_reference_logits
+    from megabake.verify.numerics import rel_l2, teacher_tokens
+
+    torch._dynamo.reset()
+    ids = teacher_tokens(1, 24, tiny.config.vocab_size, seed=0).cuda()
+    built = {}
+    for name in build_order(["inductor-graph", "inductor-reduce-overhead"]):
+        options = {"fullgraph": True} if name == "inductor-graph" else None  # default mode: cuBLAS matmuls
+        built[name] = build_baseline(name, tiny, ids[:, :16], 128, compile_kwargs=options)
+    position = torch.tensor([16], device="cuda")
+    with torch.no_grad():
+        for _ in range(3):
+            built["inductor-reduce-overhead"].call(ids[:, 16], position)
+        got = built["inductor-graph"].call(ids[:, 16], position).float().clone()
+        torch.cuda.synchronize()
+    ref = eager_reference_logits(tiny, ids[:, :16], ids[:, 16], 16, 128)
+    assert rel_l2(got.cpu(), ref.cpu()) < 5e-2
+
+
 def test_timing_harness_with_stand_in(tiny):
     from megabake.verify.doubles import EagerDecoder
     from megabake.verify.report import assemble_report, summary_lines, validated

@@ -8,6 +8,11 @@ the IR ops it implements, their FX nodes and HF module paths). The module import
 order = plan buffer names), ``GRID``, ``BLOCK``, ``SMEM_BYTES`` and ``PLAN_HASH``.
 Model dimensions and the bucket are compile-time constants; position and token ids are runtime values read
 from device buffers, so one compiled kernel serves every step and CUDA-graph replay.
+
+``generate(plan, timeline=True)`` writes a profiling variant: CTA 0 stores ``%globaltimer`` into
+``barrier[1 + k]`` at kernel start (k=0), after every grid barrier and at its end, and the module declares
+``TIMELINE_SLOTS``; the runtime then sizes the barrier buffer ``1 + TIMELINE_SLOTS`` and reads per-stage
+times back (:meth:`megabake.runtime.MegakernelDecoder.stage_timeline`). Packages never ship this variant.
 """
 
 from __future__ import annotations
@@ -54,10 +59,31 @@ class _Writer:
         return "\n".join(self.lines) + "\n"
 
 
-def generate(plan: Plan, *, plan_hash: str | None = None) -> GeneratedModule:
+def timeline_labels(plan: Plan) -> list[str]:
+    """Names of the timeline intervals (slot k-1 -> k) of a ``timeline=True`` module, in order."""
+    names = [s.name for s in plan.stages if s.scope == "prologue"]
+    for layer in range(plan.dims.layers):
+        names += [f"layer{layer}.{s.name}" for s in plan.stages if s.scope == "layer"]
+    names += [s.name for s in plan.stages if s.scope == "epilogue"]
+    return names
+
+
+def _timeline_store(w: _Writer, indent: int, enabled: bool, slot: str) -> None:
+    if enabled:
+        w("if cta == 0 and tidx == 0:", indent)
+        w(f"barrier[{slot}] = cute.arch.globaltimer()", indent + 1)
+
+
+def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool = False) -> GeneratedModule:
     plan_hash = plan_hash or plan.hash
     w = _Writer()
     _header(w, plan, plan_hash)
+    prologue = [s for s in plan.stages if s.scope == "prologue"]
+    per_layer = [s for s in plan.stages if s.scope == "layer"]
+    epilogue = [s for s in plan.stages if s.scope == "epilogue"]
+    if timeline:
+        w(f"TIMELINE_SLOTS = {1 + len(timeline_labels(plan))}  # barrier[1 + k]: k=0 kernel start, k>0 end of stage k (ns)")
+        w("")
     w("@cute.kernel")
     w("def megakernel(" + ", ".join(f"{a}: cute.Tensor" for a in KERNEL_ARGUMENTS) + "):")
     w('"""One decode step: embedding, every layer, final norm, LM head, in-place KV append."""', 1)
@@ -70,16 +96,17 @@ def generate(plan: Plan, *, plan_hash: str | None = None) -> GeneratedModule:
     w("s_red = smem.allocate_tensor(Float32, cute.make_layout(RED_SCRATCH), byte_alignment=16)", 1)
     w("s_att = smem.allocate_tensor(Float32, cute.make_layout(ATT_SCRATCH), byte_alignment=16)", 1)
     w("pos = position[0]", 1)
-    for stage in plan.stages:
-        if stage.scope == "prologue":
-            _stage(w, plan, stage, 1, layer_var=None)
+    _timeline_store(w, 1, timeline, "1")
+    for i, stage in enumerate(prologue):
+        _stage(w, plan, stage, 1, layer_var=None)
+        _timeline_store(w, 1, timeline, str(2 + i))
     w("for layer in range(LAYERS):", 1)
-    for stage in plan.stages:
-        if stage.scope == "layer":
-            _stage(w, plan, stage, 2, layer_var="layer")
-    for stage in plan.stages:
-        if stage.scope == "epilogue":
-            _stage(w, plan, stage, 1, layer_var=None)
+    for j, stage in enumerate(per_layer):
+        _stage(w, plan, stage, 2, layer_var="layer")
+        _timeline_store(w, 2, timeline, f"{2 + len(prologue) + j} + layer * {len(per_layer)}")
+    for e, stage in enumerate(epilogue):
+        _stage(w, plan, stage, 1, layer_var=None)
+        _timeline_store(w, 1, timeline, str(2 + len(prologue) + len(per_layer) * plan.dims.layers + e))
     w("")
     _launcher(w)
     source_map = {
@@ -122,7 +149,7 @@ def _header(w: _Writer, plan: Plan, plan_hash: str) -> None:
     w(f"EPS = {d.eps!r}")
     w(f"ATTN_SCALE = {d.attn_scale!r}")
     w(f"ROWS_PER_TILE = {{{', '.join(repr(s.name) + ': ' + str(s.tiling.per_tile) for s in plan.stages if s.tiling.kind == 'rows')}}}")
-    w("GEMV_UNROLL = 4  # 16-byte loads in flight per lane and row")
+    w(f"GEMV_UNROLL = {{{', '.join(repr(s.name) + ': ' + str(s.tiling.unroll) for s in plan.stages if s.tiling.kind == 'rows')}}}  # 16-byte loads in flight per lane and row")
     w("GRID = (CTAS, 1, 1)")
     w("BLOCK = (THREADS, 1, 1)")
     w(f"SMEM_BYTES = {plan.smem_bytes}  # 4 * (BATCH * VEC_WIDTH + RED_SCRATCH + ATT_SCRATCH) + alignment")
@@ -162,7 +189,7 @@ def _stage(w: _Writer, plan: Plan, stage: Stage, indent: int, layer_var) -> None
 
 def _gemv(weight: str, out: str, rows: str, cols: str, stage: Stage, accumulate: bool) -> str:
     return (f"bodies.gemv_rows({weight}, s_vec, {out}, gwarp, lane, TOTAL_WARPS, {rows}, {cols}, BATCH, "
-            f"ROWS_PER_TILE[{stage.name!r}], {accumulate}, GEMV_UNROLL)")
+            f"ROWS_PER_TILE[{stage.name!r}], {accumulate}, GEMV_UNROLL[{stage.name!r}])")
 
 
 PREFETCH_BUDGET_BYTES = 16 << 20  # per barrier wait; L2 is 50-60 MB on H100/H200

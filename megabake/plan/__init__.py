@@ -89,6 +89,7 @@ class Tiling:
     units: int  # rows, heads or elements covered
     per_tile: int
     tiles: int
+    unroll: int = 4  # GEMV: 16-byte loads in flight per lane and row (K-loop unroll)
 
 
 @dataclass
@@ -356,15 +357,40 @@ def _check_block_shape(block: _Block, dims: ModelDims) -> None:
         raise PlanError(f"activation {dims.act!r} is not supported (silu only)")
 
 
-def _rows_tiling(rows: int, per_tile: int = 1) -> Tiling:
-    return Tiling("rows", rows, per_tile, -(-rows // per_tile))
+@dataclass(frozen=True)
+class GemvTuning:
+    """How a GEMV stage spreads over warps: rows per warp tile and 16-byte loads in flight per lane and row."""
+
+    per_tile: int = 2
+    unroll: int = 4
+
+    def __post_init__(self):
+        if not 1 <= self.per_tile <= 8 or not 1 <= self.unroll <= 16:
+            raise PlanError(f"GEMV tuning per_tile={self.per_tile}, unroll={self.unroll} is outside "
+                            "per_tile 1..8, unroll 1..16")
+
+
+GEMV_STAGES = ("norm_qkv", "o_residual", "norm_gate_up", "down_residual", "norm_lm_head")
+DEFAULT_TUNING = {name: GemvTuning() for name in GEMV_STAGES}
+
+
+def _rows_tiling(rows: int, tuning: GemvTuning) -> Tiling:
+    return Tiling("rows", rows, tuning.per_tile, -(-rows // tuning.per_tile), tuning.unroll)
 
 
 def build_plan(ir: IRGraph, *, ctas: int = 132, threads: int = 256, weight_dtype: str = "bfloat16",
-               rotary_scaling: float = 1.0, inv_freq_buffer: str = "") -> Plan:
-    """Turn recognised IR into a plan for a grid of ``ctas`` CTAs of ``threads`` threads."""
+               rotary_scaling: float = 1.0, inv_freq_buffer: str = "",
+               tuning: dict[str, GemvTuning] | None = None) -> Plan:
+    """Turn recognised IR into a plan for a grid of ``ctas`` CTAs of ``threads`` threads.
+
+    ``tuning`` overrides the GEMV tiling of named stages (``GEMV_STAGES``); the rest keep ``DEFAULT_TUNING``.
+    """
     if threads % WARP or not 64 <= threads <= 1024:
         raise PlanError(f"threads per CTA must be a multiple of 32 in [64, 1024], got {threads}")
+    unknown = sorted(set(tuning or {}) - set(GEMV_STAGES))
+    if unknown:
+        raise PlanError(f"tuning names unknown GEMV stage(s) {unknown}; known: {list(GEMV_STAGES)}")
+    tuning = {**DEFAULT_TUNING, **(tuning or {})}
     embed, blocks, final_norm, lm_head, ropes = _recognise(ir)
     dims = _dims(blocks, final_norm, lm_head)
     for k in (dims.hidden, dims.q_rows, dims.intermediate):
@@ -374,7 +400,7 @@ def build_plan(ir: IRGraph, *, ctas: int = 132, threads: int = 256, weight_dtype
     _check_shared_memory(dims, batch, capacity, threads)
     layers = [_bind_layer(block) for block in blocks]
     tied = lm_head.weight == embed.table
-    stages = _stages(dims, batch)
+    stages = _stages(dims, batch, tuning)
     rotary_ops = [op.id for op in ir.of_kind(RotaryTable)]
     return Plan(
         version=PLAN_VERSION, dims=dims, batch=batch, capacity=capacity, ctas=ctas, threads=threads,
@@ -460,25 +486,25 @@ def _packing(blocks, embed, final_norm, lm_head, tied) -> list[PackedWeight]:
     return packs
 
 
-def _stages(dims: ModelDims, batch: int) -> list[Stage]:
+def _stages(dims: ModelDims, batch: int, tuning: dict[str, GemvTuning]) -> list[Stage]:
     H = dims.hidden
     lm = "embed"  # tied default; the runtime binds lm_head to the right buffer
     return [
         Stage(0, "embed", "prologue", "embed", ["tokens", "embed"], ["x"], Tiling("chunks", batch * H, 256, -(-batch * H // 256)),
               ["embed"]),
-        Stage(1, "norm_qkv", "layer", "norm_gemv", ["x", "norms", "w_qkv"], ["qkv"], _rows_tiling(dims.qkv_rows, 2),
+        Stage(1, "norm_qkv", "layer", "norm_gemv", ["x", "norms", "w_qkv"], ["qkv"], _rows_tiling(dims.qkv_rows, tuning["norm_qkv"]),
               _STAGE_ROLES["norm_qkv"]),
         Stage(2, "attention", "layer", "attention", ["qkv", "rope_cos", "rope_sin", "k_cache", "v_cache", "position"],
               ["attn", "k_cache", "v_cache"], Tiling("heads", batch * dims.n_heads, 1, batch * dims.n_heads),
               _STAGE_ROLES["attention"]),
-        Stage(3, "o_residual", "layer", "gemv_residual", ["attn", "w_o", "x"], ["x"], _rows_tiling(H, 2),
+        Stage(3, "o_residual", "layer", "gemv_residual", ["attn", "w_o", "x"], ["x"], _rows_tiling(H, tuning["o_residual"]),
               _STAGE_ROLES["o_residual"]),
         Stage(4, "norm_gate_up", "layer", "norm_gemv", ["x", "norms", "w_gate_up"], ["gate_up"],
-              _rows_tiling(2 * dims.intermediate, 2), _STAGE_ROLES["norm_gate_up"]),
-        Stage(5, "down_residual", "layer", "act_gemv_residual", ["gate_up", "w_down", "x"], ["x"], _rows_tiling(H, 2),
+              _rows_tiling(2 * dims.intermediate, tuning["norm_gate_up"]), _STAGE_ROLES["norm_gate_up"]),
+        Stage(5, "down_residual", "layer", "act_gemv_residual", ["gate_up", "w_down", "x"], ["x"], _rows_tiling(H, tuning["down_residual"]),
               _STAGE_ROLES["down_residual"]),
         Stage(6, "norm_lm_head", "epilogue", "norm_gemv_out", ["x", "final_norm", lm], ["logits"],
-              _rows_tiling(dims.vocab, 2), ["final_norm", "lm_head"], barrier_after=False),
+              _rows_tiling(dims.vocab, tuning["norm_lm_head"]), ["final_norm", "lm_head"], barrier_after=False),
     ]
 
 

@@ -156,9 +156,10 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 def reference_executor_for(plan: Plan, model, *, dtype=torch.float32) -> ReferenceExecutor:
     """Build a reference executor bound to an HF model's parameters (packed in ``dtype``)."""
     from .packing import pack_weights, rotary_tables
+    from .rotary import exact_inv_freq
 
     weights = pack_weights(plan, model.get_parameter, dtype=dtype)
-    inv_freq = model.get_buffer(plan.rotary.inv_freq_buffer)
+    inv_freq = exact_inv_freq(model, plan.rotary.inv_freq_buffer)
     cos, sin = rotary_tables(plan, inv_freq)
     return ReferenceExecutor(plan, weights, cos, sin)
 

@@ -23,6 +23,7 @@ from ..errors import DeviceError, InputError, MegaBakeError
 from ..plan import Plan
 from ..plan.packing import pack_weights, rotary_tables, torch_dtype
 from ..plan.reference import ReferenceExecutor
+from ..plan.rotary import exact_inv_freq
 
 
 @dataclass(frozen=True)
@@ -92,7 +93,7 @@ class MegakernelDecoder:
         self._graph = None
         self._use_graph = use_graph
         # RoPE tables come from the fp32 inverse frequencies, before any cast to bf16 rounds them.
-        self.inv_freq_fp32 = model.get_buffer(plan.rotary.inv_freq_buffer).detach().float().cpu().clone()
+        self.inv_freq_fp32 = exact_inv_freq(model, plan.rotary.inv_freq_buffer)
         if self.backend == "cuda":
             self.gpu = require_hopper(device)
             check_admission(plan, self.gpu)
@@ -118,13 +119,16 @@ class MegakernelDecoder:
         # tokens and position share one int32 buffer so a step uploads them with a single copy, no kernel
         self._inputs = torch.zeros(plan.batch + 1, dtype=torch.int32, device=device)
         self.buffers["tokens"], self.buffers["position"] = self._inputs[:plan.batch], self._inputs[plan.batch:]
-        for buf in plan.buffers:
-            if buf.name not in self.buffers:
-                self.buffers[buf.name] = torch.zeros(buf.shape, dtype=torch_dtype(buf.dtype), device=device)
-        self.weight_bytes = plan.weight_bytes()
         from .compile import load_module
 
         self.module = load_module(self.module_source)
+        for buf in plan.buffers:
+            if buf.name not in self.buffers:
+                shape = list(buf.shape)
+                if buf.name == "barrier":  # a timeline build stores per-stage clocks after the counter
+                    shape[0] += getattr(self.module, "TIMELINE_SLOTS", 0)
+                self.buffers[buf.name] = torch.zeros(shape, dtype=torch_dtype(buf.dtype), device=device)
+        self.weight_bytes = plan.weight_bytes()
         self._compile()
 
     def _kernel_tensors(self) -> list[torch.Tensor]:
@@ -157,7 +161,8 @@ class MegakernelDecoder:
 
     # ------------------------------------------------------------------------------------- inputs
     def _check_inputs(self, token_ids, position: int) -> torch.Tensor:
-        tokens = torch.as_tensor(token_ids).reshape(-1).to(torch.long)
+        # validate on the host: checking a CUDA tensor in place would add kernels and syncs to every step
+        tokens = torch.as_tensor(token_ids).reshape(-1).to(device="cpu", dtype=torch.long)
         if tokens.numel() > self.batch:
             raise InputError(f"batch of {tokens.numel()} sequences is larger than the baked bucket (batch "
                              f"{self.batch}); bake a bucket with --batch {tokens.numel()}")
@@ -205,6 +210,17 @@ class MegakernelDecoder:
             self.graph_error = f"{type(exc).__name__}: {exc}"
         for key, value in saved.items():
             self.buffers[key].copy_(value)
+
+    def stage_timeline(self) -> list[tuple[str, float]]:
+        """(stage, microseconds as seen by CTA 0) of the last step; needs a ``generate(timeline=True)`` module."""
+        from ..codegen import timeline_labels
+
+        slots = getattr(getattr(self, "module", None), "TIMELINE_SLOTS", 0)
+        if not slots:
+            raise MegaBakeError("this decoder's module has no timeline: build it with "
+                                "megabake.codegen.generate(plan, timeline=True)")
+        clocks = self.buffers["barrier"][1:1 + slots].cpu().tolist()
+        return [(label, (clocks[k + 1] - clocks[k]) / 1000.0) for k, label in enumerate(timeline_labels(self.plan))]
 
     def reset(self) -> None:
         """Zero the KV cache (a new sequence)."""
@@ -283,13 +299,15 @@ class MegakernelDecoder:
             raise MegaBakeError(f"{package_dir} is not a MegaBake package: missing {Path(exc.filename).name}") from exc
         if model is None:
             model = load_model_for_report(report)
+        else:
+            check_model_matches(report, model)
         device = torch.device(device) if device is not None else None
         return cls(plan, source, model, device=device, package_dir=package_dir, report=report, use_graph=use_graph)
 
 
 def load_model_for_report(report: dict):
     """Rebuild the model a package was baked from: a preset with its seed, or a Hub repo at its revision."""
-    from ..presets import config_hash, get_preset, is_preset
+    from ..presets import get_preset, is_preset
 
     info = report["model"]
     if info.get("preset") and is_preset(info["preset"]):
@@ -299,8 +317,16 @@ def load_model_for_report(report: dict):
 
         model = AutoModelForCausalLM.from_pretrained(info["id"], revision=info["revision"], dtype=torch.float32)
         model.eval()
-    actual = config_hash(model.config)
-    if info.get("config_hash") and actual != info["config_hash"]:
-        raise MegaBakeError(f"model config hash {actual[:12]} does not match the package's "
-                            f"{info['config_hash'][:12]}: the package was baked for a different model revision")
+    check_model_matches(report, model)
     return model
+
+
+def check_model_matches(report: dict, model) -> None:
+    """The model's config hash must be the one the package was baked from."""
+    from ..presets import config_hash
+
+    expected = report["model"].get("config_hash")
+    actual = config_hash(model.config)
+    if expected and actual != expected:
+        raise MegaBakeError(f"model config hash {actual[:12]} does not match the package's "
+                            f"{expected[:12]}: the package was baked for a different model revision")

@@ -53,8 +53,11 @@ def _free_device_memory() -> None:
 
 
 def verify_package(path, *, steps=64, prefill: int = 16, samples: int = 40, baselines=None,
-                   device=None) -> dict:
-    """Verify the package folder ``path`` on this machine's Hopper GPU and update its report.json."""
+                   device=None, model=None) -> dict:
+    """Verify the package folder ``path`` on this machine's Hopper GPU and update its report.json.
+
+    ``model``: the model the package was baked from, when the caller still holds it (saves rebuilding it;
+    the package's config hash is still checked against it)."""
     from megabake.package import read_package, update_report
 
     path = Path(path)
@@ -62,7 +65,7 @@ def verify_package(path, *, steps=64, prefill: int = 16, samples: int = 40, base
     require_hopper(device)
     from megabake.runtime import MegakernelDecoder
 
-    decoder = MegakernelDecoder.from_package(path, device=device or "cuda")
+    decoder = MegakernelDecoder.from_package(path, device=device or "cuda", model=model)
     report = verify_decoder(decoder, package.report, steps=steps, prefill=prefill, samples=samples,
                             baselines=baselines)
     update_report(path, report)

@@ -325,6 +325,8 @@ def _first_call(candidate: Candidate, reference) -> None:
     try:
         with torch.no_grad():
             logits = candidate.call(0).float().clone()
+        if logits.is_cuda:
+            torch.cuda.synchronize()  # a fault is blamed on the candidate that caused it
         candidate.rel_l2_vs_eager = rel_l2(logits.cpu(), reference.cpu())
     except Exception as exc:
         candidate.error = f"{type(exc).__name__}: {str(exc)[:400]}"
@@ -344,16 +346,16 @@ def run_timings(decoder, *, samples: int = MIN_SAMPLES, baselines=None, prefill:
     """Time the decoder and the baselines (module doc); returns the report's ``timings`` object."""
     import torch
 
-    from .baselines import DEFAULT_BASELINES, eager_reference_logits
+    from .baselines import DEFAULT_BASELINES, build_order, eager_reference_logits
 
     require_cuda()
     settings = TimingSettings(samples=samples, inner=inner, warmup=warmup, prefill=prefill, seed=seed)
     inputs = TimingInputs.make(decoder, settings)
     reference = eager_reference_logits(decoder.model, inputs.prompt, inputs.tokens[0], inputs.positions[0],
                                        decoder.capacity)
-    candidates = [megakernel_candidate(decoder, inputs)]
-    candidates += [baseline_candidate(name, decoder.model, inputs, decoder.capacity)
-                   for name in (DEFAULT_BASELINES if baselines is None else baselines)]
+    names = list(DEFAULT_BASELINES if baselines is None else baselines)
+    built = {name: baseline_candidate(name, decoder.model, inputs, decoder.capacity) for name in build_order(names)}
+    candidates = [megakernel_candidate(decoder, inputs)] + [built[name] for name in names]
     _log_errors(candidates, "build")
     with torch.no_grad():
         for candidate in _live(candidates):

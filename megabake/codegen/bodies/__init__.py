@@ -75,6 +75,18 @@ def embed_gather(embed: cute.Tensor, tokens: cute.Tensor, x: cute.Tensor, cta: I
 
 
 # -------------------------------------------------------------------------------- vector staging
+# Staging reads fp32 activations that other CTAs just wrote (L2 hits, but ~0.5-1 us each round trip). Each
+# thread owns SLOTS = ceil(width / 4 / threads) 16-byte vectors and issues all of its loads before using
+# any of them (clamped indices keep the loads unconditional), so a staging costs one L2 latency, not SLOTS.
+F32_VEC = 4  # fp32 elements per 16-byte load
+
+
+@cute.jit
+def _f32_vec(t: cute.Tensor, idx: Int32):
+    """The idx-th 16-byte vector (4 x fp32) view of a contiguous fp32 row."""
+    return cute.zipped_divide(t, (F32_VEC,))[(None, idx)]
+
+
 @cute.jit
 def rmsnorm_to_smem(x: cute.Tensor, weight: cute.Tensor, s_vec: cute.Tensor, s_red: cute.Tensor, tidx: Int32,
                     batch: cutlass.Constexpr[int], hidden: cutlass.Constexpr[int],
@@ -83,12 +95,25 @@ def rmsnorm_to_smem(x: cute.Tensor, weight: cute.Tensor, s_vec: cute.Tensor, s_r
     warps = threads // WARP
     lane = tidx % WARP
     warp = tidx // WARP
+    nvec = hidden // F32_VEC
+    slots = (nvec + threads - 1) // threads
+    values = []
+    for b in cutlass.range_constexpr(batch):
+        row = []
+        for j in cutlass.range_constexpr(slots):
+            row.append(_f32_vec(x[b, None], cutlass.min(tidx + j * threads, nvec - 1)).load())
+        values.append(row)
+    scales = []
+    for j in cutlass.range_constexpr(slots):
+        scales.append(_f32_vec(weight, cutlass.min(tidx + j * threads, nvec - 1)).load())
     for b in cutlass.range_constexpr(batch):
         partial = Float32(0.0)
-        for i in range(tidx, hidden, threads):
-            v = x[b, i]
-            s_vec[b, i] = v
-            partial = partial + v * v
+        for j in cutlass.range_constexpr(slots):
+            square = (values[b][j] * values[b][j]).reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
+            if cutlass.const_expr((j + 1) * threads <= nvec):
+                partial = partial + square
+            elif tidx + j * threads < nvec:
+                partial = partial + square
         partial = cute.arch.warp_reduction_sum(partial)
         if lane == 0:
             s_red[b * warps + warp] = partial
@@ -98,8 +123,12 @@ def rmsnorm_to_smem(x: cute.Tensor, weight: cute.Tensor, s_vec: cute.Tensor, s_r
         for w in cutlass.range_constexpr(warps):
             total = total + s_red[b * warps + w]
         inv = cute.math.rsqrt(total * (1.0 / hidden) + eps)
-        for i in range(tidx, hidden, threads):
-            s_vec[b, i] = s_vec[b, i] * inv * weight[i]
+        for j in cutlass.range_constexpr(slots):
+            idx = tidx + j * threads
+            if cutlass.const_expr((j + 1) * threads <= nvec):
+                _f32_vec(s_vec[b, None], idx).store(values[b][j] * inv * scales[j])
+            elif idx < nvec:
+                _f32_vec(s_vec[b, None], idx).store(values[b][j] * inv * scales[j])
     cute.arch.sync_threads()
 
 
@@ -107,9 +136,18 @@ def rmsnorm_to_smem(x: cute.Tensor, weight: cute.Tensor, s_vec: cute.Tensor, s_r
 def copy_to_smem(src: cute.Tensor, s_vec: cute.Tensor, tidx: Int32, batch: cutlass.Constexpr[int],
                  width: cutlass.Constexpr[int], threads: cutlass.Constexpr[int]):
     """s_vec[b, :width] = src[b, :width]."""
+    nvec = width // F32_VEC
+    slots = (nvec + threads - 1) // threads
     for b in cutlass.range_constexpr(batch):
-        for i in range(tidx, width, threads):
-            s_vec[b, i] = src[b, i]
+        values = []
+        for j in cutlass.range_constexpr(slots):
+            values.append(_f32_vec(src[b, None], cutlass.min(tidx + j * threads, nvec - 1)).load())
+        for j in cutlass.range_constexpr(slots):
+            idx = tidx + j * threads
+            if cutlass.const_expr((j + 1) * threads <= nvec):
+                _f32_vec(s_vec[b, None], idx).store(values[j])
+            elif idx < nvec:
+                _f32_vec(s_vec[b, None], idx).store(values[j])
     cute.arch.sync_threads()
 
 
@@ -117,10 +155,23 @@ def copy_to_smem(src: cute.Tensor, s_vec: cute.Tensor, tidx: Int32, batch: cutla
 def silu_mul_to_smem(gate_up: cute.Tensor, s_vec: cute.Tensor, tidx: Int32, batch: cutlass.Constexpr[int],
                      inter: cutlass.Constexpr[int], threads: cutlass.Constexpr[int]):
     """s_vec[b, i] = silu(gate_up[b, i]) * gate_up[b, inter + i]."""
+    nvec = inter // F32_VEC
+    slots = (nvec + threads - 1) // threads
     for b in cutlass.range_constexpr(batch):
-        for i in range(tidx, inter, threads):
-            g = gate_up[b, i]
-            s_vec[b, i] = g / (1.0 + cute.math.exp(-g)) * gate_up[b, inter + i]
+        gates = []
+        ups = []
+        for j in cutlass.range_constexpr(slots):
+            idx = cutlass.min(tidx + j * threads, nvec - 1)
+            gates.append(_f32_vec(gate_up[b, None], idx).load())
+            ups.append(_f32_vec(gate_up[b, None], idx + nvec).load())
+        for j in cutlass.range_constexpr(slots):
+            idx = tidx + j * threads
+            g = gates[j]
+            act = g / (1.0 + cute.math.exp(-g)) * ups[j]
+            if cutlass.const_expr((j + 1) * threads <= nvec):
+                _f32_vec(s_vec[b, None], idx).store(act)
+            elif idx < nvec:
+                _f32_vec(s_vec[b, None], idx).store(act)
     cute.arch.sync_threads()
 
 

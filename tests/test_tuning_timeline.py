@@ -1,0 +1,120 @@
+"""CPU tests of GEMV tuning in the plan, the timeline build of module.py, exact RoPE frequencies after a
+bf16 cast, and the order in which the verifier builds its baselines."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megabake.codegen import generate, timeline_labels
+from megabake.errors import MegaBakeError, PlanError
+from megabake.plan import GEMV_STAGES, GemvTuning, build_plan
+from megabake.plan.reference import reference_executor_for
+from megabake.plan.rotary import exact_inv_freq, recover_rotary
+from megabake.runtime.compile import load_module
+from tests.compiler_fixtures import compile_preset
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return compile_preset("tiny-llama")
+
+
+def _plan(tiny, tuning):
+    inv_freq, scaling = recover_rotary(tiny.captured, tiny.ir)
+    return build_plan(tiny.ir, inv_freq_buffer=inv_freq, rotary_scaling=scaling, tuning=tuning)
+
+
+def test_tuning_reaches_plan_hash_and_module(tiny):
+    tuned = _plan(tiny, {"norm_gate_up": GemvTuning(per_tile=1, unroll=16)})
+    stage = next(s for s in tuned.stages if s.name == "norm_gate_up")
+    assert (stage.tiling.per_tile, stage.tiling.unroll) == (1, 16)
+    assert stage.tiling.tiles == stage.tiling.units
+    assert tuned.hash != tiny.plan.hash
+    module = load_module(generate(tuned).source)
+    assert module.GEMV_UNROLL["norm_gate_up"] == 16 and module.ROWS_PER_TILE["norm_gate_up"] == 1
+    assert module.GEMV_UNROLL["norm_qkv"] == 4 and module.ROWS_PER_TILE["norm_qkv"] == 2
+
+
+def test_tuned_plan_still_matches_eager_on_the_reference_executor(tiny):
+    tuned = _plan(tiny, {name: GemvTuning(per_tile=3, unroll=2) for name in GEMV_STAGES})
+    executor = reference_executor_for(tuned, tiny.model)
+    default = reference_executor_for(tiny.plan, tiny.model)
+    for position, token in enumerate([3, 17, 5]):
+        got = executor.step(torch.tensor([token]), position)
+        want = default.step(torch.tensor([token]), position)
+    assert torch.allclose(got, want, atol=1e-5)
+    assert len(executor.tile_owners["norm_qkv"]) == -(-tuned.dims.qkv_rows // 3)
+
+
+def test_bad_tuning_is_refused(tiny):
+    with pytest.raises(PlanError, match="unknown GEMV stage"):
+        _plan(tiny, {"attention": GemvTuning()})
+    with pytest.raises(PlanError, match="per_tile 1..8"):
+        GemvTuning(per_tile=0)
+
+
+def test_timeline_module_stores_a_clock_after_every_stage(tiny):
+    source = generate(tiny.plan, timeline=True).source
+    module = load_module(source)
+    labels = timeline_labels(tiny.plan)
+    assert module.TIMELINE_SLOTS == 1 + len(labels)
+    assert len(labels) == tiny.plan.barriers_per_step + 1  # the last stage ends without a barrier
+    assert source.count("cute.arch.globaltimer()") == 1 + 1 + 5 + 1  # start, prologue, layer loop, epilogue
+    assert "globaltimer" not in generate(tiny.plan).source  # packages never carry the clock
+
+
+def test_timeline_module_compiles_for_sm90a(tiny):
+    from megabake.runtime.compile import compile_check
+
+    result = compile_check(tiny.plan, load_module(generate(tiny.plan, timeline=True).source))
+    assert result.ok, result.error
+
+
+def test_stage_timeline_needs_a_timeline_build(tiny):
+    from megabake.runtime import MegakernelDecoder
+
+    decoder = MegakernelDecoder(tiny.plan, tiny.generated.source, tiny.model, device="cpu")
+    with pytest.raises(MegaBakeError, match="timeline=True"):
+        decoder.stage_timeline()
+
+
+@pytest.mark.parametrize("preset", ["llama-3.2-1b", "smollm-135m"])
+def test_exact_inv_freq_survives_a_bf16_cast(preset):
+    import dataclasses
+
+    from megabake.presets import get_preset
+
+    spec = get_preset(preset)
+    small = dataclasses.replace(spec, config=dict(spec.config, num_hidden_layers=1, vocab_size=64))
+    model = small.build_model()
+    fqn = "model.rotary_emb.inv_freq"
+    exact = model.get_buffer(fqn).clone()
+    model.to(torch.bfloat16)
+    assert not torch.equal(model.get_buffer(fqn).float(), exact)  # the cast rounded the buffer
+    assert torch.equal(exact_inv_freq(model, fqn), exact)
+
+
+def test_exact_inv_freq_falls_back_to_a_buffer_it_cannot_explain(tiny):
+    import copy
+
+    model = copy.deepcopy(tiny.model).to(torch.bfloat16)
+    fqn = "model.rotary_emb.inv_freq"
+    model.get_buffer(fqn).mul_(2)  # not what the config says: keep the model's own values
+    assert torch.equal(exact_inv_freq(model, fqn), model.get_buffer(fqn).float())
+
+
+def test_hand_captured_graph_is_built_after_graph_trees():
+    from megabake.verify.baselines import build_order
+
+    assert build_order(["inductor-graph", "inductor-reduce-overhead", "eager"]) == [
+        "inductor-reduce-overhead", "eager", "inductor-graph"]
+
+
+def test_from_package_refuses_a_model_of_another_config(tiny):
+    from megabake.presets import config_hash
+    from megabake.runtime import check_model_matches
+
+    check_model_matches({"model": {"config_hash": config_hash(tiny.model.config)}}, tiny.model)
+    with pytest.raises(MegaBakeError, match="different model revision"):
+        check_model_matches({"model": {"config_hash": "0" * 64}}, tiny.model)
