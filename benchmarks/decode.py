@@ -52,6 +52,7 @@ class Row:
     floor_ms: float | None = None
     seconds: float = 0.0
     stand_in: bool = False
+    measured: str = ""  # where and with what: date, GPU, driver, versions, megabake git revision
 
 
 def row_from_report(preset: str, report: dict, *, package: str | None = None, seconds: float = 0.0,
@@ -70,8 +71,23 @@ def row_from_report(preset: str, report: dict, *, package: str | None = None, se
         baselines_ms={name: c["sync_call"]["median"] for name, c in candidates.items()
                       if c.get("kind") == "baseline" and c.get("sync_call")},
         baseline=timings.get("baseline"), speedup=speedup.get("median"), speedup_ci=speedup.get("ci95"),
-        floor_ms=timings.get("floor_ms"), seconds=seconds, stand_in=stand_in,
+        floor_ms=timings.get("floor_ms"), seconds=seconds, stand_in=stand_in, measured=measured_line(report),
     )
+
+
+def measured_line(report: dict) -> str:
+    """'2026-11-30, NVIDIA H200 (132 SMs, driver ...), torch ..., ...' from a verified report's records."""
+    env, tools = report.get("environment") or {}, report.get("toolchain") or {}
+    if not env:
+        return ""
+    date = str(env.get("verified_at") or report.get("created_at") or "")[:10]
+    parts = [f"{env.get('gpu_name')} ({env.get('sm_count')} SMs, driver {env.get('driver')})"]
+    parts += [f"{name} {tools[key]}" for key, name in (("torch", "torch"), ("transformers", "transformers"),
+                                                        ("cutlass_dsl", "CuTe DSL"), ("megabake", "megabake"))
+              if tools.get(key)]
+    if tools.get("git_revision"):
+        parts.append(f"git {str(tools['git_revision'])[:12]}")
+    return ", ".join(p for p in [date] + parts if p)
 
 
 def _ms(value) -> str:
@@ -97,6 +113,8 @@ def markdown_table(rows: list[Row]) -> str:
     lines.append("")
     lines.append("ms/token = median of synchronized complete decode calls (host + GPU), batch 1; GPU ms = "
                  "CUDA-event time of the kernel alone; floor = weight bytes / device copy bandwidth.")
+    for measured in dict.fromkeys(row.measured for row in rows if row.measured):
+        lines.append(f"Measured: {measured}.")
     return "\n".join(lines) + "\n"
 
 
@@ -205,6 +223,7 @@ def run(args) -> list[Row]:
                       seconds=time.perf_counter() - started, stand_in=args.stand_in)
         LOG.info("[%s] %s in %.0f s: %s", preset, row.status, row.seconds, "; ".join(row.reasons[:3]))
         rows.append(row)
+        write_outputs(rows, args.out)  # a run cut short still leaves the finished presets' table
         _free_gpu()
     return rows
 

@@ -199,3 +199,35 @@ def test_candidate_errors_are_logged_when_they_happen(caplog):
         _log_errors([fine, broken], "first call")  # logged once, not again
     messages = [r.getMessage() for r in caplog.records]
     assert messages == ["build: inductor-graph failed: AcceleratorError: illegal memory access"]
+
+
+def test_recheck_voids_a_candidate_whose_output_moved():
+    from megabake.verify.timing import _recheck
+
+    reference = torch.ones(1, 8)
+    steady = Candidate("steady", "baseline", lambda i: torch.ones(1, 8), rel_l2_vs_eager=0.0)
+    moved = Candidate("moved", "baseline", lambda i: torch.full((1, 8), 3.0), rel_l2_vs_eager=0.0)
+    _recheck(steady, reference)
+    _recheck(moved, reference)
+    assert steady.error is None
+    assert "output changed while timed" in moved.error and "2 after timing" in moved.error
+    results = {"steady": Samples(_samples(2.0)), "moved": Samples(_samples(1.0))}
+    assert pick_baseline([steady, moved], results) == "steady"  # a voided candidate is never the baseline
+
+
+def test_decode_ids_give_one_layout_and_one_compile():
+    from torch._dynamo.testing import CompileCounter
+
+    from megabake.verify.baselines import decode_ids
+
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    compiled = torch.compile(lambda ids: ids * 2, backend=counter, fullgraph=True)
+    grid = torch.arange(24).reshape(1, 24)
+    for ids in (grid[:, 3], grid[:, 5:6], torch.tensor([7]), grid[:, 4].contiguous()):
+        shaped = decode_ids(ids)
+        assert shaped.shape == (1, 1) and shaped.stride() == (1, 1)
+        compiled(shaped)
+    assert counter.frame_count == 1
+    wide = torch.arange(12).reshape(3, 4)
+    assert decode_ids(wide[:, 1]).flatten().tolist() == [1, 5, 9]

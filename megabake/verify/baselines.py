@@ -39,6 +39,16 @@ class BaselineStep:
     description: str
 
 
+def decode_ids(ids: torch.Tensor) -> torch.Tensor:
+    """Token ids [B] or [B, 1] as a [B, 1] tensor with strides (1, 1), whatever view they came from.
+
+    Dynamo guards on strides (also of size-1 dims): a column sliced from [B, T] and a fresh tensor would
+    compile twice, and a recompile re-records CUDA-graph trees, which clears cuBLAS workspaces under any
+    hand-captured graph. One layout for every call keeps one compiled graph."""
+    ids = ids.reshape(-1, 1).contiguous()
+    return ids.as_strided(ids.shape, (1, 1))
+
+
 def _prefilled(model, prompt_ids: torch.Tensor, capacity: int) -> ReferenceDecoder:
     runner = ReferenceDecoder(model, capacity=capacity)
     runner.prefill(prompt_ids)
@@ -47,7 +57,7 @@ def _prefilled(model, prompt_ids: torch.Tensor, capacity: int) -> ReferenceDecod
 
 def build_eager(model, prompt_ids, capacity, compile_kwargs=None) -> BaselineStep:
     module = _prefilled(model, prompt_ids, capacity).module
-    return BaselineStep("eager", lambda ids, pos: module(ids.reshape(-1, 1), pos), "eager HF forward, StaticCache")
+    return BaselineStep("eager", lambda ids, pos: module(decode_ids(ids), pos), "eager HF forward, StaticCache")
 
 
 def build_reduce_overhead(model, prompt_ids, capacity, compile_kwargs=None) -> BaselineStep:
@@ -60,9 +70,9 @@ def build_reduce_overhead(model, prompt_ids, capacity, compile_kwargs=None) -> B
 
     def call(ids, pos):
         torch.compiler.cudagraph_mark_step_begin()
-        return compiled(ids.reshape(-1, 1), pos)
+        return compiled(decode_ids(ids), pos)
 
-    ids = prompt_ids[:, -1:].to(model_device(model))
+    ids = prompt_ids[:, -1].to(model_device(model))
     pos = torch.tensor([prompt_ids.shape[1]], dtype=torch.long, device=ids.device)
     for _ in range(WARMUP_BEFORE_CAPTURE):  # compile, warm up, record the graph tree
         call(ids, pos)
@@ -76,7 +86,7 @@ def build_graph_captured(model, prompt_ids, capacity, compile_kwargs=None) -> Ba
     options = compile_kwargs or {"fullgraph": True, "mode": "max-autotune-no-cudagraphs"}
     compiled = torch.compile(runner.module, **options)
     device = model_device(model)
-    static_ids = prompt_ids[:, -1:].clone().to(device)
+    static_ids = decode_ids(prompt_ids[:, -1].to(device)).clone()
     static_pos = torch.tensor([prompt_ids.shape[1]], dtype=torch.long, device=device)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -92,7 +102,7 @@ def build_graph_captured(model, prompt_ids, capacity, compile_kwargs=None) -> Ba
         static_out = compiled(static_ids, static_pos)
 
     def call(ids, pos):
-        static_ids.copy_(ids.reshape(-1, 1))
+        static_ids.copy_(decode_ids(ids))
         static_pos.copy_(pos)
         graph.replay()
         return static_out

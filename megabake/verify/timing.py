@@ -12,6 +12,7 @@ measures, per candidate, ``inner`` synchronized complete calls (host + GPU, cloc
 behind a spin kernel (so host launch gaps do not count). Each sample is a per-call mean in ms. Summaries:
 median + seeded bootstrap 95% interval, raw samples kept. The baseline is the baseline candidate with the
 lowest synchronized median; the speedup is the paired ratio baseline/megakernel of synchronized calls.
+After timing, call 0 runs again: a candidate whose logits moved is marked failed (its times are void).
 The weight-streaming floor is ``weight_bytes`` / device copy bandwidth measured in the same run (read +
 write bytes of a device-to-device copy).
 The pure parts (schedule, sample collection with an injected sync/clock, floor, assembly) run on a CPU.
@@ -237,7 +238,7 @@ def pick_baseline(candidates: Sequence[Candidate], results: dict[str, Samples]) 
     """The timed baseline with the lowest median synchronized call, or None if none was timed."""
     from .stats import median
 
-    timed = [c.name for c in candidates if c.kind == "baseline" and results.get(c.name)
+    timed = [c.name for c in candidates if c.kind == "baseline" and c.error is None and results.get(c.name)
              and results[c.name].sync_call]
     return min(timed, key=lambda name: median(results[name].sync_call), default=None)
 
@@ -248,7 +249,8 @@ def assemble_timings(candidates: Sequence[Candidate], results: dict[str, Samples
     megabake = next((c for c in candidates if c.kind == "megabake"), None)
     baseline = pick_baseline(candidates, results)
     speedup = None
-    if megabake is not None and baseline and results.get(megabake.name) and results[megabake.name].sync_call:
+    if (megabake is not None and megabake.error is None and baseline and results.get(megabake.name)
+            and results[megabake.name].sync_call):
         speedup = paired_ratio(results[baseline].sync_call, results[megabake.name].sync_call,
                                seed=settings.seed).to_dict()
         speedup["measure"] = "sync_call"
@@ -332,6 +334,29 @@ def _first_call(candidate: Candidate, reference) -> None:
         candidate.error = f"{type(exc).__name__}: {str(exc)[:400]}"
 
 
+RECHECK_TOLERANCE = 1e-2
+
+
+def _recheck(candidate: Candidate, reference) -> None:
+    """Call 0 again after timing (same token and position, so the same logits): a candidate whose output
+    moved was corrupted while timed (e.g. a CUDA graph replaying over freed memory); its times are void."""
+    import torch
+
+    from .numerics import rel_l2
+
+    if candidate.rel_l2_vs_eager is None:
+        return
+    try:
+        with torch.no_grad():
+            again = rel_l2(candidate.call(0).float().cpu(), reference.cpu())
+    except Exception as exc:
+        candidate.error = f"re-check after timing: {type(exc).__name__}: {str(exc)[:400]}"
+        return
+    if abs(again - candidate.rel_l2_vs_eager) > RECHECK_TOLERANCE:
+        candidate.error = (f"output changed while timed: rel-L2 vs eager {candidate.rel_l2_vs_eager:.3g} at the "
+                           f"first call, {again:.3g} after timing; its times are not trusted")
+
+
 def _graph_check(candidate: Candidate) -> None:
     """After warm-up (CUDA-graph trees record late): does a call replay a graph? Errors are recorded."""
     try:
@@ -365,6 +390,9 @@ def run_timings(decoder, *, samples: int = MIN_SAMPLES, baselines=None, prefill:
         for candidate in _live(candidates):
             _graph_check(candidate)
         results = measure_rounds(_live(candidates), settings, torch.cuda.synchronize, gpu_events=True)
+        for candidate in _live(candidates):
+            _recheck(candidate, reference)
+        _log_errors(candidates, "re-check after timing")
     bandwidth = measure_copy_bandwidth()
     return assemble_timings(candidates, results, weight_bytes=weight_bytes_of(decoder),
                             bandwidth_GBps=bandwidth, settings=settings)
