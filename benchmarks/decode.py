@@ -86,7 +86,8 @@ def measured_line(report: dict) -> str:
                                                         ("cutlass_dsl", "CuTe DSL"), ("megabake", "megabake"))
               if tools.get(key)]
     if tools.get("git_revision"):
-        parts.append(f"git {str(tools['git_revision'])[:12]}")
+        commit, _, dirty = str(tools["git_revision"]).partition("+")
+        parts.append(f"git {commit[:12]}" + (f"+{dirty}" if dirty else ""))
     return ", ".join(p for p in [date] + parts if p)
 
 

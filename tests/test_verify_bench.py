@@ -86,9 +86,9 @@ def test_failing_preset_is_logged_and_the_run_goes_on(bench, tmp_path, capsys, m
 def test_table_says_where_and_with_what_it_was_measured(bench):
     env = {"gpu_name": "NVIDIA H200", "sm_count": 132, "driver": "580.159.04", "verified_at": "2026-11-30T12:00:00Z"}
     tools = {"torch": "2.11.0", "transformers": "5.17.0", "cutlass_dsl": "4.8.1", "megabake": "0.1.0",
-             "git_revision": "a5b4541deadbeef00"}
+             "git_revision": "a5b4541deadbeef00+dirty"}
     report = dict(_report(), environment=env, toolchain=tools)
     table = bench.markdown_table([bench.row_from_report("smollm-135m", report)])
     assert ("Measured: 2026-11-30, NVIDIA H200 (132 SMs, driver 580.159.04), torch 2.11.0, transformers 5.17.0, "
-            "CuTe DSL 4.8.1, megabake 0.1.0, git a5b4541deadb.") in table
+            "CuTe DSL 4.8.1, megabake 0.1.0, git a5b4541deadb+dirty.") in table
     assert "Measured:" not in bench.markdown_table([bench.row_from_report("smollm-135m", _report())])

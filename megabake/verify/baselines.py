@@ -34,6 +34,9 @@ WARMUP_BEFORE_CAPTURE = 3
 
 @dataclass
 class BaselineStep:
+    """``call`` must run under ``torch.no_grad()`` (as the timing harness does): the compiled graphs were
+    traced without grad, and a call with grad enabled recompiles and does not replay them."""
+
     name: str
     call: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     description: str
