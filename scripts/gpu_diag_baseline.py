@@ -1,6 +1,8 @@
 """Diagnose megakernel + Inductor baseline interplay on one preset and time both side by side (H200).
 
-    source .cute/activate.sh && python3 scripts/gpu_diag_baseline.py llama-3.2-1b
+    source .cute/activate.sh && python3 scripts/gpu_diag_baseline.py llama-3.2-1b [baseline ...]
+
+Baselines are built and timed one after the other in the order given (default: inductor-graph first).
 """
 import statistics
 import sys
@@ -40,7 +42,7 @@ torch.cuda.synchronize()
 print("megakernel steps ok", flush=True)
 mk = timed(lambda: decoder.step(tok, 30))
 print(f"megakernel sync median {mk:.3f} ms", flush=True)
-for baseline in ("inductor-graph", "inductor-reduce-overhead"):
+for baseline in sys.argv[2:] or ("inductor-graph", "inductor-reduce-overhead"):
     try:
         step = build_baseline(baseline, decoder.model, prompt.cuda(), 128)
         ids, pos = torch.tensor([7], device="cuda"), torch.tensor([30], device="cuda")
