@@ -8,7 +8,8 @@ Usage (on a Hopper GPU, from the repo root; on the H200: `source .cute/activate.
 For every preset: bake (``megabake.bake.bake``, packages under DIR/packages), then ``verify_package``
 (numerics over advancing decode calls, timings against the strongest CUDA-graphed Inductor baseline). A
 preset that fails is logged with its traceback and the run goes on. Writes DIR/decode.log (everything),
-DIR/results.json (one row per preset), DIR/decode.md (the table) and DIR/decode.png (needs matplotlib; when
+DIR/results.json (one row per preset), DIR/<preset>-report.json (the full report with raw samples),
+DIR/decode.md (the table, rewritten after each preset) and DIR/decode.png (needs matplotlib; when
 it is missing the chart is skipped with a note and can be rendered later with --from-results). The short
 table is printed last. ``--stand-in`` times eager HF as the "megabake" candidate instead of baking: a check
 of this harness on a GPU without a megakernel (its rows say so).
@@ -177,6 +178,8 @@ def verify_preset(preset: str, args) -> Row:
     report = verify_package(path, steps=args.steps, prefill=args.prefill, samples=args.samples,
                             baselines=args.baselines, model=baked.model)
     del baked
+    # next to the table: the whole report with raw samples (package folders are deep; keep a flat copy)
+    (args.out / f"{preset}-report.json").write_text(json.dumps(report, indent=1) + "\n")
     return row_from_report(preset, report, package=str(path), seconds=time.perf_counter() - started)
 
 
