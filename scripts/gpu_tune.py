@@ -181,7 +181,7 @@ def print_table(result: dict) -> None:
         parts = []
         for kind, us in kinds.items():
             moved = result["stage_bytes"].get(kind)
-            rate = f" {moved / us / 1e3:.2f} TB/s" if moved else ""
+            rate = f" {moved / us / 1e6:.2f} TB/s" if moved else ""  # bytes per us / 1e6 = TB/s
             parts.append(f"{kind} {us:.0f}us{rate}")
         print(f"timeline {variant} (CTA 0, total {total:.0f} us): " + "; ".join(parts))
 
