@@ -142,6 +142,27 @@ PRESETS: dict[str, Preset] = {
                 tie_word_embeddings=True,
             ),
         ),
+        Preset(
+            name="qwen2.5-0.5b",
+            model_id="Qwen/Qwen2.5-0.5B",
+            architecture="Qwen2ForCausalLM",
+            description="Qwen2.5-0.5B shape: hidden 896, 24 layers, 14/2 heads, intermediate 4864, vocab 151936, "
+                        "q/k/v biases, tied",
+            config=dict(
+                hidden_act="silu",
+                rms_norm_eps=1e-6,
+                hidden_size=896,
+                intermediate_size=4864,
+                num_hidden_layers=24,
+                num_attention_heads=14,
+                num_key_value_heads=2,
+                vocab_size=151936,
+                max_position_embeddings=32768,
+                rope_theta=1000000.0,
+                use_sliding_window=False,
+                tie_word_embeddings=True,
+            ),
+        ),
     ]
 }
 

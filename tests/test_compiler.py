@@ -87,13 +87,53 @@ def test_plan_is_data_with_a_stable_hash(tiny):
     assert other.hash != plan.hash
 
 
-def test_plan_rejects_biased_linears():
-    preset = get_preset("tiny-llama")
-    import dataclasses
+def _randomise_biases(model, std: float = 0.5):
+    """HF initialises biases to zero: make them count."""
+    with torch.no_grad():
+        for index, (name, param) in enumerate(model.named_parameters()):
+            if name.endswith(".bias"):
+                param.normal_(0.0, std, generator=torch.Generator().manual_seed(index))
+    return model
 
-    biased = dataclasses.replace(preset, config=dict(preset.config, attention_bias=True))
-    with pytest.raises(PlanError, match="bias"):
-        compile_model(biased.build_model())
+
+def test_linear_biases_are_packed_per_stage_with_zeros_where_absent():
+    """Llama's attention_bias puts biases on q, k, v and o; mlp_bias on gate, up and down."""
+    from megabake.plan.packing import pack_weights
+
+    model = _randomise_biases(_small("LlamaForCausalLM", attention_bias=True))
+    plan = compile_model(model).plan
+    assert [b.name for b in plan.buffers if b.name.startswith("bias")] == ["bias_qkv", "bias_o"]
+    assert plan.bias_of("norm_qkv") == "bias_qkv" and plan.bias_of("norm_gate_up") is None
+    assert "bias_qkv" in next(s for s in plan.stages if s.name == "norm_qkv").reads
+    packed = pack_weights(plan, model.get_parameter)
+    layer1 = model.model.layers[1].self_attn
+    want = torch.cat([layer1.q_proj.bias, layer1.k_proj.bias, layer1.v_proj.bias])
+    assert packed["bias_qkv"].dtype == torch.float32 and torch.equal(packed["bias_qkv"][1], want)
+    qwen = compile_model(_small("Qwen2ForCausalLM")).plan  # q/k/v biased, o not
+    assert [b.name for b in qwen.buffers if b.name.startswith("bias")] == ["bias_qkv"]
+
+
+@pytest.mark.parametrize("arch, extra", [("Qwen2ForCausalLM", {}),
+                                         ("LlamaForCausalLM", {"attention_bias": True, "mlp_bias": True})])
+def test_reference_executor_with_linear_biases_matches_eager_fp32(arch, extra):
+    model = _randomise_biases(_small(arch, **extra))
+    compiled = compile_model(model)
+    _assert_matches_eager(model, reference_executor_for(compiled.plan, model), steps=4)
+
+
+def test_biased_module_compiles_for_sm90a_and_llama_modules_stay_bias_free(tiny):
+    from megabake.codegen import KERNEL_ARGUMENTS
+    from megabake.runtime.compile import compile_check, load_module
+
+    qwen = compile_model(_randomise_biases(_small("Qwen2ForCausalLM")))
+    module = load_module(qwen.generated.source)
+    assert module.ARGUMENTS == KERNEL_ARGUMENTS + ["bias_qkv"]
+    assert "bodies.gemv_rows_bias(w_qkv[layer, None, None], bias_qkv[layer, None]" in qwen.generated.source
+    result = compile_check(qwen.plan, module)
+    assert result.ok, result.error
+    # a model without biases gets exactly the kernel it had before biases existed
+    assert load_module(tiny.generated.source).ARGUMENTS == KERNEL_ARGUMENTS
+    assert "gemv_rows_bias" not in tiny.generated.source
 
 
 @torch.no_grad()
@@ -241,7 +281,6 @@ def test_other_architectures_with_llama_semantics_bake():
 
 
 @pytest.mark.parametrize("arch, error, where", [
-    ("Qwen2ForCausalLM", PlanError, "q_proj has a bias"),
     ("Qwen3ForCausalLM", UnsupportedGraphError, "model.layers.0.self_attn"),
     ("OlmoForCausalLM", UnsupportedGraphError, "layer_norm"),
 ])
@@ -264,7 +303,7 @@ def test_plan_refuses_buckets_that_do_not_fit_shared_memory():
         _check_shared_memory(dims, batch=1, capacity=60000, threads=256)
 
 
-@pytest.mark.parametrize("preset", ["smollm-135m", "llama-3.2-1b"])
+@pytest.mark.parametrize("preset", ["smollm-135m", "llama-3.2-1b", "qwen2.5-0.5b"])
 def test_real_shapes_compile_for_sm90a(preset, tmp_path):
     """The real models' shapes (two layers each: the layer loop makes depth irrelevant to codegen)."""
     from megabake.runtime.compile import compile_check, load_module

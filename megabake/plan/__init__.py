@@ -10,7 +10,9 @@ runtime layer loop over packed weights ``[L, rows, cols]``. Anything else raises
 Per step the kernel runs: prologue (embedding) | per layer: norm+QKV, attention (RoPE + KV append +
 decode attention), O-proj + residual, norm+gate/up, act+down + residual | epilogue (norm + LM head),
 with one grid barrier between consecutive stages. RMSNorm of one row is recomputed by every CTA that
-needs it instead of costing a barrier.
+needs it instead of costing a barrier. Linear biases (q/k/v/o, gate/up/down) become per-stage fp32 buffers
+(``STAGE_BIAS``, zeros for a projection without one) that the GEMV adds as it writes; a plan without biases
+has no such buffers, and its kernel is the same as before biases existed.
 """
 
 from __future__ import annotations
@@ -76,7 +78,8 @@ class Buffer:
 
 @dataclass
 class PackedWeight:
-    """A packed weight buffer: ``sources[layer]`` lists (fqn, first row) concatenated along rows."""
+    """A packed weight buffer: ``sources[layer]`` lists parts concatenated along rows: ``(fqn, 0)`` is an HF
+    parameter, ``("", n)`` is n rows of zeros (a bias a projection does not have, next to one it has)."""
 
     buffer: str
     per_layer: bool
@@ -159,6 +162,11 @@ class Plan:
         layer = [s for s in self.stages if s.scope == "layer" and s.barrier_after]
         epilogue = [s for s in self.stages if s.scope == "epilogue" and s.barrier_after]
         return len(prologue) + len(layer) * self.dims.layers + len(epilogue)
+
+    def bias_of(self, stage_name: str) -> str | None:
+        """The fp32 bias buffer a GEMV stage adds to its outputs, or None (no projection in it has a bias)."""
+        name = STAGE_BIAS.get(stage_name)
+        return name if name and any(b.name == name for b in self.buffers) else None
 
     def buffer(self, name: str) -> Buffer:
         for buf in self.buffers:
@@ -349,8 +357,6 @@ def _check_block_shape(block: _Block, dims: ModelDims) -> None:
         if (lin.out_features, lin.in_features) != shape:
             raise PlanError(f"layer {block.index} {role} ({lin.hf_module}) has shape "
                             f"{(lin.out_features, lin.in_features)}, expected {shape}: layers must be identical")
-        if lin.bias is not None:
-            raise PlanError(f"{lin.hf_module} has a bias; linear biases are not supported by the megakernel yet")
     if ops["attention"].head_dim % WARP != 0 or ops["attention"].head_dim > 256:
         raise PlanError(f"head_dim {ops['attention'].head_dim} must be a multiple of 32 and at most 256")
     if dims.act != "silu":
@@ -371,6 +377,12 @@ class GemvTuning:
 
 
 GEMV_STAGES = ("norm_qkv", "o_residual", "norm_gate_up", "down_residual", "norm_lm_head")
+
+# Linear biases (Qwen2's q/k/v; Llama's attention_bias / mlp_bias): GEMV stage -> (fp32 bias buffer, roles)
+STAGE_BIAS = {"norm_qkv": "bias_qkv", "o_residual": "bias_o", "norm_gate_up": "bias_gate_up",
+              "down_residual": "bias_down"}
+_BIAS_ROLES = {"norm_qkv": ["q", "k", "v"], "o_residual": ["o"], "norm_gate_up": ["gate", "up"],
+               "down_residual": ["down"]}
 DEFAULT_TUNING = {name: GemvTuning() for name in GEMV_STAGES}
 
 
@@ -393,6 +405,9 @@ def build_plan(ir: IRGraph, *, ctas: int = 132, threads: int = 256, weight_dtype
     tuning = {**DEFAULT_TUNING, **(tuning or {})}
     embed, blocks, final_norm, lm_head, ropes = _recognise(ir)
     dims = _dims(blocks, final_norm, lm_head)
+    if lm_head.bias is not None:
+        raise PlanError(f"{lm_head.hf_module} (the LM head) has a bias; an LM-head bias is not supported yet")
+    biased = _biased_stages(blocks)
     for k in (dims.hidden, dims.q_rows, dims.intermediate):
         if k % 8:
             raise PlanError(f"a GEMV reduction length of {k} is not a multiple of 8 (16-byte bf16 vectors)")
@@ -401,11 +416,15 @@ def build_plan(ir: IRGraph, *, ctas: int = 132, threads: int = 256, weight_dtype
     layers = [_bind_layer(block) for block in blocks]
     tied = lm_head.weight == embed.table
     stages = _stages(dims, batch, tuning)
+    for stage in stages:
+        if stage.name in biased:
+            stage.reads.append(STAGE_BIAS[stage.name])
     rotary_ops = [op.id for op in ir.of_kind(RotaryTable)]
     return Plan(
         version=PLAN_VERSION, dims=dims, batch=batch, capacity=capacity, ctas=ctas, threads=threads,
         smem_bytes=_smem_bytes(dims, batch, capacity, threads), weight_dtype=weight_dtype,
-        buffers=_buffers(dims, batch, capacity, weight_dtype, tied), packed=_packing(blocks, embed, final_norm, lm_head, tied),
+        buffers=_buffers(dims, batch, capacity, weight_dtype, tied) + _bias_buffers(dims, biased),
+        packed=_packing(blocks, embed, final_norm, lm_head, tied) + _bias_packing(blocks, biased),
         stages=stages, layers=layers,
         rotary=Rotary(inv_freq_buffer=inv_freq_buffer, attention_scaling=rotary_scaling, head_dim=dims.head_dim,
                       ops=rotary_ops),
@@ -484,6 +503,27 @@ def _packing(blocks, embed, final_norm, lm_head, tied) -> list[PackedWeight]:
     if not tied:
         packs.append(PackedWeight("lm_head", False, [[(lm_head.weight, 0)]]))
     return packs
+
+
+def _biased_stages(blocks: list[_Block]) -> list[str]:
+    """GEMV stages in which some layer's projection has a bias."""
+    return [stage for stage, roles in _BIAS_ROLES.items()
+            if any(block.ops[role].bias is not None for block in blocks for role in roles)]
+
+
+def _bias_buffers(dims: ModelDims, biased: list[str]) -> list[Buffer]:
+    rows = {"norm_qkv": dims.qkv_rows, "o_residual": dims.hidden, "norm_gate_up": 2 * dims.intermediate,
+            "down_residual": dims.hidden}
+    return [Buffer(STAGE_BIAS[stage], "weight", "float32", [dims.layers, rows[stage]]) for stage in biased]
+
+
+def _bias_packing(blocks: list[_Block], biased: list[str]) -> list[PackedWeight]:
+    def part(lin):
+        return (lin.bias, 0) if lin.bias is not None else ("", lin.out_features)
+
+    return [PackedWeight(STAGE_BIAS[stage], True,
+                         [[part(block.ops[role]) for role in _BIAS_ROLES[stage]] for block in blocks])
+            for stage in biased]
 
 
 def _stages(dims: ModelDims, batch: int, tuning: dict[str, GemvTuning]) -> list[Stage]:

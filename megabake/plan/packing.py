@@ -2,8 +2,8 @@
 
 Contract: ``pack_weights(plan, lookup, dtype=..., device=...)`` returns ``{buffer name: tensor}`` for every
 weight buffer of the plan, built only from the plan's :class:`PackedWeight` sources (HF parameter fqns,
-concatenated along rows, stacked per layer). Norm weights are packed in fp32 with the plan's weight offset
-folded in (Gemma's ``1 + w``). ``rotary_tables(plan, inv_freq)`` evaluates cos/sin for every cache slot.
+concatenated along rows, stacked per layer; ``("", n)`` sources are n zero rows). Norm weights are packed in
+fp32 with the plan's weight offset folded in (Gemma's ``1 + w``); biases are packed in fp32. ``rotary_tables(plan, inv_freq)`` evaluates cos/sin for every cache slot.
 """
 
 from __future__ import annotations
@@ -18,6 +18,9 @@ _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torc
            "int64": torch.int64}
 
 
+NORM_BUFFERS = ("norms", "final_norm")  # fp32, with the plan's weight offset folded in
+
+
 def torch_dtype(name: str) -> torch.dtype:
     return _DTYPES[name]
 
@@ -27,12 +30,12 @@ def pack_weights(plan: Plan, lookup: Callable[[str], torch.Tensor], *, dtype: to
     packed: dict[str, torch.Tensor] = {}
     for spec in plan.packed:
         buf = plan.buffer(spec.buffer)
-        is_norm = buf.dtype == "float32"
-        target = torch.float32 if is_norm else (dtype or torch_dtype(buf.dtype))
+        is_norm = spec.buffer in NORM_BUFFERS
+        target = torch.float32 if buf.dtype == "float32" else (dtype or torch_dtype(buf.dtype))
         layers = []
         for sources in spec.sources:
-            parts = [lookup(fqn).detach().to(device=device, dtype=torch.float32 if is_norm else target)
-                     for fqn, _ in sources]
+            parts = [lookup(fqn).detach().to(device=device, dtype=target) if fqn else
+                     torch.zeros(rows, dtype=target, device=device) for fqn, rows in sources]
             if is_norm:
                 parts = [p + plan.dims.norm_offset for p in parts]
             layers.append(torch.stack(parts) if is_norm and len(parts) > 1 else torch.cat(parts, dim=0))

@@ -68,8 +68,12 @@ class ReferenceExecutor:
             first = tile * tiling.per_tile
             yield tile, range(first, min(first + tiling.per_tile, tiling.units))
 
-    def _gemv(self, stage: Stage, weight: torch.Tensor, vec: torch.Tensor, out: torch.Tensor, accumulate: bool):
+    def _gemv(self, stage: Stage, weight: torch.Tensor, vec: torch.Tensor, out: torch.Tensor, accumulate: bool,
+              layer: int | None = None):
         product = vec @ weight.T  # [B, rows]; each tile's rows are taken from it exactly once
+        bias = self.plan.bias_of(stage.name)
+        if bias:
+            product = product + self.w[bias][layer]
         written = torch.zeros(out.shape[1], dtype=torch.int32)
         for _, rows in self._row_tiles(stage):
             part = slice(rows.start, rows.stop)
@@ -102,16 +106,18 @@ class ReferenceExecutor:
         slot = 0 if stage.name == "norm_qkv" else 1
         weight = self.w["w_qkv" if slot == 0 else "w_gate_up"][layer]
         normed = self._rmsnorm(self.buffers["x"], self.w["norms"][layer, slot])
-        self._gemv(stage, weight, normed, self.buffers["qkv" if slot == 0 else "gate_up"], accumulate=False)
+        self._gemv(stage, weight, normed, self.buffers["qkv" if slot == 0 else "gate_up"], accumulate=False,
+                   layer=layer)
 
     def _stage_gemv_residual(self, stage, layer, tokens, position):
-        self._gemv(stage, self.w["w_o"][layer], self.buffers["attn"].clone(), self.buffers["x"], accumulate=True)
+        self._gemv(stage, self.w["w_o"][layer], self.buffers["attn"].clone(), self.buffers["x"], accumulate=True,
+                   layer=layer)
 
     def _stage_act_gemv_residual(self, stage, layer, tokens, position):
         inter = self.plan.dims.intermediate
         gu = self.buffers["gate_up"]
         act = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
-        self._gemv(stage, self.w["w_down"][layer], act, self.buffers["x"], accumulate=True)
+        self._gemv(stage, self.w["w_down"][layer], act, self.buffers["x"], accumulate=True, layer=layer)
 
     def _stage_norm_gemv_out(self, stage, layer, tokens, position):
         normed = self._rmsnorm(self.buffers["x"], self.w["final_norm"])

@@ -189,16 +189,18 @@ def _gemv_chunk(weight: cute.Tensor, s_vec: cute.Tensor, acc: cute.Tensor, tile:
 
 
 @cute.jit
-def gemv_rows(weight: cute.Tensor, s_vec: cute.Tensor, out: cute.Tensor, gwarp: Int32, lane: Int32,
-              total_warps: cutlass.Constexpr[int], rows: cutlass.Constexpr[int], cols: cutlass.Constexpr[int],
-              batch: cutlass.Constexpr[int], per_tile: cutlass.Constexpr[int],
-              accumulate: cutlass.Constexpr[bool], unroll: cutlass.Constexpr[int]):
+def _gemv_rows(weight: cute.Tensor, s_vec: cute.Tensor, out: cute.Tensor, bias: cute.Tensor, gwarp: Int32,
+               lane: Int32, total_warps: cutlass.Constexpr[int], rows: cutlass.Constexpr[int],
+               cols: cutlass.Constexpr[int], batch: cutlass.Constexpr[int], per_tile: cutlass.Constexpr[int],
+               accumulate: cutlass.Constexpr[bool], unroll: cutlass.Constexpr[int],
+               has_bias: cutlass.Constexpr[bool]):
     """out[b, r] (+)= sum_k weight[r, k] * s_vec[b, k] for the rows of the tiles this warp owns.
 
     Tile t covers rows [t*per_tile, (t+1)*per_tile) and belongs to global warp t % total_warps. Each lane
     reads 16-byte vectors; ``unroll`` x ``per_tile`` independent loads per lane are in flight per step of
     the K loop (fully unrolled bodies, compile-time K), accumulation is fp32, the warp reduces with
-    shuffles, and lane 0 writes (each output element has exactly one owner).
+    shuffles, and lane 0 writes (each output element has exactly one owner), adding ``bias[row]`` (fp32)
+    when ``has_bias``.
     """
     tiles = (rows + per_tile - 1) // per_tile
     kvecs = cols // VEC
@@ -222,10 +224,32 @@ def gemv_rows(weight: cute.Tensor, s_vec: cute.Tensor, out: cute.Tensor, gwarp: 
             for b in cutlass.range_constexpr(batch):
                 total = cute.arch.warp_reduction_sum(acc[r * batch + b])
                 if lane == 0 and row < rows:
+                    if cutlass.const_expr(has_bias):
+                        total = total + bias[row]
                     if cutlass.const_expr(accumulate):
                         out[b, row] = out[b, row] + total
                     else:
                         out[b, row] = total
+
+
+@cute.jit
+def gemv_rows(weight: cute.Tensor, s_vec: cute.Tensor, out: cute.Tensor, gwarp: Int32, lane: Int32,
+              total_warps: cutlass.Constexpr[int], rows: cutlass.Constexpr[int], cols: cutlass.Constexpr[int],
+              batch: cutlass.Constexpr[int], per_tile: cutlass.Constexpr[int],
+              accumulate: cutlass.Constexpr[bool], unroll: cutlass.Constexpr[int]):
+    """out[b, r] (+)= sum_k weight[r, k] * s_vec[b, k] over the rows this warp owns (see :func:`_gemv_rows`)."""
+    _gemv_rows(weight, s_vec, out, out, gwarp, lane, total_warps, rows, cols, batch, per_tile, accumulate, unroll,
+               False)
+
+
+@cute.jit
+def gemv_rows_bias(weight: cute.Tensor, bias: cute.Tensor, s_vec: cute.Tensor, out: cute.Tensor, gwarp: Int32,
+                   lane: Int32, total_warps: cutlass.Constexpr[int], rows: cutlass.Constexpr[int],
+                   cols: cutlass.Constexpr[int], batch: cutlass.Constexpr[int], per_tile: cutlass.Constexpr[int],
+                   accumulate: cutlass.Constexpr[bool], unroll: cutlass.Constexpr[int]):
+    """:func:`gemv_rows` plus a per-row fp32 bias (a linear layer with a bias, e.g. Qwen2's q/k/v)."""
+    _gemv_rows(weight, s_vec, out, bias, gwarp, lane, total_warps, rows, cols, batch, per_tile, accumulate, unroll,
+               True)
 
 
 # --------------------------------------------------------------------------------------- attention
