@@ -163,6 +163,29 @@ PRESETS: dict[str, Preset] = {
                 tie_word_embeddings=True,
             ),
         ),
+        Preset(
+            name="qwen3-0.6b",
+            model_id="Qwen/Qwen3-0.6B",
+            architecture="Qwen3ForCausalLM",
+            description="Qwen3-0.6B shape: hidden 1024, 28 layers, 16/8 heads x 128, intermediate 3072, vocab 151936, "
+                        "per-head q/k RMSNorm, tied",
+            config=dict(
+                hidden_act="silu",
+                rms_norm_eps=1e-6,
+                hidden_size=1024,
+                intermediate_size=3072,
+                num_hidden_layers=28,
+                num_attention_heads=16,
+                num_key_value_heads=8,
+                head_dim=128,
+                vocab_size=151936,
+                max_position_embeddings=40960,
+                rope_theta=1000000.0,
+                attention_bias=False,
+                use_sliding_window=False,
+                tie_word_embeddings=True,
+            ),
+        ),
     ]
 }
 

@@ -281,13 +281,43 @@ def test_other_architectures_with_llama_semantics_bake():
 
 
 @pytest.mark.parametrize("arch, error, where", [
-    ("Qwen3ForCausalLM", UnsupportedGraphError, "model.layers.0.self_attn"),
     ("OlmoForCausalLM", UnsupportedGraphError, "layer_norm"),
 ])
 def test_unsupported_architectures_fail_with_the_cause(arch, error, where):
     with pytest.raises(error) as info:
         compile_model(_small(arch))
     assert where in str(info.value)
+
+
+def _randomise_head_norms(model):
+    with torch.no_grad():
+        for index, (name, param) in enumerate(model.named_parameters()):
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                param.normal_(1.0, 0.3, generator=torch.Generator().manual_seed(index))
+    return model
+
+
+def test_qwen3_head_norms_are_recognised_and_match_eager_fp32():
+    """Qwen3 normalises each head's q and k (RMSNorm over head_dim) before RoPE."""
+    model = _randomise_head_norms(_small("Qwen3ForCausalLM"))
+    compiled = compile_model(model)
+    plan = compiled.plan
+    assert plan.has_head_norms and plan.buffer("qk_norms").shape == [2, 2, 64]
+    layer = plan.layers[1]
+    assert layer.params["q_norm"] == "model.layers.1.self_attn.q_norm.weight"
+    assert "model.layers.1.self_attn.q_norm" in layer.hf_modules["attention"]
+    assert "bodies.decode_attention_qk_norm(qkv, qk_norms[layer, None, None]" in compiled.generated.source
+    _assert_matches_eager(model, reference_executor_for(plan, model), steps=4)
+
+
+def test_qwen3_module_compiles_for_sm90a_and_llama_attention_is_unchanged(tiny):
+    from megabake.runtime.compile import compile_check, load_module
+
+    compiled = compile_model(_randomise_head_norms(_small("Qwen3ForCausalLM")))
+    result = compile_check(compiled.plan, load_module(compiled.generated.source))
+    assert result.ok, result.error
+    assert not tiny.plan.has_head_norms and "decode_attention_qk_norm" not in tiny.generated.source
+    assert "q_norm" not in tiny.plan.stages[2].roles
 
 
 def test_plan_refuses_buckets_that_do_not_fit_shared_memory():
@@ -303,7 +333,7 @@ def test_plan_refuses_buckets_that_do_not_fit_shared_memory():
         _check_shared_memory(dims, batch=1, capacity=60000, threads=256)
 
 
-@pytest.mark.parametrize("preset", ["smollm-135m", "llama-3.2-1b", "qwen2.5-0.5b"])
+@pytest.mark.parametrize("preset", ["smollm-135m", "llama-3.2-1b", "qwen2.5-0.5b", "qwen3-0.6b"])
 def test_real_shapes_compile_for_sm90a(preset, tmp_path):
     """The real models' shapes (two layers each: the layer loop makes depth irrelevant to codegen)."""
     from megabake.runtime.compile import compile_check, load_module

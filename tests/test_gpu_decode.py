@@ -110,6 +110,28 @@ def test_kernel_with_linear_biases_matches_reference_executor():
         assert float((got - want).norm() / want.norm()) < 2e-3, pos
 
 
+def test_kernel_with_qwen3_head_norms_matches_reference_executor():
+    """Qwen3's per-head q/k RMSNorm (random weights, not HF's ones) on the GPU against the reference executor."""
+    from megabake.plan.reference import ReferenceExecutor
+    from megabake.runtime import MegakernelDecoder, gpu_info
+    from tests.compiler_fixtures import compile_model
+    from tests.test_compiler import _randomise_head_norms, _small
+
+    model = _randomise_head_norms(_small("Qwen3ForCausalLM"))
+    compiled = compile_model(model, capacity=64, ctas=gpu_info().sm_count)
+    decoder = MegakernelDecoder(compiled.plan, compiled.generated.source, model, device="cuda")
+    plan = compiled.plan
+    weights = {spec.buffer: decoder.buffers[spec.buffer].cpu() for spec in plan.packed}
+    reference = ReferenceExecutor(plan, weights, decoder.buffers["rope_cos"].cpu(), decoder.buffers["rope_sin"].cpu())
+    tokens = torch.randint(1, plan.dims.vocab, (12,), generator=torch.Generator().manual_seed(7))
+    for pos in range(12):
+        decoder.buffers["logits"].fill_(float("nan"))
+        got = decoder.step(tokens[pos:pos + 1], pos).cpu().clone()
+        want = reference.step(tokens[pos:pos + 1], pos)
+        assert torch.isfinite(got).all()
+        assert float((got - want).norm() / want.norm()) < 2e-3, pos
+
+
 def test_position_past_capacity_is_refused_before_launch():
     compiled, decoder = _decoder("tiny-llama", capacity=16)
     with pytest.raises(InputError, match="capacity"):

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..plan import STAGE_BIAS, Plan, Stage, smem_floats
+from ..plan import HEAD_NORMS, STAGE_BIAS, Plan, Stage, smem_floats
 
 KERNEL_ARGUMENTS = [
     "embed", "w_qkv", "w_o", "w_gate_up", "w_down", "norms", "final_norm", "lm_head", "rope_cos", "rope_sin",
@@ -28,8 +28,10 @@ KERNEL_ARGUMENTS = [
 
 
 def kernel_arguments(plan: Plan) -> list[str]:
-    """Kernel parameter order: the fixed buffers, then the bias buffers this plan has (none for Llama)."""
-    return KERNEL_ARGUMENTS + [name for name in STAGE_BIAS.values() if any(b.name == name for b in plan.buffers)]
+    """Kernel parameter order: the fixed buffers, then the bias and per-head-norm buffers this plan has
+    (none for Llama)."""
+    optional = list(STAGE_BIAS.values()) + [HEAD_NORMS]
+    return KERNEL_ARGUMENTS + [name for name in optional if any(b.name == name for b in plan.buffers)]
 
 
 @dataclass
@@ -230,6 +232,15 @@ def _prefetch_call(plan: Plan, stage: Stage) -> str | None:
     return (f"bodies.prefetch_rows({weight}, gwarp, lane, TOTAL_WARPS, {rows}, {cols}, {per_tile}, {max_tiles})")
 
 
+def _attention_call(plan: Plan) -> tuple[str, str]:
+    caches = ("rope_cos, rope_sin, k_cache[layer, None, None, None, None], v_cache[layer, None, None, None, None], "
+              "attn, pos, s_att, s_red, cta, tidx, BATCH, N_HEADS, N_KV_HEADS, HEAD_DIM, CAPACITY, CTAS, THREADS, "
+              "ATTN_SCALE")
+    if plan.has_head_norms:
+        return "decode_attention_qk_norm", f"bodies.decode_attention_qk_norm(qkv, qk_norms[layer, None, None], {caches}, EPS)"
+    return "decode_attention", f"bodies.decode_attention(qkv, {caches})"
+
+
 def _gemv_label(plan: Plan, stage: Stage) -> str:
     return "gemv_rows_bias" if plan.bias_of(stage.name) else "gemv_rows"
 
@@ -243,11 +254,7 @@ _BODY_CALLS = {
                             "QKV_ROWS" if st.name == "norm_qkv" else "2 * INTER", "HIDDEN", st, False,
                             plan.bias_of(st.name))),
     ],
-    "attention": lambda plan, st: [
-        ("decode_attention", "bodies.decode_attention(qkv, rope_cos, rope_sin, k_cache[layer, None, None, None, None], "
-                             "v_cache[layer, None, None, None, None], attn, pos, s_att, s_red, cta, tidx, BATCH, N_HEADS, "
-                             "N_KV_HEADS, HEAD_DIM, CAPACITY, CTAS, THREADS, ATTN_SCALE)"),
-    ],
+    "attention": lambda plan, st: [_attention_call(plan)],
     "gemv_residual": lambda plan, st: [
         ("copy_to_smem", "bodies.copy_to_smem(attn, s_vec, tidx, BATCH, Q_ROWS, THREADS)"),
         (_gemv_label(plan, st), _gemv("w_o[layer, None, None]", "x", "HIDDEN", "Q_ROWS", st, True, plan.bias_of(st.name))),

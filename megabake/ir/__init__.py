@@ -460,7 +460,7 @@ def _neg(lw: _Lowering, node, args):
 
 
 def _slice(lw: _Lowering, node, args):
-    x = args[0]
+    x = _finish(args[0])  # Qwen3 slices the per-head RMSNorm output for rotate-half
     dim, start, end = (list(args[1:]) + [0, 0, None])[:3]
     if isinstance(x, Act):
         size = lw.shape(node.args[0])[-1] if lw.shape(node.args[0]) else 0
@@ -500,8 +500,8 @@ def _mul(lw: _Lowering, node, args):
                 lw.emit(RMSNorm, node, covered + extra + [node.name], inp=source, weight=weight, eps=eps,
                         weight_offset=offset)
                 return Partial("rmsnorm_done", (node.name,))
-        if isinstance(x, Act) and isinstance(y, Rotary) and y.part == "cos":
-            return Partial("rope_cos", (x.name, y.table, [node.name]))
+        if isinstance(_finish(x), Act) and isinstance(y, Rotary) and y.part == "cos":
+            return Partial("rope_cos", (_finish(x).name, y.table, [node.name]))
         if isinstance(x, Partial) and x.kind == "rotate_half" and isinstance(y, Rotary) and y.part == "sin":
             return Partial("rope_sin", (x.args[0], y.table, x.args[1] + [node.name]))
         if isinstance(x, Partial) and x.kind == "activated" and isinstance(_finish(y), Act):

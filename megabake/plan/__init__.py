@@ -12,7 +12,8 @@ decode attention), O-proj + residual, norm+gate/up, act+down + residual | epilog
 with one grid barrier between consecutive stages. RMSNorm of one row is recomputed by every CTA that
 needs it instead of costing a barrier. Linear biases (q/k/v/o, gate/up/down) become per-stage fp32 buffers
 (``STAGE_BIAS``, zeros for a projection without one) that the GEMV adds as it writes; a plan without biases
-has no such buffers, and its kernel is the same as before biases existed.
+has no such buffers, and its kernel is the same as before biases existed. Qwen3's per-head q/k RMSNorm
+(before RoPE) is recognised through the norm and packed as ``qk_norms`` for the attention stage.
 """
 
 from __future__ import annotations
@@ -168,6 +169,11 @@ class Plan:
         name = STAGE_BIAS.get(stage_name)
         return name if name and any(b.name == name for b in self.buffers) else None
 
+    @property
+    def has_head_norms(self) -> bool:
+        """Per-head RMSNorm of q and k before RoPE (Qwen3): weights in the ``qk_norms`` buffer."""
+        return any(b.name == HEAD_NORMS for b in self.buffers)
+
     def buffer(self, name: str) -> Buffer:
         for buf in self.buffers:
             if buf.name == name:
@@ -242,6 +248,17 @@ def _inputs(op) -> list[str]:
     return []
 
 
+def _rope_users(lin: Linear, users: dict) -> list[tuple[object, RMSNorm | None]]:
+    """Users of a projection, looking through a per-head RMSNorm (Qwen3's q_norm / k_norm) to what follows it."""
+    found = []
+    for user in users.get(lin.out, []):
+        if isinstance(user, RMSNorm):
+            found += [(after, user) for after in users.get(user.out, [])]
+        else:
+            found.append((user, None))
+    return found
+
+
 def _only(items: list, what: str, where: str):
     if len(items) != 1:
         raise PlanError(f"expected exactly one {what} after {where}, found {len(items)}; "
@@ -276,17 +293,23 @@ def _recognise_block(index, residual, norm, linears, users, producer) -> _Block:
     ops: dict[str, object] = {"input_norm": norm}
     attn = None
     for lin in linears:
-        for user in users.get(lin.out, []):
+        for user, head_norm in _rope_users(lin, users):
             if isinstance(user, RoPE):
                 nxt = users.get(user.out, [])
                 if any(isinstance(n, DecodeAttention) for n in nxt):
                     ops["q"], ops["q_rope"] = lin, user
                     attn = next(n for n in nxt if isinstance(n, DecodeAttention))
+                    if head_norm is not None:
+                        ops["q_norm"] = head_norm
                 elif any(isinstance(n, KVAppend) for n in nxt):
                     ops["k"], ops["k_rope"] = lin, user
                     ops["k_append"] = next(n for n in nxt if isinstance(n, KVAppend))
+                    if head_norm is not None:
+                        ops["k_norm"] = head_norm
             elif isinstance(user, KVAppend):
                 ops["v"], ops["v_append"] = lin, user
+    if ("q_norm" in ops) != ("k_norm" in ops):
+        raise PlanError(f"layer {index}: a per-head RMSNorm on only one of q and k is not supported")
     missing = [r for r in ("q", "k", "v", "k_append", "v_append") if r not in ops] + ([] if attn else ["attention"])
     if missing or len(linears) != 3:
         raise PlanError(f"layer {index}: could not recognise the attention block (missing {missing}, "
@@ -328,6 +351,10 @@ _STAGE_ROLES = {
 }
 
 
+_OPTIONAL_ROLES = ("q_norm", "k_norm")  # Qwen3's per-head RMSNorm of q and k before RoPE
+_LAYER_ROLES = {**_STAGE_ROLES, "attention": list(_OPTIONAL_ROLES) + _STAGE_ROLES["attention"]}
+
+
 def _dims(blocks: list[_Block], final_norm: RMSNorm, lm_head: Linear) -> ModelDims:
     first = blocks[0].ops
     attn: DecodeAttention = first["attention"]
@@ -357,6 +384,11 @@ def _check_block_shape(block: _Block, dims: ModelDims) -> None:
         if (lin.out_features, lin.in_features) != shape:
             raise PlanError(f"layer {block.index} {role} ({lin.hf_module}) has shape "
                             f"{(lin.out_features, lin.in_features)}, expected {shape}: layers must be identical")
+    for role in ("q_norm", "k_norm"):
+        norm = ops.get(role)
+        if norm is not None and (norm.eps != dims.eps or norm.weight_offset != dims.norm_offset):
+            raise PlanError(f"{norm.hf_module}: a per-head norm whose eps or weight offset differs from the layer "
+                            "norms is not supported")
     if ops["attention"].head_dim % WARP != 0 or ops["attention"].head_dim > 256:
         raise PlanError(f"head_dim {ops['attention'].head_dim} must be a multiple of 32 and at most 256")
     if dims.act != "silu":
@@ -381,6 +413,7 @@ GEMV_STAGES = ("norm_qkv", "o_residual", "norm_gate_up", "down_residual", "norm_
 # Linear biases (Qwen2's q/k/v; Llama's attention_bias / mlp_bias): GEMV stage -> (fp32 bias buffer, roles)
 STAGE_BIAS = {"norm_qkv": "bias_qkv", "o_residual": "bias_o", "norm_gate_up": "bias_gate_up",
               "down_residual": "bias_down"}
+HEAD_NORMS = "qk_norms"  # [L, 2, head_dim] fp32: Qwen3's q_norm and k_norm weights, applied before RoPE
 _BIAS_ROLES = {"norm_qkv": ["q", "k", "v"], "o_residual": ["o"], "norm_gate_up": ["gate", "up"],
                "down_residual": ["down"]}
 DEFAULT_TUNING = {name: GemvTuning() for name in GEMV_STAGES}
@@ -408,6 +441,7 @@ def build_plan(ir: IRGraph, *, ctas: int = 132, threads: int = 256, weight_dtype
     if lm_head.bias is not None:
         raise PlanError(f"{lm_head.hf_module} (the LM head) has a bias; an LM-head bias is not supported yet")
     biased = _biased_stages(blocks)
+    head_norms = _has_head_norms(blocks)
     for k in (dims.hidden, dims.q_rows, dims.intermediate):
         if k % 8:
             raise PlanError(f"a GEMV reduction length of {k} is not a multiple of 8 (16-byte bf16 vectors)")
@@ -419,12 +453,17 @@ def build_plan(ir: IRGraph, *, ctas: int = 132, threads: int = 256, weight_dtype
     for stage in stages:
         if stage.name in biased:
             stage.reads.append(STAGE_BIAS[stage.name])
+        if stage.name == "attention" and head_norms:
+            stage.reads.append(HEAD_NORMS)
+            stage.roles = list(_OPTIONAL_ROLES) + stage.roles
     rotary_ops = [op.id for op in ir.of_kind(RotaryTable)]
     return Plan(
         version=PLAN_VERSION, dims=dims, batch=batch, capacity=capacity, ctas=ctas, threads=threads,
         smem_bytes=_smem_bytes(dims, batch, capacity, threads), weight_dtype=weight_dtype,
-        buffers=_buffers(dims, batch, capacity, weight_dtype, tied) + _bias_buffers(dims, biased),
-        packed=_packing(blocks, embed, final_norm, lm_head, tied) + _bias_packing(blocks, biased),
+        buffers=_buffers(dims, batch, capacity, weight_dtype, tied) + _bias_buffers(dims, biased)
+        + _head_norm_buffers(dims, head_norms),
+        packed=_packing(blocks, embed, final_norm, lm_head, tied) + _bias_packing(blocks, biased)
+        + _head_norm_packing(blocks, head_norms),
         stages=stages, layers=layers,
         rotary=Rotary(inv_freq_buffer=inv_freq_buffer, attention_scaling=rotary_scaling, head_dim=dims.head_dim,
                       ops=rotary_ops),
@@ -448,7 +487,8 @@ def _provenance(ops) -> dict[str, list[str]]:
 def _bind_layer(block: _Block) -> LayerBinding:
     ops = block.ops
     params = {role: ops[role].weight for role in ("input_norm", "q", "k", "v", "o", "post_norm", "gate", "up", "down")}
-    by_stage = {stage: [ops[r] for r in roles] for stage, roles in _STAGE_ROLES.items()}
+    params.update({role: ops[role].weight for role in _OPTIONAL_ROLES if role in ops})
+    by_stage = {stage: [ops[r] for r in roles if r in ops] for stage, roles in _LAYER_ROLES.items()}
     return LayerBinding(
         index=block.index, params=params,
         ops={s: [op.id for op in v] for s, v in by_stage.items()},
@@ -524,6 +564,24 @@ def _bias_packing(blocks: list[_Block], biased: list[str]) -> list[PackedWeight]
     return [PackedWeight(STAGE_BIAS[stage], True,
                          [[part(block.ops[role]) for role in _BIAS_ROLES[stage]] for block in blocks])
             for stage in biased]
+
+
+def _has_head_norms(blocks: list[_Block]) -> bool:
+    present = {"q_norm" in block.ops for block in blocks}
+    if len(present) > 1:
+        raise PlanError("only some layers have per-head q/k norms; layers must be identical")
+    return present == {True}
+
+
+def _head_norm_buffers(dims: ModelDims, head_norms: bool) -> list[Buffer]:
+    return [Buffer(HEAD_NORMS, "weight", "float32", [dims.layers, 2, dims.head_dim])] if head_norms else []
+
+
+def _head_norm_packing(blocks: list[_Block], head_norms: bool) -> list[PackedWeight]:
+    if not head_norms:
+        return []
+    return [PackedWeight(HEAD_NORMS, True, [[(block.ops["q_norm"].weight, 0), (block.ops["k_norm"].weight, 0)]
+                                            for block in blocks])]
 
 
 def _stages(dims: ModelDims, batch: int, tuning: dict[str, GemvTuning]) -> list[Stage]:

@@ -18,7 +18,7 @@ _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torc
            "int64": torch.int64}
 
 
-NORM_BUFFERS = ("norms", "final_norm")  # fp32, with the plan's weight offset folded in
+NORM_BUFFERS = ("norms", "final_norm", "qk_norms")  # fp32, with the plan's weight offset folded in
 
 
 def torch_dtype(name: str) -> torch.dtype:

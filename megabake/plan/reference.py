@@ -137,10 +137,15 @@ class ReferenceExecutor:
             owners[tile] = (cta, 0)
             b, head = divmod(tile, d.n_heads)
             kv_head = head // group
-            q = _rope(qkv[b, head * d.head_dim:(head + 1) * d.head_dim], cos, sin)
             k_off = d.q_rows + kv_head * d.head_dim
             v_off = d.q_rows + d.kv_rows + kv_head * d.head_dim
-            k_new = _rope(qkv[b, k_off:k_off + d.head_dim], cos, sin).to(self.cache_dtype)
+            q_raw = qkv[b, head * d.head_dim:(head + 1) * d.head_dim]
+            k_raw = qkv[b, k_off:k_off + d.head_dim]
+            if self.plan.has_head_norms:  # Qwen3: RMSNorm over each head's q and k, then RoPE
+                q_raw = self._rmsnorm(q_raw, self.w["qk_norms"][layer, 0])
+                k_raw = self._rmsnorm(k_raw, self.w["qk_norms"][layer, 1])
+            q = _rope(q_raw, cos, sin)
+            k_new = _rope(k_raw, cos, sin).to(self.cache_dtype)
             v_new = qkv[b, v_off:v_off + d.head_dim].to(self.cache_dtype)
             # every CTA of a KV group writes the same bytes into slot `position` (as the kernel does)
             kc[b, kv_head, position] = k_new

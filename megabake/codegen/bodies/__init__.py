@@ -284,6 +284,46 @@ def decode_attention(qkv: cute.Tensor, rope_cos: cute.Tensor, rope_sin: cute.Ten
                      head_dim: cutlass.Constexpr[int], capacity: cutlass.Constexpr[int],
                      ctas: cutlass.Constexpr[int], threads: cutlass.Constexpr[int],
                      scale: cutlass.Constexpr[float]):
+    """RoPE + KV append + single-query attention (see :func:`_decode_attention`)."""
+    _decode_attention(qkv, qkv, rope_cos, rope_sin, k_cache, v_cache, attn, pos, s_att, s_red, cta, tidx, batch,
+                      n_heads, n_kv_heads, head_dim, capacity, ctas, threads, scale, False, 0.0)
+
+
+@cute.jit
+def decode_attention_qk_norm(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Tensor,
+                             rope_sin: cute.Tensor, k_cache: cute.Tensor, v_cache: cute.Tensor, attn: cute.Tensor,
+                             pos: Int32, s_att: cute.Tensor, s_red: cute.Tensor, cta: Int32, tidx: Int32,
+                             batch: cutlass.Constexpr[int], n_heads: cutlass.Constexpr[int],
+                             n_kv_heads: cutlass.Constexpr[int], head_dim: cutlass.Constexpr[int],
+                             capacity: cutlass.Constexpr[int], ctas: cutlass.Constexpr[int],
+                             threads: cutlass.Constexpr[int], scale: cutlass.Constexpr[float],
+                             eps: cutlass.Constexpr[float]):
+    """:func:`decode_attention` with Qwen3's per-head RMSNorm of q and k (weights ``qk_norm[0|1, :]``) before RoPE."""
+    _decode_attention(qkv, qk_norm, rope_cos, rope_sin, k_cache, v_cache, attn, pos, s_att, s_red, cta, tidx,
+                      batch, n_heads, n_kv_heads, head_dim, capacity, ctas, threads, scale, True, eps)
+
+
+@cute.jit
+def _head_inv_rms(qkv: cute.Tensor, b: Int32, offset: Int32, s_red: cute.Tensor, tidx: Int32,
+                  head_dim: cutlass.Constexpr[int], warps: cutlass.Constexpr[int],
+                  eps: cutlass.Constexpr[float]) -> Float32:
+    """rsqrt(mean(qkv[b, offset:offset + head_dim]^2) + eps), on every thread of the CTA."""
+    value = Float32(0.0)
+    if tidx < head_dim:
+        value = qkv[b, offset + tidx]
+    total = _block_reduce(value * value, s_red, tidx, warps, False)
+    return cute.math.rsqrt(total * (1.0 / head_dim) + eps)
+
+
+@cute.jit
+def _decode_attention(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Tensor, rope_sin: cute.Tensor,
+                      k_cache: cute.Tensor, v_cache: cute.Tensor, attn: cute.Tensor, pos: Int32,
+                      s_att: cute.Tensor, s_red: cute.Tensor, cta: Int32, tidx: Int32,
+                      batch: cutlass.Constexpr[int], n_heads: cutlass.Constexpr[int],
+                      n_kv_heads: cutlass.Constexpr[int], head_dim: cutlass.Constexpr[int],
+                      capacity: cutlass.Constexpr[int], ctas: cutlass.Constexpr[int],
+                      threads: cutlass.Constexpr[int], scale: cutlass.Constexpr[float],
+                      has_qk_norm: cutlass.Constexpr[bool], eps: cutlass.Constexpr[float]):
     """RoPE + KV append + single-query attention over positions [0, pos] for each (batch, q head) tile.
 
     Every CTA of a KV group ropes the new k itself and writes the same bytes (k, v rounded to the cache
@@ -291,6 +331,9 @@ def decode_attention(qkv: cute.Tensor, rope_cos: cute.Tensor, rope_sin: cute.Ten
     duplicate writes store identical values, and no CTA reads slot ``pos`` before its own write.
     Positions are spread over lane groups (head_dim/8 lanes read one 16-byte-vectorised row): scores go
     to shared memory, a CTA-wide max/sum gives the softmax, and P @ V merges across groups and warps.
+
+    With ``has_qk_norm`` (Qwen3) each head's q and k are RMS-normalised over head_dim (two CTA reductions)
+    and scaled by ``qk_norm[0|1, :]`` before RoPE.
 
     s_att layout (fp32): [0, D) roped q | [D, D + capacity) scores | then warps x D partial outputs.
     """
@@ -312,22 +355,45 @@ def decode_attention(qkv: cute.Tensor, rope_cos: cute.Tensor, rope_sin: cute.Ten
         b = tile // n_heads
         head = tile - b * n_heads
         kvh = head // group
-        if tidx < head_dim:
-            d = tidx
-            partner = d + half
-            sign = Float32(-1.0)
-            if d >= half:
-                partner = d - half
-                sign = Float32(1.0)
-            c = rope_cos[pos, d]
-            s = rope_sin[pos, d]
-            q_off = head * head_dim
-            k_off = q_rows + kvh * head_dim
-            v_off = q_rows + kv_rows + kvh * head_dim
-            s_q[d] = qkv[b, q_off + d] * c + sign * qkv[b, q_off + partner] * s
-            k_cache[b, kvh, pos, d] = (qkv[b, k_off + d] * c + sign * qkv[b, k_off + partner] * s).to(
-                k_cache.element_type)
-            v_cache[b, kvh, pos, d] = qkv[b, v_off + d].to(v_cache.element_type)
+        if cutlass.const_expr(has_qk_norm):
+            q_inv = _head_inv_rms(qkv, b, head * head_dim, s_red, tidx, head_dim, warps, eps)
+            k_inv = _head_inv_rms(qkv, b, q_rows + kvh * head_dim, s_red, tidx, head_dim, warps, eps)
+            if tidx < head_dim:
+                d = tidx
+                partner = d + half
+                sign = Float32(-1.0)
+                if d >= half:
+                    partner = d - half
+                    sign = Float32(1.0)
+                c = rope_cos[pos, d]
+                s = rope_sin[pos, d]
+                q_off = head * head_dim
+                k_off = q_rows + kvh * head_dim
+                v_off = q_rows + kv_rows + kvh * head_dim
+                q_d = qkv[b, q_off + d] * q_inv * qk_norm[0, d]
+                q_p = qkv[b, q_off + partner] * q_inv * qk_norm[0, partner]
+                k_d = qkv[b, k_off + d] * k_inv * qk_norm[1, d]
+                k_p = qkv[b, k_off + partner] * k_inv * qk_norm[1, partner]
+                s_q[d] = q_d * c + sign * q_p * s
+                k_cache[b, kvh, pos, d] = (k_d * c + sign * k_p * s).to(k_cache.element_type)
+                v_cache[b, kvh, pos, d] = qkv[b, v_off + d].to(v_cache.element_type)
+        else:
+            if tidx < head_dim:
+                d = tidx
+                partner = d + half
+                sign = Float32(-1.0)
+                if d >= half:
+                    partner = d - half
+                    sign = Float32(1.0)
+                c = rope_cos[pos, d]
+                s = rope_sin[pos, d]
+                q_off = head * head_dim
+                k_off = q_rows + kvh * head_dim
+                v_off = q_rows + kv_rows + kvh * head_dim
+                s_q[d] = qkv[b, q_off + d] * c + sign * qkv[b, q_off + partner] * s
+                k_cache[b, kvh, pos, d] = (qkv[b, k_off + d] * c + sign * qkv[b, k_off + partner] * s).to(
+                    k_cache.element_type)
+                v_cache[b, kvh, pos, d] = qkv[b, v_off + d].to(v_cache.element_type)
         cute.arch.sync_threads()
         keys = k_cache[b, kvh, None, None]
         values = v_cache[b, kvh, None, None]
