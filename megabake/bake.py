@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 from . import __version__
-from .errors import MegaBakeError
+from .errors import MegaBakeError, network_errors
 
 DEFAULT_GPU_CLASS = "sm90a-132sm"  # H100/H200 SXM
 
@@ -58,24 +58,42 @@ def load_source(model: str, revision: str | None, seed: int) -> ModelSource:
 
         raise MegaBakeError(f"{model!r} is neither a built-in preset ({', '.join(sorted(PRESETS))}) nor a Hub "
                             "repo id of the form ORG/NAME")
-    from huggingface_hub import HfApi
-    from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
+    sha = resolve_hub_revision(model, revision or "main")
     from transformers import AutoModelForCausalLM
 
-    wanted = revision or "main"
     try:
-        sha = HfApi().model_info(model, revision=wanted).sha
+        hf_model = AutoModelForCausalLM.from_pretrained(model, revision=sha, dtype=torch.float32).eval()
+    except network_errors() as exc:
+        raise MegaBakeError(f"could not load the weights of {model}@{sha[:12]}: {exc}. Check the network, or bake "
+                            "offline from a cached snapshot (HF_HUB_OFFLINE=1 and --revision <its commit sha>)") from exc
+    return ModelSource(hf_model, model, sha, "pretrained", None, None)
+
+
+def resolve_hub_revision(model: str, wanted: str) -> str:
+    """The commit sha of ``model`` at ``wanted`` (branch, tag or sha), asked of the Hub; offline
+    (``HF_HUB_OFFLINE=1``), a full commit sha is taken as given (the snapshot must be in the HF cache)."""
+    import re
+
+    from huggingface_hub import HfApi, constants
+    from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
+
+    if constants.HF_HUB_OFFLINE:
+        if re.fullmatch(r"[0-9a-f]{40}", wanted):
+            return wanted
+        raise MegaBakeError(f"HF_HUB_OFFLINE is set, so {model}@{wanted} cannot be resolved: pass --revision "
+                            "with the full 40-character commit sha of a snapshot in your HF cache")
+    try:
+        return HfApi().model_info(model, revision=wanted).sha
     except RevisionNotFoundError:
         raise MegaBakeError(f"revision {wanted!r} does not exist in the Hub repo {model}; pass a branch, tag or "
                             "commit sha that exists (see the repo's 'Files and versions')") from None
     except RepositoryNotFoundError:
         raise MegaBakeError(f"the Hub repo {model} does not exist or needs a token: check the id, or log in "
                             "with `hf auth login` / set HF_TOKEN for gated models") from None
-    except (HfHubHTTPError, OSError) as exc:
-        raise MegaBakeError(f"could not reach the Hub to resolve {model}@{wanted}: {exc}. Bake a built-in "
-                            "preset offline, or retry with network access") from exc
-    hf_model = AutoModelForCausalLM.from_pretrained(model, revision=sha, dtype=torch.float32).eval()
-    return ModelSource(hf_model, model, sha, "pretrained", None, None)
+    except (HfHubHTTPError,) + network_errors() as exc:
+        raise MegaBakeError(f"could not reach the Hub to resolve {model}@{wanted}: {exc}. Retry with network "
+                            "access, bake a built-in preset, or bake offline from a cached snapshot "
+                            "(HF_HUB_OFFLINE=1 and --revision <its commit sha>)") from exc
 
 
 def parse_gpu_class(gpu_class: str) -> tuple[tuple[int, int], int]:

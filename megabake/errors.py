@@ -39,3 +39,13 @@ def require_cutlass():
             "(or: pip install nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-cu13==4.8.1)"
         ) from exc
     return cutlass
+
+
+def network_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions that mean "the Hub could not be reached": OSError, plus httpx's transport errors
+    (huggingface_hub >= 1.0 talks httpx, whose errors are not OSErrors)."""
+    try:
+        import httpx
+    except ImportError:  # older huggingface_hub (requests): its errors are OSErrors
+        return (OSError,)
+    return (OSError, httpx.HTTPError)

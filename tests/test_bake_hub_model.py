@@ -60,3 +60,27 @@ def test_bake_unknown_hub_revision_is_a_clear_error(hub_env, hub_cache, tmp_path
 def test_preset_with_revision_is_refused(tmp_path):
     with pytest.raises(MegaBakeError, match="--revision does not apply"):
         bake("tiny-llama", revision="main", out=tmp_path, run_on_gpu=False)
+
+
+def test_unreachable_hub_is_a_clear_error(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens on the discard port
+    with pytest.raises(MegaBakeError, match=r"could not reach the Hub to resolve acme/tiny-llama@main.*HF_HUB_OFFLINE"):
+        bake("acme/tiny-llama", out=tmp_path / "packages", run_on_gpu=False)
+    assert not (tmp_path / "packages").exists()
+
+
+def test_offline_bake_from_the_cache_needs_a_commit_sha(hub_env, hub_cache, tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    sha, _ = _upload_tiny_model(hub_env, tmp_path, "acme/tiny-llama")
+    bake("acme/tiny-llama", revision="main", out=tmp_path / "online", run_on_gpu=False)  # fills the cache
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # and prove no request is made
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(MegaBakeError, match="full 40-character commit sha"):
+        bake("acme/tiny-llama", revision="main", out=tmp_path / "offline", run_on_gpu=False)
+    result = bake("acme/tiny-llama", revision=sha, out=tmp_path / "offline", run_on_gpu=False)
+    assert result.report["model"]["revision"] == sha and result.report["reference_check"]["ok"]

@@ -211,3 +211,13 @@ def test_ls_lists_local_packages_registry_and_hub(hub_server, pretrained, tmp_pa
     assert hub[0].startswith(f"Hub repo {REPO}@main (commit {hub_server.head(REPO)})")
     assert sum(f"{REPO}:packages/HuggingFaceTB--SmolLM-135M" in line
                and "0.5 ms (2x vs inductor-reduce-overhead)" in line for line in hub) == 2
+
+
+def test_publish_to_an_unreachable_hub_is_a_clear_error(tmp_path):
+    from pathlib import Path
+
+    package = Path(__file__).resolve().parents[1] / "packages" / "megabake--tiny-llama"
+    result = CliRunner().invoke(publish_cmd, [str(package), "--repo", "acme/x", "--endpoint", "http://127.0.0.1:9",
+                                              "--allow-unverified", "--allow-random-weights"])
+    assert result.exit_code == 1, result.output
+    assert "could not reach the Hub at http://127.0.0.1:9" in result.output and "Nothing was published" in result.output

@@ -12,7 +12,7 @@ from pathlib import Path
 import click
 from huggingface_hub.errors import HfHubHTTPError
 
-from megabake.errors import MegaBakeError
+from megabake.errors import MegaBakeError, network_errors
 from megabake.hub.load import read_hub_index
 from megabake.hub.publish import publish as publish_packages
 from megabake.package import find_packages, iter_entries, read_index, read_package
@@ -77,6 +77,9 @@ def publish(packages, repo_id, branch, parent_commit, allow_unverified, allow_ra
                                   dry_run=dry_run, private=private or None, endpoint=endpoint, token=token)
     except (MegaBakeError, HfHubHTTPError) as exc:
         raise click.ClickException(str(exc)) from exc
+    except network_errors() as exc:
+        raise click.ClickException(f"could not reach the Hub at {endpoint or 'the default endpoint'}: {exc}. Nothing "
+                                   "was published; retry with network access") from exc
     click.echo(result.plan.summary())
     if dry_run:
         click.echo("dry run: nothing was written")
