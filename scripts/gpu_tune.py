@@ -2,9 +2,11 @@
 
 For each preset: capture and lower once, then for each tuning variant (rows per warp tile x loads in flight
 per lane) build the plan, generate, compile and bind the kernel, check its logits against the first
-(default) variant at the same state, and time graph replays with CUDA events (median of --reps). Then a
-``timeline=True`` build of the default and of the fastest variant reports where one step's time goes, per
-stage kind (summed over layers), with the bytes each stage streams and the bandwidth that implies.
+(default) variant at the same state (the default also against the CPU reference executor), time graph
+replays with CUDA events (median of --reps), and read one step of a ``timeline=True`` build: where the
+time goes per stage kind (summed over layers), with the bytes each stage streams and the bandwidth that
+implies. Finally a "composite" variant takes, for every GEMV stage, the tiling of the variant that was
+fastest in that stage, and is measured the same way; its spec is printed (a ``tuning=`` for build_plan).
 
     source .cute/activate.sh && python3 scripts/gpu_tune.py smollm-135m llama-3.2-1b --out $OUT
 
@@ -22,10 +24,11 @@ from pathlib import Path
 VARIANTS = {  # name -> per-stage (per_tile, unroll) overrides ("*": every GEMV stage); "default" first
     "default": {},
     "t2u8": {"*": (2, 8)},
+    "t2u16": {"*": (2, 16)},
     "t1u8": {"*": (1, 8)},
     "t1u16": {"*": (1, 16)},
-    "t1u16-lm2u4": {"*": (1, 16), "norm_lm_head": (2, 4)},
-    "t1u8-lm2u8": {"*": (1, 8), "norm_lm_head": (2, 8)},
+    "t1u32": {"*": (1, 32)},
+    "t4u4": {"*": (4, 4)},
 }
 
 
@@ -110,57 +113,97 @@ def sweep(name: str, variants: list[str], reps: int, capacity: int) -> dict:
     import torch
 
     from megabake.capture import capture_decode_step
-    from megabake.codegen import generate
     from megabake.ir import lower
-    from megabake.plan import build_plan
     from megabake.plan.rotary import recover_rotary
     from megabake.presets import get_preset
-    from megabake.runtime import MegakernelDecoder, gpu_info
+    from megabake.runtime import gpu_info
 
     info = gpu_info()
     model = get_preset(name).build_model()
     captured = capture_decode_step(model, capacity=capacity)
     ir = lower(captured)
     inv, scale = recover_rotary(captured, ir)
-    gen = torch.Generator().manual_seed(3)
-    tokens = torch.randint(1, model.config.vocab_size, (STEPS,), generator=gen)
-    pos = STEPS - 1
-    token = tokens[pos:pos + 1]
-    rows, default_logits, plans = [], None, {}
+    tokens = torch.randint(1, model.config.vocab_size, (STEPS,), generator=torch.Generator().manual_seed(3))
+    context = dict(ir=ir, inv=inv, scale=scale, sm_count=info.sm_count, model=model, tokens=tokens, reps=reps)
+    rows, timelines, default_logits = [], {}, []
     for variant in variants:
-        t0 = time.perf_counter()
-        try:
-            plan = build_plan(ir, ctas=info.sm_count, inv_freq_buffer=inv, rotary_scaling=scale,
-                              tuning=tuning_for(VARIANTS[variant]))
-            decoder = MegakernelDecoder(plan, generate(plan).source, model, device="cuda")
-            for p in range(STEPS):
-                decoder.buffers["logits"].fill_(float("nan"))  # poison
-                logits = decoder.step(tokens[p:p + 1], p).float().cpu().clone()
-            row = {"variant": variant, "finite": bool(torch.isfinite(logits).all())}
-            if default_logits is None:
-                default_logits = logits
-                row["rel_l2_vs_cpu_reference"] = vs_reference(decoder, plan, tokens)
-            row["rel_l2_vs_default"] = float((logits - default_logits).norm() / default_logits.norm())
-            row.update(gpu_ms=time_replays(decoder, token, pos, reps), sync_ms=sync_call(decoder, token, pos, reps),
-                       build_s=round(time.perf_counter() - t0, 1))
-            plans[variant] = plan
-            del decoder
-        except Exception as exc:  # one variant failing must not end the sweep
-            row = {"variant": variant, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+        row, timelines[variant] = measure_variant(variant, tuning_for(VARIANTS[variant]), context, default_logits)
         rows.append(row)
-        print(json.dumps(row), flush=True)
-        torch.cuda.empty_cache()
-    ok = [r for r in rows if "gpu_ms" in r and r["finite"] and r["rel_l2_vs_default"] < 1e-3]
-    best = min(ok, key=lambda r: r["gpu_ms"])["variant"] if ok else None
-    timelines = {}
-    for variant in dict.fromkeys(["default", best]):
-        if variant in plans:
-            try:
-                timelines[variant] = timeline(plans[variant], model, tokens)
-            except Exception as exc:
-                timelines[variant] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+    specs = {r["variant"]: VARIANTS[r["variant"]] for r in rows if _usable(r)}
+    composite = composite_spec(specs, timelines)
+    if composite:
+        row, timelines["composite"] = measure_variant("composite", tuning_for(composite), context, default_logits)
+        row["spec"] = {stage: list(value) for stage, value in composite.items()}
+        rows.append(row)
+    usable = [r for r in rows if _usable(r)]
+    best = min(usable, key=lambda r: r["gpu_ms"])["variant"] if usable else None
+    plan = build_tuned_plan(context, {})
     return {"preset": name, "gpu": info.name, "rows": rows, "best": best, "timelines": timelines,
-            "stage_bytes": stage_bytes(plans["default"]) if "default" in plans else {}}
+            "stage_bytes": stage_bytes(plan)}
+
+
+def _usable(row: dict) -> bool:
+    return "gpu_ms" in row and row["finite"] and row["rel_l2_vs_default"] < 1e-3
+
+
+def build_tuned_plan(context: dict, tuning: dict):
+    from megabake.plan import build_plan
+
+    return build_plan(context["ir"], ctas=context["sm_count"], inv_freq_buffer=context["inv"],
+                      rotary_scaling=context["scale"], tuning=tuning)
+
+
+def measure_variant(variant: str, tuning: dict, context: dict, default_logits: list) -> tuple[dict, dict]:
+    """Build, check (poisoned logits, vs the first variant, the first one also vs the CPU reference), time, and
+    read one step's per-stage clocks. Errors become the row's ``error``: one variant must not end the sweep."""
+    import torch
+
+    from megabake.codegen import generate
+    from megabake.runtime import MegakernelDecoder
+
+    started = time.perf_counter()
+    model, tokens, reps = context["model"], context["tokens"], context["reps"]
+    pos = len(tokens) - 1
+    try:
+        plan = build_tuned_plan(context, tuning)
+        decoder = MegakernelDecoder(plan, generate(plan).source, model, device="cuda")
+        for p in range(len(tokens)):
+            decoder.buffers["logits"].fill_(float("nan"))  # poison
+            logits = decoder.step(tokens[p:p + 1], p).float().cpu().clone()
+        row = {"variant": variant, "finite": bool(torch.isfinite(logits).all())}
+        if not default_logits:
+            default_logits.append(logits)
+            row["rel_l2_vs_cpu_reference"] = vs_reference(decoder, plan, tokens)
+        reference = default_logits[0]
+        row["rel_l2_vs_default"] = float((logits - reference).norm() / reference.norm())
+        row.update(gpu_ms=time_replays(decoder, tokens[pos:], pos, reps), sync_ms=sync_call(decoder, tokens[pos:], pos, reps))
+        del decoder
+        stages = timeline(plan, model, tokens)
+        row["build_s"] = round(time.perf_counter() - started, 1)
+    except Exception as exc:
+        row, stages = {"variant": variant, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}, {}
+    print(json.dumps(row), flush=True)
+    torch.cuda.empty_cache()
+    return row, stages
+
+
+def composite_spec(specs: dict[str, dict], timelines: dict[str, dict]) -> dict:
+    """Per GEMV stage, the (per_tile, unroll) of the variant whose timeline spent least time in that stage."""
+    from megabake.plan import GEMV_STAGES, GemvTuning
+
+    chosen = {}
+    for stage in GEMV_STAGES:
+        timed = [(timelines[v][stage], v) for v in specs if stage in timelines.get(v, {})]
+        if not timed:
+            continue
+        _, winner = min(timed)
+        spec = specs[winner]
+        value = spec.get(stage, spec.get("*"))
+        if value is None:
+            default = GemvTuning()
+            value = (default.per_tile, default.unroll)
+        chosen[stage] = tuple(value)
+    return chosen
 
 
 def print_table(result: dict) -> None:
@@ -173,9 +216,11 @@ def print_table(result: dict) -> None:
             ref = r.get("rel_l2_vs_cpu_reference")
             print(f"| {r['variant']} | {r['gpu_ms']:.3f} | {r['sync_ms']:.3f} | {r['rel_l2_vs_default']:.1e} | "
                   f"{'' if ref is None else f'{ref:.1e}'} |")
+    for r in result["rows"]:
+        if "spec" in r:
+            print(f"composite (per-stage winners): {json.dumps(r['spec'])}")
     for variant, kinds in result["timelines"].items():
-        if "error" in kinds:
-            print(f"timeline {variant}: {kinds['error']}")
+        if not kinds:
             continue
         total = sum(kinds.values())
         parts = []

@@ -403,9 +403,9 @@ class GemvTuning:
     unroll: int = 4
 
     def __post_init__(self):
-        if not 1 <= self.per_tile <= 8 or not 1 <= self.unroll <= 16:
+        if not 1 <= self.per_tile <= 8 or not 1 <= self.unroll <= 32:
             raise PlanError(f"GEMV tuning per_tile={self.per_tile}, unroll={self.unroll} is outside "
-                            "per_tile 1..8, unroll 1..16")
+                            "per_tile 1..8, unroll 1..32")
 
 
 GEMV_STAGES = ("norm_qkv", "o_residual", "norm_gate_up", "down_residual", "norm_lm_head")
