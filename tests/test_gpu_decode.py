@@ -21,6 +21,26 @@ def _decoder(name: str, capacity: int = 128):
     return compiled, MegakernelDecoder(compiled.plan, compiled.generated.source, compiled.model, device="cuda")
 
 
+def _reference_for(compiled, decoder):
+    """The plan's CPU reference executor on the decoder's own packed bf16 weights and rotary tables."""
+    from megabake.plan.reference import ReferenceExecutor
+
+    weights = {spec.buffer: decoder.buffers[spec.buffer].cpu() for spec in compiled.plan.packed}
+    return ReferenceExecutor(compiled.plan, weights, decoder.buffers["rope_cos"].cpu(),
+                             decoder.buffers["rope_sin"].cpu())
+
+
+def _assert_steps_match(decoder, reference, tokens, positions, tol: float = 2e-3):
+    """tokens [B, T]: step t at positions[t] on both; poisoned logits; rel-L2 per step below tol."""
+    for t, pos in enumerate(positions):
+        decoder.buffers["logits"].fill_(float("nan"))
+        got = decoder.step(tokens[:, t], pos).cpu().clone()
+        want = reference.step(tokens[:, t], pos)
+        assert torch.isfinite(got).all(), pos
+        assert float((got - want).norm() / want.norm()) < tol, pos
+    return got, want
+
+
 @pytest.fixture(scope="module", params=["smollm-135m", "llama-3.2-1b"])
 def baked(request):
     compiled, decoder = _decoder(request.param)
@@ -89,7 +109,6 @@ def test_kernel_matches_reference_executor_and_is_stable():
 
 def test_kernel_with_linear_biases_matches_reference_executor():
     """Qwen2-style q/k/v biases (random, not HF's zeros) on the GPU against the CPU reference executor."""
-    from megabake.plan.reference import ReferenceExecutor
     from megabake.runtime import MegakernelDecoder, gpu_info
     from tests.compiler_fixtures import compile_model
     from tests.test_compiler import _randomise_biases, _small
@@ -97,22 +116,14 @@ def test_kernel_with_linear_biases_matches_reference_executor():
     model = _randomise_biases(_small("Qwen2ForCausalLM", attention_bias=True))
     compiled = compile_model(model, capacity=64, ctas=gpu_info().sm_count)
     decoder = MegakernelDecoder(compiled.plan, compiled.generated.source, model, device="cuda")
-    plan = compiled.plan
-    weights = {spec.buffer: decoder.buffers[spec.buffer].cpu() for spec in plan.packed}
-    assert "bias_qkv" in weights and float(weights["bias_qkv"].abs().max()) > 0.1
-    reference = ReferenceExecutor(plan, weights, decoder.buffers["rope_cos"].cpu(), decoder.buffers["rope_sin"].cpu())
-    tokens = torch.randint(1, plan.dims.vocab, (12,), generator=torch.Generator().manual_seed(6))
-    for pos in range(12):
-        decoder.buffers["logits"].fill_(float("nan"))
-        got = decoder.step(tokens[pos:pos + 1], pos).cpu().clone()
-        want = reference.step(tokens[pos:pos + 1], pos)
-        assert torch.isfinite(got).all()
-        assert float((got - want).norm() / want.norm()) < 2e-3, pos
+    reference = _reference_for(compiled, decoder)
+    assert float(reference.w["bias_qkv"].abs().max()) > 0.1
+    tokens = torch.randint(1, compiled.plan.dims.vocab, (1, 12), generator=torch.Generator().manual_seed(6))
+    _assert_steps_match(decoder, reference, tokens, range(12))
 
 
 def test_kernel_with_qwen3_head_norms_matches_reference_executor():
     """Qwen3's per-head q/k RMSNorm (random weights, not HF's ones) on the GPU against the reference executor."""
-    from megabake.plan.reference import ReferenceExecutor
     from megabake.runtime import MegakernelDecoder, gpu_info
     from tests.compiler_fixtures import compile_model
     from tests.test_compiler import _randomise_head_norms, _small
@@ -120,16 +131,36 @@ def test_kernel_with_qwen3_head_norms_matches_reference_executor():
     model = _randomise_head_norms(_small("Qwen3ForCausalLM"))
     compiled = compile_model(model, capacity=64, ctas=gpu_info().sm_count)
     decoder = MegakernelDecoder(compiled.plan, compiled.generated.source, model, device="cuda")
-    plan = compiled.plan
-    weights = {spec.buffer: decoder.buffers[spec.buffer].cpu() for spec in plan.packed}
-    reference = ReferenceExecutor(plan, weights, decoder.buffers["rope_cos"].cpu(), decoder.buffers["rope_sin"].cpu())
-    tokens = torch.randint(1, plan.dims.vocab, (12,), generator=torch.Generator().manual_seed(7))
-    for pos in range(12):
-        decoder.buffers["logits"].fill_(float("nan"))
-        got = decoder.step(tokens[pos:pos + 1], pos).cpu().clone()
-        want = reference.step(tokens[pos:pos + 1], pos)
-        assert torch.isfinite(got).all()
-        assert float((got - want).norm() / want.norm()) < 2e-3, pos
+    tokens = torch.randint(1, compiled.plan.dims.vocab, (1, 12), generator=torch.Generator().manual_seed(7))
+    _assert_steps_match(decoder, _reference_for(compiled, decoder), tokens, range(12))
+
+
+def test_batched_bucket_matches_reference_executor():
+    """A batch-3 bucket: every sequence's staging, GEMV accumulators and attention tiles."""
+    from megabake.runtime import MegakernelDecoder, gpu_info
+
+    compiled = compile_preset("tiny-llama", batch=3, capacity=64, ctas=gpu_info().sm_count)
+    decoder = MegakernelDecoder(compiled.plan, compiled.generated.source, compiled.model, device="cuda")
+    tokens = torch.randint(1, compiled.plan.dims.vocab, (3, 10), generator=torch.Generator().manual_seed(8))
+    got, _ = _assert_steps_match(decoder, _reference_for(compiled, decoder), tokens, range(10))
+    assert got.shape == (3, compiled.plan.dims.vocab)
+    assert float((got[0] - got[1]).abs().max()) > 0  # the sequences really differ
+
+
+def test_long_context_attention_matches_reference_executor():
+    """Positions near a 1024-slot capacity: the attention loops over ~1000 cached keys (random cache)."""
+    from megabake.runtime import MegakernelDecoder, gpu_info
+
+    compiled = compile_preset("tiny-llama", capacity=1024, ctas=gpu_info().sm_count)
+    decoder = MegakernelDecoder(compiled.plan, compiled.generated.source, compiled.model, device="cuda")
+    reference = _reference_for(compiled, decoder)
+    generator = torch.Generator().manual_seed(9)
+    for name in ("k_cache", "v_cache"):
+        cache = torch.randn(reference.buffers[name].shape, generator=generator).to(reference.buffers[name].dtype)
+        reference.buffers[name].copy_(cache)
+        decoder.buffers[name].copy_(cache.to(decoder.buffers[name].device))
+    tokens = torch.randint(1, compiled.plan.dims.vocab, (1, 3), generator=generator)
+    _assert_steps_match(decoder, reference, tokens, [1000, 1001, 1023])
 
 
 def test_position_past_capacity_is_refused_before_launch():
