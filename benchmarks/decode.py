@@ -54,6 +54,7 @@ class Row:
     seconds: float = 0.0
     stand_in: bool = False
     measured: str = ""  # where and with what: date, GPU, driver, versions, megabake git revision
+    warnings: list[str] = field(default_factory=list)  # the timing harness's consistency warnings
 
 
 def row_from_report(preset: str, report: dict, *, package: str | None = None, seconds: float = 0.0,
@@ -73,6 +74,7 @@ def row_from_report(preset: str, report: dict, *, package: str | None = None, se
                       if c.get("kind") == "baseline" and c.get("sync_call")},
         baseline=timings.get("baseline"), speedup=speedup.get("median"), speedup_ci=speedup.get("ci95"),
         floor_ms=timings.get("floor_ms"), seconds=seconds, stand_in=stand_in, measured=measured_line(report),
+        warnings=list(timings.get("warnings") or []),
     )
 
 
@@ -117,6 +119,8 @@ def markdown_table(rows: list[Row]) -> str:
                  "CUDA-event time of the kernel alone; floor = weight bytes / device copy bandwidth.")
     for measured in dict.fromkeys(row.measured for row in rows if row.measured):
         lines.append(f"Measured: {measured}.")
+    for row in rows:
+        lines += [f"Warning ({row.preset}): {warning}" for warning in row.warnings]
     return "\n".join(lines) + "\n"
 
 

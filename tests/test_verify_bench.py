@@ -92,3 +92,10 @@ def test_table_says_where_and_with_what_it_was_measured(bench):
     assert ("Measured: 2026-11-30, NVIDIA H200 (132 SMs, driver 580.159.04), torch 2.11.0, transformers 5.17.0, "
             "CuTe DSL 4.8.1, megabake 0.1.0, git a5b4541deadb+dirty.") in table
     assert "Measured:" not in bench.markdown_table([bench.row_from_report("smollm-135m", _report())])
+
+
+def test_table_carries_the_timing_warnings(bench):
+    report = _report()
+    report["timings"]["warnings"] = ["inductor-graph: 1.75 ms per synchronized call ... back to back (-28%)"]
+    row = bench.row_from_report("llama-3.2-1b", report)
+    assert "Warning (llama-3.2-1b): inductor-graph: 1.75 ms" in bench.markdown_table([row])

@@ -231,3 +231,33 @@ def test_decode_ids_give_one_layout_and_one_compile():
     assert counter.frame_count == 1
     wide = torch.arange(12).reshape(3, 4)
     assert decode_ids(wide[:, 1]).flatten().tolist() == [1, 5, 9]
+
+
+def test_block_cross_check_runs_each_candidate_back_to_back():
+    from megabake.verify.timing import measure_blocks
+
+    clock = FakeClock()
+    settings = TimingSettings(samples=2, inner=3, block_calls=5)
+    candidates = [Candidate("megabake", "megabake", clock.call("mk")), Candidate("bl", "baseline", clock.call("bl")),
+                  Candidate("broken", "baseline", clock.call("x"), error="boom")]
+    results = {"megabake": Samples(), "bl": Samples()}
+    measure_blocks(candidates, settings, clock.sync, results, clock=clock)
+    assert [name for name, _ in clock.log] == ["mk"] * 5 + ["bl"] * 5  # alone, in a row; a failed one skipped
+    assert [i for _, i in clock.log[:5]] == [0, 1, 2, 0, 1]  # cycles over the shared schedule
+    assert results["bl"].sync_call_block == pytest.approx([3.0] * 5)  # 2 ms call + 1 ms sync, per call
+
+
+def test_block_disagreement_becomes_a_report_warning():
+    from megabake.package import validate
+    from megabake.verify.report import summary_lines
+    from tests.fixtures_packages import make_report
+
+    candidates = [Candidate("megabake", "megabake", None), Candidate("inductor-graph", "baseline", None)]
+    results = {"megabake": Samples(_samples(1.0), sync_call_block=_samples(1.05)),
+               "inductor-graph": Samples(_samples(1.75), sync_call_block=_samples(1.26))}
+    timings = assemble_timings(candidates, results, weight_bytes=1, bandwidth_GBps=4280.0, settings=TimingSettings())
+    assert len(timings["warnings"]) == 1 and timings["warnings"][0].startswith("inductor-graph: 1.75 ms")
+    assert "-28%" in timings["warnings"][0]
+    assert timings["candidates"]["inductor-graph"]["sync_call_block"]["median"] == pytest.approx(1.26)
+    report = validate("report", dict(make_report(status="unverified", megabake_ms=None), timings=timings))
+    assert any(line.startswith("  warning: inductor-graph") for line in summary_lines(report))

@@ -145,4 +145,5 @@ def summary_lines(report: dict) -> list[str]:
             lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)))
         lines.append(f"floor {_fmt(timings.get('floor_ms'))} ms ({_fmt(timings.get('copy_bandwidth_GBps'))} GB/s "
                      f"copy), baseline {timings.get('baseline')}")
+    lines += [f"  warning: {w}" for w in timings.get("warnings") or []]
     return lines

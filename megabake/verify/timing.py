@@ -12,7 +12,9 @@ measures, per candidate, ``inner`` synchronized complete calls (host + GPU, cloc
 behind a spin kernel (so host launch gaps do not count). Each sample is a per-call mean in ms. Summaries:
 median + seeded bootstrap 95% interval, raw samples kept. The baseline is the baseline candidate with the
 lowest synchronized median; the speedup is the paired ratio baseline/megakernel of synchronized calls.
-After timing, call 0 runs again: a candidate whose logits moved is marked failed (its times are void).
+Then each candidate runs ``block_calls`` synchronized calls back to back (``sync_call_block``, a cross-check:
+a median more than 15% away from the alternating rounds' becomes a ``warnings`` entry). After timing, call 0
+runs again: a candidate whose logits moved is marked failed (its times are void).
 The weight-streaming floor is ``weight_bytes`` / device copy bandwidth measured in the same run (read +
 write bytes of a device-to-device copy).
 The pure parts (schedule, sample collection with an injected sync/clock, floor, assembly) run on a CPU.
@@ -39,6 +41,7 @@ class TimingSettings:
     warmup: int = 30  # calls per candidate before the first round
     prefill: int = 16
     seed: int = 0
+    block_calls: int = 100  # back-to-back synchronized calls per candidate in the cross-check block
 
 
 @dataclass
@@ -60,6 +63,7 @@ class Samples:
     sync_call: list[float] = field(default_factory=list)
     pipelined: list[float] = field(default_factory=list)
     gpu_event: list[float] = field(default_factory=list)
+    sync_call_block: list[float] = field(default_factory=list)  # one call each, back to back (cross-check)
 
 
 def require_cuda() -> None:
@@ -147,6 +151,42 @@ def measure_rounds(candidates: Sequence[Candidate], settings: TimingSettings, sy
     return results
 
 
+def measure_blocks(candidates: Sequence[Candidate], settings: TimingSettings, sync, results: dict[str, Samples],
+                   clock=time.perf_counter) -> None:
+    """Cross-check of the alternating rounds: each candidate alone, ``block_calls`` synchronized calls in a
+    row (one sample per call, cycling over the ``inner`` schedule), into ``results[name].sync_call_block``."""
+    for candidate in candidates:
+        if candidate.call is None or candidate.error is not None or candidate.name not in results:
+            continue
+        out = results[candidate.name].sync_call_block
+        sync()
+        for k in range(settings.block_calls):
+            start = clock()
+            candidate.call(k % settings.inner)
+            sync()
+            out.append((clock() - start) * 1e3)
+
+
+BLOCK_DISAGREEMENT = 0.15  # |block median / alternating median - 1| above this is reported as a warning
+
+
+def consistency_warnings(candidates: Sequence[Candidate], results: dict[str, Samples]) -> list[str]:
+    """Candidates whose back-to-back block median disagrees with their alternating-rounds median."""
+    from .stats import median
+
+    warnings = []
+    for candidate in candidates:
+        samples = results.get(candidate.name)
+        if not samples or not samples.sync_call or not samples.sync_call_block:
+            continue
+        rounds, block = median(samples.sync_call), median(samples.sync_call_block)
+        if abs(block / rounds - 1) > BLOCK_DISAGREEMENT:
+            warnings.append(f"{candidate.name}: {rounds:.4g} ms per synchronized call in alternating rounds but "
+                            f"{block:.4g} ms back to back ({block / rounds - 1:+.0%}); the timing environment was "
+                            "not steady, compare the raw samples before quoting the speedup")
+    return warnings
+
+
 def collect(candidates: Sequence[Candidate], settings: TimingSettings, sync, *, gpu_events: bool = False,
             clock=time.perf_counter) -> dict[str, Samples]:
     """Warm up, then measure the rounds (``warm_up`` + ``measure_rounds``)."""
@@ -225,7 +265,7 @@ def _candidate_dict(candidate: Candidate, samples: Samples | None, seed: int) ->
     data = {"kind": candidate.kind}
     if candidate.graph_replays is not None:  # the schema wants a boolean: unknown is left out
         data["graph_replays"] = candidate.graph_replays
-    for metric in ("sync_call", "pipelined", "gpu_event"):
+    for metric in ("sync_call", "pipelined", "gpu_event", "sync_call_block"):
         values = getattr(samples, metric) if samples else []
         data[metric] = summarize(values, seed=seed).to_dict() if values else None
     data["launches_outside_graph"] = candidate.launches
@@ -257,6 +297,7 @@ def assemble_timings(candidates: Sequence[Candidate], results: dict[str, Samples
     return {
         "unit": "ms",
         "candidates": {c.name: _candidate_dict(c, results.get(c.name), settings.seed) for c in candidates},
+        "warnings": consistency_warnings(candidates, results),
         "baseline": baseline,
         "speedup": speedup,
         "floor_ms": floor_ms(weight_bytes, bandwidth_GBps) if bandwidth_GBps else None,
@@ -390,6 +431,7 @@ def run_timings(decoder, *, samples: int = MIN_SAMPLES, baselines=None, prefill:
         for candidate in _live(candidates):
             _graph_check(candidate)
         results = measure_rounds(_live(candidates), settings, torch.cuda.synchronize, gpu_events=True)
+        measure_blocks(_live(candidates), settings, torch.cuda.synchronize, results)
         for candidate in _live(candidates):
             _recheck(candidate, reference)
         _log_errors(candidates, "re-check after timing")
