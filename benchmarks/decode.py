@@ -164,11 +164,11 @@ def write_chart(rows: list[Row], path: Path) -> str | None:
 # ------------------------------------------------------------------------------------------ running
 
 
-def bake_preset(preset: str, out: Path, capacity: int):
+def bake_preset(preset: str, out: Path, capacity: int, autotune: bool = False):
     """Bake on this GPU; one CPU reference step (verify's 64 GPU steps are the real numerics evidence)."""
     from megabake.bake import bake
 
-    return bake(preset, capacity=capacity, out=out / "packages", reference_steps=1,
+    return bake(preset, capacity=capacity, out=out / "packages", reference_steps=1, autotune=autotune,
                 progress=lambda msg: LOG.info("[bake %s] %s", preset, msg))
 
 
@@ -176,7 +176,7 @@ def verify_preset(preset: str, args) -> Row:
     from megabake.verify import verify_package
 
     started = time.perf_counter()
-    baked = bake_preset(preset, args.out, args.capacity)
+    baked = bake_preset(preset, args.out, args.capacity, args.autotune)
     path = baked.path
     LOG.info("[%s] baked %s; verifying", preset, path)
     report = verify_package(path, steps=args.steps, prefill=args.prefill, samples=args.samples,
@@ -273,6 +273,8 @@ def parse_args(argv=None):
                         help="baselines to time (default: inductor-reduce-overhead inductor-graph)")
     parser.add_argument("--from-results", type=Path, default=None, help="re-render from a results.json")
     parser.add_argument("--stand-in", action="store_true", help="time eager HF instead of a baked megakernel")
+    parser.add_argument("--autotune", action="store_true", help="bake with `--autotune` (per-stage GEMV tiling "
+                        "measured on this GPU)")
     args = parser.parse_args(argv)
     if args.steps != "max":
         args.steps = int(args.steps)

@@ -108,7 +108,7 @@ def parse_gpu_class(gpu_class: str) -> tuple[tuple[int, int], int]:
 def bake(model: str, *, revision: str | None = None, batch: int = 1, capacity: int = 128,
          out: str | Path = "packages", gpu_class: str | None = None, seed: int = 0, threads: int = 256,
          reference_steps: int = 4, gpu_steps: int = 64, gpu_prefill: int = 16, run_on_gpu: bool = True,
-         progress: Callable[[str], None] = lambda msg: None) -> BakeResult:
+         autotune: bool = False, progress: Callable[[str], None] = lambda msg: None) -> BakeResult:
     from .capture import capture_decode_step
     from .codegen import generate
     from .ir import lower
@@ -126,6 +126,12 @@ def bake(model: str, *, revision: str | None = None, batch: int = 1, capacity: i
     hopper = info is not None and info.capability == (9, 0)
     gpu_class = gpu_class or (info.gpu_class if hopper else DEFAULT_GPU_CLASS)
     _, sm_count = parse_gpu_class(gpu_class)
+    if autotune and not run_on_gpu:
+        raise MegaBakeError("--autotune runs candidate kernels on the GPU; it cannot be combined with --no-gpu")
+    if autotune and not hopper:
+        raise MegaBakeError("--autotune times candidate kernels on a Hopper GPU and this machine has none "
+                            f"({'no CUDA GPU' if info is None else info.name}); drop --autotune to bake with the "
+                            "default GEMV tiling, or bake on an H100/H200")
 
     with clock("load model"):
         source = load_source(model, revision, seed)
@@ -133,9 +139,18 @@ def bake(model: str, *, revision: str | None = None, batch: int = 1, capacity: i
         captured = capture_decode_step(source.model, batch=batch, capacity=capacity)
     with clock("lower to IR"):
         ir = lower(captured)
+    inv_freq, scaling = recover_rotary(captured, ir)
+
+    def build(tuning=None):
+        return build_plan(ir, ctas=sm_count, threads=threads, inv_freq_buffer=inv_freq, rotary_scaling=scaling,
+                          tuning=tuning)
+
+    tuned = None
+    if autotune:
+        with clock(f"autotune GEMV tilings on {info.name}"):
+            tuned = _autotune(build, source.model, progress)
     with clock("plan stages, tiles, buffers"):
-        inv_freq, scaling = recover_rotary(captured, ir)
-        plan = build_plan(ir, ctas=sm_count, threads=threads, inv_freq_buffer=inv_freq, rotary_scaling=scaling)
+        plan = build(tuned.tuning if tuned else None)
     with clock("generate module.py"):
         generated = generate(plan)
     with clock(f"reference executor vs eager fp32 ({reference_steps} steps)"):
@@ -145,6 +160,8 @@ def bake(model: str, *, revision: str | None = None, batch: int = 1, capacity: i
 
     variant = variant_name("decode", batch, capacity, gpu_class)
     report = _report(source, config_hash(source.model.config), plan, variant, gpu_class, compile_result, reference)
+    if tuned:
+        report["kernel"]["autotune"] = tuned.report()
     if hopper:
         with clock(f"run on {info.name}: numerics ({gpu_steps} steps) and latency"):
             _gpu_evidence(report, plan, generated.source, source.model, steps=gpu_steps, prefill=gpu_prefill)
@@ -168,6 +185,20 @@ def bake(model: str, *, revision: str | None = None, batch: int = 1, capacity: i
         }
         write_package(dest, files, report)
     return BakeResult(dest, report, plan.hash, timings, model=source.model)
+
+
+def _autotune(build, model, progress):
+    """Autotune on a CUDA bf16 copy of the model (the bake's own copy stays on the CPU for the reference check)."""
+    import copy
+
+    from .runtime.autotune import autotune
+
+    gpu_model = copy.deepcopy(model).to("cuda", torch.bfloat16)
+    try:
+        return autotune(build, gpu_model, progress=progress)
+    finally:
+        del gpu_model
+        torch.cuda.empty_cache()
 
 
 class _Clock:

@@ -200,3 +200,19 @@ def test_timeline_build_accounts_for_the_step():
     end.synchronize()
     total_us = sum(us for _, us in timed.stage_timeline())
     assert total_us <= start.elapsed_time(end) * 1e3 * 1.05, (total_us, start.elapsed_time(end))
+
+
+def test_bake_with_autotune_on_the_gpu(tmp_path):
+    """`megabake bake --autotune`: candidate tilings timed per stage on this GPU, the winners baked and checked."""
+    from megabake.bake import bake
+    from megabake.plan import GEMV_STAGES, Plan
+
+    result = bake("tiny-llama", capacity=64, out=tmp_path, autotune=True, gpu_steps=16)
+    tuned = result.report["kernel"]["autotune"]
+    assert set(tuned["tuning"]) == set(GEMV_STAGES) and len(tuned["stage_us"]) >= 3, tuned
+    assert all(us > 0 for times in tuned["stage_us"].values() for us in times.values())
+    plan = Plan.from_json((result.path / "plan.json").read_text())
+    for stage in plan.stages:
+        if stage.name in tuned["tuning"]:
+            assert [stage.tiling.per_tile, stage.tiling.unroll] == tuned["tuning"][stage.name]
+    assert result.report["numerics"]["pass"], result.report["numerics"]["failures"]

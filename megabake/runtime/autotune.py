@@ -1,0 +1,92 @@
+"""Bake-time autotuning of GEMV tilings on the GPU the package is baked for.
+
+Contract: ``autotune(build, model, *, candidates=CANDIDATES, progress=...) -> Autotuned`` takes
+``build(tuning) -> Plan`` (the bake's plan builder with a ``tuning=`` override), builds one ``timeline=True``
+kernel per candidate tiling, runs a few decode steps on this Hopper GPU and reads each step's per-stage
+clocks (``MegakernelDecoder.stage_timeline``). For every GEMV stage it keeps the candidate that spent the
+least time in that stage (median over steps, summed over layers) and returns that per-stage ``tuning``
+together with the measured table. Tilings never change numerics: every lane sums its K vectors in the same
+order whatever the rows per tile or loads in flight, so the tuned kernel's logits are bit-identical to the
+default's (``choose_tuning`` is pure and runs on a CPU; ``measure`` needs the GPU).
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ..errors import MegaBakeError
+from ..plan import DEFAULT_TUNING, GEMV_STAGES, GemvTuning, Plan
+
+CANDIDATES: dict[str, GemvTuning] = {  # applied to every GEMV stage; the winner is picked per stage
+    "t2u4": GemvTuning(2, 4),  # the default
+    "t2u8": GemvTuning(2, 8),
+    "t1u8": GemvTuning(1, 8),
+    "t1u16": GemvTuning(1, 16),
+    "t4u4": GemvTuning(4, 4),
+}
+STEPS = 3  # timed decode steps per candidate (after one warm-up step)
+
+
+@dataclass
+class Autotuned:
+    tuning: dict[str, GemvTuning]
+    stage_us: dict[str, dict[str, float]]  # candidate -> GEMV stage -> microseconds per step (all layers)
+    errors: dict[str, str] = field(default_factory=dict)
+
+    def report(self) -> dict:
+        """The ``kernel.autotune`` object of report.json."""
+        return {"tuning": {stage: [t.per_tile, t.unroll] for stage, t in self.tuning.items()},
+                "stage_us": self.stage_us, "errors": self.errors}
+
+
+def choose_tuning(stage_us: dict[str, dict[str, float]], candidates: dict[str, GemvTuning]) -> dict[str, GemvTuning]:
+    """Per GEMV stage, the tiling of the candidate with the least time in it (default where none was timed)."""
+    chosen = {}
+    for stage in GEMV_STAGES:
+        timed = [(times[stage], name) for name, times in stage_us.items() if stage in times]
+        chosen[stage] = candidates[min(timed)[1]] if timed else DEFAULT_TUNING[stage]
+    return chosen
+
+
+def measure(plan: Plan, model, *, steps: int = STEPS) -> dict[str, float]:
+    """Microseconds per GEMV stage (summed over layers, median over steps) of a timeline build of ``plan``."""
+    import torch
+
+    from ..codegen import generate
+    from . import MegakernelDecoder
+
+    decoder = MegakernelDecoder(plan, generate(plan, timeline=True).source, model, device="cuda", use_graph=False)
+    tokens = torch.randint(1, plan.dims.vocab, (steps + 1,), generator=torch.Generator().manual_seed(0))
+    per_step: list[dict[str, float]] = []
+    for position in range(steps + 1):
+        decoder.step(tokens[position:position + 1], position)
+        if position:  # the first step warms caches and clocks
+            totals: dict[str, float] = {}
+            for label, us in decoder.stage_timeline():
+                stage = label.rsplit(".", 1)[-1]
+                totals[stage] = totals.get(stage, 0.0) + us
+            per_step.append(totals)
+    del decoder
+    torch.cuda.empty_cache()
+    return {stage: statistics.median(step[stage] for step in per_step) for stage in GEMV_STAGES}
+
+
+def autotune(build: Callable[[dict], Plan], model, *, candidates: dict[str, GemvTuning] | None = None,
+             measure_plan: Callable = measure, progress: Callable[[str], None] = lambda msg: None) -> Autotuned:
+    """Measure every candidate tiling (``measure_plan(plan, model)``) and choose per stage (module doc).
+
+    ``model`` is used as given: pass a CUDA bf16 copy (binding a decoder moves a model to the GPU in place)."""
+    candidates = candidates or CANDIDATES
+    stage_us, errors = {}, {}
+    for index, (name, tiling) in enumerate(candidates.items(), 1):
+        progress(f"autotune {index}/{len(candidates)}: {name} (rows per tile {tiling.per_tile}, "
+                 f"{tiling.unroll} loads in flight)")
+        try:
+            stage_us[name] = measure_plan(build({stage: tiling for stage in GEMV_STAGES}), model)
+        except Exception as exc:  # a tiling that does not compile or run is skipped, and said so
+            errors[name] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    if not stage_us:
+        raise MegaBakeError(f"autotune: no candidate tiling could be measured on this GPU: {errors}")
+    return Autotuned(choose_tuning(stage_us, candidates), stage_us, errors)

@@ -1,0 +1,78 @@
+"""Bake-time autotuning of GEMV tilings: the per-stage choice (pure), the loop over candidates with a stand-in
+measurement, the report object, and the refusal without a Hopper GPU. The GPU measurement itself is covered
+by tests/test_gpu_decode.py::test_bake_with_autotune_on_the_gpu."""
+
+from __future__ import annotations
+
+import pytest
+
+from megabake.errors import MegaBakeError
+from megabake.plan import DEFAULT_TUNING, GEMV_STAGES, GemvTuning
+from megabake.runtime.autotune import Autotuned, autotune, choose_tuning
+
+CANDIDATES = {"a": GemvTuning(2, 4), "b": GemvTuning(1, 16), "c": GemvTuning(4, 8)}
+
+
+def _times(**per_stage):
+    return {stage: per_stage.get(stage, 100.0) for stage in GEMV_STAGES}
+
+
+def test_each_stage_takes_its_fastest_candidate():
+    stage_us = {"a": _times(norm_qkv=90, norm_lm_head=120), "b": _times(norm_qkv=80, down_residual=60, norm_lm_head=130),
+                "c": _times(norm_lm_head=110)}
+    chosen = choose_tuning(stage_us, CANDIDATES)
+    assert chosen["norm_qkv"] == GemvTuning(1, 16) and chosen["down_residual"] == GemvTuning(1, 16)
+    assert chosen["norm_lm_head"] == GemvTuning(4, 8)
+    assert choose_tuning({}, CANDIDATES) == DEFAULT_TUNING  # nothing timed: the default everywhere
+
+
+def test_autotune_measures_every_candidate_and_records_failures():
+    built, seen = [], []
+
+    def build(tuning):
+        built.append(tuning)
+        return tuning
+
+    def measure(plan, model):
+        tiling = plan["norm_qkv"]
+        seen.append(tiling)
+        if tiling == GemvTuning(4, 8):
+            raise RuntimeError("ptxas ran out of registers")
+        return _times(norm_qkv=100 - tiling.unroll)
+
+    messages = []
+    result = autotune(build, object(), candidates=CANDIDATES, measure_plan=measure, progress=messages.append)
+    assert seen == list(CANDIDATES.values()) and all(set(t) == set(GEMV_STAGES) for t in built)
+    assert result.tuning["norm_qkv"] == GemvTuning(1, 16)
+    assert "ptxas ran out of registers" in result.errors["c"] and set(result.stage_us) == {"a", "b"}
+    assert messages[0].startswith("autotune 1/3: a")
+    report = result.report()
+    assert report["tuning"]["norm_qkv"] == [1, 16] and report["stage_us"]["b"]["norm_qkv"] == 84
+
+
+def test_autotune_with_nothing_measurable_is_a_clear_error():
+    def measure(plan, model):
+        raise RuntimeError("boom")
+
+    with pytest.raises(MegaBakeError, match="no candidate tiling could be measured"):
+        autotune(lambda t: t, object(), candidates=CANDIDATES, measure_plan=measure)
+
+
+def test_autotune_report_validates_in_a_package_report():
+    from megabake.package import validate
+    from tests.fixtures_packages import make_report
+
+    tuned = Autotuned(dict(DEFAULT_TUNING), {"a": _times()}, {"c": "RuntimeError: x"})
+    report = make_report(status="unverified", megabake_ms=None)
+    report["kernel"] = dict(report["kernel"] or {"grid": [132, 1, 1], "block": [256, 1, 1]}, autotune=tuned.report())
+    validate("report", report)
+
+
+def test_bake_autotune_needs_a_hopper_gpu(tmp_path):
+    from megabake.bake import bake
+
+    with pytest.raises(MegaBakeError, match="--autotune times candidate kernels on a Hopper GPU"):
+        bake("tiny-llama", out=tmp_path, autotune=True)
+    with pytest.raises(MegaBakeError, match="cannot be combined with --no-gpu"):
+        bake("tiny-llama", out=tmp_path, autotune=True, run_on_gpu=False)
+    assert not any(tmp_path.iterdir())
