@@ -21,22 +21,19 @@ import statistics
 import time
 from pathlib import Path
 
-VARIANTS = {  # name -> per-stage (per_tile, unroll) overrides ("*": every GEMV stage); "default" first
-    "default": {},
-    "t2u8": {"*": (2, 8)},
-    "t2u16": {"*": (2, 16)},
-    "t1u8": {"*": (1, 8)},
-    "t1u16": {"*": (1, 16)},
-    "t1u32": {"*": (1, 32)},
-    "t4u4": {"*": (4, 4)},
-}
+def variants() -> dict:
+    """name -> GemvTuning applied to every GEMV stage: the bake autotuner's candidates plus deeper unrolls."""
+    from megabake.plan import GemvTuning
+    from megabake.runtime.autotune import CANDIDATES
+
+    return {"default": GemvTuning(), **{k: v for k, v in CANDIDATES.items() if v != GemvTuning()},
+            "t2u16": GemvTuning(2, 16), "t1u32": GemvTuning(1, 32)}
 
 
-def tuning_for(spec: dict):
-    from megabake.plan import GEMV_STAGES, GemvTuning
+def tuning_for(tiling) -> dict:
+    from megabake.plan import GEMV_STAGES
 
-    every = {name: GemvTuning(*spec["*"]) for name in GEMV_STAGES} if "*" in spec else {}
-    return {**every, **{name: GemvTuning(*value) for name, value in spec.items() if name != "*"}}
+    return {name: tiling for name in GEMV_STAGES}
 
 
 def stage_bytes(plan) -> dict[str, float]:
@@ -109,7 +106,7 @@ def timeline(plan, model, tokens) -> dict[str, float]:
     return by_kind
 
 
-def sweep(name: str, variants: list[str], reps: int, capacity: int) -> dict:
+def sweep(name: str, chosen: list[str], reps: int, capacity: int) -> dict:
     import torch
 
     from megabake.capture import capture_decode_step
@@ -117,6 +114,7 @@ def sweep(name: str, variants: list[str], reps: int, capacity: int) -> dict:
     from megabake.plan.rotary import recover_rotary
     from megabake.presets import get_preset
     from megabake.runtime import gpu_info
+    from megabake.runtime.autotune import choose_tuning
 
     info = gpu_info()
     model = get_preset(name).build_model()
@@ -126,14 +124,15 @@ def sweep(name: str, variants: list[str], reps: int, capacity: int) -> dict:
     tokens = torch.randint(1, model.config.vocab_size, (STEPS,), generator=torch.Generator().manual_seed(3))
     context = dict(ir=ir, inv=inv, scale=scale, sm_count=info.sm_count, model=model, tokens=tokens, reps=reps)
     rows, timelines, default_logits = [], {}, []
-    for variant in variants:
-        row, timelines[variant] = measure_variant(variant, tuning_for(VARIANTS[variant]), context, default_logits)
+    candidates = variants()
+    for variant in chosen:
+        row, timelines[variant] = measure_variant(variant, tuning_for(candidates[variant]), context, default_logits)
         rows.append(row)
-    specs = {r["variant"]: VARIANTS[r["variant"]] for r in rows if _usable(r)}
-    composite = composite_spec(specs, timelines)
-    if composite:
-        row, timelines["composite"] = measure_variant("composite", tuning_for(composite), context, default_logits)
-        row["spec"] = {stage: list(value) for stage, value in composite.items()}
+    timed = {r["variant"]: timelines[r["variant"]] for r in rows if _usable(r) and timelines.get(r["variant"])}
+    if timed:
+        composite = choose_tuning(timed, candidates)
+        row, timelines["composite"] = measure_variant("composite", composite, context, default_logits)
+        row["spec"] = {stage: [t.per_tile, t.unroll, t.spread] for stage, t in composite.items()}
         rows.append(row)
     usable = [r for r in rows if _usable(r)]
     best = min(usable, key=lambda r: r["gpu_ms"])["variant"] if usable else None
@@ -187,25 +186,6 @@ def measure_variant(variant: str, tuning: dict, context: dict, default_logits: l
     return row, stages
 
 
-def composite_spec(specs: dict[str, dict], timelines: dict[str, dict]) -> dict:
-    """Per GEMV stage, the (per_tile, unroll) of the variant whose timeline spent least time in that stage."""
-    from megabake.plan import GEMV_STAGES, GemvTuning
-
-    chosen = {}
-    for stage in GEMV_STAGES:
-        timed = [(timelines[v][stage], v) for v in specs if stage in timelines.get(v, {})]
-        if not timed:
-            continue
-        _, winner = min(timed)
-        spec = specs[winner]
-        value = spec.get(stage, spec.get("*"))
-        if value is None:
-            default = GemvTuning()
-            value = (default.per_tile, default.unroll)
-        chosen[stage] = tuple(value)
-    return chosen
-
-
 def print_table(result: dict) -> None:
     print(f"== {result['preset']} ({result['gpu']}) ==")
     print("| variant | GPU ms (graph replay) | sync ms | rel-L2 vs default | vs CPU reference |")
@@ -234,7 +214,7 @@ def print_table(result: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("presets", nargs="+")
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", default=list(variants()), choices=list(variants()))
     parser.add_argument("--reps", type=int, default=100)
     parser.add_argument("--capacity", type=int, default=128)
     parser.add_argument("--out", type=Path, default=Path("."))

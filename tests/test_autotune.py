@@ -47,7 +47,8 @@ def test_autotune_measures_every_candidate_and_records_failures():
     assert "ptxas ran out of registers" in result.errors["c"] and set(result.stage_us) == {"a", "b"}
     assert messages[0].startswith("autotune 1/3: a")
     report = result.report()
-    assert report["tuning"]["norm_qkv"] == [1, 16] and report["stage_us"]["b"]["norm_qkv"] == 84
+    assert report["tuning"]["norm_qkv"] == {"per_tile": 1, "unroll": 16, "spread": False}
+    assert report["stage_us"]["b"]["norm_qkv"] == 84
 
 
 def test_autotune_with_nothing_measurable_is_a_clear_error():

@@ -214,5 +214,7 @@ def test_bake_with_autotune_on_the_gpu(tmp_path):
     plan = Plan.from_json((result.path / "plan.json").read_text())
     for stage in plan.stages:
         if stage.name in tuned["tuning"]:
-            assert [stage.tiling.per_tile, stage.tiling.unroll] == tuned["tuning"][stage.name]
+            chosen = tuned["tuning"][stage.name]
+            assert (stage.tiling.per_tile, stage.tiling.unroll, stage.tiling.spread) == (
+                chosen["per_tile"], chosen["unroll"], chosen["spread"])
     assert result.report["numerics"]["pass"], result.report["numerics"]["failures"]

@@ -8,7 +8,7 @@ import torch
 
 from megabake.codegen import generate, timeline_labels
 from megabake.errors import MegaBakeError, PlanError
-from megabake.plan import GEMV_STAGES, GemvTuning, build_plan
+from megabake.plan import GEMV_STAGES, GemvTuning, Plan, build_plan
 from megabake.plan.reference import reference_executor_for
 from megabake.plan.rotary import exact_inv_freq, recover_rotary
 from megabake.runtime.compile import load_module
@@ -118,3 +118,26 @@ def test_from_package_refuses_a_model_of_another_config(tiny):
     check_model_matches({"model": {"config_hash": config_hash(tiny.model.config)}}, tiny.model)
     with pytest.raises(MegaBakeError, match="different model revision"):
         check_model_matches({"model": {"config_hash": "0" * 64}}, tiny.model)
+
+
+def test_spread_tiling_deals_tiles_cta_major_with_the_same_numerics(tiny):
+    from megabake.runtime.compile import compile_check
+
+    spread = _plan(tiny, {name: GemvTuning(per_tile=2, unroll=4, spread=True) for name in GEMV_STAGES})
+    assert all(s.tiling.spread for s in spread.stages if s.tiling.kind == "rows")
+    assert '"spread": true' in spread.to_json() and '"spread"' not in tiny.plan.to_json()  # old plans keep their hash
+    source = generate(spread).source
+    assert "swarp = (tidx // 32) * CTAS + cta" in source and "bodies.gemv_rows(w_qkv[layer, None, None], s_vec, qkv, swarp" in source
+    assert "swarp" not in tiny.generated.source
+    executor = reference_executor_for(spread, tiny.model)
+    default = reference_executor_for(tiny.plan, tiny.model)
+    for position, token in enumerate([3, 17, 5]):
+        got = executor.step(torch.tensor([token]), position)
+        want = default.step(torch.tensor([token]), position)
+    assert torch.equal(got, want)
+    owners = executor.tile_owners["norm_qkv"]
+    assert owners[0] == (0, 0) and owners[1] == (1, 0) and owners[spread.ctas] == (0, 1)  # CTA-major
+    assert len({cta for cta, _ in owners.values()}) == min(spread.ctas, len(owners))
+    result = compile_check(spread, load_module(source))
+    assert result.ok, result.error
+    assert Plan.from_json(spread.to_json()).hash == spread.hash

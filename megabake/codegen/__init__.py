@@ -99,6 +99,8 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool = False
     w("cta, _, _ = cute.arch.block_idx()", 1)
     w("lane = tidx % 32", 1)
     w("gwarp = cta * WARPS + tidx // 32", 1)
+    if any(st.tiling.kind == "rows" and st.tiling.spread for st in plan.stages):
+        w("swarp = (tidx // 32) * CTAS + cta  # CTA-major tile order of spread GEMV stages", 1)
     w("smem = cutlass.memory.SmemAllocator()", 1)
     w("s_vec = smem.allocate_tensor(Float32, cute.make_layout((BATCH, VEC_WIDTH), stride=(VEC_WIDTH, 1)), byte_alignment=16)", 1)
     w("s_red = smem.allocate_tensor(Float32, cute.make_layout(RED_SCRATCH), byte_alignment=16)", 1)
@@ -196,8 +198,8 @@ def _stage(w: _Writer, plan: Plan, stage: Stage, indent: int, layer_var) -> None
 
 
 def _gemv(weight: str, out: str, rows: str, cols: str, stage: Stage, accumulate: bool, bias: str | None = None) -> str:
-    tail = (f"{out}, gwarp, lane, TOTAL_WARPS, {rows}, {cols}, BATCH, ROWS_PER_TILE[{stage.name!r}], {accumulate}, "
-            f"GEMV_UNROLL[{stage.name!r}])")
+    tail = (f"{out}, {_warp_index(stage)}, lane, TOTAL_WARPS, {rows}, {cols}, BATCH, ROWS_PER_TILE[{stage.name!r}], "
+            f"{accumulate}, GEMV_UNROLL[{stage.name!r}])")
     if bias:
         return f"bodies.gemv_rows_bias({weight}, {bias}[layer, None], s_vec, {tail}"
     return f"bodies.gemv_rows({weight}, s_vec, {tail}"
@@ -229,7 +231,13 @@ def _prefetch_call(plan: Plan, stage: Stage) -> str | None:
     tile_bytes = per_tile * cols * 2
     tiles_per_warp = -(-next_stage.tiling.tiles // total_warps)
     max_tiles = min(tiles_per_warp, max(1, PREFETCH_BUDGET_BYTES // (tile_bytes * total_warps)))
-    return (f"bodies.prefetch_rows({weight}, gwarp, lane, TOTAL_WARPS, {rows}, {cols}, {per_tile}, {max_tiles})")
+    return (f"bodies.prefetch_rows({weight}, {_warp_index(next_stage)}, lane, TOTAL_WARPS, {rows}, {cols}, {per_tile}, "
+            f"{max_tiles})")
+
+
+def _warp_index(stage: Stage) -> str:
+    """The index a GEMV stage's tiles are dealt by: warp-major ``gwarp`` or CTA-major ``swarp``."""
+    return "swarp" if stage.tiling.spread else "gwarp"
 
 
 def _attention_call(plan: Plan) -> tuple[str, str]:

@@ -94,6 +94,9 @@ class Tiling:
     per_tile: int
     tiles: int
     unroll: int = 4  # GEMV: 16-byte loads in flight per lane and row (K-loop unroll)
+    # GEMV tile t -> warp: False (warp-major): global warp t % (ctas*warps) = cta*warps + warp, so a small GEMV
+    # fills the first CTAs; True (CTA-major): cta = t % ctas, warp = (t // ctas) % warps, every SM streams.
+    spread: bool = False
 
 
 @dataclass
@@ -137,7 +140,11 @@ class Plan:
 
     # -- identity -----------------------------------------------------------------------------------
     def to_dict(self) -> dict:
-        return asdict(self)
+        data = asdict(self)
+        for stage in data["stages"]:  # only a CTA-major tiling says so: older plans keep their bytes and hash
+            if not stage["tiling"].get("spread"):
+                stage["tiling"].pop("spread", None)
+        return data
 
     def to_json(self) -> str:
         """Canonical text of plan.json (sorted keys, fixed indent, trailing newline)."""
@@ -397,10 +404,12 @@ def _check_block_shape(block: _Block, dims: ModelDims) -> None:
 
 @dataclass(frozen=True)
 class GemvTuning:
-    """How a GEMV stage spreads over warps: rows per warp tile and 16-byte loads in flight per lane and row."""
+    """How a GEMV stage spreads over warps: rows per warp tile, 16-byte loads in flight per lane and row, and
+    whether tiles go CTA-major (``spread``) instead of warp-major. None of it changes numerics."""
 
     per_tile: int = 2
     unroll: int = 4
+    spread: bool = False  # CTA-major tile order (see Tiling.spread)
 
     def __post_init__(self):
         if not 1 <= self.per_tile <= 8 or not 1 <= self.unroll <= 32:
@@ -420,7 +429,7 @@ DEFAULT_TUNING = {name: GemvTuning() for name in GEMV_STAGES}
 
 
 def _rows_tiling(rows: int, tuning: GemvTuning) -> Tiling:
-    return Tiling("rows", rows, tuning.per_tile, -(-rows // tuning.per_tile), tuning.unroll)
+    return Tiling("rows", rows, tuning.per_tile, -(-rows // tuning.per_tile), tuning.unroll, tuning.spread)
 
 
 def build_plan(ir: IRGraph, *, ctas: int = 132, threads: int = 256, weight_dtype: str = "bfloat16",

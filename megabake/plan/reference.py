@@ -53,7 +53,8 @@ class ReferenceExecutor:
 
     # -- work assignment (mirrors the kernel) ------------------------------------------------------
     def _row_tiles(self, stage: Stage):
-        """Yield (tile, rows) with tile t owned by global warp t % total_warps (a grid-stride loop)."""
+        """Yield (tile, rows) with tile t owned by warp index t % total_warps (a grid-stride loop); the index is
+        ``cta * warps + warp`` (warp-major) or ``warp * ctas + cta`` (``tiling.spread``, CTA-major)."""
         total_warps = self.plan.ctas * self.plan.warps
         tiling = stage.tiling
         if stage.name not in self.tile_owners:
@@ -61,7 +62,8 @@ class ReferenceExecutor:
             for warp in range(total_warps):
                 for tile in range(warp, tiling.tiles, total_warps):
                     assert tile not in owners, f"tile {tile} of {stage.name} owned twice"
-                    owners[tile] = (warp // self.plan.warps, warp % self.plan.warps)
+                    owners[tile] = ((warp % self.plan.ctas, warp // self.plan.ctas) if tiling.spread
+                                    else (warp // self.plan.warps, warp % self.plan.warps))
             assert len(owners) == tiling.tiles, f"{stage.name}: {tiling.tiles - len(owners)} tiles have no owner"
             self.tile_owners[stage.name] = owners
         for tile in range(tiling.tiles):

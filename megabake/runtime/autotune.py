@@ -25,6 +25,8 @@ CANDIDATES: dict[str, GemvTuning] = {  # applied to every GEMV stage; the winner
     "t1u8": GemvTuning(1, 8),
     "t1u16": GemvTuning(1, 16),
     "t4u4": GemvTuning(4, 4),
+    "t2u4-spread": GemvTuning(2, 4, spread=True),
+    "t1u8-spread": GemvTuning(1, 8, spread=True),
 }
 STEPS = 3  # timed decode steps per candidate (after one warm-up step)
 
@@ -37,7 +39,8 @@ class Autotuned:
 
     def report(self) -> dict:
         """The ``kernel.autotune`` object of report.json."""
-        return {"tuning": {stage: [t.per_tile, t.unroll] for stage, t in self.tuning.items()},
+        return {"tuning": {stage: {"per_tile": t.per_tile, "unroll": t.unroll, "spread": t.spread}
+                           for stage, t in self.tuning.items()},
                 "stage_us": self.stage_us, "errors": self.errors}
 
 
@@ -82,7 +85,7 @@ def autotune(build: Callable[[dict], Plan], model, *, candidates: dict[str, Gemv
     stage_us, errors = {}, {}
     for index, (name, tiling) in enumerate(candidates.items(), 1):
         progress(f"autotune {index}/{len(candidates)}: {name} (rows per tile {tiling.per_tile}, "
-                 f"{tiling.unroll} loads in flight)")
+                 f"{tiling.unroll} loads in flight{', CTA-major' if tiling.spread else ''})")
         try:
             stage_us[name] = measure_plan(build({stage: tiling for stage in GEMV_STAGES}), model)
         except Exception as exc:  # a tiling that does not compile or run is skipped, and said so
