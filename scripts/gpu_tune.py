@@ -31,9 +31,9 @@ def variants() -> dict:
 
 
 def tuning_for(tiling) -> dict:
-    from megabake.plan import GEMV_STAGES
+    from megabake.runtime.autotune import uniform_tuning
 
-    return {name: tiling for name in GEMV_STAGES}
+    return uniform_tuning(tiling)
 
 
 def stage_bytes(plan) -> dict[str, float]:
@@ -132,7 +132,7 @@ def sweep(name: str, chosen: list[str], reps: int, capacity: int) -> dict:
     if timed:
         composite = choose_tuning(timed, candidates)
         row, timelines["composite"] = measure_variant("composite", composite, context, default_logits)
-        row["spec"] = {stage: [t.per_tile, t.unroll, t.spread] for stage, t in composite.items()}
+        row["spec"] = {stage: [t.per_tile, t.unroll, t.spread, t.preload] for stage, t in composite.items()}
         rows.append(row)
     usable = [r for r in rows if _usable(r)]
     best = min(usable, key=lambda r: r["gpu_ms"])["variant"] if usable else None

@@ -47,7 +47,7 @@ def test_autotune_measures_every_candidate_and_records_failures():
     assert "ptxas ran out of registers" in result.errors["c"] and set(result.stage_us) == {"a", "b"}
     assert messages[0].startswith("autotune 1/3: a")
     report = result.report()
-    assert report["tuning"]["norm_qkv"] == {"per_tile": 1, "unroll": 16, "spread": False}
+    assert report["tuning"]["norm_qkv"] == {"per_tile": 1, "unroll": 16, "spread": False, "preload": False}
     assert report["stage_us"]["b"]["norm_qkv"] == 84
 
 
@@ -77,3 +77,13 @@ def test_bake_autotune_needs_a_hopper_gpu(tmp_path):
     with pytest.raises(MegaBakeError, match="cannot be combined with --no-gpu"):
         bake("tiny-llama", out=tmp_path, autotune=True, run_on_gpu=False)
     assert not any(tmp_path.iterdir())
+
+
+def test_preloading_candidates_never_preload_the_lm_head():
+    from megabake.runtime.autotune import uniform_tuning
+
+    tiling = GemvTuning(2, 4, preload=True)
+    tuning = uniform_tuning(tiling)
+    assert tuning["norm_qkv"].preload and not tuning["norm_lm_head"].preload
+    chosen = choose_tuning({"p": _times()}, {"p": tiling})
+    assert chosen["down_residual"].preload and not chosen["norm_lm_head"].preload

@@ -218,3 +218,34 @@ def test_bake_with_autotune_on_the_gpu(tmp_path):
             assert (stage.tiling.per_tile, stage.tiling.unroll, stage.tiling.spread) == (
                 chosen["per_tile"], chosen["unroll"], chosen["spread"])
     assert result.report["numerics"]["pass"], result.report["numerics"]["failures"]
+
+
+@pytest.mark.parametrize("name", ["smollm-135m", "llama-3.2-1b"])
+def test_tilings_give_bit_identical_logits(name):
+    """Rows per tile, loads in flight, CTA-major order and the register preload never change a lane's
+    summation order: every tiling's logits equal the default's exactly (2-layer stacks of the real shapes:
+    SmolLM's K=576 is all tail, Llama's K=2048 has full chunks)."""
+    from megabake.codegen import generate
+    from megabake.plan import GemvTuning, build_plan
+    from megabake.plan.rotary import recover_rotary
+    from megabake.runtime import MegakernelDecoder, gpu_info
+    from megabake.runtime.autotune import uniform_tuning
+
+    compiled = compile_preset(name, layers=2, capacity=64, ctas=gpu_info().sm_count)
+    inv_freq, scaling = recover_rotary(compiled.captured, compiled.ir)
+    tokens = torch.randint(1, compiled.plan.dims.vocab, (4,), generator=torch.Generator().manual_seed(10))
+    results = {}
+    for tiling in (GemvTuning(), GemvTuning(1, 16), GemvTuning(2, 4, spread=True), GemvTuning(2, 4, preload=True),
+                   GemvTuning(1, 8, spread=True, preload=True)):
+        plan = build_plan(compiled.ir, ctas=gpu_info().sm_count, inv_freq_buffer=inv_freq, rotary_scaling=scaling,
+                          tuning=uniform_tuning(tiling))
+        decoder = MegakernelDecoder(plan, generate(plan).source, compiled.model, device="cuda")
+        for position in range(len(tokens)):
+            decoder.buffers["logits"].fill_(float("nan"))
+            logits = decoder.step(tokens[position:position + 1], position).cpu().clone()
+        results[tiling] = logits
+        del decoder
+    default = results[GemvTuning()]
+    assert torch.isfinite(default).all()
+    for tiling, logits in results.items():
+        assert torch.equal(logits, default), tiling

@@ -141,3 +141,22 @@ def test_spread_tiling_deals_tiles_cta_major_with_the_same_numerics(tiny):
     result = compile_check(spread, load_module(source))
     assert result.ok, result.error
     assert Plan.from_json(spread.to_json()).hash == spread.hash
+
+
+def test_preload_issues_the_first_chunk_before_the_barrier(tiny):
+    from megabake.runtime.compile import compile_check
+
+    tuning = {name: GemvTuning(2, 4, spread=True, preload=True) for name in GEMV_STAGES if name != "norm_lm_head"}
+    plan = _plan(tiny, tuning)
+    assert '"preload": true' in plan.to_json() and '"preload"' not in tiny.plan.to_json()
+    lines = generate(plan).source.splitlines()
+    preloads = [i for i, line in enumerate(lines) if "bodies.gemv_preload(" in line]
+    barriers = [i for i, line in enumerate(lines) if "bodies.grid_barrier(" in line]
+    assert len(preloads) == 5  # after embed, and after each layer stage whose next stage is a GEMV
+    assert all(any(b > p and not any(p < q < b for q in preloads if q != p) for b in barriers) for p in preloads)
+    assert sum("bodies.gemv_rows_pre(" in line for line in lines) == 4  # the LM head loads as usual
+    assert "pre_norm_qkv = cute.make_rmem_tensor" in "\n".join(lines)
+    result = compile_check(plan, load_module("\n".join(lines) + "\n"))
+    assert result.ok, result.error
+    with pytest.raises(PlanError, match="preload is not supported for the LM head"):
+        _plan(tiny, {"norm_lm_head": GemvTuning(preload=True)})

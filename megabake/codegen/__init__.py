@@ -101,6 +101,8 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool = False
     w("gwarp = cta * WARPS + tidx // 32", 1)
     if any(st.tiling.kind == "rows" and st.tiling.spread for st in plan.stages):
         w("swarp = (tidx // 32) * CTAS + cta  # CTA-major tile order of spread GEMV stages", 1)
+    for line in _preload_registers(plan):
+        w(line, 1)
     w("smem = cutlass.memory.SmemAllocator()", 1)
     w("s_vec = smem.allocate_tensor(Float32, cute.make_layout((BATCH, VEC_WIDTH), stride=(VEC_WIDTH, 1)), byte_alignment=16)", 1)
     w("s_red = smem.allocate_tensor(Float32, cute.make_layout(RED_SCRATCH), byte_alignment=16)", 1)
@@ -190,19 +192,21 @@ def _stage(w: _Writer, plan: Plan, stage: Stage, indent: int, layer_var) -> None
         w(call, indent)
         w.end()
     if stage.barrier_after:
-        prefetch = _prefetch_call(plan, stage)
-        if prefetch:
-            w(prefetch, indent)
+        for call in _before_barrier_calls(plan, stage):
+            w(call, indent)
         w("bodies.grid_barrier(barrier, tidx, CTAS)", indent)
     w.end()
 
 
 def _gemv(weight: str, out: str, rows: str, cols: str, stage: Stage, accumulate: bool, bias: str | None = None) -> str:
-    tail = (f"{out}, {_warp_index(stage)}, lane, TOTAL_WARPS, {rows}, {cols}, BATCH, ROWS_PER_TILE[{stage.name!r}], "
-            f"{accumulate}, GEMV_UNROLL[{stage.name!r}])")
+    args = (f"{out}, {_warp_index(stage)}, lane, TOTAL_WARPS, {rows}, {cols}, BATCH, ROWS_PER_TILE[{stage.name!r}], "
+            f"{accumulate}, GEMV_UNROLL[{stage.name!r}]")
+    if stage.tiling.preload:
+        bias_arg = f"{bias}[layer, None]" if bias else out  # out: an unused stand-in when there is no bias
+        return f"bodies.gemv_rows_pre({weight}, pre_{stage.name}, {bias_arg}, s_vec, {args}, {bool(bias)})"
     if bias:
-        return f"bodies.gemv_rows_bias({weight}, {bias}[layer, None], s_vec, {tail}"
-    return f"bodies.gemv_rows({weight}, s_vec, {tail}"
+        return f"bodies.gemv_rows_bias({weight}, {bias}[layer, None], s_vec, {args})"
+    return f"bodies.gemv_rows({weight}, s_vec, {args})"
 
 
 PREFETCH_BUDGET_BYTES = 16 << 20  # per barrier wait; L2 is 50-60 MB on H100/H200
@@ -215,6 +219,42 @@ _NEXT_GEMV = {
     "norm_gate_up": ("w_down[layer, None, None]", "down", "down_residual"),
     "down_residual": ("w_qkv[cutlass.min(layer + 1, LAYERS - 1), None, None]", "qkv", "norm_qkv"),
 }
+
+
+_PRELOAD_WEIGHTS = {"norm_qkv": "w_qkv", "o_residual": "w_o", "norm_gate_up": "w_gate_up", "down_residual": "w_down"}
+
+
+def _preload_registers(plan: Plan) -> list[str]:
+    """Kernel-start declarations of the register tiles of preloading GEMV stages (none by default)."""
+    lines = []
+    for stage in plan.stages:
+        if stage.tiling.kind == "rows" and stage.tiling.preload:
+            width = stage.tiling.per_tile * stage.tiling.unroll
+            lines.append(f"pre_{stage.name} = cute.make_rmem_tensor(cute.make_layout(8 * {width}), "
+                         f"{_PRELOAD_WEIGHTS[stage.name]}.element_type)  # first K chunk, loaded before the barrier")
+    return lines
+
+
+def _before_barrier_calls(plan: Plan, stage: Stage) -> list[str]:
+    """Issued before a CTA waits at the barrier that ends ``stage``: the next GEMV's L2 prefetch, and its
+    register preload when that stage preloads."""
+    prefetch = _prefetch_call(plan, stage)
+    if prefetch is None:
+        return []
+    calls = [prefetch]
+    weight, _, next_name = _NEXT_GEMV[stage.name]
+    next_stage = next(s for s in plan.stages if s.name == next_name)
+    if next_stage.tiling.preload:
+        rows, cols = _gemv_shape(plan, next_name)
+        calls.append(f"bodies.gemv_preload({weight}, pre_{next_name}, {_warp_index(next_stage)}, lane, TOTAL_WARPS, "
+                     f"{rows}, {cols}, {next_stage.tiling.per_tile}, {next_stage.tiling.unroll})")
+    return calls
+
+
+def _gemv_shape(plan: Plan, stage_name: str) -> tuple[int, int]:
+    d = plan.dims
+    return {"norm_qkv": (d.qkv_rows, d.hidden), "o_residual": (d.hidden, d.q_rows),
+            "norm_gate_up": (2 * d.intermediate, d.hidden), "down_residual": (d.hidden, d.intermediate)}[stage_name]
 
 
 def _prefetch_call(plan: Plan, stage: Stage) -> str | None:
@@ -250,6 +290,8 @@ def _attention_call(plan: Plan) -> tuple[str, str]:
 
 
 def _gemv_label(plan: Plan, stage: Stage) -> str:
+    if stage.tiling.preload:
+        return "gemv_rows_pre"
     return "gemv_rows_bias" if plan.bias_of(stage.name) else "gemv_rows"
 
 

@@ -97,6 +97,9 @@ class Tiling:
     # GEMV tile t -> warp: False (warp-major): global warp t % (ctas*warps) = cta*warps + warp, so a small GEMV
     # fills the first CTAs; True (CTA-major): cta = t % ctas, warp = (t // ctas) % warps, every SM streams.
     spread: bool = False
+    # GEMV: the first K chunk of each warp's first tile is loaded into registers before the barrier that
+    # precedes the stage (weights do not depend on it), so the stage starts with data in hand.
+    preload: bool = False
 
 
 @dataclass
@@ -141,9 +144,10 @@ class Plan:
     # -- identity -----------------------------------------------------------------------------------
     def to_dict(self) -> dict:
         data = asdict(self)
-        for stage in data["stages"]:  # only a CTA-major tiling says so: older plans keep their bytes and hash
-            if not stage["tiling"].get("spread"):
-                stage["tiling"].pop("spread", None)
+        for stage in data["stages"]:  # only tilings that use them name these: older plans keep bytes and hash
+            for flag in ("spread", "preload"):
+                if not stage["tiling"].get(flag):
+                    stage["tiling"].pop(flag, None)
         return data
 
     def to_json(self) -> str:
@@ -404,12 +408,14 @@ def _check_block_shape(block: _Block, dims: ModelDims) -> None:
 
 @dataclass(frozen=True)
 class GemvTuning:
-    """How a GEMV stage spreads over warps: rows per warp tile, 16-byte loads in flight per lane and row, and
-    whether tiles go CTA-major (``spread``) instead of warp-major. None of it changes numerics."""
+    """How a GEMV stage spreads over warps: rows per warp tile, 16-byte loads in flight per lane and row,
+    whether tiles go CTA-major (``spread``) instead of warp-major, and whether the first K chunk is loaded
+    before the preceding barrier (``preload``). None of it changes numerics."""
 
     per_tile: int = 2
     unroll: int = 4
     spread: bool = False  # CTA-major tile order (see Tiling.spread)
+    preload: bool = False  # first chunk in registers before the preceding barrier (see Tiling.preload)
 
     def __post_init__(self):
         if not 1 <= self.per_tile <= 8 or not 1 <= self.unroll <= 32:
@@ -429,7 +435,8 @@ DEFAULT_TUNING = {name: GemvTuning() for name in GEMV_STAGES}
 
 
 def _rows_tiling(rows: int, tuning: GemvTuning) -> Tiling:
-    return Tiling("rows", rows, tuning.per_tile, -(-rows // tuning.per_tile), tuning.unroll, tuning.spread)
+    return Tiling("rows", rows, tuning.per_tile, -(-rows // tuning.per_tile), tuning.unroll, tuning.spread,
+                  tuning.preload)
 
 
 def build_plan(ir: IRGraph, *, ctas: int = 132, threads: int = 256, weight_dtype: str = "bfloat16",
@@ -445,6 +452,9 @@ def build_plan(ir: IRGraph, *, ctas: int = 132, threads: int = 256, weight_dtype
     if unknown:
         raise PlanError(f"tuning names unknown GEMV stage(s) {unknown}; known: {list(GEMV_STAGES)}")
     tuning = {**DEFAULT_TUNING, **(tuning or {})}
+    if tuning["norm_lm_head"].preload:
+        raise PlanError("GEMV preload is not supported for the LM head stage (no barrier precedes it inside the "
+                        "layer loop); use preload=False for norm_lm_head")
     embed, blocks, final_norm, lm_head, ropes = _recognise(ir)
     dims = _dims(blocks, final_norm, lm_head)
     if lm_head.bias is not None:

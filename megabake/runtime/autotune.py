@@ -13,7 +13,7 @@ default's (``choose_tuning`` is pure and runs on a CPU; ``measure`` needs the GP
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from ..errors import MegaBakeError
@@ -27,6 +27,8 @@ CANDIDATES: dict[str, GemvTuning] = {  # applied to every GEMV stage; the winner
     "t4u4": GemvTuning(4, 4),
     "t2u4-spread": GemvTuning(2, 4, spread=True),
     "t1u8-spread": GemvTuning(1, 8, spread=True),
+    "t2u4-preload": GemvTuning(2, 4, preload=True),
+    "t2u4-spread-preload": GemvTuning(2, 4, spread=True, preload=True),
 }
 STEPS = 3  # timed decode steps per candidate (after one warm-up step)
 
@@ -39,9 +41,15 @@ class Autotuned:
 
     def report(self) -> dict:
         """The ``kernel.autotune`` object of report.json."""
-        return {"tuning": {stage: {"per_tile": t.per_tile, "unroll": t.unroll, "spread": t.spread}
+        return {"tuning": {stage: {"per_tile": t.per_tile, "unroll": t.unroll, "spread": t.spread,
+                                   "preload": t.preload}
                            for stage, t in self.tuning.items()},
                 "stage_us": self.stage_us, "errors": self.errors}
+
+
+def uniform_tuning(tiling: GemvTuning) -> dict[str, GemvTuning]:
+    """``tiling`` for every GEMV stage (the LM head never preloads: no barrier precedes it in the layer loop)."""
+    return {stage: replace(tiling, preload=False) if stage == "norm_lm_head" else tiling for stage in GEMV_STAGES}
 
 
 def choose_tuning(stage_us: dict[str, dict[str, float]], candidates: dict[str, GemvTuning]) -> dict[str, GemvTuning]:
@@ -49,7 +57,7 @@ def choose_tuning(stage_us: dict[str, dict[str, float]], candidates: dict[str, G
     chosen = {}
     for stage in GEMV_STAGES:
         timed = [(times[stage], name) for name, times in stage_us.items() if stage in times]
-        chosen[stage] = candidates[min(timed)[1]] if timed else DEFAULT_TUNING[stage]
+        chosen[stage] = uniform_tuning(candidates[min(timed)[1]])[stage] if timed else DEFAULT_TUNING[stage]
     return chosen
 
 
@@ -85,9 +93,10 @@ def autotune(build: Callable[[dict], Plan], model, *, candidates: dict[str, Gemv
     stage_us, errors = {}, {}
     for index, (name, tiling) in enumerate(candidates.items(), 1):
         progress(f"autotune {index}/{len(candidates)}: {name} (rows per tile {tiling.per_tile}, "
-                 f"{tiling.unroll} loads in flight{', CTA-major' if tiling.spread else ''})")
+                 f"{tiling.unroll} loads in flight{', CTA-major' if tiling.spread else ''}"
+                 f"{', preloaded' if tiling.preload else ''})")
         try:
-            stage_us[name] = measure_plan(build({stage: tiling for stage in GEMV_STAGES}), model)
+            stage_us[name] = measure_plan(build(uniform_tuning(tiling)), model)
         except Exception as exc:  # a tiling that does not compile or run is skipped, and said so
             errors[name] = f"{type(exc).__name__}: {str(exc)[:300]}"
     if not stage_us:

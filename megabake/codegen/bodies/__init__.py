@@ -219,17 +219,101 @@ def _gemv_rows(weight: cute.Tensor, s_vec: cute.Tensor, out: cute.Tensor, bias: 
                 kv = full_chunks * chunk + u * WARP + lane
                 if kv < kvecs:
                     _gemv_chunk(weight, s_vec, acc, tile, kv, rows, batch, per_tile)
-        for r in cutlass.range_constexpr(per_tile):
-            row = tile * per_tile + r
-            for b in cutlass.range_constexpr(batch):
-                total = cute.arch.warp_reduction_sum(acc[r * batch + b])
-                if lane == 0 and row < rows:
-                    if cutlass.const_expr(has_bias):
-                        total = total + bias[row]
-                    if cutlass.const_expr(accumulate):
-                        out[b, row] = out[b, row] + total
-                    else:
-                        out[b, row] = total
+        _gemv_write(acc, out, bias, tile, lane, rows, batch, per_tile, accumulate, has_bias)
+
+
+@cute.jit
+def _gemv_write(acc: cute.Tensor, out: cute.Tensor, bias: cute.Tensor, tile: Int32, lane: Int32,
+                rows: cutlass.Constexpr[int], batch: cutlass.Constexpr[int], per_tile: cutlass.Constexpr[int],
+                accumulate: cutlass.Constexpr[bool], has_bias: cutlass.Constexpr[bool]):
+    """Warp-reduce each row's partial sums; lane 0 writes (adds the bias, accumulates into a residual)."""
+    for r in cutlass.range_constexpr(per_tile):
+        row = tile * per_tile + r
+        for b in cutlass.range_constexpr(batch):
+            total = cute.arch.warp_reduction_sum(acc[r * batch + b])
+            if lane == 0 and row < rows:
+                if cutlass.const_expr(has_bias):
+                    total = total + bias[row]
+                if cutlass.const_expr(accumulate):
+                    out[b, row] = out[b, row] + total
+                else:
+                    out[b, row] = total
+
+
+def preload_groups(cols: int, unroll: int) -> int:
+    """K groups (32 lanes x 16 bytes) of a tile's first chunk that :func:`gemv_preload` holds in registers."""
+    return min(unroll, (cols // VEC + WARP - 1) // WARP)
+
+
+@cute.jit
+def gemv_preload(weight: cute.Tensor, pre: cute.Tensor, gwarp: Int32, lane: Int32,
+                 total_warps: cutlass.Constexpr[int], rows: cutlass.Constexpr[int], cols: cutlass.Constexpr[int],
+                 per_tile: cutlass.Constexpr[int], unroll: cutlass.Constexpr[int]):
+    """Load the first K chunk of this warp's first tile of a coming GEMV into registers ``pre``
+    (``per_tile * unroll`` 16-byte vectors, flat).
+
+    Weights do not depend on the stages before: issued before a grid barrier, these loads are in flight
+    during the wait and the next stage's staging, so the GEMV starts with data in hand
+    (:func:`gemv_rows_pre`). Indices are clamped: a warp without a tile loads a valid row it never uses.
+    """
+    tiles = (rows + per_tile - 1) // per_tile
+    kvecs = cols // VEC
+    tile = cutlass.min(gwarp, tiles - 1)
+    for r in cutlass.range_constexpr(per_tile):
+        row = cutlass.min(tile * per_tile + r, rows - 1)
+        for u in cutlass.range_constexpr(preload_groups(cols, unroll)):
+            kv = cutlass.min(u * WARP + lane, kvecs - 1)
+            cute.zipped_divide(pre, (VEC,))[(None, r * unroll + u)].store(
+                cute.zipped_divide(weight[row, None], (VEC,))[(None, kv)].load())
+
+
+@cute.jit
+def _gemv_chunk_pre(pre: cute.Tensor, s_vec: cute.Tensor, acc: cute.Tensor, u: cutlass.Constexpr[int], kv: Int32,
+                    batch: cutlass.Constexpr[int], per_tile: cutlass.Constexpr[int], unroll: cutlass.Constexpr[int]):
+    """:func:`_gemv_chunk` on preloaded weight vectors (same arithmetic, same order)."""
+    for r in cutlass.range_constexpr(per_tile):
+        w = cute.zipped_divide(pre, (VEC,))[(None, r * unroll + u)].load().to(Float32)
+        for b in cutlass.range_constexpr(batch):
+            xv = cute.zipped_divide(s_vec[b, None], (VEC,))[(None, kv)].load()
+            acc[r * batch + b] = acc[r * batch + b] + (w * xv).reduce(
+                cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
+
+
+@cute.jit
+def gemv_rows_pre(weight: cute.Tensor, pre: cute.Tensor, bias: cute.Tensor, s_vec: cute.Tensor, out: cute.Tensor,
+                  gwarp: Int32, lane: Int32, total_warps: cutlass.Constexpr[int], rows: cutlass.Constexpr[int],
+                  cols: cutlass.Constexpr[int], batch: cutlass.Constexpr[int], per_tile: cutlass.Constexpr[int],
+                  accumulate: cutlass.Constexpr[bool], unroll: cutlass.Constexpr[int],
+                  has_bias: cutlass.Constexpr[bool]):
+    """:func:`gemv_rows` (``bias`` used when ``has_bias``) whose first tile's first K chunk comes from the
+    registers :func:`gemv_preload` filled; every lane sums its vectors in the same order, so results are
+    bit-identical to :func:`gemv_rows`."""
+    tiles = (rows + per_tile - 1) // per_tile
+    kvecs = cols // VEC
+    chunk = WARP * unroll
+    full_chunks = kvecs // chunk
+    tail = kvecs - full_chunks * chunk
+    acc = cute.make_rmem_tensor(cute.make_layout(per_tile * batch), Float32)
+    if gwarp < tiles:
+        for i in cutlass.range_constexpr(per_tile * batch):
+            acc[i] = Float32(0.0)
+        for u in cutlass.range_constexpr(preload_groups(cols, unroll)):
+            kv = u * WARP + lane
+            if cutlass.const_expr((u + 1) * WARP <= kvecs):
+                _gemv_chunk_pre(pre, s_vec, acc, u, kv, batch, per_tile, unroll)
+            elif kv < kvecs:
+                _gemv_chunk_pre(pre, s_vec, acc, u, kv, batch, per_tile, unroll)
+        for c in range(1, full_chunks):
+            for u in cutlass.range_constexpr(unroll):
+                _gemv_chunk(weight, s_vec, acc, gwarp, c * chunk + u * WARP + lane, rows, batch, per_tile)
+        if cutlass.const_expr(tail > 0 and full_chunks > 0):
+            for u in cutlass.range_constexpr((tail + WARP - 1) // WARP):
+                kv = full_chunks * chunk + u * WARP + lane
+                if kv < kvecs:
+                    _gemv_chunk(weight, s_vec, acc, gwarp, kv, rows, batch, per_tile)
+        _gemv_write(acc, out, bias, gwarp, lane, rows, batch, per_tile, accumulate, has_bias)
+    _gemv_rows(weight, s_vec, out, bias, gwarp + total_warps, lane, total_warps, rows, cols, batch, per_tile,
+               accumulate, unroll, has_bias)  # the warp's later tiles, loaded as usual
 
 
 @cute.jit
