@@ -38,17 +38,31 @@ def test_autotune_measures_every_candidate_and_records_failures():
         seen.append(tiling)
         if tiling == GemvTuning(4, 8):
             raise RuntimeError("ptxas ran out of registers")
-        return _times(norm_qkv=100 - tiling.unroll)
+        mixed = plan["norm_lm_head"] != tiling  # the per-stage composite: b's QKV, a's other stages
+        return dict(_times(norm_qkv=100 - tiling.unroll), step=500 if mixed else 600 - tiling.unroll)
 
     messages = []
     result = autotune(build, object(), candidates=CANDIDATES, measure_plan=measure, progress=messages.append)
-    assert seen == list(CANDIDATES.values()) and all(set(t) == set(GEMV_STAGES) for t in built)
+    assert seen[:3] == list(CANDIDATES.values()) and all(set(t) == set(GEMV_STAGES) for t in built)
+    assert len(seen) == 4 and result.chosen == "per-stage"  # the per-stage winners, measured together
     assert result.tuning["norm_qkv"] == GemvTuning(1, 16)
-    assert "ptxas ran out of registers" in result.errors["c"] and set(result.stage_us) == {"a", "b"}
+    assert "ptxas ran out of registers" in result.errors["c"] and set(result.stage_us) == {"a", "b", "per-stage"}
     assert messages[0].startswith("autotune 1/3: a")
     report = result.report()
     assert report["tuning"]["norm_qkv"] == {"per_tile": 1, "unroll": 16, "spread": False, "preload": False}
-    assert report["stage_us"]["b"]["norm_qkv"] == 84
+    assert report["stage_us"]["b"]["norm_qkv"] == 84 and report["chosen"] == "per-stage"
+
+
+def test_a_faster_uniform_candidate_beats_the_per_stage_composite():
+    def measure(plan, model):
+        if plan["norm_qkv"] == GemvTuning(1, 16) and plan["norm_lm_head"] == GemvTuning(1, 16):
+            return dict(_times(norm_qkv=50), step=400)  # b: fastest qkv, and the fastest whole step
+        if plan["norm_qkv"] == GemvTuning(1, 16):  # the composite: b's qkv with a's LM head
+            return dict(_times(norm_qkv=50), step=450)
+        return dict(_times(norm_lm_head=90), step=500)
+
+    result = autotune(lambda tuning: tuning, object(), candidates=CANDIDATES, measure_plan=measure)
+    assert result.chosen == "b" and all(t == GemvTuning(1, 16) for t in result.tuning.values())
 
 
 def test_autotune_with_nothing_measurable_is_a_clear_error():

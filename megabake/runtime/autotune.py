@@ -3,9 +3,10 @@
 Contract: ``autotune(build, model, *, candidates=CANDIDATES, progress=...) -> Autotuned`` takes
 ``build(tuning) -> Plan`` (the bake's plan builder with a ``tuning=`` override), builds one ``timeline=True``
 kernel per candidate tiling, runs a few decode steps on this Hopper GPU and reads each step's per-stage
-clocks (``MegakernelDecoder.stage_timeline``). For every GEMV stage it keeps the candidate that spent the
-least time in that stage (median over steps, summed over layers) and returns that per-stage ``tuning``
-together with the measured table. Tilings never change numerics: every lane sums its K vectors in the same
+clocks (``MegakernelDecoder.stage_timeline``). For every GEMV stage it takes the candidate that spent the
+least time in that stage (median over steps, summed over layers), measures those per-stage winners
+together, and returns them, unless a uniform candidate's whole step was faster (then that one), with the
+measured table. Tilings never change numerics: every lane sums its K vectors in the same
 order whatever the rows per tile or loads in flight, so the tuned kernel's logits are bit-identical to the
 default's (``choose_tuning`` is pure and runs on a CPU; ``measure`` needs the GPU).
 """
@@ -31,20 +32,23 @@ CANDIDATES: dict[str, GemvTuning] = {  # applied to every GEMV stage; the winner
     "t2u4-spread-preload": GemvTuning(2, 4, spread=True, preload=True),
 }
 STEPS = 3  # timed decode steps per candidate (after one warm-up step)
+TOTAL = "step"  # key of the whole step's time (every stage, as CTA 0 sees it) in a measurement
+COMPOSITE = "per-stage"  # the measurement of the per-stage winners together
 
 
 @dataclass
 class Autotuned:
     tuning: dict[str, GemvTuning]
-    stage_us: dict[str, dict[str, float]]  # candidate -> GEMV stage -> microseconds per step (all layers)
+    stage_us: dict[str, dict[str, float]]  # candidate -> GEMV stage (and TOTAL) -> microseconds per step
     errors: dict[str, str] = field(default_factory=dict)
+    chosen: str = COMPOSITE  # the measured configuration baked: a candidate's name or COMPOSITE
 
     def report(self) -> dict:
         """The ``kernel.autotune`` object of report.json."""
         return {"tuning": {stage: {"per_tile": t.per_tile, "unroll": t.unroll, "spread": t.spread,
                                    "preload": t.preload}
                            for stage, t in self.tuning.items()},
-                "stage_us": self.stage_us, "errors": self.errors}
+                "stage_us": self.stage_us, "errors": self.errors, "chosen": self.chosen}
 
 
 def uniform_tuning(tiling: GemvTuning) -> dict[str, GemvTuning]:
@@ -81,7 +85,9 @@ def measure(plan: Plan, model, *, steps: int = STEPS) -> dict[str, float]:
             per_step.append(totals)
     del decoder
     torch.cuda.empty_cache()
-    return {stage: statistics.median(step[stage] for step in per_step) for stage in GEMV_STAGES}
+    times = {stage: statistics.median(step[stage] for step in per_step) for stage in GEMV_STAGES}
+    times[TOTAL] = statistics.median(sum(step.values()) for step in per_step)
+    return times
 
 
 def autotune(build: Callable[[dict], Plan], model, *, candidates: dict[str, GemvTuning] | None = None,
@@ -101,4 +107,14 @@ def autotune(build: Callable[[dict], Plan], model, *, candidates: dict[str, Gemv
             errors[name] = f"{type(exc).__name__}: {str(exc)[:300]}"
     if not stage_us:
         raise MegaBakeError(f"autotune: no candidate tiling could be measured on this GPU: {errors}")
-    return Autotuned(choose_tuning(stage_us, candidates), stage_us, errors)
+    composite = choose_tuning(stage_us, candidates)
+    progress("autotune: the per-stage winners together")
+    try:
+        stage_us[COMPOSITE] = measure_plan(build(composite), model)
+    except Exception as exc:
+        errors[COMPOSITE] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    # Preloads and prefetches move work across stage boundaries: keep the composite only if the whole step
+    # is faster than every uniform candidate's.
+    best = min(stage_us, key=lambda name: stage_us[name].get(TOTAL, float("inf")))
+    tuning = composite if best == COMPOSITE or TOTAL not in stage_us[best] else uniform_tuning(candidates[best])
+    return Autotuned(tuning, stage_us, errors, chosen=best)
