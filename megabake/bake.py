@@ -141,16 +141,16 @@ def bake(model: str, *, revision: str | None = None, batch: int = 1, capacity: i
         ir = lower(captured)
     inv_freq, scaling = recover_rotary(captured, ir)
 
-    def build(tuning=None):
+    def build(tuning=None, attention_preload=False):
         return build_plan(ir, ctas=sm_count, threads=threads, inv_freq_buffer=inv_freq, rotary_scaling=scaling,
-                          tuning=tuning)
+                          tuning=tuning, attention_preload=attention_preload)
 
     tuned = None
     if autotune:
         with clock(f"autotune GEMV tilings on {info.name}"):
             tuned = _autotune(build, source.model, progress)
     with clock("plan stages, tiles, buffers"):
-        plan = build(tuned.tuning if tuned else None)
+        plan = build(tuned.tuning, tuned.attention_preload) if tuned else build()
     with clock("generate module.py"):
         generated = generate(plan)
     with clock(f"reference executor vs eager fp32 ({reference_steps} steps)"):

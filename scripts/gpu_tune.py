@@ -30,6 +30,9 @@ def variants() -> dict:
             "t2u16": GemvTuning(2, 16), "t1u32": GemvTuning(1, 32)}
 
 
+ATTENTION_PRELOAD_VARIANTS = ("default", "t2u4-spread-preload")  # also measured with attention preload
+
+
 def tuning_for(tiling) -> dict:
     from megabake.runtime.autotune import uniform_tuning
 
@@ -128,7 +131,13 @@ def sweep(name: str, chosen: list[str], reps: int, capacity: int) -> dict:
     for variant in chosen:
         row, timelines[variant] = measure_variant(variant, tuning_for(candidates[variant]), context, default_logits)
         rows.append(row)
-    timed = {r["variant"]: timelines[r["variant"]] for r in rows if _usable(r) and timelines.get(r["variant"])}
+        if variant in ATTENTION_PRELOAD_VARIANTS:
+            name = f"{variant}+attn"
+            row, timelines[name] = measure_variant(name, tuning_for(candidates[variant]), context, default_logits,
+                                                   attention_preload=True)
+            rows.append(row)
+    timed = {r["variant"]: timelines[r["variant"]] for r in rows
+             if _usable(r) and timelines.get(r["variant"]) and r["variant"] in candidates}
     if timed:
         composite = choose_tuning(timed, candidates)
         row, timelines["composite"] = measure_variant("composite", composite, context, default_logits)
@@ -145,14 +154,15 @@ def _usable(row: dict) -> bool:
     return "gpu_ms" in row and row["finite"] and row["rel_l2_vs_default"] < 1e-3
 
 
-def build_tuned_plan(context: dict, tuning: dict):
+def build_tuned_plan(context: dict, tuning: dict, attention_preload: bool = False):
     from megabake.plan import build_plan
 
     return build_plan(context["ir"], ctas=context["sm_count"], inv_freq_buffer=context["inv"],
-                      rotary_scaling=context["scale"], tuning=tuning)
+                      rotary_scaling=context["scale"], tuning=tuning, attention_preload=attention_preload)
 
 
-def measure_variant(variant: str, tuning: dict, context: dict, default_logits: list) -> tuple[dict, dict]:
+def measure_variant(variant: str, tuning: dict, context: dict, default_logits: list,
+                    attention_preload: bool = False) -> tuple[dict, dict]:
     """Build, check (poisoned logits, vs the first variant, the first one also vs the CPU reference), time, and
     read one step's per-stage clocks. Errors become the row's ``error``: one variant must not end the sweep."""
     import torch
@@ -164,7 +174,7 @@ def measure_variant(variant: str, tuning: dict, context: dict, default_logits: l
     model, tokens, reps = context["model"], context["tokens"], context["reps"]
     pos = len(tokens) - 1
     try:
-        plan = build_tuned_plan(context, tuning)
+        plan = build_tuned_plan(context, tuning, attention_preload)
         decoder = MegakernelDecoder(plan, generate(plan).source, model, device="cuda")
         for p in range(len(tokens)):
             decoder.buffers["logits"].fill_(float("nan"))  # poison

@@ -29,9 +29,9 @@ def test_each_stage_takes_its_fastest_candidate():
 def test_autotune_measures_every_candidate_and_records_failures():
     built, seen = [], []
 
-    def build(tuning):
+    def build(tuning, attention_preload=False):
         built.append(tuning)
-        return tuning
+        return dict(tuning, attention=attention_preload)
 
     def measure(plan, model):
         tiling = plan["norm_qkv"]
@@ -44,9 +44,11 @@ def test_autotune_measures_every_candidate_and_records_failures():
     messages = []
     result = autotune(build, object(), candidates=CANDIDATES, measure_plan=measure, progress=messages.append)
     assert seen[:3] == list(CANDIDATES.values()) and all(set(t) == set(GEMV_STAGES) for t in built)
-    assert len(seen) == 4 and result.chosen == "per-stage"  # the per-stage winners, measured together
+    assert len(seen) == 5 and result.chosen == "per-stage"  # the per-stage winners, measured together
+    assert not result.attention_preload  # measured once more with it (same time here): not taken
     assert result.tuning["norm_qkv"] == GemvTuning(1, 16)
-    assert "ptxas ran out of registers" in result.errors["c"] and set(result.stage_us) == {"a", "b", "per-stage"}
+    assert "ptxas ran out of registers" in result.errors["c"]
+    assert set(result.stage_us) == {"a", "b", "per-stage", "attention-preload"}
     assert messages[0].startswith("autotune 1/3: a")
     report = result.report()
     assert report["tuning"]["norm_qkv"] == {"per_tile": 1, "unroll": 16, "spread": False, "preload": False}
@@ -61,8 +63,25 @@ def test_a_faster_uniform_candidate_beats_the_per_stage_composite():
             return dict(_times(norm_qkv=50), step=450)
         return dict(_times(norm_lm_head=90), step=500)
 
-    result = autotune(lambda tuning: tuning, object(), candidates=CANDIDATES, measure_plan=measure)
+    result = autotune(lambda tuning, attention_preload=False: tuning, object(), candidates=CANDIDATES,
+                      measure_plan=measure)
     assert result.chosen == "b" and all(t == GemvTuning(1, 16) for t in result.tuning.values())
+
+
+def test_attention_preload_is_kept_only_when_the_step_is_faster():
+    def measure(plan, model):
+        return dict(_times(), step=450 if plan["attention"] else 500)
+
+    def refuse(tuning, attention_preload=False):
+        if attention_preload:
+            raise MegaBakeError("attention preload needs at most one (batch, head) tile per CTA")
+        return dict(tuning, attention=False)
+
+    faster = autotune(lambda t, attention_preload=False: dict(t, attention=attention_preload), object(),
+                      candidates=CANDIDATES, measure_plan=measure)
+    assert faster.attention_preload and faster.report()["attention_preload"] is True
+    refused = autotune(refuse, object(), candidates=CANDIDATES, measure_plan=measure)
+    assert not refused.attention_preload and "one (batch, head) tile per CTA" in refused.errors["attention-preload"]
 
 
 def test_autotune_with_nothing_measurable_is_a_clear_error():
@@ -70,7 +89,7 @@ def test_autotune_with_nothing_measurable_is_a_clear_error():
         raise RuntimeError("boom")
 
     with pytest.raises(MegaBakeError, match="no candidate tiling could be measured"):
-        autotune(lambda t: t, object(), candidates=CANDIDATES, measure_plan=measure)
+        autotune(lambda t, attention_preload=False: t, object(), candidates=CANDIDATES, measure_plan=measure)
 
 
 def test_autotune_report_validates_in_a_package_report():

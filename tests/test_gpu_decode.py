@@ -222,9 +222,9 @@ def test_bake_with_autotune_on_the_gpu(tmp_path):
 
 @pytest.mark.parametrize("name", ["smollm-135m", "llama-3.2-1b"])
 def test_tilings_give_bit_identical_logits(name):
-    """Rows per tile, loads in flight, CTA-major order and the register preload never change a lane's
-    summation order: every tiling's logits equal the default's exactly (2-layer stacks of the real shapes:
-    SmolLM's K=576 is all tail, Llama's K=2048 has full chunks)."""
+    """Rows per tile, loads in flight, CTA-major order, the GEMV register preload and the attention preload
+    never change a lane's summation order: every variant's logits equal the default's exactly, step by step
+    (2-layer stacks of the real shapes: SmolLM's K=576 is all tail, Llama's K=2048 has full chunks)."""
     from megabake.codegen import generate
     from megabake.plan import GemvTuning, build_plan
     from megabake.plan.rotary import recover_rotary
@@ -233,19 +233,22 @@ def test_tilings_give_bit_identical_logits(name):
 
     compiled = compile_preset(name, layers=2, capacity=64, ctas=gpu_info().sm_count)
     inv_freq, scaling = recover_rotary(compiled.captured, compiled.ir)
-    tokens = torch.randint(1, compiled.plan.dims.vocab, (4,), generator=torch.Generator().manual_seed(10))
+    tokens = torch.randint(1, compiled.plan.dims.vocab, (6,), generator=torch.Generator().manual_seed(10))
+    positions = [0, 1, 2, 3, 40, 41]  # 40+: past the first iteration of the attention loops (32 positions)
     results = {}
-    for tiling in (GemvTuning(), GemvTuning(1, 16), GemvTuning(2, 4, spread=True), GemvTuning(2, 4, preload=True),
-                   GemvTuning(1, 8, spread=True, preload=True)):
+    for tiling, attention_preload in ((GemvTuning(), False), (GemvTuning(1, 16), False),
+                                      (GemvTuning(2, 4, spread=True), False), (GemvTuning(2, 4, preload=True), False),
+                                      (GemvTuning(1, 8, spread=True, preload=True), False), (GemvTuning(), True)):
         plan = build_plan(compiled.ir, ctas=gpu_info().sm_count, inv_freq_buffer=inv_freq, rotary_scaling=scaling,
-                          tuning=uniform_tuning(tiling))
+                          tuning=uniform_tuning(tiling), attention_preload=attention_preload)
         decoder = MegakernelDecoder(plan, generate(plan).source, compiled.model, device="cuda")
-        for position in range(len(tokens)):
+        steps = []
+        for token, position in zip(tokens, positions):
             decoder.buffers["logits"].fill_(float("nan"))
-            logits = decoder.step(tokens[position:position + 1], position).cpu().clone()
-        results[tiling] = logits
+            steps.append(decoder.step(token.reshape(1), position).cpu().clone())
+        results[(tiling, attention_preload)] = torch.stack(steps)
         del decoder
-    default = results[GemvTuning()]
+    default = results[(GemvTuning(), False)]
     assert torch.isfinite(default).all()
-    for tiling, logits in results.items():
-        assert torch.equal(logits, default), tiling
+    for variant, logits in results.items():
+        assert torch.equal(logits, default), variant

@@ -160,3 +160,24 @@ def test_preload_issues_the_first_chunk_before_the_barrier(tiny):
     assert result.ok, result.error
     with pytest.raises(PlanError, match="preload is not supported for the LM head"):
         _plan(tiny, {"norm_lm_head": GemvTuning(preload=True)})
+
+
+def test_attention_preload_loads_cached_rows_before_the_barrier(tiny):
+    from megabake.runtime.compile import compile_check
+
+    inv_freq, scaling = recover_rotary(tiny.captured, tiny.ir)
+    plan = build_plan(tiny.ir, inv_freq_buffer=inv_freq, rotary_scaling=scaling, attention_preload=True)
+    attention = next(s for s in plan.stages if s.name == "attention")
+    assert attention.tiling.preload and '"preload": true' in plan.to_json()
+    source = generate(plan).source
+    lines = source.splitlines()
+    preload = next(i for i, line in enumerate(lines) if "bodies.attention_preload(" in line)
+    barrier = next(i for i, line in enumerate(lines) if i > preload and "bodies.grid_barrier(" in line)
+    early = next(i for i, line in enumerate(lines) if "bodies.decode_attention_early(" in line)
+    assert preload < barrier < early  # issued in the QKV stage, before the barrier that precedes attention
+    assert "s_new = cute.make_tensor(s_vec.iterator" in source
+    result = compile_check(plan, load_module(source))
+    assert result.ok, result.error
+    with pytest.raises(PlanError, match="one \\(batch, head\\) tile per CTA"):
+        build_plan(tiny.ir, ctas=3, inv_freq_buffer=inv_freq, rotary_scaling=scaling, attention_preload=True)
+    assert "attention_preload" not in tiny.generated.source

@@ -101,12 +101,15 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool = False
     w("gwarp = cta * WARPS + tidx // 32", 1)
     if any(st.tiling.kind == "rows" and st.tiling.spread for st in plan.stages):
         w("swarp = (tidx // 32) * CTAS + cta  # CTA-major tile order of spread GEMV stages", 1)
-    for line in _preload_registers(plan):
-        w(line, 1)
     w("smem = cutlass.memory.SmemAllocator()", 1)
     w("s_vec = smem.allocate_tensor(Float32, cute.make_layout((BATCH, VEC_WIDTH), stride=(VEC_WIDTH, 1)), byte_alignment=16)", 1)
     w("s_red = smem.allocate_tensor(Float32, cute.make_layout(RED_SCRATCH), byte_alignment=16)", 1)
     w("s_att = smem.allocate_tensor(Float32, cute.make_layout(ATT_SCRATCH), byte_alignment=16)", 1)
+    for line in _preload_registers(plan):
+        w(line, 1)
+    if _attention_preloads(plan):
+        w("pre_kv = cute.make_rmem_tensor(cute.make_layout(2 * 8), k_cache.element_type)  # first K, V rows", 1)
+        w("s_new = cute.make_tensor(s_vec.iterator, cute.make_layout(2 * HEAD_DIM))  # this step's k, v (fp32)", 1)
     w("pos = position[0]", 1)
     _timeline_store(w, 1, timeline, "1")
     for i, stage in enumerate(prologue):
@@ -235,13 +238,21 @@ def _preload_registers(plan: Plan) -> list[str]:
     return lines
 
 
+def _attention_preloads(plan: Plan) -> bool:
+    return any(s.kind == "attention" and s.tiling.preload for s in plan.stages)
+
+
 def _before_barrier_calls(plan: Plan, stage: Stage) -> list[str]:
-    """Issued before a CTA waits at the barrier that ends ``stage``: the next GEMV's L2 prefetch, and its
-    register preload when that stage preloads."""
+    """Issued before a CTA waits at the barrier that ends ``stage``: the next GEMV's L2 prefetch, its register
+    preload when that stage preloads, and the attention's first K/V rows when attention preloads."""
+    calls = []
+    if stage.name == "norm_qkv" and _attention_preloads(plan):
+        calls.append("bodies.attention_preload(k_cache[layer, None, None, None, None], v_cache[layer, None, None, "
+                     "None, None], pre_kv, pos, cta, tidx, BATCH, N_HEADS, N_KV_HEADS, HEAD_DIM)")
     prefetch = _prefetch_call(plan, stage)
     if prefetch is None:
-        return []
-    calls = [prefetch]
+        return calls
+    calls.append(prefetch)
     weight, _, next_name = _NEXT_GEMV[stage.name]
     next_stage = next(s for s in plan.stages if s.name == next_name)
     if next_stage.tiling.preload:
@@ -284,6 +295,11 @@ def _attention_call(plan: Plan) -> tuple[str, str]:
     caches = ("rope_cos, rope_sin, k_cache[layer, None, None, None, None], v_cache[layer, None, None, None, None], "
               "attn, pos, s_att, s_red, cta, tidx, BATCH, N_HEADS, N_KV_HEADS, HEAD_DIM, CAPACITY, CTAS, THREADS, "
               "ATTN_SCALE")
+    if _attention_preloads(plan):
+        norms = "qk_norms[layer, None, None]" if plan.has_head_norms else "qkv"
+        early = caches.replace("s_att, s_red, cta", "s_att, s_red, s_new, pre_kv, cta")
+        return ("decode_attention_early",
+                f"bodies.decode_attention_early(qkv, {norms}, {early}, {plan.has_head_norms}, EPS)")
     if plan.has_head_norms:
         return "decode_attention_qk_norm", f"bodies.decode_attention_qk_norm(qkv, qk_norms[layer, None, None], {caches}, EPS)"
     return "decode_attention", f"bodies.decode_attention(qkv, {caches})"

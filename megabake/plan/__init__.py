@@ -441,10 +441,12 @@ def _rows_tiling(rows: int, tuning: GemvTuning) -> Tiling:
 
 def build_plan(ir: IRGraph, *, ctas: int = 132, threads: int = 256, weight_dtype: str = "bfloat16",
                rotary_scaling: float = 1.0, inv_freq_buffer: str = "",
-               tuning: dict[str, GemvTuning] | None = None) -> Plan:
+               tuning: dict[str, GemvTuning] | None = None, attention_preload: bool = False) -> Plan:
     """Turn recognised IR into a plan for a grid of ``ctas`` CTAs of ``threads`` threads.
 
     ``tuning`` overrides the GEMV tiling of named stages (``GEMV_STAGES``); the rest keep ``DEFAULT_TUNING``.
+    ``attention_preload`` loads each lane group's first cached K/V rows before the barrier that precedes
+    attention (the attention stage's ``tiling.preload``; one (batch, head) tile per CTA at most).
     """
     if threads % WARP or not 64 <= threads <= 1024:
         raise PlanError(f"threads per CTA must be a multiple of 32 in [64, 1024], got {threads}")
@@ -469,7 +471,11 @@ def build_plan(ir: IRGraph, *, ctas: int = 132, threads: int = 256, weight_dtype
     layers = [_bind_layer(block) for block in blocks]
     tied = lm_head.weight == embed.table
     stages = _stages(dims, batch, tuning)
+    if attention_preload:
+        _check_attention_preload(dims, batch, ctas)
     for stage in stages:
+        if stage.name == "attention":
+            stage.tiling.preload = attention_preload
         if stage.name in biased:
             stage.reads.append(STAGE_BIAS[stage.name])
         if stage.name == "attention" and head_norms:
@@ -583,6 +589,14 @@ def _bias_packing(blocks: list[_Block], biased: list[str]) -> list[PackedWeight]
     return [PackedWeight(STAGE_BIAS[stage], True,
                          [[part(block.ops[role]) for role in _BIAS_ROLES[stage]] for block in blocks])
             for stage in biased]
+
+
+def _check_attention_preload(dims: ModelDims, batch: int, ctas: int) -> None:
+    if batch * dims.n_heads > ctas:
+        raise PlanError(f"attention preload needs at most one (batch, head) tile per CTA: {batch} x {dims.n_heads} "
+                        f"heads > {ctas} CTAs; bake without it or with a smaller batch")
+    if dims.n_heads < 2:
+        raise PlanError("attention preload keeps the new K/V row in the GEMV staging buffer, which needs n_heads >= 2")
 
 
 def _has_head_norms(blocks: list[_Block]) -> bool:

@@ -1,12 +1,13 @@
 """Bake-time autotuning of GEMV tilings on the GPU the package is baked for.
 
 Contract: ``autotune(build, model, *, candidates=CANDIDATES, progress=...) -> Autotuned`` takes
-``build(tuning) -> Plan`` (the bake's plan builder with a ``tuning=`` override), builds one ``timeline=True``
+``build(tuning, attention_preload=False) -> Plan`` (the bake's plan builder), builds one ``timeline=True``
 kernel per candidate tiling, runs a few decode steps on this Hopper GPU and reads each step's per-stage
 clocks (``MegakernelDecoder.stage_timeline``). For every GEMV stage it takes the candidate that spent the
 least time in that stage (median over steps, summed over layers), measures those per-stage winners
-together, and returns them, unless a uniform candidate's whole step was faster (then that one), with the
-measured table. Tilings never change numerics: every lane sums its K vectors in the same
+together, and returns them, unless a uniform candidate's whole step was faster (then that one); finally the
+chosen tiling is measured once more with attention preload, kept if the whole step is faster. The
+measured table comes back with the choice. Tilings never change numerics: every lane sums its K vectors in the same
 order whatever the rows per tile or loads in flight, so the tuned kernel's logits are bit-identical to the
 default's (``choose_tuning`` is pure and runs on a CPU; ``measure`` needs the GPU).
 """
@@ -34,6 +35,7 @@ CANDIDATES: dict[str, GemvTuning] = {  # applied to every GEMV stage; the winner
 STEPS = 3  # timed decode steps per candidate (after one warm-up step)
 TOTAL = "step"  # key of the whole step's time (every stage, as CTA 0 sees it) in a measurement
 COMPOSITE = "per-stage"  # the measurement of the per-stage winners together
+ATTENTION_PRELOAD = "attention-preload"  # the chosen tiling again, with attention's first K/V rows preloaded
 
 
 @dataclass
@@ -42,13 +44,15 @@ class Autotuned:
     stage_us: dict[str, dict[str, float]]  # candidate -> GEMV stage (and TOTAL) -> microseconds per step
     errors: dict[str, str] = field(default_factory=dict)
     chosen: str = COMPOSITE  # the measured configuration baked: a candidate's name or COMPOSITE
+    attention_preload: bool = False  # the chosen tiling measured faster with attention preload
 
     def report(self) -> dict:
         """The ``kernel.autotune`` object of report.json."""
         return {"tuning": {stage: {"per_tile": t.per_tile, "unroll": t.unroll, "spread": t.spread,
                                    "preload": t.preload}
                            for stage, t in self.tuning.items()},
-                "stage_us": self.stage_us, "errors": self.errors, "chosen": self.chosen}
+                "stage_us": self.stage_us, "errors": self.errors, "chosen": self.chosen,
+                "attention_preload": self.attention_preload}
 
 
 def uniform_tuning(tiling: GemvTuning) -> dict[str, GemvTuning]:
@@ -117,4 +121,11 @@ def autotune(build: Callable[[dict], Plan], model, *, candidates: dict[str, Gemv
     # is faster than every uniform candidate's.
     best = min(stage_us, key=lambda name: stage_us[name].get(TOTAL, float("inf")))
     tuning = composite if best == COMPOSITE or TOTAL not in stage_us[best] else uniform_tuning(candidates[best])
-    return Autotuned(tuning, stage_us, errors, chosen=best)
+    progress("autotune: the chosen tiling with attention preload")
+    try:
+        stage_us[ATTENTION_PRELOAD] = measure_plan(build(tuning, attention_preload=True), model)
+    except Exception as exc:  # e.g. more (batch, head) tiles than CTAs
+        errors[ATTENTION_PRELOAD] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    preload = (stage_us.get(ATTENTION_PRELOAD, {}).get(TOTAL, float("inf"))
+               < stage_us[best].get(TOTAL, float("inf")))
+    return Autotuned(tuning, stage_us, errors, chosen=best, attention_preload=preload)
