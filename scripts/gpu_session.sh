@@ -3,6 +3,8 @@
 #   tests: the GPU tests (numerics, one launch per step, verify, hub load)  -> OUT/pytest-gpu.log   (~2-4 min)
 #   smoke: kernel vs CPU reference executor + step latency per preset       -> OUT/smoke-*.json     (~1-3 min)
 #   bench: decode benchmark table + chart, all presets in one process          -> OUT/bench/  (~2.5 min per preset)
+#   tune:  GEMV tiling / preload sweep with per-stage clocks (scripts/gpu_tune.py) -> OUT/tune-*.json (~6 min per
+#          preset: give it one preset per call)
 # A device call is limited to 10 minutes: pick parts with PARTS (default "tests smoke"), e.g.
 #   source .cute/activate.sh && bash scripts/gpu_session.sh "$OUT" smollm-135m llama-3.2-1b
 #   source .cute/activate.sh && PARTS=bench bash scripts/gpu_session.sh "$OUT" smollm-135m llama-3.2-1b
@@ -27,5 +29,9 @@ fi
 if [[ " $PARTS " == *" bench "* ]]; then
   timeout 560 python3 benchmarks/decode.py --presets "${PRESETS[@]}" --out "$OUT/bench" >"$OUT/bench.log" 2>&1
   summary+=("bench: rc=$?" "$(cat "$OUT/bench/decode.md" 2>/dev/null)")
+fi
+if [[ " $PARTS " == *" tune "* ]]; then
+  timeout 560 python3 scripts/gpu_tune.py "${PRESETS[@]}" --out "$OUT" >"$OUT/tune.log" 2>&1
+  summary+=("tune: rc=$?" "$(sed -n '/^== /,$p' "$OUT/tune.log")")
 fi
 printf '%s\n' "${summary[@]}"
