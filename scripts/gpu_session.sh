@@ -5,7 +5,7 @@
 #   bench: decode benchmark table + chart, all presets in one process          -> OUT/bench/  (~2.5 min per preset)
 #   tune:  GEMV tiling / preload sweep with per-stage clocks (scripts/gpu_tune.py) -> OUT/tune-*.json (~6 min per
 #          preset: give it one preset per call)
-# A device call is limited to 10 minutes: pick parts with PARTS (default "tests smoke"), e.g.
+# A device call is limited to 10 minutes: pick parts with PARTS (default "tests"), e.g.
 #   source .cute/activate.sh && bash scripts/gpu_session.sh "$OUT" smollm-135m llama-3.2-1b
 #   source .cute/activate.sh && PARTS=bench bash scripts/gpu_session.sh "$OUT" smollm-135m llama-3.2-1b
 # Each part has its own time limit so one hang cannot eat the whole call.
@@ -14,7 +14,7 @@ OUT=${1:?usage: gpu_session.sh OUT [presets...]}
 shift
 PRESETS=("$@")
 ((${#PRESETS[@]})) || PRESETS=(smollm-135m llama-3.2-1b)
-PARTS=${PARTS:-tests smoke}
+PARTS=${PARTS:-tests}
 mkdir -p "$OUT"
 summary=()
 
