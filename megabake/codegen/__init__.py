@@ -214,13 +214,13 @@ def _gemv(weight: str, out: str, rows: str, cols: str, stage: Stage, accumulate:
 
 PREFETCH_BUDGET_BYTES = 16 << 20  # per barrier wait; L2 is 50-60 MB on H100/H200
 
-# The next GEMV after the barrier that ends a stage: (weight expression, rows, cols, stage of that GEMV).
+# The next GEMV after the barrier that ends a stage: (weight expression, stage of that GEMV).
 _NEXT_GEMV = {
-    "embed": ("w_qkv[0, None, None]", "qkv", "norm_qkv"),
-    "norm_qkv": ("w_o[layer, None, None]", "o", "o_residual"),
-    "o_residual": ("w_gate_up[layer, None, None]", "gate_up", "norm_gate_up"),
-    "norm_gate_up": ("w_down[layer, None, None]", "down", "down_residual"),
-    "down_residual": ("w_qkv[cutlass.min(layer + 1, LAYERS - 1), None, None]", "qkv", "norm_qkv"),
+    "embed": ("w_qkv[0, None, None]", "norm_qkv"),
+    "norm_qkv": ("w_o[layer, None, None]", "o_residual"),
+    "o_residual": ("w_gate_up[layer, None, None]", "norm_gate_up"),
+    "norm_gate_up": ("w_down[layer, None, None]", "down_residual"),
+    "down_residual": ("w_qkv[cutlass.min(layer + 1, LAYERS - 1), None, None]", "norm_qkv"),
 }
 
 
@@ -253,7 +253,7 @@ def _before_barrier_calls(plan: Plan, stage: Stage) -> list[str]:
     if prefetch is None:
         return calls
     calls.append(prefetch)
-    weight, _, next_name = _NEXT_GEMV[stage.name]
+    weight, next_name = _NEXT_GEMV[stage.name]
     next_stage = next(s for s in plan.stages if s.name == next_name)
     if next_stage.tiling.preload:
         rows, cols = _gemv_shape(plan, next_name)
@@ -272,10 +272,8 @@ def _prefetch_call(plan: Plan, stage: Stage) -> str | None:
     """L2 prefetch of the next GEMV's first tiles, issued before waiting at the barrier."""
     if stage.name not in _NEXT_GEMV:
         return None
-    weight, shape_key, next_name = _NEXT_GEMV[stage.name]
-    d = plan.dims
-    rows, cols = {"qkv": (d.qkv_rows, d.hidden), "o": (d.hidden, d.q_rows),
-                  "gate_up": (2 * d.intermediate, d.hidden), "down": (d.hidden, d.intermediate)}[shape_key]
+    weight, next_name = _NEXT_GEMV[stage.name]
+    rows, cols = _gemv_shape(plan, next_name)
     next_stage = next(s for s in plan.stages if s.name == next_name)
     per_tile = next_stage.tiling.per_tile
     total_warps = plan.ctas * plan.warps
