@@ -343,3 +343,15 @@ def test_real_shapes_compile_for_sm90a(preset, tmp_path):
     assert result.ok, result.error
     # the five GEMVs are unrolled: each lane issues >= 3 x rows-per-tile 16-byte weight loads per K step
     assert result.ptx_stats["vector_loads_16B"] >= 5 * 2 * 3
+
+
+def test_committed_default_package_matches_the_compiler():
+    """A tripwire for kernel drift: the committed default package is what the compiler bakes today. When this
+    fails on purpose, re-bake (`megabake bake`), rebuild the registry and run the GPU tests on an H200."""
+    from pathlib import Path
+
+    package = Path(__file__).resolve().parents[1] / "packages" / "megabake--tiny-llama" / "random-seed0" / \
+        "decode-b1-c128-sm90a-132sm"
+    compiled = compile_preset("tiny-llama", capacity=128)
+    assert compiled.plan.to_json() == (package / "plan.json").read_text()
+    assert compiled.generated.source == (package / "module.py").read_text()
