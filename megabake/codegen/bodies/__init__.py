@@ -517,54 +517,39 @@ def _decode_attention(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Ten
         b = tile // n_heads
         head = tile - b * n_heads
         kvh = head // group
+        q_inv = Float32(1.0)
+        k_inv = Float32(1.0)
         if cutlass.const_expr(has_qk_norm):
             q_inv = _head_inv_rms(qkv, b, head * head_dim, s_red, tidx, head_dim, warps, eps)
             k_inv = _head_inv_rms(qkv, b, q_rows + kvh * head_dim, s_red, tidx, head_dim, warps, eps)
-            if tidx < head_dim:
-                d = tidx
-                partner = d + half
-                sign = Float32(-1.0)
-                if d >= half:
-                    partner = d - half
-                    sign = Float32(1.0)
-                c = rope_cos[pos, d]
-                s = rope_sin[pos, d]
-                q_off = head * head_dim
-                k_off = q_rows + kvh * head_dim
-                v_off = q_rows + kv_rows + kvh * head_dim
+        if tidx < head_dim:
+            d = tidx
+            partner = d + half
+            sign = Float32(-1.0)
+            if d >= half:
+                partner = d - half
+                sign = Float32(1.0)
+            c = rope_cos[pos, d]
+            s = rope_sin[pos, d]
+            q_off = head * head_dim
+            k_off = q_rows + kvh * head_dim
+            v_off = q_rows + kv_rows + kvh * head_dim
+            if cutlass.const_expr(has_qk_norm):
                 q_d = qkv[b, q_off + d] * q_inv * qk_norm[0, d]
                 q_p = qkv[b, q_off + partner] * q_inv * qk_norm[0, partner]
                 k_d = qkv[b, k_off + d] * k_inv * qk_norm[1, d]
                 k_p = qkv[b, k_off + partner] * k_inv * qk_norm[1, partner]
                 s_q[d] = q_d * c + sign * q_p * s
                 k_new = (k_d * c + sign * k_p * s).to(k_cache.element_type)
-                k_cache[b, kvh, pos, d] = k_new
-                v_new = qkv[b, v_off + d].to(v_cache.element_type)
-                v_cache[b, kvh, pos, d] = v_new
-                if cutlass.const_expr(early_kv):
-                    s_new[d] = k_new.to(Float32)
-                    s_new[head_dim + d] = v_new.to(Float32)
-        else:
-            if tidx < head_dim:
-                d = tidx
-                partner = d + half
-                sign = Float32(-1.0)
-                if d >= half:
-                    partner = d - half
-                    sign = Float32(1.0)
-                c = rope_cos[pos, d]
-                s = rope_sin[pos, d]
-                q_off = head * head_dim
-                k_off = q_rows + kvh * head_dim
-                v_off = q_rows + kv_rows + kvh * head_dim
+            else:
                 s_q[d] = qkv[b, q_off + d] * c + sign * qkv[b, q_off + partner] * s
                 k_new = (qkv[b, k_off + d] * c + sign * qkv[b, k_off + partner] * s).to(k_cache.element_type)
-                k_cache[b, kvh, pos, d] = k_new
-                v_new = qkv[b, v_off + d].to(v_cache.element_type)
-                v_cache[b, kvh, pos, d] = v_new
-                if cutlass.const_expr(early_kv):
-                    s_new[d] = k_new.to(Float32)
-                    s_new[head_dim + d] = v_new.to(Float32)
+            k_cache[b, kvh, pos, d] = k_new
+            v_new = qkv[b, v_off + d].to(v_cache.element_type)
+            v_cache[b, kvh, pos, d] = v_new
+            if cutlass.const_expr(early_kv):
+                s_new[d] = k_new.to(Float32)
+                s_new[head_dim + d] = v_new.to(Float32)
         cute.arch.sync_threads()
         keys = k_cache[b, kvh, None, None]
         values = v_cache[b, kvh, None, None]
