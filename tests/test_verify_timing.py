@@ -215,6 +215,24 @@ def test_recheck_voids_a_candidate_whose_output_moved():
     assert pick_baseline([steady, moved], results) == "steady"  # a voided candidate is never the baseline
 
 
+def test_first_call_that_disagrees_with_eager_is_failed_and_never_the_baseline():
+    """Seen on the H200: a hand-captured graph replaying over a freed KV cache gave stable logits at rel-L2
+    0.57 vs eager; the re-check (output moved?) cannot see that, the first-call agreement check must."""
+    from megabake.verify.timing import AGREEMENT_LIMIT, _first_call
+
+    reference = torch.linspace(-1.0, 1.0, 8).reshape(1, 8)
+    close = Candidate("close", "baseline", lambda i: reference * 1.01)
+    wrong = Candidate("wrong", "baseline", lambda i: reference.flip(-1))
+    nan = Candidate("nan", "baseline", lambda i: torch.full((1, 8), float("nan")))
+    for candidate in (close, wrong, nan):
+        _first_call(candidate, reference)
+    assert close.error is None and close.rel_l2_vs_eager < AGREEMENT_LIMIT
+    assert "disagrees with eager bf16 (rel-L2 2 > 0.1)" in wrong.error
+    assert "disagrees with eager bf16" in nan.error
+    results = {"close": Samples(_samples(2.0)), "wrong": Samples(_samples(1.0))}
+    assert pick_baseline([close, wrong], results) == "close"
+
+
 def test_decode_ids_give_one_layout_and_one_compile():
     from torch._dynamo.testing import CompileCounter
 
