@@ -2,6 +2,7 @@
 
 Usage (on a Hopper GPU, from the repo root; on the H200: `source .cute/activate.sh` first):
 
+    python3 benchmarks/decode.py --out DIR            # every model-sized preset (all but tiny-llama)
     python3 benchmarks/decode.py --presets smollm-135m llama-3.2-1b --out DIR
     python3 benchmarks/decode.py --from-results DIR/results.json --out DIR   # re-render table + chart
 
@@ -29,6 +30,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from megabake.presets import PRESETS, is_preset  # noqa: E402  (after the sys.path line)
 
 LOG = logging.getLogger("benchmarks.decode")
 MEASURES = ("sync_call", "pipelined", "gpu_event")
@@ -261,9 +264,14 @@ def write_outputs(rows: list[Row], out: Path) -> str:
     return table
 
 
+# Every preset that bakes a real model shape (tiny-llama is the seconds-long offline default, not a model).
+DEFAULT_PRESETS = ("smollm-135m", "llama-3.2-1b", "qwen2.5-0.5b", "qwen3-0.6b")
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--presets", nargs="+", default=["smollm-135m", "llama-3.2-1b"])
+    parser.add_argument("--presets", nargs="+", default=list(DEFAULT_PRESETS),
+                        help=f"built-in presets to bake and verify (default: {' '.join(DEFAULT_PRESETS)})")
     parser.add_argument("--out", type=Path, required=True, help="folder for logs, packages, table and chart")
     parser.add_argument("--capacity", type=int, default=128)
     parser.add_argument("--steps", default=64, help="numerics decode steps (an int or 'max')")
@@ -276,6 +284,9 @@ def parse_args(argv=None):
     parser.add_argument("--autotune", action="store_true", help="bake with `--autotune` (per-stage GEMV tiling "
                         "measured on this GPU)")
     args = parser.parse_args(argv)
+    unknown = [name for name in args.presets if not is_preset(name)]
+    if unknown:
+        parser.error(f"unknown preset(s) {', '.join(unknown)}; built-in presets: {', '.join(PRESETS)}")
     if args.steps != "max":
         args.steps = int(args.steps)
     return args

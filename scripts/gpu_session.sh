@@ -2,7 +2,7 @@
 # The H200 work of a session in as few device calls as possible (logs under OUT, a short summary last):
 #   tests: the GPU tests (numerics, one launch per step, verify, hub load, tilings) -> OUT/pytest-gpu.log (~5 min)
 #   smoke: kernel vs CPU reference executor + step latency per preset       -> OUT/smoke-*.json     (~1-3 min)
-#   bench: decode benchmark table + chart, all presets in one process          -> OUT/bench/  (~2.5 min per preset)
+#   bench: decode benchmark table + chart, all presets in one process          -> OUT/bench/  (~2 min per preset)
 #   tune:  GEMV tiling / preload sweep with per-stage clocks (scripts/gpu_tune.py) -> OUT/tune-*.json (~6 min per
 #          preset: give it one preset per call)
 # A device call is limited to 10 minutes: pick parts with PARTS (default "tests"), e.g.
@@ -13,7 +13,7 @@ set -uo pipefail
 OUT=${1:?usage: gpu_session.sh OUT [presets...]}
 shift
 PRESETS=("$@")
-((${#PRESETS[@]})) || PRESETS=(smollm-135m llama-3.2-1b)
+((${#PRESETS[@]})) || PRESETS=(smollm-135m llama-3.2-1b qwen2.5-0.5b qwen3-0.6b)
 PARTS=${PARTS:-tests}
 mkdir -p "$OUT"
 summary=()

@@ -62,20 +62,20 @@ def test_chart_png(bench, tmp_path):
 
 def test_failing_preset_is_logged_and_the_run_goes_on(bench, tmp_path, capsys, monkeypatch):
     def fake_verify(preset, args):
-        if preset == "broken":
+        if preset == "qwen3-0.6b":
             raise RuntimeError("bake exploded")
         return bench.row_from_report(preset, _report())
 
     monkeypatch.setattr(bench, "verify_preset", fake_verify)
-    code = bench.main(["--presets", "broken", "smollm-135m", "--out", str(tmp_path)])
+    code = bench.main(["--presets", "qwen3-0.6b", "smollm-135m", "--out", str(tmp_path)])
     assert code == 1  # not every preset verified
     out = capsys.readouterr().out
     assert out.strip().splitlines()[0].startswith("| preset |")  # the table is printed last
-    assert "| broken | error |" in out and "| smollm-135m | verified |" in out
+    assert "| qwen3-0.6b | error |" in out and "| smollm-135m | verified |" in out
     log = (tmp_path / "decode.log").read_text()
     assert "bake exploded" in log and "Traceback" in log
     results = json.loads((tmp_path / "results.json").read_text())
-    assert [r["preset"] for r in results] == ["broken", "smollm-135m"]
+    assert [r["preset"] for r in results] == ["qwen3-0.6b", "smollm-135m"]
     assert (tmp_path / "decode.md").read_text().startswith("| preset |")
 
     again = tmp_path / "again"
@@ -99,3 +99,15 @@ def test_table_carries_the_timing_warnings(bench):
     report["timings"]["warnings"] = ["inductor-graph: 1.75 ms per synchronized call ... back to back (-28%)"]
     row = bench.row_from_report("llama-3.2-1b", report)
     assert "Warning (llama-3.2-1b): inductor-graph: 1.75 ms" in bench.markdown_table([row])
+
+
+def test_default_presets_are_every_model_sized_preset_and_typos_stop_before_any_gpu_work(bench, capsys, tmp_path):
+    from megabake.presets import PRESETS, get_preset
+
+    args = bench.parse_args(["--out", str(tmp_path)])
+    assert set(args.presets) == set(PRESETS) - {"tiny-llama"}
+    assert all(get_preset(name) for name in args.presets)
+    with pytest.raises(SystemExit) as stopped:
+        bench.parse_args(["--out", str(tmp_path), "--presets", "smollm", "qwen3-0.6b"])
+    assert stopped.value.code == 2
+    assert "unknown preset(s) smollm; built-in presets: tiny-llama" in capsys.readouterr().err
