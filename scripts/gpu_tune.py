@@ -27,10 +27,14 @@ def variants() -> dict:
     from megabake.runtime.autotune import CANDIDATES
 
     return {"default": GemvTuning(), **{k: v for k, v in CANDIDATES.items() if v != GemvTuning()},
-            "t2u16": GemvTuning(2, 16), "t1u32": GemvTuning(1, 32)}
+            "t2u16": GemvTuning(2, 16), "t1u32": GemvTuning(1, 32),
+            # software-pipelined K loops (K must be whole chunks: Llama-1B and Qwen3 shapes, not SmolLM)
+            "t2u4-pipe": GemvTuning(2, 4, pipeline=True), "t2u4-pipe-preload": GemvTuning(2, 4, preload=True, pipeline=True),
+            "t2u4-spread-pipe-preload": GemvTuning(2, 4, spread=True, preload=True, pipeline=True)}
 
 
-ATTENTION_PRELOAD_VARIANTS = ("default", "t2u4-spread-preload")  # also measured with attention preload
+# also measured with attention preload
+ATTENTION_PRELOAD_VARIANTS = ("default", "t2u4-spread-preload", "t2u4-spread-pipe-preload")
 
 
 def tuning_for(tiling) -> dict:
@@ -141,7 +145,7 @@ def sweep(name: str, chosen: list[str], reps: int, capacity: int) -> dict:
     if timed:
         composite = choose_tuning(timed, candidates)
         row, timelines["composite"] = measure_variant("composite", composite, context, default_logits)
-        row["spec"] = {stage: [t.per_tile, t.unroll, t.spread, t.preload] for stage, t in composite.items()}
+        row["spec"] = {stage: [t.per_tile, t.unroll, t.spread, t.preload, t.pipeline] for stage, t in composite.items()}
         rows.append(row)
     usable = [r for r in rows if _usable(r)]
     best = min(usable, key=lambda r: r["gpu_ms"])["variant"] if usable else None

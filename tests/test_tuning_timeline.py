@@ -181,3 +181,43 @@ def test_attention_preload_loads_cached_rows_before_the_barrier(tiny):
     with pytest.raises(PlanError, match="one \\(batch, head\\) tile per CTA"):
         build_plan(tiny.ir, ctas=3, inv_freq_buffer=inv_freq, rotary_scaling=scaling, attention_preload=True)
     assert "attention_preload" not in tiny.generated.source
+
+
+def test_pipelined_gemv_plans_generates_and_compiles_with_the_same_numerics(tiny):
+    from megabake.runtime.compile import compile_check
+
+    tuning = {name: GemvTuning(2, 1, spread=True, pipeline=True) for name in GEMV_STAGES}
+    tuning["o_residual"] = GemvTuning(1, 1, preload=True, pipeline=True)  # the preloaded tile seeds the pipe
+    plan = _plan(tiny, tuning)
+    assert all(s.tiling.pipeline for s in plan.stages if s.tiling.kind == "rows")
+    assert '"pipeline": true' in plan.to_json() and '"pipeline"' not in tiny.plan.to_json()  # old hashes hold
+    source = generate(plan).source
+    calls = [line.strip() for line in source.splitlines() if "bodies.gemv_rows" in line]
+    assert len(calls) == 5 and all(call.startswith("bodies.gemv_rows_pipelined(") for call in calls), calls
+    assert any("pre_o_residual" in call and call.endswith("False, True)") for call in calls)  # preloaded
+    assert sum(call.endswith("False, False)") for call in calls) == 4
+    assert "gemv_rows_pipelined" not in tiny.generated.source
+    executor, default = reference_executor_for(plan, tiny.model), reference_executor_for(tiny.plan, tiny.model)
+    for position, token in enumerate([3, 17, 5]):
+        assert torch.equal(executor.step(torch.tensor([token]), position),
+                           default.step(torch.tensor([token]), position))
+    result = compile_check(plan, load_module(source), dump_dir=None)
+    assert result.ok, result.error
+    assert Plan.from_json(plan.to_json()).hash == plan.hash
+
+
+@pytest.mark.parametrize("tuning, message", [
+    (GemvTuning(2, 4, pipeline=True), r"norm_qkv: a pipelined K loop needs K \(256\) to be a multiple of 32 lanes "
+                                      r"x unroll 4 x 8 = 1024; use unroll in \[1\]"),
+    (GemvTuning(4, 4, pipeline=True), r"two tiles of per_tile x unroll = 16 16-byte vectors per lane; at most 8"),
+])
+def test_pipelined_gemv_refuses_what_it_cannot_stream(tiny, tuning, message):
+    with pytest.raises(PlanError, match=message):
+        _plan(tiny, {"norm_qkv": tuning})
+
+
+def test_pipelined_gemv_refuses_large_ctas(tiny):
+    inv_freq, scaling = recover_rotary(tiny.captured, tiny.ir)
+    with pytest.raises(PlanError, match=r"at most 256 threads per CTA \(got 512\)"):
+        build_plan(tiny.ir, threads=512, inv_freq_buffer=inv_freq, rotary_scaling=scaling,
+                   tuning={"down_residual": GemvTuning(1, 1, pipeline=True)})

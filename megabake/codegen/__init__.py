@@ -204,8 +204,12 @@ def _stage(w: _Writer, plan: Plan, stage: Stage, indent: int, layer_var) -> None
 def _gemv(weight: str, out: str, rows: str, cols: str, stage: Stage, accumulate: bool, bias: str | None = None) -> str:
     args = (f"{out}, {_warp_index(stage)}, lane, TOTAL_WARPS, {rows}, {cols}, BATCH, ROWS_PER_TILE[{stage.name!r}], "
             f"{accumulate}, GEMV_UNROLL[{stage.name!r}]")
+    bias_arg = f"{bias}[layer, None]" if bias else out  # out: an unused stand-in when there is no bias
+    if stage.tiling.pipeline:
+        pre = f"pre_{stage.name}" if stage.tiling.preload else out  # out: unused unless preloaded
+        return (f"bodies.gemv_rows_pipelined({weight}, {pre}, {bias_arg}, s_vec, {args}, {bool(bias)}, "
+                f"{stage.tiling.preload})")
     if stage.tiling.preload:
-        bias_arg = f"{bias}[layer, None]" if bias else out  # out: an unused stand-in when there is no bias
         return f"bodies.gemv_rows_pre({weight}, pre_{stage.name}, {bias_arg}, s_vec, {args}, {bool(bias)})"
     if bias:
         return f"bodies.gemv_rows_bias({weight}, {bias}[layer, None], s_vec, {args})"
@@ -304,6 +308,8 @@ def _attention_call(plan: Plan) -> tuple[str, str]:
 
 
 def _gemv_label(plan: Plan, stage: Stage) -> str:
+    if stage.tiling.pipeline:
+        return "gemv_rows_pipelined"
     if stage.tiling.preload:
         return "gemv_rows_pre"
     return "gemv_rows_bias" if plan.bias_of(stage.name) else "gemv_rows"

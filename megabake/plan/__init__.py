@@ -100,6 +100,9 @@ class Tiling:
     # GEMV: the first K chunk of each warp's first tile is loaded into registers before the barrier that
     # precedes the stage (weights do not depend on it), so the stage starts with data in hand.
     preload: bool = False
+    # GEMV: software-pipelined K loop: the loads of a warp's next chunk (next tile included) are issued before
+    # the current chunk is reduced, so two chunks per warp are in flight instead of one (same summation order).
+    pipeline: bool = False
 
 
 @dataclass
@@ -145,7 +148,7 @@ class Plan:
     def to_dict(self) -> dict:
         data = asdict(self)
         for stage in data["stages"]:  # only tilings that use them name these: older plans keep bytes and hash
-            for flag in ("spread", "preload"):
+            for flag in ("spread", "preload", "pipeline"):
                 if not stage["tiling"].get(flag):
                     stage["tiling"].pop(flag, None)
         return data
@@ -409,13 +412,15 @@ def _check_block_shape(block: _Block, dims: ModelDims) -> None:
 @dataclass(frozen=True)
 class GemvTuning:
     """How a GEMV stage spreads over warps: rows per warp tile, 16-byte loads in flight per lane and row,
-    whether tiles go CTA-major (``spread``) instead of warp-major, and whether the first K chunk is loaded
-    before the preceding barrier (``preload``). None of it changes numerics."""
+    whether tiles go CTA-major (``spread``) instead of warp-major, whether the first K chunk is loaded
+    before the preceding barrier (``preload``), and whether the K loop keeps the next chunk's loads in flight
+    while it reduces the current one (``pipeline``). None of it changes numerics."""
 
     per_tile: int = 2
     unroll: int = 4
     spread: bool = False  # CTA-major tile order (see Tiling.spread)
     preload: bool = False  # first chunk in registers before the preceding barrier (see Tiling.preload)
+    pipeline: bool = False  # next chunk's loads in flight while reducing this one (see Tiling.pipeline)
 
     def __post_init__(self):
         if not 1 <= self.per_tile <= 8 or not 1 <= self.unroll <= 32:
@@ -436,7 +441,37 @@ DEFAULT_TUNING = {name: GemvTuning() for name in GEMV_STAGES}
 
 def _rows_tiling(rows: int, tuning: GemvTuning) -> Tiling:
     return Tiling("rows", rows, tuning.per_tile, -(-rows // tuning.per_tile), tuning.unroll, tuning.spread,
-                  tuning.preload)
+                  tuning.preload, tuning.pipeline)
+
+
+def gemv_reduction_lengths(dims: ModelDims) -> dict[str, int]:
+    """K (columns) of each GEMV stage's weight matrix."""
+    return {"norm_qkv": dims.hidden, "o_residual": dims.q_rows, "norm_gate_up": dims.hidden,
+            "down_residual": dims.intermediate, "norm_lm_head": dims.hidden}
+
+
+PIPELINE_MAX_VECTORS = 8  # per_tile x unroll of a pipelined GEMV: two register tiles of these per lane
+PIPELINE_MAX_THREADS = 256  # the pipelined kernel uses ~250 registers per thread (sm_90a, Llama-1B shape)
+
+
+def _check_pipeline(dims: ModelDims, tuning: dict[str, GemvTuning], threads: int) -> None:
+    """A pipelined K loop streams whole chunks (32 lanes x ``unroll`` 16-byte vectors): K must be a multiple;
+    it holds two register tiles per lane, which bounds the tile and the CTA size."""
+    for stage, cols in gemv_reduction_lengths(dims).items():
+        chosen = tuning[stage]
+        if chosen.pipeline and chosen.per_tile * chosen.unroll > PIPELINE_MAX_VECTORS:
+            raise PlanError(f"GEMV stage {stage}: a pipelined K loop holds two tiles of per_tile x unroll = "
+                            f"{chosen.per_tile * chosen.unroll} 16-byte vectors per lane; at most "
+                            f"{PIPELINE_MAX_VECTORS} fit in registers (e.g. per_tile 2, unroll 4)")
+        if chosen.pipeline and threads > PIPELINE_MAX_THREADS:
+            raise PlanError(f"GEMV stage {stage}: a pipelined K loop needs ~250 registers per thread, so at most "
+                            f"{PIPELINE_MAX_THREADS} threads per CTA (got {threads})")
+        chunk = WARP * chosen.unroll * 8  # elements
+        if chosen.pipeline and cols % chunk:
+            fits = [u for u in (1, 2, 4, 8, 16) if cols % (WARP * u * 8) == 0]
+            hint = (f"use unroll in {fits}" if fits else "K is not a multiple of 256, so use pipeline=False")
+            raise PlanError(f"GEMV stage {stage}: a pipelined K loop needs K ({cols}) to be a multiple of "
+                            f"32 lanes x unroll {chosen.unroll} x 8 = {chunk}; {hint}")
 
 
 def build_plan(ir: IRGraph, *, ctas: int = 132, threads: int = 256, weight_dtype: str = "bfloat16",
@@ -459,6 +494,7 @@ def build_plan(ir: IRGraph, *, ctas: int = 132, threads: int = 256, weight_dtype
                         "layer loop); use preload=False for norm_lm_head")
     embed, blocks, final_norm, lm_head, ropes = _recognise(ir)
     dims = _dims(blocks, final_norm, lm_head)
+    _check_pipeline(dims, tuning, threads)
     if lm_head.bias is not None:
         raise PlanError(f"{lm_head.hf_module} (the LM head) has a bias; an LM-head bias is not supported yet")
     biased = _biased_stages(blocks)

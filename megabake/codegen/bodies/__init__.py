@@ -317,6 +317,64 @@ def gemv_rows_pre(weight: cute.Tensor, pre: cute.Tensor, bias: cute.Tensor, s_ve
 
 
 @cute.jit
+def _load_chunk(weight: cute.Tensor, buf: cute.Tensor, tile: Int32, kbase: Int32, lane: Int32,
+                rows: cutlass.Constexpr[int], per_tile: cutlass.Constexpr[int], unroll: cutlass.Constexpr[int]):
+    """Issue the 16-byte loads of one K chunk (vectors ``kbase + u*32 + lane``) of ``tile`` into the registers
+    ``buf`` (flat ``r * unroll + u``, the layout of :func:`gemv_preload`); rows past the end are clamped."""
+    for r in cutlass.range_constexpr(per_tile):
+        row = cutlass.min(tile * per_tile + r, rows - 1)
+        for u in cutlass.range_constexpr(unroll):
+            cute.zipped_divide(buf, (VEC,))[(None, r * unroll + u)].store(
+                cute.zipped_divide(weight[row, None], (VEC,))[(None, kbase + u * WARP + lane)].load())
+
+
+@cute.jit
+def gemv_rows_pipelined(weight: cute.Tensor, pre: cute.Tensor, bias: cute.Tensor, s_vec: cute.Tensor,
+                        out: cute.Tensor, gwarp: Int32, lane: Int32, total_warps: cutlass.Constexpr[int],
+                        rows: cutlass.Constexpr[int], cols: cutlass.Constexpr[int], batch: cutlass.Constexpr[int],
+                        per_tile: cutlass.Constexpr[int], accumulate: cutlass.Constexpr[bool],
+                        unroll: cutlass.Constexpr[int], has_bias: cutlass.Constexpr[bool],
+                        preloaded: cutlass.Constexpr[bool]):
+    """:func:`gemv_rows` with a software-pipelined K loop: the warp's (tile, chunk) steps run as one loop, and
+    each step issues the loads of the next step (the next tile's first chunk included) before it reduces the
+    chunk in hand, so two chunks per warp are in flight and no tile boundary drains the pipe.
+
+    K must be a whole number of chunks (``build_plan`` checks). With ``preloaded`` the first chunk comes from
+    the registers :func:`gemv_preload` filled before the barrier (``pre``; unused otherwise). Every lane sums
+    its vectors in the order :func:`gemv_rows` does, so results are bit-identical to it.
+    """
+    tiles = (rows + per_tile - 1) // per_tile
+    chunk = WARP * unroll
+    chunks = cols // VEC // chunk
+    width = VEC * per_tile * unroll
+    steps = (tiles - gwarp + total_warps - 1) // total_warps * chunks  # 0 for a warp without a tile
+    cur = cute.make_rmem_tensor(cute.make_layout(width), weight.element_type)
+    nxt = cute.make_rmem_tensor(cute.make_layout(width), weight.element_type)
+    acc = cute.make_rmem_tensor(cute.make_layout(per_tile * batch), Float32)
+    for i in cutlass.range_constexpr(per_tile * batch):
+        acc[i] = Float32(0.0)
+    if cutlass.const_expr(preloaded):
+        cur.store(pre.load())
+    elif gwarp < tiles:
+        _load_chunk(weight, cur, gwarp, 0, lane, rows, per_tile, unroll)
+    for step in range(steps):
+        # The next step's loads go out before this step's arithmetic. The last step reloads its own chunk
+        # (an L2 hit) instead of branching: a conditional load would keep a third register tile live.
+        after = cutlass.min(step + 1, steps - 1)
+        _load_chunk(weight, nxt, gwarp + after // chunks * total_warps, after % chunks * chunk, lane, rows, per_tile,
+                    unroll)
+        c = step % chunks
+        for u in cutlass.range_constexpr(unroll):
+            _gemv_chunk_pre(cur, s_vec, acc, u, c * chunk + u * WARP + lane, batch, per_tile, unroll)
+        if c == chunks - 1:
+            _gemv_write(acc, out, bias, gwarp + step // chunks * total_warps, lane, rows, batch, per_tile,
+                        accumulate, has_bias)
+            for i in cutlass.range_constexpr(per_tile * batch):
+                acc[i] = Float32(0.0)
+        cur.store(nxt.load())
+
+
+@cute.jit
 def gemv_rows(weight: cute.Tensor, s_vec: cute.Tensor, out: cute.Tensor, gwarp: Int32, lane: Int32,
               total_warps: cutlass.Constexpr[int], rows: cutlass.Constexpr[int], cols: cutlass.Constexpr[int],
               batch: cutlass.Constexpr[int], per_tile: cutlass.Constexpr[int],
