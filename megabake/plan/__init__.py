@@ -101,7 +101,8 @@ class Tiling:
     # precedes the stage (weights do not depend on it), so the stage starts with data in hand.
     preload: bool = False
     # GEMV: software-pipelined K loop: the loads of a warp's next chunk (next tile included) are issued before
-    # the current chunk is reduced, so two chunks per warp are in flight instead of one (same summation order).
+    # the current chunk is reduced, so two chunks per warp are in flight instead of one (same summation order;
+    # a K that is not whole chunks ends each tile with a partial, masked chunk).
     pipeline: bool = False
 
 
@@ -444,20 +445,13 @@ def _rows_tiling(rows: int, tuning: GemvTuning) -> Tiling:
                   tuning.preload, tuning.pipeline)
 
 
-def gemv_reduction_lengths(dims: ModelDims) -> dict[str, int]:
-    """K (columns) of each GEMV stage's weight matrix."""
-    return {"norm_qkv": dims.hidden, "o_residual": dims.q_rows, "norm_gate_up": dims.hidden,
-            "down_residual": dims.intermediate, "norm_lm_head": dims.hidden}
-
-
 PIPELINE_MAX_VECTORS = 8  # per_tile x unroll of a pipelined GEMV: two register tiles of these per lane
 PIPELINE_MAX_THREADS = 256  # the pipelined kernel uses ~250 registers per thread (sm_90a, Llama-1B shape)
 
 
-def _check_pipeline(dims: ModelDims, tuning: dict[str, GemvTuning], threads: int) -> None:
-    """A pipelined K loop streams whole chunks (32 lanes x ``unroll`` 16-byte vectors): K must be a multiple;
-    it holds two register tiles per lane, which bounds the tile and the CTA size."""
-    for stage, cols in gemv_reduction_lengths(dims).items():
+def _check_pipeline(tuning: dict[str, GemvTuning], threads: int) -> None:
+    """A pipelined K loop holds two register tiles per lane, which bounds the tile and the CTA size."""
+    for stage in GEMV_STAGES:
         chosen = tuning[stage]
         if chosen.pipeline and chosen.per_tile * chosen.unroll > PIPELINE_MAX_VECTORS:
             raise PlanError(f"GEMV stage {stage}: a pipelined K loop holds two tiles of per_tile x unroll = "
@@ -466,12 +460,6 @@ def _check_pipeline(dims: ModelDims, tuning: dict[str, GemvTuning], threads: int
         if chosen.pipeline and threads > PIPELINE_MAX_THREADS:
             raise PlanError(f"GEMV stage {stage}: a pipelined K loop needs ~250 registers per thread, so at most "
                             f"{PIPELINE_MAX_THREADS} threads per CTA (got {threads})")
-        chunk = WARP * chosen.unroll * 8  # elements
-        if chosen.pipeline and cols % chunk:
-            fits = [u for u in (1, 2, 4, 8, 16) if cols % (WARP * u * 8) == 0]
-            hint = (f"use unroll in {fits}" if fits else "K is not a multiple of 256, so use pipeline=False")
-            raise PlanError(f"GEMV stage {stage}: a pipelined K loop needs K ({cols}) to be a multiple of "
-                            f"32 lanes x unroll {chosen.unroll} x 8 = {chunk}; {hint}")
 
 
 def build_plan(ir: IRGraph, *, ctas: int = 132, threads: int = 256, weight_dtype: str = "bfloat16",
@@ -489,12 +477,12 @@ def build_plan(ir: IRGraph, *, ctas: int = 132, threads: int = 256, weight_dtype
     if unknown:
         raise PlanError(f"tuning names unknown GEMV stage(s) {unknown}; known: {list(GEMV_STAGES)}")
     tuning = {**DEFAULT_TUNING, **(tuning or {})}
+    _check_pipeline(tuning, threads)
     if tuning["norm_lm_head"].preload:
         raise PlanError("GEMV preload is not supported for the LM head stage (no barrier precedes it inside the "
                         "layer loop); use preload=False for norm_lm_head")
     embed, blocks, final_norm, lm_head, ropes = _recognise(ir)
     dims = _dims(blocks, final_norm, lm_head)
-    _check_pipeline(dims, tuning, threads)
     if lm_head.bias is not None:
         raise PlanError(f"{lm_head.hf_module} (the LM head) has a bias; an LM-head bias is not supported yet")
     biased = _biased_stages(blocks)

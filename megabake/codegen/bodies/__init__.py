@@ -318,14 +318,19 @@ def gemv_rows_pre(weight: cute.Tensor, pre: cute.Tensor, bias: cute.Tensor, s_ve
 
 @cute.jit
 def _load_chunk(weight: cute.Tensor, buf: cute.Tensor, tile: Int32, kbase: Int32, lane: Int32,
-                rows: cutlass.Constexpr[int], per_tile: cutlass.Constexpr[int], unroll: cutlass.Constexpr[int]):
+                rows: cutlass.Constexpr[int], kvecs: cutlass.Constexpr[int], per_tile: cutlass.Constexpr[int],
+                unroll: cutlass.Constexpr[int]):
     """Issue the 16-byte loads of one K chunk (vectors ``kbase + u*32 + lane``) of ``tile`` into the registers
-    ``buf`` (flat ``r * unroll + u``, the layout of :func:`gemv_preload`); rows past the end are clamped."""
+    ``buf`` (flat ``r * unroll + u``, the layout of :func:`gemv_preload`). Rows and vectors past the end are
+    clamped (loaded, never used), so no load needs a branch."""
     for r in cutlass.range_constexpr(per_tile):
         row = cutlass.min(tile * per_tile + r, rows - 1)
         for u in cutlass.range_constexpr(unroll):
+            kv = kbase + u * WARP + lane
+            if cutlass.const_expr(kvecs % (WARP * unroll) != 0):
+                kv = cutlass.min(kv, kvecs - 1)
             cute.zipped_divide(buf, (VEC,))[(None, r * unroll + u)].store(
-                cute.zipped_divide(weight[row, None], (VEC,))[(None, kbase + u * WARP + lane)].load())
+                cute.zipped_divide(weight[row, None], (VEC,))[(None, kv)].load())
 
 
 @cute.jit
@@ -339,13 +344,16 @@ def gemv_rows_pipelined(weight: cute.Tensor, pre: cute.Tensor, bias: cute.Tensor
     each step issues the loads of the next step (the next tile's first chunk included) before it reduces the
     chunk in hand, so two chunks per warp are in flight and no tile boundary drains the pipe.
 
-    K must be a whole number of chunks (``build_plan`` checks). With ``preloaded`` the first chunk comes from
-    the registers :func:`gemv_preload` filled before the barrier (``pre``; unused otherwise). Every lane sums
-    its vectors in the order :func:`gemv_rows` does, so results are bit-identical to it.
+    When K is not a whole number of chunks, the last chunk of a tile is partial: its loads are clamped and
+    each lane adds only the vectors below K, as :func:`gemv_rows` does for its tail. With ``preloaded`` the
+    first chunk comes from the registers :func:`gemv_preload` filled before the barrier (``pre``; unused
+    otherwise). Every lane sums its vectors in the order :func:`gemv_rows` does, so results are
+    bit-identical to it.
     """
     tiles = (rows + per_tile - 1) // per_tile
     chunk = WARP * unroll
-    chunks = cols // VEC // chunk
+    kvecs = cols // VEC
+    chunks = (kvecs + chunk - 1) // chunk
     width = VEC * per_tile * unroll
     steps = (tiles - gwarp + total_warps - 1) // total_warps * chunks  # 0 for a warp without a tile
     cur = cute.make_rmem_tensor(cute.make_layout(width), weight.element_type)
@@ -356,16 +364,21 @@ def gemv_rows_pipelined(weight: cute.Tensor, pre: cute.Tensor, bias: cute.Tensor
     if cutlass.const_expr(preloaded):
         cur.store(pre.load())
     elif gwarp < tiles:
-        _load_chunk(weight, cur, gwarp, 0, lane, rows, per_tile, unroll)
+        _load_chunk(weight, cur, gwarp, 0, lane, rows, kvecs, per_tile, unroll)
     for step in range(steps):
         # The next step's loads go out before this step's arithmetic. The last step reloads its own chunk
         # (an L2 hit) instead of branching: a conditional load would keep a third register tile live.
         after = cutlass.min(step + 1, steps - 1)
-        _load_chunk(weight, nxt, gwarp + after // chunks * total_warps, after % chunks * chunk, lane, rows, per_tile,
-                    unroll)
+        _load_chunk(weight, nxt, gwarp + after // chunks * total_warps, after % chunks * chunk, lane, rows, kvecs,
+                    per_tile, unroll)
+        cute.arch.sync_warp()  # a scheduling fence: ptxas may otherwise sink these loads below the FFMAs
         c = step % chunks
         for u in cutlass.range_constexpr(unroll):
-            _gemv_chunk_pre(cur, s_vec, acc, u, c * chunk + u * WARP + lane, batch, per_tile, unroll)
+            kv = c * chunk + u * WARP + lane
+            if cutlass.const_expr(kvecs % chunk == 0):
+                _gemv_chunk_pre(cur, s_vec, acc, u, kv, batch, per_tile, unroll)
+            elif kv < kvecs:  # the partial last chunk of a tile
+                _gemv_chunk_pre(cur, s_vec, acc, u, kv, batch, per_tile, unroll)
         if c == chunks - 1:
             _gemv_write(acc, out, bias, gwarp + step // chunks * total_warps, lane, rows, batch, per_tile,
                         accumulate, has_bias)

@@ -1,0 +1,110 @@
+"""Registers, spills and the load/FFMA order of a generated megakernel, on a CPU (no GPU needed).
+
+    python3 scripts/sass_inspect.py llama-3.2-1b --tiling 2 4 --flags pipeline preload spread --out /tmp/sass
+
+Builds a 2-layer stack of the preset's real shapes with one GEMV tiling on every stage (the LM head never
+preloads), compiles module.py for sm_90a with CuTe DSL (PTX kept), assembles it with the local `ptxas`
+(a PTX `.version` newer than that ptxas is lowered to the one it names) and, when `nvdisasm` is found (PATH or
+$NVDISASM; `pip download nvidia-cuda-nvdisasm` has one), writes the SASS and prints the sequence of global
+loads, FFMAs, branches and barriers, run-length encoded: a pipelined GEMV loop shows its 8 `LDG` ahead of its
+FFMAs. These are the local toolchain's choices; the DSL's own toolchain on the GPU may schedule differently.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def build_ptx(preset_name: str, per_tile: int, unroll: int, flags: list[str], out: Path) -> Path:
+    from megabake.capture import capture_decode_step
+    from megabake.codegen import generate
+    from megabake.ir import lower
+    from megabake.plan import GEMV_STAGES, GemvTuning, build_plan
+    from megabake.plan.rotary import recover_rotary
+    from megabake.presets import get_preset
+    from megabake.runtime.compile import compile_check, load_module
+
+    preset = get_preset(preset_name)
+    model = dataclasses.replace(preset, config=dict(preset.config, num_hidden_layers=2)).build_model()
+    captured = capture_decode_step(model, batch=1, capacity=128)
+    ir = lower(captured)
+    inv_freq, scaling = recover_rotary(captured, ir)
+    chosen = {flag: True for flag in flags}
+    tuning = {stage: GemvTuning(per_tile, unroll, **{k: v for k, v in chosen.items()
+                                                    if not (stage == "norm_lm_head" and k == "preload")})
+              for stage in GEMV_STAGES}
+    plan = build_plan(ir, ctas=132, threads=256, inv_freq_buffer=inv_freq, rotary_scaling=scaling, tuning=tuning)
+    result = compile_check(plan, load_module(generate(plan).source), dump_dir=str(out))
+    if not result.ok:
+        raise SystemExit(f"CuTe DSL compile failed: {result.error}")
+    return max(out.glob("*.ptx"), key=lambda p: p.stat().st_mtime)
+
+
+def assemble(ptx: Path, out: Path) -> tuple[Path, str]:
+    """ptxas the PTX; when this ptxas is older than the PTX's ``.version``, lower it to the one ptxas names."""
+    ptxas = shutil.which("ptxas")
+    if not ptxas:
+        raise SystemExit("ptxas not found on PATH: install the CUDA toolkit's ptxas (12.x or 13.x)")
+    local, cubin = out / "kernel.ptx", out / "kernel.cubin"
+    text = ptx.read_text()
+    for _ in range(2):
+        local.write_text(text)
+        run = subprocess.run([ptxas, "-arch=sm_90a", "-O3", "-v", str(local), "-o", str(cubin)],
+                             capture_output=True, text=True)
+        if not run.returncode:
+            return cubin, run.stderr
+        supported = re.search(r"current version is '(\d+\.\d+)'", run.stderr)
+        if not supported:
+            break
+        text = re.sub(r"^\.version \d+\.\d+", f".version {supported.group(1)}", text, count=1, flags=re.M)
+    raise SystemExit(f"ptxas failed:\n{run.stderr[-2000:]}")
+
+
+def schedule(sass: str) -> str:
+    """Run-length encoded sequence of LDG / FFMA / LDS / BRA / BAR / WARPSYNC instructions."""
+    seq = []
+    for line in sass.splitlines():
+        match = re.search(r"\*/\s+(@!?P\d\s+)?([A-Z][A-Z0-9.]*)", line)
+        if not match:
+            continue
+        op = match.group(2).split(".")[0]
+        if op in ("LDG", "FFMA", "LDS", "BRA", "BAR", "WARPSYNC", "NOP", "STL", "LDL"):
+            if seq and seq[-1][0] == op:
+                seq[-1][1] += 1
+            else:
+                seq.append([op, 1])
+    return " ".join(f"{n}{op}" for op, n in seq)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("preset")
+    parser.add_argument("--tiling", nargs=2, type=int, default=[2, 4], metavar=("PER_TILE", "UNROLL"))
+    parser.add_argument("--flags", nargs="*", default=[], choices=["spread", "preload", "pipeline"])
+    parser.add_argument("--out", type=Path, default=Path("/tmp/megabake-sass"))
+    args = parser.parse_args()
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    args.out.mkdir(parents=True, exist_ok=True)
+    cubin, info = assemble(build_ptx(args.preset, *args.tiling, args.flags, args.out), args.out)
+    print("\n".join(line.strip() for line in info.splitlines() if "registers" in line or "spill" in line))
+    nvdisasm = os.environ.get("NVDISASM") or shutil.which("nvdisasm")
+    if not nvdisasm:
+        print("nvdisasm not found (PATH or $NVDISASM): registers only")
+        return
+    sass = subprocess.run([nvdisasm, "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
+    (args.out / "kernel.sass").write_text(sass)
+    print(f"SASS: {args.out / 'kernel.sass'}\n{schedule(sass)}")
+
+
+if __name__ == "__main__":
+    main()
