@@ -4,9 +4,9 @@ Contract: ``run_timings(decoder, *, samples=40, baselines=DEFAULT_BASELINES, ...
 ``timings`` object (docs/FORMATS.md); it needs a CUDA GPU and raises :class:`DeviceError` without one.
 Method: every candidate (the megakernel and each baseline of ``baselines.py``) runs on the same weights,
 bucket, token ids and positions (``inner`` calls at positions ``prefill, prefill+1, ...``). Each candidate's
-first call is compared with eager bf16 (``rel_l2_vs_eager``; above ``AGREEMENT_LIMIT`` the candidate is marked failed:
-it computes something else); all warm up; a graph check then profiles one
-call and looks for ``cudaGraphLaunch`` (``graph_replays``). Then ``samples`` rounds run every candidate
+first call is compared with eager bf16 (``rel_l2_vs_eager``; above ``AGREEMENT_LIMIT`` the candidate computes
+something else and is marked failed); all warm up; a graph check then profiles one call and looks for
+``cudaGraphLaunch`` (``graph_replays``). Then ``samples`` rounds run every candidate
 once each, in an order that rotates every round (``alternating_schedule``: AB, BA, AB, ...); a round
 measures, per candidate, ``inner`` synchronized complete calls (host + GPU, clock read after
 ``synchronize``), ``inner`` pipelined calls with one sync, and the GPU-event time of ``inner`` calls queued
