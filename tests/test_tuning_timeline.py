@@ -243,3 +243,57 @@ def test_sass_schedule_summary_shows_loads_ahead_of_arithmetic():
         "        /*0180*/                   STL.64 [R1], R12 ;",
     ])
     assert module.schedule(sass) == "2LDG 1NOP 3FFMA 1BRA 1STL"
+
+
+def _pipelined_schedule(rows, kvecs, per_tile, unroll, total_warps, gwarp, warp_size=32):
+    """A line-by-line Python mirror of ``bodies.gemv_rows_pipelined``'s index arithmetic for one warp: yields
+    ("add", lane, row, kv) in the order each lane accumulates, and ("write", row) when a tile is written;
+    also checks that every consumed chunk is the one loaded one step earlier."""
+    tiles = -(-rows // per_tile)
+    chunk = warp_size * unroll
+    chunks = -(-kvecs // chunk)
+    steps = (tiles - gwarp + total_warps - 1) // total_warps * chunks
+    loaded = (gwarp, 0) if gwarp < tiles else None  # cur: (tile, kbase) in registers
+    for step in range(steps):
+        after = min(step + 1, steps - 1)
+        nxt = (gwarp + after // chunks * total_warps, after % chunks * chunk)
+        c = step % chunks
+        tile = gwarp + step // chunks * total_warps
+        assert loaded == (tile, c * chunk), (step, loaded, tile, c)  # the chunk in hand is this step's
+        for lane in range(warp_size):
+            for u in range(unroll):
+                kv = c * chunk + u * warp_size + lane
+                if kv < kvecs:
+                    for r in range(per_tile):
+                        yield ("add", lane, tile * per_tile + r, kv)  # accumulator r (its row may be past the end)
+        if c == chunks - 1:
+            for r in range(per_tile):
+                if tile * per_tile + r < rows:
+                    yield ("write", tile * per_tile + r)
+        loaded = nxt
+
+
+@pytest.mark.parametrize("rows, kvecs, per_tile, unroll, total_warps", [
+    (3072, 256, 2, 4, 1056),  # Llama-1B QKV: whole chunks, about 1.5 tiles per warp
+    (2048, 1024, 2, 4, 1056),  # Llama-1B down: 8 chunks per tile
+    (960, 72, 2, 4, 1056),  # SmolLM QKV: one partial chunk, fewer tiles than warps
+    (49152, 72, 4, 2, 1056),  # SmolLM LM head shape: many tiles per warp, partial chunks
+    (1792, 112, 1, 8, 64),  # Qwen2.5 hidden 896: partial chunk, tiles > warps
+    (7, 40, 2, 1, 3),  # odd rows (a clamped last row), a partial second chunk
+])
+def test_pipelined_schedule_sums_every_vector_once_in_gemv_rows_order(rows, kvecs, per_tile, unroll, total_warps):
+    """Each lane adds each of its row's K vectors exactly once, in ascending order (the order gemv_rows uses,
+    so results are bit-identical), every row is written once, and the pipe always consumes what it loaded."""
+    added, written = {}, []
+    for gwarp in range(total_warps):
+        for event in _pipelined_schedule(rows, kvecs, per_tile, unroll, total_warps, gwarp):
+            if event[0] == "add":
+                _, lane, row, kv = event
+                added.setdefault(row, {}).setdefault(lane, []).append(kv)
+            else:
+                written.append(event[1])
+    assert sorted(written) == list(range(rows))
+    for row in range(rows):
+        for lane in range(32):
+            expected = list(range(lane, kvecs, 32))
+            assert added[row][lane] == expected, (row, lane)
