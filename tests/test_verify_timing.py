@@ -279,3 +279,23 @@ def test_block_disagreement_becomes_a_report_warning():
     assert timings["candidates"]["inductor-graph"]["sync_call_block"]["median"] == pytest.approx(1.26)
     report = validate("report", dict(make_report(status="unverified", megabake_ms=None), timings=timings))
     assert any(line.startswith("  warning: inductor-graph") for line in summary_lines(report))
+
+
+@pytest.mark.parametrize("preset_name", ["qwen2.5-0.5b", "qwen3-0.6b"])
+def test_baseline_step_traces_whole_for_every_architecture_we_bake(preset_name):
+    """The Inductor baselines compile the HF step with fullgraph=True: a graph break in Qwen2's biases or
+    Qwen3's q/k norms would surface only on the GPU, at benchmark time. One layer, a small vocabulary."""
+    import dataclasses
+
+    torch._dynamo.reset()
+    preset = get_preset(preset_name)
+    small = dataclasses.replace(preset, config=dict(preset.config, num_hidden_layers=1, vocab_size=1024))
+    model = small.build_model()
+    ids = teacher_tokens(1, 10, 1024, seed=0)
+    step = build_baseline("inductor-reduce-overhead", model, ids[:, :8], 16,
+                          compile_kwargs={"fullgraph": True, "backend": "eager"})
+    for position in (8, 9):
+        ref = eager_reference_logits(model, ids[:, :position], ids[:, position], position, 16)
+        with torch.no_grad():
+            got = step.call(ids[:, position], torch.tensor([position]))
+        assert rel_l2(got.float(), ref) < 1e-5, position
