@@ -3,8 +3,8 @@
 #   tests: the GPU tests (numerics, one launch per step, verify, hub load, tilings) -> OUT/pytest-gpu.log (~5 min)
 #   smoke: kernel vs CPU reference executor + step latency per preset       -> OUT/smoke-*.json     (~1-3 min)
 #   bench: decode benchmark table + chart, all presets in one process          -> OUT/bench/  (~2 min per preset)
-#   tune:  GEMV tiling / preload sweep with per-stage clocks (scripts/gpu_tune.py) -> OUT/tune-*.json (~6 min per
-#          preset: give it one preset per call)
+#   tune:  GEMV tiling / preload / pipeline sweep with per-stage clocks (scripts/gpu_tune.py) -> OUT/tune-*.json
+#          (~2 min per preset for all 17 variants; VARIANTS="default t2u4-pipe ..." picks some)
 # A device call is limited to 10 minutes: pick parts with PARTS (default "tests"), e.g.
 #   source .cute/activate.sh && bash scripts/gpu_session.sh "$OUT" smollm-135m llama-3.2-1b
 #   source .cute/activate.sh && PARTS=bench bash scripts/gpu_session.sh "$OUT" smollm-135m llama-3.2-1b
@@ -31,7 +31,9 @@ if [[ " $PARTS " == *" bench "* ]]; then
   summary+=("bench: rc=$?" "$(cat "$OUT/bench/decode.md" 2>/dev/null)")
 fi
 if [[ " $PARTS " == *" tune "* ]]; then
-  timeout 560 python3 scripts/gpu_tune.py "${PRESETS[@]}" --out "$OUT" >"$OUT/tune.log" 2>&1
+  # VARIANTS="default t2u4-pipe ..." limits the sweep (names: python3 scripts/gpu_tune.py --help)
+  timeout 560 python3 scripts/gpu_tune.py "${PRESETS[@]}" --out "$OUT" ${VARIANTS:+--variants $VARIANTS} \
+    >"$OUT/tune.log" 2>&1
   summary+=("tune: rc=$?" "$(sed -n '/^== /,$p' "$OUT/tune.log")")
 fi
 printf '%s\n' "${summary[@]}"
