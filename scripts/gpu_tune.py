@@ -19,10 +19,19 @@ import argparse
 import json
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+@dataclass(frozen=True)
+class Balanced:
+    """A variant whose rows per tile are chosen per stage for tile balance (``autotune.balanced_tuning``)."""
+
+    base: object  # GemvTuning: flags and loads in flight
+
+
 def variants() -> dict:
-    """name -> GemvTuning applied to every GEMV stage: the bake autotuner's candidates plus deeper unrolls."""
+    """name -> GemvTuning applied to every GEMV stage (the bake autotuner's candidates plus deeper unrolls and
+    pipelined K loops), or :class:`Balanced` (rows per tile chosen per stage)."""
     from megabake.plan import GemvTuning
     from megabake.runtime.autotune import CANDIDATES
 
@@ -30,17 +39,20 @@ def variants() -> dict:
             "t2u16": GemvTuning(2, 16), "t1u32": GemvTuning(1, 32),
             # software-pipelined K loops (K must be whole chunks: Llama-1B and Qwen3 shapes, not SmolLM)
             "t2u4-pipe": GemvTuning(2, 4, pipeline=True), "t2u4-pipe-preload": GemvTuning(2, 4, preload=True, pipeline=True),
-            "t2u4-spread-pipe-preload": GemvTuning(2, 4, spread=True, preload=True, pipeline=True)}
+            "t2u4-spread-pipe-preload": GemvTuning(2, 4, spread=True, preload=True, pipeline=True),
+            "balanced": Balanced(GemvTuning()), "balanced-pipe": Balanced(GemvTuning(2, 4, pipeline=True))}
 
 
 # also measured with attention preload
 ATTENTION_PRELOAD_VARIANTS = ("default", "t2u4-spread-preload", "t2u4-spread-pipe-preload")
 
 
-def tuning_for(tiling) -> dict:
-    from megabake.runtime.autotune import uniform_tuning
+def tuning_for(variant, default_plan) -> dict:
+    from megabake.runtime.autotune import balanced_tuning, uniform_tuning
 
-    return uniform_tuning(tiling)
+    if isinstance(variant, Balanced):
+        return balanced_tuning(default_plan, variant.base)
+    return uniform_tuning(variant)
 
 
 def stage_bytes(plan) -> dict[str, float]:
@@ -132,26 +144,28 @@ def sweep(name: str, chosen: list[str], reps: int, capacity: int) -> dict:
     context = dict(ir=ir, inv=inv, scale=scale, sm_count=info.sm_count, model=model, tokens=tokens, reps=reps)
     rows, timelines, default_logits = [], {}, []
     candidates = variants()
+    default_plan = build_tuned_plan(context, {})
     for variant in chosen:
-        row, timelines[variant] = measure_variant(variant, tuning_for(candidates[variant]), context, default_logits)
+        tuning = tuning_for(candidates[variant], default_plan)
+        row, timelines[variant] = measure_variant(variant, tuning, context, default_logits)
         rows.append(row)
         if variant in ATTENTION_PRELOAD_VARIANTS:
-            name = f"{variant}+attn"
-            row, timelines[name] = measure_variant(name, tuning_for(candidates[variant]), context, default_logits,
-                                                   attention_preload=True)
+            with_attention = f"{variant}+attn"
+            row, timelines[with_attention] = measure_variant(with_attention, tuning, context, default_logits,
+                                                             attention_preload=True)
             rows.append(row)
+    uniform = {k: v for k, v in candidates.items() if not isinstance(v, Balanced)}
     timed = {r["variant"]: timelines[r["variant"]] for r in rows
-             if _usable(r) and timelines.get(r["variant"]) and r["variant"] in candidates}
+             if _usable(r) and timelines.get(r["variant"]) and r["variant"] in uniform}
     if timed:
-        composite = choose_tuning(timed, candidates)
+        composite = choose_tuning(timed, uniform)
         row, timelines["composite"] = measure_variant("composite", composite, context, default_logits)
         row["spec"] = {stage: [t.per_tile, t.unroll, t.spread, t.preload, t.pipeline] for stage, t in composite.items()}
         rows.append(row)
     usable = [r for r in rows if _usable(r)]
     best = min(usable, key=lambda r: r["gpu_ms"])["variant"] if usable else None
-    plan = build_tuned_plan(context, {})
     return {"preset": name, "gpu": info.name, "rows": rows, "best": best, "timelines": timelines,
-            "stage_bytes": stage_bytes(plan)}
+            "stage_bytes": stage_bytes(default_plan)}
 
 
 def _usable(row: dict) -> bool:

@@ -120,3 +120,60 @@ def test_preloading_candidates_never_preload_the_lm_head():
     assert tuning["norm_qkv"].preload and not tuning["norm_lm_head"].preload
     chosen = choose_tuning({"p": _times()}, {"p": tiling})
     assert chosen["down_residual"].preload and not chosen["norm_lm_head"].preload
+
+
+def test_rows_per_warp_counts_the_busiest_warp():
+    from megabake.runtime.autotune import rows_per_warp
+
+    assert rows_per_warp(3072, 2, 1056) == 4  # Llama-1B QKV: 1536 tiles, 480 warps get two
+    assert rows_per_warp(3072, 1, 1056) == 3
+    assert rows_per_warp(3072, 3, 1056) == 3
+    assert rows_per_warp(2048, 2, 1056) == 2
+    assert rows_per_warp(7, 2, 8) == 2
+
+
+@pytest.mark.parametrize("preset_name, ctas, expected", [
+    # 1056 warps: one row per warp beats two wherever a stage has fewer tiles than warps (SmolLM's 960 QKV rows)
+    # or its tiles of 2 split unevenly (3072 gate/up rows: 4 rows for the busiest warp, 3 with tiles of 1)
+    ("smollm-135m", 132, {name: 1 for name in GEMV_STAGES}),
+    ("tiny-llama", 4, {name: 2 for name in GEMV_STAGES}),  # 32 warps: tiles of 2 are already even; keep them
+])
+def test_balanced_tuning_picks_rows_per_tile_per_stage(preset_name, ctas, expected):
+    from megabake.codegen import generate
+    from megabake.plan import build_plan
+    from megabake.plan.rotary import recover_rotary
+    from megabake.runtime.autotune import balanced_tuning
+    from tests.compiler_fixtures import compile_preset
+
+    compiled = compile_preset(preset_name, layers=1, capacity=32, ctas=ctas)
+    tuning = balanced_tuning(compiled.plan, GemvTuning(2, 4, spread=True, preload=True, pipeline=True))
+    assert {stage: t.per_tile for stage, t in tuning.items()} == expected
+    assert all(t.per_tile * t.unroll == 8 and t.spread and t.pipeline for t in tuning.values())
+    assert not tuning["norm_lm_head"].preload and tuning["norm_qkv"].preload
+    inv_freq, scaling = recover_rotary(compiled.captured, compiled.ir)
+    plan = build_plan(compiled.ir, ctas=ctas, inv_freq_buffer=inv_freq, rotary_scaling=scaling, tuning=tuning)
+    assert "gemv_rows_pipelined" in generate(plan).source
+
+
+def test_every_gpu_tune_variant_builds_a_plan():
+    """scripts/gpu_tune.py runs on the GPU only; its variants must at least plan on a CPU (a PlanError there
+    would cost a device call)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    from megabake.plan import build_plan
+    from megabake.plan.rotary import recover_rotary
+    from tests.compiler_fixtures import compile_preset
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "gpu_tune.py"
+    spec = importlib.util.spec_from_file_location("gpu_tune", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
+    spec.loader.exec_module(module)
+    compiled = compile_preset("smollm-135m", layers=1, capacity=32)
+    inv_freq, scaling = recover_rotary(compiled.captured, compiled.ir)
+    for name, variant in module.variants().items():
+        for attention_preload in ((False, True) if name in module.ATTENTION_PRELOAD_VARIANTS else (False,)):
+            build_plan(compiled.ir, inv_freq_buffer=inv_freq, rotary_scaling=scaling, attention_preload=attention_preload,
+                       tuning=module.tuning_for(variant, compiled.plan))

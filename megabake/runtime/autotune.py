@@ -55,9 +55,40 @@ class Autotuned:
                 "attention_preload": self.attention_preload}
 
 
+BALANCE_CHOICES = (2, 1, 3, 4)  # rows per tile tried by balanced_tuning; ties keep the earlier (default first)
+
+
+def rows_per_warp(rows: int, per_tile: int, warps: int) -> int:
+    """The most rows any warp reduces when ``rows`` are dealt in tiles of ``per_tile`` over ``warps`` warps."""
+    tiles = -(-rows // per_tile)
+    return -(-tiles // warps) * per_tile
+
+
+def balanced_tuning(plan: Plan, base: GemvTuning = GemvTuning()) -> dict[str, GemvTuning]:
+    """Per GEMV stage of ``plan``, the rows per tile (``BALANCE_CHOICES``) that minimise the most rows any warp
+    reduces, with ``base``'s flags and as many 16-byte loads in flight per lane as ``base`` (per_tile x
+    unroll kept where it divides). E.g. Llama-1B's QKV (3072 rows, 1056 warps): tiles of 2 leave 480 warps
+    two tiles (4 rows) while the mean is 2.9; tiles of 1 give at most 3."""
+    warps = plan.ctas * plan.threads // 32
+    vectors = base.per_tile * base.unroll
+    tuning = {}
+    for stage in plan.stages:
+        if stage.name not in GEMV_STAGES:
+            continue
+        per_tile = min(BALANCE_CHOICES, key=lambda n: (rows_per_warp(stage.tiling.units, n, warps),
+                                                        BALANCE_CHOICES.index(n)))
+        tuning[stage.name] = replace(base, per_tile=per_tile, unroll=max(1, vectors // per_tile))
+    return without_lm_head_preload(tuning)
+
+
+def without_lm_head_preload(tuning: dict[str, GemvTuning]) -> dict[str, GemvTuning]:
+    """``tuning`` with the LM head's preload off (no barrier precedes it in the layer loop)."""
+    return {stage: replace(t, preload=False) if stage == "norm_lm_head" else t for stage, t in tuning.items()}
+
+
 def uniform_tuning(tiling: GemvTuning) -> dict[str, GemvTuning]:
     """``tiling`` for every GEMV stage (the LM head never preloads: no barrier precedes it in the layer loop)."""
-    return {stage: replace(tiling, preload=False) if stage == "norm_lm_head" else tiling for stage in GEMV_STAGES}
+    return without_lm_head_preload({stage: tiling for stage in GEMV_STAGES})
 
 
 def choose_tuning(stage_us: dict[str, dict[str, float]], candidates: dict[str, GemvTuning]) -> dict[str, GemvTuning]:
