@@ -40,11 +40,15 @@ def variants() -> dict:
             # software-pipelined K loops (K must be whole chunks: Llama-1B and Qwen3 shapes, not SmolLM)
             "t2u4-pipe": GemvTuning(2, 4, pipeline=True), "t2u4-pipe-preload": GemvTuning(2, 4, preload=True, pipeline=True),
             "t2u4-spread-pipe-preload": GemvTuning(2, 4, spread=True, preload=True, pipeline=True),
-            "balanced": Balanced(GemvTuning()), "balanced-pipe": Balanced(GemvTuning(2, 4, pipeline=True))}
+            "balanced": Balanced(GemvTuning()), "balanced-pipe": Balanced(GemvTuning(2, 4, pipeline=True)),
+            # per-warp cp.async shared-memory rings, 2 or 3 chunks in flight per warp
+            "t2u4-ring3": GemvTuning(2, 4, stages=3), "t2u4-ring4": GemvTuning(2, 4, stages=4),
+            "t2u4-spread-ring4": GemvTuning(2, 4, spread=True, stages=4),
+            "balanced-ring4": Balanced(GemvTuning(2, 4, stages=4))}
 
 
 # also measured with attention preload
-ATTENTION_PRELOAD_VARIANTS = ("default", "t2u4-spread-preload", "t2u4-spread-pipe-preload")
+ATTENTION_PRELOAD_VARIANTS = ("default", "t2u4-spread-preload", "t2u4-spread-pipe-preload", "t2u4-spread-ring4")
 
 
 def tuning_for(variant, default_plan) -> dict:
@@ -160,7 +164,8 @@ def sweep(name: str, chosen: list[str], reps: int, capacity: int) -> dict:
     if timed:
         composite = choose_tuning(timed, uniform)
         row, timelines["composite"] = measure_variant("composite", composite, context, default_logits)
-        row["spec"] = {stage: [t.per_tile, t.unroll, t.spread, t.preload, t.pipeline] for stage, t in composite.items()}
+        row["spec"] = {stage: [t.per_tile, t.unroll, t.spread, t.preload, t.pipeline, t.stages]
+                       for stage, t in composite.items()}
         rows.append(row)
     usable = [r for r in rows if _usable(r)]
     best = min(usable, key=lambda r: r["gpu_ms"])["variant"] if usable else None

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def build_ptx(preset_name: str, per_tile: int, unroll: int, flags: list[str], out: Path) -> Path:
+def build_ptx(preset_name: str, per_tile: int, unroll: int, flags: list[str], stages: int, out: Path) -> Path:
     from megabake.capture import capture_decode_step
     from megabake.codegen import generate
     from megabake.ir import lower
@@ -40,8 +40,8 @@ def build_ptx(preset_name: str, per_tile: int, unroll: int, flags: list[str], ou
     ir = lower(captured)
     inv_freq, scaling = recover_rotary(captured, ir)
     chosen = {flag: True for flag in flags}
-    tuning = {stage: GemvTuning(per_tile, unroll, **{k: v for k, v in chosen.items()
-                                                    if not (stage == "norm_lm_head" and k == "preload")})
+    tuning = {stage: GemvTuning(per_tile, unroll, stages=stages,
+                                **{k: v for k, v in chosen.items() if not (stage == "norm_lm_head" and k == "preload")})
               for stage in GEMV_STAGES}
     plan = build_plan(ir, ctas=132, threads=256, inv_freq_buffer=inv_freq, rotary_scaling=scaling, tuning=tuning)
     result = compile_check(plan, load_module(generate(plan).source), dump_dir=str(out))
@@ -78,7 +78,7 @@ def schedule(sass: str) -> str:
         if not match:
             continue
         op = match.group(2).split(".")[0]
-        if op in ("LDG", "FFMA", "LDS", "BRA", "BAR", "WARPSYNC", "NOP", "STL", "LDL"):
+        if op in ("LDG", "LDGSTS", "LDGDEPBAR", "DEPBAR", "FFMA", "LDS", "BRA", "BAR", "WARPSYNC", "NOP", "STL", "LDL"):
             if seq and seq[-1][0] == op:
                 seq[-1][1] += 1
             else:
@@ -91,11 +91,12 @@ def main() -> None:
     parser.add_argument("preset")
     parser.add_argument("--tiling", nargs=2, type=int, default=[2, 4], metavar=("PER_TILE", "UNROLL"))
     parser.add_argument("--flags", nargs="*", default=[], choices=["spread", "preload", "pipeline"])
+    parser.add_argument("--stages", type=int, default=0, help="cp.async ring depth of every GEMV stage (0: none)")
     parser.add_argument("--out", type=Path, default=Path("/tmp/megabake-sass"))
     args = parser.parse_args()
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     args.out.mkdir(parents=True, exist_ok=True)
-    cubin, info = assemble(build_ptx(args.preset, *args.tiling, args.flags, args.out), args.out)
+    cubin, info = assemble(build_ptx(args.preset, *args.tiling, args.flags, args.stages, args.out), args.out)
     print("\n".join(line.strip() for line in info.splitlines() if "registers" in line or "spill" in line))
     nvdisasm = os.environ.get("NVDISASM") or shutil.which("nvdisasm")
     if not nvdisasm:

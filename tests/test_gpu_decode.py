@@ -221,15 +221,17 @@ def test_bake_with_autotune_on_the_gpu(tmp_path):
     assert result.report["numerics"]["pass"], result.report["numerics"]["failures"]
 
 
-# Pipelined K loops per preset: whole chunks (Llama: K = 2048, 8192 at unroll 4), a one-chunk tile (tiny at unroll
-# 1), partial chunks (SmolLM: K = 576, 1536 at unroll 4; tiny at unroll 8).
+# Pipelined K loops and cp.async rings (stages) per preset: whole chunks (Llama: K = 2048, 8192 at unroll 4), a
+# one-chunk tile (tiny at unroll 1), partial chunks (SmolLM: K = 576, 1536 at unroll 4; tiny at unroll 8).
 PIPELINED_VARIANTS = {
     "llama-3.2-1b": [(GemvTuning(2, 4, pipeline=True), False), (GemvTuning(1, 8, pipeline=True), False),
+                     (GemvTuning(2, 4, stages=4), False), (GemvTuning(2, 4, spread=True, stages=3), True),
                      (GemvTuning(2, 4, spread=True, preload=True, pipeline=True), True)],
     "tiny-llama": [(GemvTuning(2, 1, pipeline=True), False),  # one chunk per tile, two in the down GEMV
                    (GemvTuning(1, 1, spread=True, preload=True, pipeline=True), False),
-                   (GemvTuning(1, 8, preload=True, pipeline=True), False)],
-    "smollm-135m": [(GemvTuning(2, 4, pipeline=True), False),
+                   (GemvTuning(1, 8, preload=True, pipeline=True), False), (GemvTuning(2, 1, stages=3), False),
+                   (GemvTuning(1, 8, stages=2), False)],
+    "smollm-135m": [(GemvTuning(2, 4, pipeline=True), False), (GemvTuning(2, 4, stages=4), False),
                     (GemvTuning(2, 4, spread=True, preload=True, pipeline=True), True)],
 }
 

@@ -297,3 +297,79 @@ def test_pipelined_schedule_sums_every_vector_once_in_gemv_rows_order(rows, kvec
         for lane in range(32):
             expected = list(range(lane, kvecs, 32))
             assert added[row][lane] == expected, (row, lane)
+
+
+def test_streamed_gemv_plans_its_ring_generates_and_compiles(tiny):
+    from megabake.plan import ring_bytes
+    from megabake.runtime.compile import compile_check
+
+    tuning = {name: GemvTuning(2, 1, stages=3) for name in GEMV_STAGES}
+    tuning["down_residual"] = GemvTuning(1, 8, spread=True, stages=4)  # a partial chunk (K = 512 < 2048)
+    plan = _plan(tiny, tuning)
+    assert '"stages": 4' in plan.to_json() and '"stages": 0' not in tiny.plan.to_json()  # old hashes hold
+    assert all("stages" not in stage["tiling"] for stage in tiny.plan.to_dict()["stages"])
+    ring = ring_bytes(tuning.values(), plan.threads)
+    assert ring == 8 * 4 * 8 * 512  # 8 warps x 4 stages x 8 vectors per lane x 32 lanes x 16 bytes
+    assert plan.smem_bytes == tiny.plan.smem_bytes + ring + 16
+    source = generate(plan).source
+    assert "RING_STAGES = 4" in source and "RING_VECTORS = 8" in source and "s_ring = smem.allocate_tensor(" in source
+    calls = [line.strip() for line in source.splitlines() if "bodies.gemv_rows" in line]
+    assert len(calls) == 5 and all(c.startswith("bodies.gemv_rows_streamed(") for c in calls), calls
+    assert "s_ring" not in tiny.generated.source
+    executor, default = reference_executor_for(plan, tiny.model), reference_executor_for(tiny.plan, tiny.model)
+    for position, token in enumerate([3, 17, 5]):
+        assert torch.equal(executor.step(torch.tensor([token]), position),
+                           default.step(torch.tensor([token]), position))
+    result = compile_check(plan, load_module(source))
+    assert result.ok, result.error
+    assert Plan.from_json(plan.to_json()).hash == plan.hash
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"stages": 1}, r"stages=1: a cp.async ring needs 2..8 stages"),
+    ({"stages": 4, "pipeline": True}, r"replaces the register pipeline and preload"),
+    ({"stages": 4, "preload": True}, r"replaces the register pipeline and preload"),
+])
+def test_streamed_gemv_refuses_bad_rings(kwargs, message):
+    with pytest.raises(PlanError, match=message):
+        GemvTuning(2, 4, **kwargs)
+
+
+def test_streamed_gemv_refuses_a_ring_that_does_not_fit(tiny):
+    with pytest.raises(PlanError, match=r"a cp.async ring of 8 stages x 8 vectors per lane needs 262144 bytes .* "
+                                        r"use stages <= 6, or fewer rows per tile x unroll"):
+        _plan(tiny, {"norm_qkv": GemvTuning(2, 4, stages=8)})
+
+
+def _streamed_schedule(steps, stages):
+    """Mirror of gemv_rows_streamed's ring bookkeeping: (event, step, slot) in program order."""
+    for ahead in range(stages - 1):
+        if ahead < steps:
+            yield ("copy", ahead, ahead % stages)
+        yield ("commit", ahead, None)
+    for step in range(steps):
+        ahead = step + stages - 1
+        if ahead < steps:
+            yield ("copy", ahead, ahead % stages)
+        yield ("commit", ahead, None)
+        yield ("wait", step, stages - 1)
+        yield ("read", step, step % stages)
+
+
+@pytest.mark.parametrize("steps, stages", [(0, 4), (1, 4), (3, 4), (17, 4), (9, 2), (30, 8)])
+def test_streamed_ring_reads_each_chunk_after_it_landed_and_before_it_is_overwritten(steps, stages):
+    groups, slot_holds, landed_needed = [], {}, {}
+    for event, step, arg in _streamed_schedule(steps, stages):
+        if event == "copy":
+            assert slot_holds.get(arg) in (None, "read"), (step, arg)  # never overwrite an unread chunk
+            slot_holds[arg] = step
+            landed_needed[step] = len(groups)  # the group this copy belongs to (committed next)
+        elif event == "commit":
+            groups.append(step)
+        elif event == "wait":  # at most `arg` newest groups may still be pending
+            done = len(groups) - arg
+            assert landed_needed[step] < done, (step, landed_needed[step], done)
+        else:
+            assert slot_holds[arg] == step, (step, arg)  # the slot holds this step's chunk
+            slot_holds[arg] = "read"
+    assert all(v == "read" for v in slot_holds.values())

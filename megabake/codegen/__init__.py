@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..plan import HEAD_NORMS, STAGE_BIAS, Plan, Stage, smem_floats
+from ..plan import HEAD_NORMS, STAGE_BIAS, Plan, Stage, ring_shape, smem_floats
 
 KERNEL_ARGUMENTS = [
     "embed", "w_qkv", "w_o", "w_gate_up", "w_down", "norms", "final_norm", "lm_head", "rope_cos", "rope_sin",
@@ -105,6 +105,10 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool = False
     w("s_vec = smem.allocate_tensor(Float32, cute.make_layout((BATCH, VEC_WIDTH), stride=(VEC_WIDTH, 1)), byte_alignment=16)", 1)
     w("s_red = smem.allocate_tensor(Float32, cute.make_layout(RED_SCRATCH), byte_alignment=16)", 1)
     w("s_att = smem.allocate_tensor(Float32, cute.make_layout(ATT_SCRATCH), byte_alignment=16)", 1)
+    if _ring_stages(plan)[0]:
+        w("s_ring = smem.allocate_tensor(w_qkv.element_type, cute.make_layout((WARPS, RING_STAGES, RING_VECTORS, 32, 8), "
+          "stride=(RING_STAGES * RING_VECTORS * 256, RING_VECTORS * 256, 256, 8, 1)), byte_alignment=16)"
+          "  # per-warp cp.async rings of the streamed GEMV stages", 1)
     for line in _preload_registers(plan):
         w(line, 1)
     if _attention_preloads(plan):
@@ -159,6 +163,9 @@ def _header(w: _Writer, plan: Plan, plan_hash: str, arguments: list[str]) -> Non
     }
     scratch = smem_floats(d, plan.batch, plan.capacity, plan.threads)
     consts.update({"VEC_WIDTH": scratch["vec_width"], "RED_SCRATCH": scratch["red"], "ATT_SCRATCH": scratch["att"]})
+    ring_stages, ring_vectors = _ring_stages(plan)
+    if ring_stages:
+        consts.update({"RING_STAGES": ring_stages, "RING_VECTORS": ring_vectors})
     for name, value in consts.items():
         w(f"{name} = {value}")
     w(f"EPS = {d.eps!r}")
@@ -205,6 +212,9 @@ def _gemv(weight: str, out: str, rows: str, cols: str, stage: Stage, accumulate:
     args = (f"{out}, {_warp_index(stage)}, lane, TOTAL_WARPS, {rows}, {cols}, BATCH, ROWS_PER_TILE[{stage.name!r}], "
             f"{accumulate}, GEMV_UNROLL[{stage.name!r}]")
     bias_arg = f"{bias}[layer, None]" if bias else out  # out: an unused stand-in when there is no bias
+    if stage.tiling.stages:
+        return (f"bodies.gemv_rows_streamed({weight}, s_ring[tidx // 32, None, None, None, None], {bias_arg}, s_vec, "
+                f"{args}, {bool(bias)}, {stage.tiling.stages})")
     if stage.tiling.pipeline:
         pre = f"pre_{stage.name}" if stage.tiling.preload else out  # out: unused unless preloaded
         return (f"bodies.gemv_rows_pipelined({weight}, {pre}, {bias_arg}, s_vec, {args}, {bool(bias)}, "
@@ -307,7 +317,14 @@ def _attention_call(plan: Plan) -> tuple[str, str]:
     return "decode_attention", f"bodies.decode_attention(qkv, {caches})"
 
 
+def _ring_stages(plan: Plan) -> tuple[int, int]:
+    """(stages, vectors per lane and stage) of the per-warp cp.async ring; (0, 0) when no stage streams."""
+    return ring_shape(s.tiling for s in plan.stages if s.tiling.kind == "rows")
+
+
 def _gemv_label(plan: Plan, stage: Stage) -> str:
+    if stage.tiling.stages:
+        return "gemv_rows_streamed"
     if stage.tiling.pipeline:
         return "gemv_rows_pipelined"
     if stage.tiling.preload:

@@ -104,6 +104,9 @@ class Tiling:
     # the current chunk is reduced, so two chunks per warp are in flight instead of one (same summation order;
     # a K that is not whole chunks ends each tile with a partial, masked chunk).
     pipeline: bool = False
+    # GEMV: 0, or the depth of a per-warp shared-memory ring that cp.async fills ``stages - 1`` chunks ahead
+    # of the chunk being reduced (no registers held while in flight; same summation order).
+    stages: int = 0
 
 
 @dataclass
@@ -149,7 +152,7 @@ class Plan:
     def to_dict(self) -> dict:
         data = asdict(self)
         for stage in data["stages"]:  # only tilings that use them name these: older plans keep bytes and hash
-            for flag in ("spread", "preload", "pipeline"):
+            for flag in ("spread", "preload", "pipeline", "stages"):
                 if not stage["tiling"].get(flag):
                     stage["tiling"].pop(flag, None)
         return data
@@ -422,11 +425,17 @@ class GemvTuning:
     spread: bool = False  # CTA-major tile order (see Tiling.spread)
     preload: bool = False  # first chunk in registers before the preceding barrier (see Tiling.preload)
     pipeline: bool = False  # next chunk's loads in flight while reducing this one (see Tiling.pipeline)
+    stages: int = 0  # cp.async shared-memory ring of this depth (see Tiling.stages); 0: registers
 
     def __post_init__(self):
         if not 1 <= self.per_tile <= 8 or not 1 <= self.unroll <= 32:
             raise PlanError(f"GEMV tuning per_tile={self.per_tile}, unroll={self.unroll} is outside "
                             "per_tile 1..8, unroll 1..32")
+        if self.stages and not 2 <= self.stages <= 8:
+            raise PlanError(f"GEMV tuning stages={self.stages}: a cp.async ring needs 2..8 stages (0: off)")
+        if self.stages and (self.pipeline or self.preload):
+            raise PlanError("GEMV tuning: a cp.async ring (stages) replaces the register pipeline and preload; "
+                            "use stages with pipeline=False, preload=False")
 
 
 GEMV_STAGES = ("norm_qkv", "o_residual", "norm_gate_up", "down_residual", "norm_lm_head")
@@ -442,7 +451,24 @@ DEFAULT_TUNING = {name: GemvTuning() for name in GEMV_STAGES}
 
 def _rows_tiling(rows: int, tuning: GemvTuning) -> Tiling:
     return Tiling("rows", rows, tuning.per_tile, -(-rows // tuning.per_tile), tuning.unroll, tuning.spread,
-                  tuning.preload, tuning.pipeline)
+                  tuning.preload, tuning.pipeline, tuning.stages)
+
+
+RING_VECTOR_BYTES = 32 * 16  # one 16-byte vector per lane of a warp
+
+
+def ring_shape(tilings) -> tuple[int, int]:
+    """(stages, vectors per lane and stage) of the per-warp cp.async ring that the streamed GEMV stages among
+    ``tilings`` (GemvTuning or Tiling objects) share; (0, 0) when none streams."""
+    streamed = [t for t in tilings if t.stages]
+    if not streamed:
+        return 0, 0
+    return max(t.stages for t in streamed), max(t.per_tile * t.unroll for t in streamed)
+
+
+def ring_bytes(tilings, threads: int) -> int:
+    stages, slots = ring_shape(tilings)
+    return threads // WARP * stages * slots * RING_VECTOR_BYTES
 
 
 PIPELINE_MAX_VECTORS = 8  # per_tile x unroll of a pipelined GEMV: two register tiles of these per lane
@@ -492,6 +518,7 @@ def build_plan(ir: IRGraph, *, ctas: int = 132, threads: int = 256, weight_dtype
             raise PlanError(f"a GEMV reduction length of {k} is not a multiple of 8 (16-byte bf16 vectors)")
     batch, capacity = ir.batch, ir.capacity
     _check_shared_memory(dims, batch, capacity, threads)
+    ring = _check_ring(tuning, threads, _smem_bytes(dims, batch, capacity, threads))
     layers = [_bind_layer(block) for block in blocks]
     tied = lm_head.weight == embed.table
     stages = _stages(dims, batch, tuning)
@@ -508,7 +535,7 @@ def build_plan(ir: IRGraph, *, ctas: int = 132, threads: int = 256, weight_dtype
     rotary_ops = [op.id for op in ir.of_kind(RotaryTable)]
     return Plan(
         version=PLAN_VERSION, dims=dims, batch=batch, capacity=capacity, ctas=ctas, threads=threads,
-        smem_bytes=_smem_bytes(dims, batch, capacity, threads), weight_dtype=weight_dtype,
+        smem_bytes=_smem_bytes(dims, batch, capacity, threads) + ring, weight_dtype=weight_dtype,
         buffers=_buffers(dims, batch, capacity, weight_dtype, tied) + _bias_buffers(dims, biased)
         + _head_norm_buffers(dims, head_norms),
         packed=_packing(blocks, embed, final_norm, lm_head, tied) + _bias_packing(blocks, biased)
@@ -689,6 +716,21 @@ def _check_shared_memory(dims: ModelDims, batch: int, capacity: int, threads: in
                     f"Hopper's {HOPPER_SMEM_PER_BLOCK}: the kernel stages each sequence's {floats['vec_width']}-wide "
                     f"fp32 GEMV input and one head's attention scores on chip. For this model use --batch "
                     f"{max_batch} or less at this capacity, or --capacity {max_capacity} or less at this batch")
+
+
+def _check_ring(tuning: dict[str, GemvTuning], threads: int, other_bytes: int) -> int:
+    """Shared-memory bytes of the cp.async ring (with its alignment), checked against what the rest leaves."""
+    ring = ring_bytes(tuning.values(), threads)
+    if not ring:
+        return 0
+    if other_bytes + ring + 16 > HOPPER_SMEM_PER_BLOCK:
+        stages, slots = ring_shape(tuning.values())
+        room = (HOPPER_SMEM_PER_BLOCK - other_bytes - 16) // (threads // WARP * slots * RING_VECTOR_BYTES)
+        fix = f"use stages <= {room}" if room >= 2 else "use stages=0 (no ring fits)"
+        raise PlanError(f"a cp.async ring of {stages} stages x {slots} vectors per lane needs {ring} bytes of shared "
+                        f"memory per CTA next to the kernel's {other_bytes}, over Hopper's {HOPPER_SMEM_PER_BLOCK}; "
+                        f"{fix}, or fewer rows per tile x unroll")
+    return ring + 16
 
 
 def _smem_bytes(dims: ModelDims, batch: int, capacity: int, threads: int) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
+import cutlass.cute.nvgpu.cpasync as cpasync
 from cutlass import Float32, Int32, Int64
 
 WARP = 32
@@ -385,6 +386,90 @@ def gemv_rows_pipelined(weight: cute.Tensor, pre: cute.Tensor, bias: cute.Tensor
             for i in cutlass.range_constexpr(per_tile * batch):
                 acc[i] = Float32(0.0)
         cur.store(nxt.load())
+
+
+@cute.jit
+def _copy_chunk(weight: cute.Tensor, ring: cute.Tensor, slot: Int32, tile: Int32, kbase: Int32, lane: Int32,
+                rows: cutlass.Constexpr[int], kvecs: cutlass.Constexpr[int], per_tile: cutlass.Constexpr[int],
+                unroll: cutlass.Constexpr[int]):
+    """cp.async the 16-byte vectors of one K chunk of ``tile`` (as :func:`_load_chunk` loads them) into ring
+    ``slot``: vector ``r * unroll + u`` of each lane lands in ``ring[slot, r * unroll + u, lane, :]``."""
+    atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), weight.element_type,
+                               num_bits_per_copy=128)
+    for r in cutlass.range_constexpr(per_tile):
+        row = cutlass.min(tile * per_tile + r, rows - 1)
+        for u in cutlass.range_constexpr(unroll):
+            kv = kbase + u * WARP + lane
+            if cutlass.const_expr(kvecs % (WARP * unroll) != 0):
+                kv = cutlass.min(kv, kvecs - 1)
+            cute.copy(atom, cute.zipped_divide(weight[row, None], (VEC,))[(None, kv)],
+                      cute.zipped_divide(ring[slot, r * unroll + u, lane, None], (VEC,))[(None, 0)])
+
+
+@cute.jit
+def _gemv_chunk_ring(ring: cute.Tensor, slot: Int32, s_vec: cute.Tensor, acc: cute.Tensor, u: cutlass.Constexpr[int],
+                     kv: Int32, lane: Int32, batch: cutlass.Constexpr[int], per_tile: cutlass.Constexpr[int],
+                     unroll: cutlass.Constexpr[int]):
+    """:func:`_gemv_chunk` on weight vectors from ring ``slot`` (same arithmetic, same order)."""
+    for r in cutlass.range_constexpr(per_tile):
+        w = cute.zipped_divide(ring[slot, r * unroll + u, lane, None], (VEC,))[(None, 0)].load().to(Float32)
+        for b in cutlass.range_constexpr(batch):
+            xv = cute.zipped_divide(s_vec[b, None], (VEC,))[(None, kv)].load()
+            acc[r * batch + b] = acc[r * batch + b] + (w * xv).reduce(
+                cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
+
+
+@cute.jit
+def gemv_rows_streamed(weight: cute.Tensor, ring: cute.Tensor, bias: cute.Tensor, s_vec: cute.Tensor,
+                       out: cute.Tensor, gwarp: Int32, lane: Int32, total_warps: cutlass.Constexpr[int],
+                       rows: cutlass.Constexpr[int], cols: cutlass.Constexpr[int], batch: cutlass.Constexpr[int],
+                       per_tile: cutlass.Constexpr[int], accumulate: cutlass.Constexpr[bool],
+                       unroll: cutlass.Constexpr[int], has_bias: cutlass.Constexpr[bool],
+                       stages: cutlass.Constexpr[int]):
+    """:func:`gemv_rows` streaming its weights through this warp's shared-memory ring ``ring`` ([stages,
+    vectors, 32 lanes, 8]): cp.async keeps ``stages - 1`` chunks (the next tiles' included) in flight while
+    the warp reduces the current one, without holding registers for them.
+
+    Every lane reads back only the vectors it copied itself, so ``cp.async.wait_group`` is the only
+    synchronisation: no barrier, no mbarrier. Each step commits one group (empty past the last step), so
+    ``wait_group(stages - 1)`` always means "this step's chunk has landed". The slot refilled at a step is
+    the one reduced at the step before, by the same lane. Partial last chunks, the order of the sums and
+    the writes are those of :func:`gemv_rows_pipelined`: results are bit-identical to :func:`gemv_rows`.
+    """
+    tiles = (rows + per_tile - 1) // per_tile
+    chunk = WARP * unroll
+    kvecs = cols // VEC
+    chunks = (kvecs + chunk - 1) // chunk
+    steps = (tiles - gwarp + total_warps - 1) // total_warps * chunks  # 0 for a warp without a tile
+    acc = cute.make_rmem_tensor(cute.make_layout(per_tile * batch), Float32)
+    for i in cutlass.range_constexpr(per_tile * batch):
+        acc[i] = Float32(0.0)
+    for ahead in cutlass.range_constexpr(stages - 1):  # fill the ring
+        if ahead < steps:
+            _copy_chunk(weight, ring, ahead, gwarp + ahead // chunks * total_warps, ahead % chunks * chunk, lane,
+                        rows, kvecs, per_tile, unroll)
+        cute.arch.cp_async_commit_group()
+    for step in range(steps):
+        ahead = step + stages - 1
+        if ahead < steps:
+            _copy_chunk(weight, ring, ahead % stages, gwarp + ahead // chunks * total_warps, ahead % chunks * chunk,
+                        lane, rows, kvecs, per_tile, unroll)
+        cute.arch.cp_async_commit_group()
+        cute.arch.cp_async_wait_group(stages - 1)
+        slot = step % stages
+        c = step % chunks
+        for u in cutlass.range_constexpr(unroll):
+            kv = c * chunk + u * WARP + lane
+            if cutlass.const_expr(kvecs % chunk == 0):
+                _gemv_chunk_ring(ring, slot, s_vec, acc, u, kv, lane, batch, per_tile, unroll)
+            elif kv < kvecs:  # the partial last chunk of a tile
+                _gemv_chunk_ring(ring, slot, s_vec, acc, u, kv, lane, batch, per_tile, unroll)
+        if c == chunks - 1:
+            _gemv_write(acc, out, bias, gwarp + step // chunks * total_warps, lane, rows, batch, per_tile,
+                        accumulate, has_bias)
+            for i in cutlass.range_constexpr(per_tile * batch):
+                acc[i] = Float32(0.0)
+    cute.arch.cp_async_wait_group(0)  # nothing in flight into the ring when the next GEMV stage refills it
 
 
 @cute.jit
