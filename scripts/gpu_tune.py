@@ -44,11 +44,16 @@ def variants() -> dict:
             # per-warp cp.async shared-memory rings, 2 or 3 chunks in flight per warp
             "t2u4-ring3": GemvTuning(2, 4, stages=3), "t2u4-ring4": GemvTuning(2, 4, stages=4),
             "t2u4-spread-ring4": GemvTuning(2, 4, spread=True, stages=4),
-            "balanced-ring4": Balanced(GemvTuning(2, 4, stages=4))}
+            "balanced-ring4": Balanced(GemvTuning(2, 4, stages=4)),
+            # ... and filled with the next GEMV's first chunks before each grid barrier
+            "t2u4-ring4-preload": GemvTuning(2, 4, preload=True, stages=4),
+            "t2u4-spread-ring4-preload": GemvTuning(2, 4, spread=True, preload=True, stages=4),
+            "balanced-ring4-preload": Balanced(GemvTuning(2, 4, preload=True, stages=4))}
 
 
 # also measured with attention preload
-ATTENTION_PRELOAD_VARIANTS = ("default", "t2u4-spread-preload", "t2u4-spread-pipe-preload", "t2u4-spread-ring4")
+ATTENTION_PRELOAD_VARIANTS = ("default", "t2u4-spread-preload", "t2u4-spread-pipe-preload",
+                              "t2u4-spread-ring4-preload")
 
 
 def tuning_for(variant, default_plan) -> dict:

@@ -222,26 +222,28 @@ def test_bake_with_autotune_on_the_gpu(tmp_path):
 
 
 # Pipelined K loops and cp.async rings (stages) per preset: whole chunks (Llama: K = 2048, 8192 at unroll 4), a
-# one-chunk tile (tiny at unroll 1), partial chunks (SmolLM: K = 576, 1536 at unroll 4; tiny at unroll 8).
-PIPELINED_VARIANTS = {
-    "llama-3.2-1b": [(GemvTuning(2, 4, pipeline=True), False), (GemvTuning(1, 8, pipeline=True), False),
-                     (GemvTuning(2, 4, stages=4), False), (GemvTuning(2, 4, spread=True, stages=3), True),
-                     (GemvTuning(2, 4, spread=True, preload=True, pipeline=True), True)],
+# one-chunk tile (tiny at unroll 1), partial chunks (SmolLM: K = 576, 1536; tiny at unroll 8).
+STREAMING_VARIANTS = {
+    "llama-3.2-1b": [(GemvTuning(2, 4, pipeline=True), False),
+                     (GemvTuning(2, 4, spread=True, preload=True, pipeline=True), True),
+                     (GemvTuning(2, 4, stages=4), False),
+                     (GemvTuning(2, 4, spread=True, preload=True, stages=4), True)],
     "tiny-llama": [(GemvTuning(2, 1, pipeline=True), False),  # one chunk per tile, two in the down GEMV
-                   (GemvTuning(1, 1, spread=True, preload=True, pipeline=True), False),
-                   (GemvTuning(1, 8, preload=True, pipeline=True), False), (GemvTuning(2, 1, stages=3), False),
-                   (GemvTuning(1, 8, stages=2), False)],
-    "smollm-135m": [(GemvTuning(2, 4, pipeline=True), False), (GemvTuning(2, 4, stages=4), False),
-                    (GemvTuning(2, 4, spread=True, preload=True, pipeline=True), True)],
+                   (GemvTuning(1, 8, preload=True, pipeline=True), False),  # partial chunks, preloaded
+                   (GemvTuning(1, 8, stages=2), False),
+                   (GemvTuning(2, 1, preload=True, stages=4), False)],  # ring filled before each barrier
+    "smollm-135m": [(GemvTuning(2, 4, pipeline=True), False),
+                    (GemvTuning(2, 4, spread=True, preload=True, pipeline=True), True),
+                    (GemvTuning(1, 8, preload=True, stages=3), False)],
 }
 
 
 @pytest.mark.parametrize("name", ["smollm-135m", "llama-3.2-1b", "tiny-llama"])
 def test_tilings_give_bit_identical_logits(name):
-    """Rows per tile, loads in flight, CTA-major order, the GEMV register preload, the pipelined K loop and the
-    attention preload never change a lane's summation order: every variant's logits equal the default's
-    exactly, step by step (2-layer stacks of the real shapes: SmolLM's K=576 is all tail, Llama's K=2048 has
-    full chunks)."""
+    """Rows per tile, loads in flight, CTA-major order, the GEMV register preload, the pipelined K loop, the
+    cp.async ring (and its fill before the barrier) and the attention preload never change a lane's
+    summation order: every variant's logits equal the default's exactly, step by step (2-layer stacks of the
+    real shapes: SmolLM's K=576 is all tail, Llama's K=2048 has full chunks)."""
     from megabake.codegen import generate
     from megabake.plan import GemvTuning, build_plan
     from megabake.plan.rotary import recover_rotary
@@ -256,7 +258,7 @@ def test_tilings_give_bit_identical_logits(name):
     for tiling, attention_preload in ((GemvTuning(), False), (GemvTuning(1, 16), False),
                                       (GemvTuning(2, 4, spread=True), False), (GemvTuning(2, 4, preload=True), False),
                                       (GemvTuning(1, 8, spread=True, preload=True), False), (GemvTuning(), True),
-                                      *PIPELINED_VARIANTS[name]):
+                                      *STREAMING_VARIANTS[name]):
         plan = build_plan(compiled.ir, ctas=gpu_info().sm_count, inv_freq_buffer=inv_freq, rotary_scaling=scaling,
                           tuning=uniform_tuning(tiling), attention_preload=attention_preload)
         decoder = MegakernelDecoder(plan, generate(plan).source, compiled.model, device="cuda")

@@ -327,8 +327,7 @@ def test_streamed_gemv_plans_its_ring_generates_and_compiles(tiny):
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"stages": 1}, r"stages=1: a cp.async ring needs 2..8 stages"),
-    ({"stages": 4, "pipeline": True}, r"replaces the register pipeline and preload"),
-    ({"stages": 4, "preload": True}, r"replaces the register pipeline and preload"),
+    ({"stages": 4, "pipeline": True}, r"replaces the register pipeline; use stages with pipeline=False"),
 ])
 def test_streamed_gemv_refuses_bad_rings(kwargs, message):
     with pytest.raises(PlanError, match=message):
@@ -373,3 +372,23 @@ def test_streamed_ring_reads_each_chunk_after_it_landed_and_before_it_is_overwri
             assert slot_holds[arg] == step, (step, arg)  # the slot holds this step's chunk
             slot_holds[arg] = "read"
     assert all(v == "read" for v in slot_holds.values())
+
+
+def test_streamed_gemv_with_preload_fills_its_ring_before_the_barrier(tiny):
+    from megabake.runtime.compile import compile_check
+
+    tuning = {name: GemvTuning(2, 1, spread=True, preload=True, stages=3) for name in GEMV_STAGES}
+    tuning["norm_lm_head"] = GemvTuning(2, 1, stages=3)  # the LM head never preloads
+    plan = _plan(tiny, tuning)
+    lines = generate(plan).source.splitlines()
+    prefills = [i for i, line in enumerate(lines) if "bodies.gemv_ring_prefill(" in line]
+    barriers = [i for i, line in enumerate(lines) if "bodies.grid_barrier(" in line]
+    assert len(prefills) == 5  # after embed, and before each barrier whose next stage is a layer GEMV
+    assert all(any(b > p and not any(p < q < b for q in prefills if q != p) for b in barriers) for p in prefills)
+    down_prefill = next(lines[i] for i in prefills if "w_qkv[cutlass.min(layer + 1" in lines[i])
+    assert "cutlass.min(LAYERS - 1 - layer, 1)" in down_prefill  # no copies after the last layer
+    streamed = [line.strip() for line in lines if "bodies.gemv_rows_streamed(" in line]
+    assert sum(line.endswith("3, True)") for line in streamed) == 4 and streamed[-1].endswith("3, False)")
+    assert not any("pre_norm_qkv = cute.make_rmem_tensor" in line for line in lines)  # no register tile
+    result = compile_check(plan, load_module("\n".join(lines) + "\n"))
+    assert result.ok, result.error

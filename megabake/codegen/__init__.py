@@ -213,8 +213,8 @@ def _gemv(weight: str, out: str, rows: str, cols: str, stage: Stage, accumulate:
             f"{accumulate}, GEMV_UNROLL[{stage.name!r}]")
     bias_arg = f"{bias}[layer, None]" if bias else out  # out: an unused stand-in when there is no bias
     if stage.tiling.stages:
-        return (f"bodies.gemv_rows_streamed({weight}, s_ring[tidx // 32, None, None, None, None], {bias_arg}, s_vec, "
-                f"{args}, {bool(bias)}, {stage.tiling.stages})")
+        return (f"bodies.gemv_rows_streamed({weight}, {_RING}, {bias_arg}, s_vec, {args}, {bool(bias)}, "
+                f"{stage.tiling.stages}, {stage.tiling.preload})")
     if stage.tiling.pipeline:
         pre = f"pre_{stage.name}" if stage.tiling.preload else out  # out: unused unless preloaded
         return (f"bodies.gemv_rows_pipelined({weight}, {pre}, {bias_arg}, s_vec, {args}, {bool(bias)}, "
@@ -238,6 +238,7 @@ _NEXT_GEMV = {
 }
 
 
+_RING = "s_ring[tidx // 32, None, None, None, None]"  # this warp's cp.async ring
 _PRELOAD_WEIGHTS = {"norm_qkv": "w_qkv", "o_residual": "w_o", "norm_gate_up": "w_gate_up", "down_residual": "w_down"}
 
 
@@ -245,7 +246,7 @@ def _preload_registers(plan: Plan) -> list[str]:
     """Kernel-start declarations of the register tiles of preloading GEMV stages (none by default)."""
     lines = []
     for stage in plan.stages:
-        if stage.tiling.kind == "rows" and stage.tiling.preload:
+        if stage.tiling.kind == "rows" and stage.tiling.preload and not stage.tiling.stages:
             width = stage.tiling.per_tile * stage.tiling.unroll
             lines.append(f"pre_{stage.name} = cute.make_rmem_tensor(cute.make_layout(8 * {width}), "
                          f"{_PRELOAD_WEIGHTS[stage.name]}.element_type)  # first K chunk, loaded before the barrier")
@@ -269,7 +270,14 @@ def _before_barrier_calls(plan: Plan, stage: Stage) -> list[str]:
     calls.append(prefetch)
     weight, next_name = _NEXT_GEMV[stage.name]
     next_stage = next(s for s in plan.stages if s.name == next_name)
-    if next_stage.tiling.preload:
+    if next_stage.tiling.preload and next_stage.tiling.stages:
+        rows, cols = _gemv_shape(plan, next_name)
+        # after the last layer's down GEMV comes the LM head, not a QKV GEMV: copy nothing there
+        active = "cutlass.min(LAYERS - 1 - layer, 1)" if stage.name == "down_residual" else "1"
+        calls.append(f"bodies.gemv_ring_prefill({weight}, {_RING}, {_warp_index(next_stage)}, lane, {active}, "
+                     f"TOTAL_WARPS, {rows}, {cols}, {next_stage.tiling.per_tile}, {next_stage.tiling.unroll}, "
+                     f"{next_stage.tiling.stages})")
+    elif next_stage.tiling.preload:
         rows, cols = _gemv_shape(plan, next_name)
         calls.append(f"bodies.gemv_preload({weight}, pre_{next_name}, {_warp_index(next_stage)}, lane, TOTAL_WARPS, "
                      f"{rows}, {cols}, {next_stage.tiling.per_tile}, {next_stage.tiling.unroll})")

@@ -105,7 +105,8 @@ class Tiling:
     # a K that is not whole chunks ends each tile with a partial, masked chunk).
     pipeline: bool = False
     # GEMV: 0, or the depth of a per-warp shared-memory ring that cp.async fills ``stages - 1`` chunks ahead
-    # of the chunk being reduced (no registers held while in flight; same summation order).
+    # of the chunk being reduced (no registers held while in flight; same summation order). With ``preload``
+    # the first ``stages - 1`` chunks are copied before the barrier that precedes the stage.
     stages: int = 0
 
 
@@ -433,9 +434,9 @@ class GemvTuning:
                             "per_tile 1..8, unroll 1..32")
         if self.stages and not 2 <= self.stages <= 8:
             raise PlanError(f"GEMV tuning stages={self.stages}: a cp.async ring needs 2..8 stages (0: off)")
-        if self.stages and (self.pipeline or self.preload):
-            raise PlanError("GEMV tuning: a cp.async ring (stages) replaces the register pipeline and preload; "
-                            "use stages with pipeline=False, preload=False")
+        if self.stages and self.pipeline:
+            raise PlanError("GEMV tuning: a cp.async ring (stages) replaces the register pipeline; use stages with "
+                            "pipeline=False")
 
 
 GEMV_STAGES = ("norm_qkv", "o_residual", "norm_gate_up", "down_residual", "norm_lm_head")

@@ -420,12 +420,41 @@ def _gemv_chunk_ring(ring: cute.Tensor, slot: Int32, s_vec: cute.Tensor, acc: cu
 
 
 @cute.jit
+def _fill_ring(weight: cute.Tensor, ring: cute.Tensor, gwarp: Int32, lane: Int32, steps: Int32,
+               chunks: cutlass.Constexpr[int], total_warps: cutlass.Constexpr[int], rows: cutlass.Constexpr[int],
+               kvecs: cutlass.Constexpr[int], per_tile: cutlass.Constexpr[int], unroll: cutlass.Constexpr[int],
+               stages: cutlass.Constexpr[int]):
+    """Copy the first ``stages - 1`` steps' chunks into ring slots 0.. (one committed group per step, empty
+    past ``steps``)."""
+    for ahead in cutlass.range_constexpr(stages - 1):
+        if ahead < steps:
+            _copy_chunk(weight, ring, ahead, gwarp + ahead // chunks * total_warps, ahead % chunks * WARP * unroll,
+                        lane, rows, kvecs, per_tile, unroll)
+        cute.arch.cp_async_commit_group()
+
+
+@cute.jit
+def gemv_ring_prefill(weight: cute.Tensor, ring: cute.Tensor, gwarp: Int32, lane: Int32, active: Int32,
+                      total_warps: cutlass.Constexpr[int], rows: cutlass.Constexpr[int], cols: cutlass.Constexpr[int],
+                      per_tile: cutlass.Constexpr[int], unroll: cutlass.Constexpr[int],
+                      stages: cutlass.Constexpr[int]):
+    """Issued before a grid barrier: start copying the first ``stages - 1`` chunks of the coming streamed GEMV
+    into this warp's ring (weights do not depend on the stages before), so they land during the wait and the
+    next stage's staging. ``active`` 0 copies nothing (the last layer's down stage, whose "next" QKV GEMV
+    does not exist) but still commits the groups, which complete at once."""
+    tiles = (rows + per_tile - 1) // per_tile
+    chunks = (cols // VEC + WARP * unroll - 1) // (WARP * unroll)
+    steps = (tiles - gwarp + total_warps - 1) // total_warps * chunks * active
+    _fill_ring(weight, ring, gwarp, lane, steps, chunks, total_warps, rows, cols // VEC, per_tile, unroll, stages)
+
+
+@cute.jit
 def gemv_rows_streamed(weight: cute.Tensor, ring: cute.Tensor, bias: cute.Tensor, s_vec: cute.Tensor,
                        out: cute.Tensor, gwarp: Int32, lane: Int32, total_warps: cutlass.Constexpr[int],
                        rows: cutlass.Constexpr[int], cols: cutlass.Constexpr[int], batch: cutlass.Constexpr[int],
                        per_tile: cutlass.Constexpr[int], accumulate: cutlass.Constexpr[bool],
                        unroll: cutlass.Constexpr[int], has_bias: cutlass.Constexpr[bool],
-                       stages: cutlass.Constexpr[int]):
+                       stages: cutlass.Constexpr[int], prefilled: cutlass.Constexpr[bool]):
     """:func:`gemv_rows` streaming its weights through this warp's shared-memory ring ``ring`` ([stages,
     vectors, 32 lanes, 8]): cp.async keeps ``stages - 1`` chunks (the next tiles' included) in flight while
     the warp reduces the current one, without holding registers for them.
@@ -435,6 +464,8 @@ def gemv_rows_streamed(weight: cute.Tensor, ring: cute.Tensor, bias: cute.Tensor
     ``wait_group(stages - 1)`` always means "this step's chunk has landed". The slot refilled at a step is
     the one reduced at the step before, by the same lane. Partial last chunks, the order of the sums and
     the writes are those of :func:`gemv_rows_pipelined`: results are bit-identical to :func:`gemv_rows`.
+    With ``prefilled``, :func:`gemv_ring_prefill` already copied (and committed) the first ``stages - 1``
+    chunks before the barrier that precedes this stage.
     """
     tiles = (rows + per_tile - 1) // per_tile
     chunk = WARP * unroll
@@ -444,11 +475,8 @@ def gemv_rows_streamed(weight: cute.Tensor, ring: cute.Tensor, bias: cute.Tensor
     acc = cute.make_rmem_tensor(cute.make_layout(per_tile * batch), Float32)
     for i in cutlass.range_constexpr(per_tile * batch):
         acc[i] = Float32(0.0)
-    for ahead in cutlass.range_constexpr(stages - 1):  # fill the ring
-        if ahead < steps:
-            _copy_chunk(weight, ring, ahead, gwarp + ahead // chunks * total_warps, ahead % chunks * chunk, lane,
-                        rows, kvecs, per_tile, unroll)
-        cute.arch.cp_async_commit_group()
+    if cutlass.const_expr(not prefilled):
+        _fill_ring(weight, ring, gwarp, lane, steps, chunks, total_warps, rows, kvecs, per_tile, unroll, stages)
     for step in range(steps):
         ahead = step + stages - 1
         if ahead < steps:
