@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The H200 work of a session in as few device calls as possible (logs under OUT, a short summary last):
-#   tests: the GPU tests (numerics, one launch per step, verify, hub load, tilings) -> OUT/pytest-gpu.log (~5 min)
+#   tests: the GPU tests (numerics, one launch per step, verify, hub load) -> OUT/pytest-gpu.log (~3.5 min), then
+#          the bit-identity sweep of tilings -> OUT/pytest-gpu-tilings.log (~2-3 min)
 #   smoke: kernel vs CPU reference executor + step latency per preset       -> OUT/smoke-*.json     (~1-3 min)
 #   bench: decode benchmark table + chart, all presets in one process          -> OUT/bench/  (~2 min per preset)
 #   tune:  GEMV tiling / preload / pipeline sweep with per-stage clocks (scripts/gpu_tune.py) -> OUT/tune-*.json
@@ -19,8 +20,13 @@ mkdir -p "$OUT"
 summary=()
 
 if [[ " $PARTS " == *" tests "* ]]; then
-  timeout 540 python3 -m pytest -m gpu -q -p no:cacheprovider tests/ >"$OUT/pytest-gpu.log" 2>&1
-  summary+=("pytest -m gpu: rc=$? $(grep -E '[0-9]+ (passed|failed)' "$OUT/pytest-gpu.log" | tail -1)")
+  # two runs with their own limits, so the long tiling sweep cannot starve the rest (or the other way round)
+  timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider --durations=10 -k "not tilings" tests/ \
+    >"$OUT/pytest-gpu.log" 2>&1
+  summary+=("pytest -m gpu (all but tilings): rc=$? $(grep -E '[0-9]+ (passed|failed)' "$OUT/pytest-gpu.log" | tail -1)")
+  timeout 270 python3 -m pytest -m gpu -q -p no:cacheprovider --durations=5 -k tilings tests/ \
+    >"$OUT/pytest-gpu-tilings.log" 2>&1
+  summary+=("pytest -m gpu (tilings): rc=$? $(grep -E '[0-9]+ (passed|failed)' "$OUT/pytest-gpu-tilings.log" | tail -1)")
 fi
 if [[ " $PARTS " == *" smoke "* ]]; then
   timeout 240 python3 scripts/gpu_smoke.py "${PRESETS[@]}" --out "$OUT" --steps 4 --timeout 110 >"$OUT/smoke.log" 2>&1
