@@ -418,8 +418,9 @@ def _check_block_shape(block: _Block, dims: ModelDims) -> None:
 class GemvTuning:
     """How a GEMV stage spreads over warps: rows per warp tile, 16-byte loads in flight per lane and row,
     whether tiles go CTA-major (``spread``) instead of warp-major, whether the first K chunk is loaded
-    before the preceding barrier (``preload``), and whether the K loop keeps the next chunk's loads in flight
-    while it reduces the current one (``pipeline``). None of it changes numerics."""
+    before the preceding barrier (``preload``), whether the K loop keeps the next chunk's loads in flight
+    while it reduces the current one (``pipeline``, in registers) or streams weights through a per-warp
+    cp.async ring of ``stages`` chunks in shared memory. None of it changes numerics."""
 
     per_tile: int = 2
     unroll: int = 4
