@@ -58,6 +58,7 @@ class Row:
     stand_in: bool = False
     measured: str = ""  # where and with what: date, GPU, driver, versions, megabake git revision
     warnings: list[str] = field(default_factory=list)  # the timing harness's consistency warnings
+    kernel: str = ""  # the GEMV tiling baked when not the default: "tiling 2x4+ring4" or "autotuned (...)"
 
 
 def row_from_report(preset: str, report: dict, *, package: str | None = None, seconds: float = 0.0,
@@ -77,8 +78,19 @@ def row_from_report(preset: str, report: dict, *, package: str | None = None, se
                       if c.get("kind") == "baseline" and c.get("sync_call")},
         baseline=timings.get("baseline"), speedup=speedup.get("median"), speedup_ci=speedup.get("ci95"),
         floor_ms=timings.get("floor_ms"), seconds=seconds, stand_in=stand_in, measured=measured_line(report),
-        warnings=list(timings.get("warnings") or []),
+        warnings=list(timings.get("warnings") or []), kernel=kernel_note(report),
     )
+
+
+def kernel_note(report: dict) -> str:
+    """How the kernel's GEMV tiling was chosen, when not the default (the table says so under it)."""
+    kernel = report.get("kernel") or {}
+    if kernel.get("autotune"):
+        return f"autotuned ({kernel['autotune'].get('chosen', 'per-stage')})"
+    tiling = kernel.get("tiling") or {}
+    parts = [f"tiling {tiling['spec']}"] if tiling.get("spec") else []
+    parts += ["attention preload"] if tiling.get("attention_preload") else []
+    return " + ".join(parts)
 
 
 def measured_line(report: dict) -> str:
@@ -123,6 +135,7 @@ def markdown_table(rows: list[Row]) -> str:
     for measured in dict.fromkeys(row.measured for row in rows if row.measured):
         lines.append(f"Measured: {measured}.")
     for row in rows:
+        lines += [f"Kernel ({row.preset}): {row.kernel}."] if row.kernel else []
         lines += [f"Warning ({row.preset}): {warning}" for warning in row.warnings]
     return "\n".join(lines) + "\n"
 
@@ -167,11 +180,13 @@ def write_chart(rows: list[Row], path: Path) -> str | None:
 # ------------------------------------------------------------------------------------------ running
 
 
-def bake_preset(preset: str, out: Path, capacity: int, autotune: bool = False):
+def bake_preset(preset: str, out: Path, capacity: int, autotune: bool = False, tiling: str | None = None,
+                attention_preload: bool = False):
     """Bake on this GPU; one CPU reference step (verify's 64 GPU steps are the real numerics evidence)."""
     from megabake.bake import bake
 
     return bake(preset, capacity=capacity, out=out / "packages", reference_steps=1, autotune=autotune,
+                tiling=tiling, attention_preload=attention_preload,
                 progress=lambda msg: LOG.info("[bake %s] %s", preset, msg))
 
 
@@ -179,7 +194,7 @@ def verify_preset(preset: str, args) -> Row:
     from megabake.verify import verify_package
 
     started = time.perf_counter()
-    baked = bake_preset(preset, args.out, args.capacity, args.autotune)
+    baked = bake_preset(preset, args.out, args.capacity, args.autotune, args.tiling, args.attention_preload)
     path = baked.path
     LOG.info("[%s] baked %s; verifying", preset, path)
     report = verify_package(path, steps=args.steps, prefill=args.prefill, samples=args.samples,
@@ -283,7 +298,17 @@ def parse_args(argv=None):
     parser.add_argument("--stand-in", action="store_true", help="time eager HF instead of a baked megakernel")
     parser.add_argument("--autotune", action="store_true", help="bake with `--autotune` (per-stage GEMV tiling "
                         "measured on this GPU)")
+    parser.add_argument("--tiling", default=None, help="bake with `--tiling SPEC` (e.g. 2x4+spread+preload+ring4)")
+    parser.add_argument("--attention-preload", action="store_true", help="bake with `--attention-preload`")
     args = parser.parse_args(argv)
+    if args.tiling:
+        from megabake.errors import PlanError
+        from megabake.plan import GemvTuning
+
+        try:
+            GemvTuning.parse(args.tiling)
+        except PlanError as exc:  # a typo must not cost a GPU run
+            parser.error(str(exc))
     unknown = [name for name in args.presets if not is_preset(name)]
     if unknown:
         parser.error(f"unknown preset(s) {', '.join(unknown)}; built-in presets: {', '.join(PRESETS)}")

@@ -20,6 +20,7 @@ import torch
 
 from . import __version__
 from .errors import MegaBakeError, network_errors
+from .plan import GemvTuning
 
 DEFAULT_GPU_CLASS = "sm90a-132sm"  # H100/H200 SXM
 
@@ -108,7 +109,8 @@ def parse_gpu_class(gpu_class: str) -> tuple[tuple[int, int], int]:
 def bake(model: str, *, revision: str | None = None, batch: int = 1, capacity: int = 128,
          out: str | Path = "packages", gpu_class: str | None = None, seed: int = 0, threads: int = 256,
          reference_steps: int = 4, gpu_steps: int = 64, gpu_prefill: int = 16, run_on_gpu: bool = True,
-         autotune: bool = False, progress: Callable[[str], None] = lambda msg: None) -> BakeResult:
+         autotune: bool = False, tiling: str | None = None, attention_preload: bool = False,
+         progress: Callable[[str], None] = lambda msg: None) -> BakeResult:
     from .capture import capture_decode_step
     from .codegen import generate
     from .ir import lower
@@ -120,6 +122,7 @@ def bake(model: str, *, revision: str | None = None, batch: int = 1, capacity: i
 
     if batch < 1:
         raise MegaBakeError(f"--batch must be at least 1, got {batch}")
+    chosen_tuning = _chosen_tuning(tiling, attention_preload, autotune)
     timings: dict[str, float] = {}
     clock = _Clock(timings, progress)
     info = gpu_info() if run_on_gpu else None
@@ -150,7 +153,7 @@ def bake(model: str, *, revision: str | None = None, batch: int = 1, capacity: i
         with clock(f"autotune GEMV tilings on {info.name}"):
             tuned = _autotune(build, source.model, progress)
     with clock("plan stages, tiles, buffers"):
-        plan = build(tuned.tuning, tuned.attention_preload) if tuned else build()
+        plan = build(tuned.tuning, tuned.attention_preload) if tuned else build(chosen_tuning, attention_preload)
     with clock("generate module.py"):
         generated = generate(plan)
     with clock(f"reference executor vs eager fp32 ({reference_steps} steps)"):
@@ -162,6 +165,9 @@ def bake(model: str, *, revision: str | None = None, batch: int = 1, capacity: i
     report = _report(source, config_hash(source.model.config), plan, variant, gpu_class, compile_result, reference)
     if tuned:
         report["kernel"]["autotune"] = tuned.report()
+    if chosen_tuning or attention_preload:
+        report["kernel"]["tiling"] = {"spec": GemvTuning.parse(tiling).spec if tiling else None,
+                                      "attention_preload": attention_preload}
     if hopper:
         with clock(f"run on {info.name}: numerics ({gpu_steps} steps) and latency"):
             _gpu_evidence(report, plan, generated.source, source.model, steps=gpu_steps, prefill=gpu_prefill)
@@ -185,6 +191,18 @@ def bake(model: str, *, revision: str | None = None, batch: int = 1, capacity: i
         }
         write_package(dest, files, report)
     return BakeResult(dest, report, plan.hash, timings, model=source.model)
+
+
+def _chosen_tuning(tiling: str | None, attention_preload: bool, autotune: bool):
+    """The GEMV tuning named by ``--tiling`` (every GEMV stage; the LM head never preloads), or None."""
+    if autotune and (tiling or attention_preload):
+        raise MegaBakeError("--autotune chooses the GEMV tiling and attention preload itself; drop --tiling / "
+                            "--attention-preload, or drop --autotune to bake the tiling you name")
+    if not tiling:
+        return None
+    from .runtime.autotune import uniform_tuning
+
+    return uniform_tuning(GemvTuning.parse(tiling))
 
 
 def _autotune(build, model, progress):

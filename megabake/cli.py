@@ -56,7 +56,13 @@ def cli():
               "first numerical check on a GPU.")
 @click.option("--autotune", is_flag=True, help="On a Hopper GPU: time candidate GEMV tilings stage by stage and "
               "bake the fastest per stage (about a minute; numerics are unchanged). Needs the GPU.")
-def bake(model, revision, batch, capacity, out, gpu_class, seed, threads, no_gpu, steps, autotune):
+@click.option("--tiling", default=None, metavar="SPEC",
+              help="GEMV tiling of every GEMV stage, PER_TILExUNROLL[+spread][+preload][+pipeline][+ringSTAGES], "
+                   "e.g. 2x4+spread+preload (from an earlier --autotune or scripts/gpu_tune.py). Works without a GPU.")
+@click.option("--attention-preload", is_flag=True, help="Load each attention lane group's first cached K/V rows "
+              "before the barrier that precedes attention.")
+def bake(model, revision, batch, capacity, out, gpu_class, seed, threads, no_gpu, steps, autotune, tiling,
+         attention_preload):
     """Bake MODEL into a decode package (module.py, plan.json, source_map.json, report.json, manifest.json).
 
     On any machine: capture -> IR -> plan -> codegen, the plan's CPU reference executor against eager
@@ -69,6 +75,7 @@ def bake(model, revision, batch, capacity, out, gpu_class, seed, threads, no_gpu
       megabake bake --model smollm-135m --capacity 128
       megabake bake --model HuggingFaceTB/SmolLM-135M --revision main
       megabake bake --model llama-3.2-1b --autotune     # on an H100/H200: per-stage GEMV tiling
+      megabake bake --model smollm-135m --tiling 2x4+spread+preload --attention-preload
     """
     from .bake import bake as run_bake
 
@@ -77,7 +84,7 @@ def bake(model, revision, batch, capacity, out, gpu_class, seed, threads, no_gpu
 
     result = run_bake(model, revision=revision, batch=batch, capacity=capacity, out=out, gpu_class=gpu_class,
                       seed=seed, threads=int(threads), run_on_gpu=not no_gpu, gpu_steps=steps, autotune=autotune,
-                      progress=progress)
+                      tiling=tiling, attention_preload=attention_preload, progress=progress)
     report = result.report
     click.echo(f"[megabake] status: {report['status']}" +
                (f" ({'; '.join(report['status_reasons'])})" if report["status_reasons"] else ""), err=True)

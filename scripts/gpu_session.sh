@@ -33,7 +33,9 @@ if [[ " $PARTS " == *" smoke "* ]]; then
   summary+=("smoke: rc=$?" "$(sed -n '/== smoke ==/,$p' "$OUT/smoke.log")")
 fi
 if [[ " $PARTS " == *" bench "* ]]; then
-  timeout 560 python3 benchmarks/decode.py --presets "${PRESETS[@]}" --out "$OUT/bench" >"$OUT/bench.log" 2>&1
+  # BENCH_ARGS="--tiling 2x4+preload+ring4 --attention-preload" benches a chosen kernel instead of the default
+  timeout 560 python3 benchmarks/decode.py --presets "${PRESETS[@]}" --out "$OUT/bench" ${BENCH_ARGS:-} \
+    >"$OUT/bench.log" 2>&1
   summary+=("bench: rc=$?" "$(cat "$OUT/bench/decode.md" 2>/dev/null)")
 fi
 if [[ " $PARTS " == *" tune "* ]]; then

@@ -8,6 +8,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from megabake.package import read_package
 
 
@@ -54,3 +56,33 @@ def test_first_latency_never_fails_the_bake():
     reason = first_latency(report, decoder=None)  # no CUDA here: run_timings refuses, the bake goes on
     assert "latency not measured" in reason and "megabake verify" in reason
     assert "timings" not in report
+
+
+def test_bake_with_a_named_tiling_records_it_and_bakes_it(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "megabake.cli", "bake", "--out", str(tmp_path), "--no-gpu",
+                           "--tiling", "2X4+Spread+preload+ring3", "--attention-preload"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    package = read_package(proc.stdout.strip().splitlines()[-1])  # the report validates against its schema
+    assert package.report["kernel"]["tiling"] == {"spec": "2x4+spread+preload+ring3", "attention_preload": True}
+    assert package.report["kernel"]["compile_check"]["ok"] is True
+    plan = json.loads((package.path / "plan.json").read_text())
+    tilings = {stage["name"]: stage["tiling"] for stage in plan["stages"]}
+    assert tilings["norm_qkv"]["stages"] == 3 and tilings["norm_qkv"]["preload"] and tilings["norm_qkv"]["spread"]
+    assert "preload" not in tilings["norm_lm_head"]  # the LM head never preloads
+    assert tilings["attention"]["preload"] is True
+    assert "gemv_rows_streamed" in (package.path / "module.py").read_text()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--tiling", "2x"], "tiling '2x' is not of the form PER_TILExUNROLL"),
+    (["--tiling", "2x4+fast"], "unknown flag 'fast'"),
+    (["--tiling", "2x4+pipeline+ring4"], "replaces the register pipeline"),
+    (["--tiling", "2x4", "--autotune"], "--autotune chooses the GEMV tiling"),
+])
+def test_bake_refuses_a_bad_tiling_before_writing_anything(tmp_path, args, message):
+    proc = subprocess.run([sys.executable, "-m", "megabake.cli", "bake", "--out", str(tmp_path), "--no-gpu", *args],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+    assert not any(tmp_path.iterdir())

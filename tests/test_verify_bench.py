@@ -111,3 +111,23 @@ def test_default_presets_are_every_model_sized_preset_and_typos_stop_before_any_
         bench.parse_args(["--out", str(tmp_path), "--presets", "smollm", "qwen3-0.6b"])
     assert stopped.value.code == 2
     assert "unknown preset(s) smollm; built-in presets: tiny-llama" in capsys.readouterr().err
+
+
+def test_a_tiling_typo_stops_before_any_gpu_work(bench, capsys, tmp_path):
+    args = bench.parse_args(["--out", str(tmp_path), "--tiling", "2x4+ring4+preload"])
+    assert args.tiling == "2x4+ring4+preload" and not args.attention_preload
+    with pytest.raises(SystemExit) as stopped:
+        bench.parse_args(["--out", str(tmp_path), "--tiling", "2x4+fast"])
+    assert stopped.value.code == 2
+    assert "unknown flag 'fast'" in capsys.readouterr().err
+
+
+def test_table_names_a_kernel_baked_with_a_chosen_tiling(bench):
+    default = bench.row_from_report("smollm-135m", _report())
+    assert default.kernel == "" and "Kernel (" not in bench.markdown_table([default])
+    report = _report()
+    report["kernel"]["tiling"] = {"spec": "2x4+preload+ring4", "attention_preload": True}
+    row = bench.row_from_report("llama-3.2-1b", report)
+    assert "Kernel (llama-3.2-1b): tiling 2x4+preload+ring4 + attention preload." in bench.markdown_table([row])
+    report["kernel"]["autotune"] = {"tuning": {}, "stage_us": {}, "chosen": "t2u4-spread"}
+    assert bench.row_from_report("llama-3.2-1b", report).kernel == "autotuned (t2u4-spread)"

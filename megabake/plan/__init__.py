@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from dataclasses import asdict, dataclass, field
 
 from ..errors import PlanError
@@ -438,6 +439,33 @@ class GemvTuning:
         if self.stages and self.pipeline:
             raise PlanError("GEMV tuning: a cp.async ring (stages) replaces the register pipeline; use stages with "
                             "pipeline=False")
+
+    SPEC_FORM = "PER_TILExUNROLL[+spread][+preload][+pipeline][+ringSTAGES], e.g. 2x4+spread+preload+ring4"
+
+    @property
+    def spec(self) -> str:
+        """The compact text form that :meth:`parse` reads (``2x4+spread+ring4``)."""
+        flags = [name for name in ("spread", "preload", "pipeline") if getattr(self, name)]
+        flags += [f"ring{self.stages}"] if self.stages else []
+        return "+".join([f"{self.per_tile}x{self.unroll}", *flags])
+
+    @classmethod
+    def parse(cls, spec: str) -> "GemvTuning":
+        """A tiling from its text form (:attr:`spec`); a clear :class:`PlanError` for anything else."""
+        head, *flags = spec.strip().lower().split("+")
+        match = re.fullmatch(r"(\d+)x(\d+)", head)
+        if not match:
+            raise PlanError(f"tiling {spec!r} is not of the form {cls.SPEC_FORM}")
+        options: dict = {}
+        for flag in flags:
+            ring = re.fullmatch(r"ring(\d+)", flag)
+            if flag in ("spread", "preload", "pipeline"):
+                options[flag] = True
+            elif ring:
+                options["stages"] = int(ring.group(1))
+            else:
+                raise PlanError(f"tiling {spec!r}: unknown flag {flag!r}; the form is {cls.SPEC_FORM}")
+        return cls(int(match.group(1)), int(match.group(2)), **options)
 
 
 GEMV_STAGES = ("norm_qkv", "o_residual", "norm_gate_up", "down_residual", "norm_lm_head")
