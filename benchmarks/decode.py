@@ -298,15 +298,16 @@ def parse_args(argv=None):
     parser.add_argument("--stand-in", action="store_true", help="time eager HF instead of a baked megakernel")
     parser.add_argument("--autotune", action="store_true", help="bake with `--autotune` (per-stage GEMV tiling "
                         "measured on this GPU)")
-    parser.add_argument("--tiling", default=None, help="bake with `--tiling SPEC` (e.g. 2x4+spread+preload+ring4)")
+    parser.add_argument("--tiling", default=None, help="bake with `--tiling SPEC` (e.g. 2x4+spread+preload+ring4, "
+                        "balanced:2x4+ring4)")
     parser.add_argument("--attention-preload", action="store_true", help="bake with `--attention-preload`")
     args = parser.parse_args(argv)
     if args.tiling:
+        from megabake.bake import normalized_tiling
         from megabake.errors import PlanError
-        from megabake.plan import GemvTuning
 
         try:
-            GemvTuning.parse(args.tiling)
+            normalized_tiling(args.tiling)
         except PlanError as exc:  # a typo must not cost a GPU run
             parser.error(str(exc))
     unknown = [name for name in args.presets if not is_preset(name)]

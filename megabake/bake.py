@@ -153,7 +153,10 @@ def bake(model: str, *, revision: str | None = None, batch: int = 1, capacity: i
         with clock(f"autotune GEMV tilings on {info.name}"):
             tuned = _autotune(build, source.model, progress)
     with clock("plan stages, tiles, buffers"):
-        plan = build(tuned.tuning, tuned.attention_preload) if tuned else build(chosen_tuning, attention_preload)
+        if tuned:
+            plan = build(tuned.tuning, tuned.attention_preload)
+        else:
+            plan = build(chosen_tuning(build()) if chosen_tuning else None, attention_preload)
     with clock("generate module.py"):
         generated = generate(plan)
     with clock(f"reference executor vs eager fp32 ({reference_steps} steps)"):
@@ -166,7 +169,7 @@ def bake(model: str, *, revision: str | None = None, batch: int = 1, capacity: i
     if tuned:
         report["kernel"]["autotune"] = tuned.report()
     if chosen_tuning or attention_preload:
-        report["kernel"]["tiling"] = {"spec": GemvTuning.parse(tiling).spec if tiling else None,
+        report["kernel"]["tiling"] = {"spec": normalized_tiling(tiling) if tiling else None,
                                       "attention_preload": attention_preload}
     if hopper:
         with clock(f"run on {info.name}: numerics ({gpu_steps} steps) and latency"):
@@ -193,16 +196,32 @@ def bake(model: str, *, revision: str | None = None, batch: int = 1, capacity: i
     return BakeResult(dest, report, plan.hash, timings, model=source.model)
 
 
+BALANCED = "balanced:"  # --tiling prefix: rows per tile chosen per stage for tile balance
+
+
+def normalized_tiling(tiling: str) -> str:
+    """``--tiling`` in its canonical form (``balanced:`` kept, the spec as :attr:`GemvTuning.spec`)."""
+    balanced = tiling.strip().lower().startswith(BALANCED)
+    spec = tiling.strip()[len(BALANCED):] if balanced else tiling
+    return (BALANCED if balanced else "") + GemvTuning.parse(spec).spec
+
+
 def _chosen_tuning(tiling: str | None, attention_preload: bool, autotune: bool):
-    """The GEMV tuning named by ``--tiling`` (every GEMV stage; the LM head never preloads), or None."""
+    """``plan -> tuning`` for ``--tiling`` (validated now), or None. ``SPEC`` applies to every GEMV stage (the
+    LM head never preloads); ``balanced:SPEC`` also picks each stage's rows per tile for tile balance over the
+    plan's warps, keeping SPEC's loads in flight (``autotune.balanced_tuning``)."""
     if autotune and (tiling or attention_preload):
         raise MegaBakeError("--autotune chooses the GEMV tiling and attention preload itself; drop --tiling / "
                             "--attention-preload, or drop --autotune to bake the tiling you name")
     if not tiling:
         return None
-    from .runtime.autotune import uniform_tuning
+    from .runtime.autotune import balanced_tuning, uniform_tuning
 
-    return uniform_tuning(GemvTuning.parse(tiling))
+    canonical = normalized_tiling(tiling)
+    base = GemvTuning.parse(canonical.removeprefix(BALANCED))
+    if canonical.startswith(BALANCED):
+        return lambda plan: balanced_tuning(plan, base)
+    return lambda plan: uniform_tuning(base)
 
 
 def _autotune(build, model, progress):

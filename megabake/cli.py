@@ -58,7 +58,8 @@ def cli():
               "bake the fastest per stage (about a minute; numerics are unchanged). Needs the GPU.")
 @click.option("--tiling", default=None, metavar="SPEC",
               help="GEMV tiling of every GEMV stage, PER_TILExUNROLL[+spread][+preload][+pipeline][+ringSTAGES], "
-                   "e.g. 2x4+spread+preload (from an earlier --autotune or scripts/gpu_tune.py). Works without a GPU.")
+                   "e.g. 2x4+spread+preload (from an earlier --autotune or scripts/gpu_tune.py); 'balanced:SPEC' "
+                   "also picks each stage's rows per tile for tile balance. Works without a GPU.")
 @click.option("--attention-preload", is_flag=True, help="Load each attention lane group's first cached K/V rows "
               "before the barrier that precedes attention.")
 def bake(model, revision, batch, capacity, out, gpu_class, seed, threads, no_gpu, steps, autotune, tiling,

@@ -74,8 +74,22 @@ def test_bake_with_a_named_tiling_records_it_and_bakes_it(tmp_path):
     assert "gemv_rows_streamed" in (package.path / "module.py").read_text()
 
 
+def test_bake_with_a_balanced_tiling_picks_rows_per_tile_per_stage(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "megabake.cli", "bake", "--out", str(tmp_path), "--no-gpu",
+                           "--tiling", "Balanced:2x4+ring3"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    package = read_package(proc.stdout.strip().splitlines()[-1])
+    assert package.report["kernel"]["tiling"] == {"spec": "balanced:2x4+ring3", "attention_preload": False}
+    plan = json.loads((package.path / "plan.json").read_text())
+    rows = {s["name"]: (s["tiling"]["per_tile"], s["tiling"]["unroll"], s["tiling"]["stages"])
+            for s in plan["stages"] if s["tiling"]["kind"] == "rows"}
+    # tiny-llama on 132 CTAs x 8 warps: every GEMV has fewer rows than warps, so one row per warp, 8 loads
+    assert set(rows.values()) == {(1, 8, 3)}, rows
+
+
 @pytest.mark.parametrize("args, message", [
     (["--tiling", "2x"], "tiling '2x' is not of the form PER_TILExUNROLL"),
+    (["--tiling", "balanced:"], "tiling '' is not of the form PER_TILExUNROLL"),
     (["--tiling", "2x4+fast"], "unknown flag 'fast'"),
     (["--tiling", "2x4+pipeline+ring4"], "replaces the register pipeline"),
     (["--tiling", "2x4", "--autotune"], "--autotune chooses the GEMV tiling"),
