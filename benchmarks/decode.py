@@ -10,6 +10,7 @@ For every preset: bake (``megabake.bake.bake``, packages under DIR/packages), th
 (numerics over advancing decode calls, timings against the strongest CUDA-graphed Inductor baseline). A
 preset that fails is logged with its traceback and the run goes on. Writes DIR/decode.log (everything),
 DIR/results.json (one row per preset), DIR/<preset>-report.json (the full report with raw samples),
+DIR/<preset>-package.tar.gz (the verified package, ``packages/...`` inside: untar it in the repo root),
 DIR/decode.md (the table, rewritten after each preset) and DIR/decode.png (needs matplotlib; when
 it is missing the chart is skipped with a note and can be rendered later with --from-results). The short
 table is printed last. ``--stand-in`` times eager HF as the "megabake" candidate instead of baking: a check
@@ -202,7 +203,20 @@ def verify_preset(preset: str, args) -> Row:
     del baked
     # next to the table: the whole report with raw samples (package folders are deep; keep a flat copy)
     (args.out / f"{preset}-report.json").write_text(json.dumps(report, indent=1) + "\n")
+    archive_package(path, args.out / "packages", args.out / f"{preset}-package.tar.gz")
     return row_from_report(preset, report, package=str(path), seconds=time.perf_counter() - started)
+
+
+def archive_package(path: Path, root: Path, archive: Path) -> Path:
+    """The verified package as one flat file, ``packages/<org>--<model>/<revision>/<variant>/...`` inside: a
+    machine that brings back only shallow files (the team's H200) still returns it, and ``tar -xzf`` in the
+    repository root puts it where `megabake registry build` finds it."""
+    import tarfile
+
+    path, root = Path(path), Path(root)
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(path, arcname=str(Path("packages") / path.relative_to(root)))
+    return archive
 
 
 def stand_in_preset(preset: str, args) -> Row:

@@ -131,3 +131,22 @@ def test_table_names_a_kernel_baked_with_a_chosen_tiling(bench):
     assert "Kernel (llama-3.2-1b): tiling 2x4+preload+ring4 + attention preload." in bench.markdown_table([row])
     report["kernel"]["autotune"] = {"tuning": {}, "stage_us": {}, "chosen": "t2u4-spread"}
     assert bench.row_from_report("llama-3.2-1b", report).kernel == "autotuned (t2u4-spread)"
+
+
+def test_verified_package_comes_back_as_one_flat_archive(bench, tmp_path):
+    import tarfile
+
+    from megabake.bake import bake
+
+    baked = bake("tiny-llama", out=tmp_path / "packages", run_on_gpu=False, reference_steps=1)
+    archive = bench.archive_package(baked.path, tmp_path / "packages", tmp_path / "tiny-llama-package.tar.gz")
+    with tarfile.open(archive) as tar:
+        names = tar.getnames()
+    prefix = "packages/megabake--tiny-llama/random-seed0/decode-b1-c128-sm90a-132sm"
+    assert {f"{prefix}/{name}" for name in ("module.py", "plan.json", "report.json", "manifest.json")} <= set(names)
+    (tmp_path / "repo").mkdir()
+    with tarfile.open(archive) as tar:
+        tar.extractall(tmp_path / "repo", filter="data")
+    from megabake.package import read_package
+
+    assert read_package(tmp_path / "repo" / prefix).report["status"] == "unverified"  # digests still check out
