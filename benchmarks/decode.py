@@ -85,13 +85,12 @@ def row_from_report(preset: str, report: dict, *, package: str | None = None, se
 
 def kernel_note(report: dict) -> str:
     """How the kernel's GEMV tiling was chosen, when not the default (the table says so under it)."""
+    from megabake.package.commands import tiling_note
+
     kernel = report.get("kernel") or {}
-    if kernel.get("autotune"):
-        return f"autotuned ({kernel['autotune'].get('chosen', 'per-stage')})"
-    tiling = kernel.get("tiling") or {}
-    parts = [f"tiling {tiling['spec']}"] if tiling.get("spec") else []
-    parts += ["attention preload"] if tiling.get("attention_preload") else []
-    return " + ".join(parts)
+    note = tiling_note(kernel)
+    named = not kernel.get("autotune") and (kernel.get("tiling") or {}).get("spec")
+    return f"tiling {note}" if named else note
 
 
 def measured_line(report: dict) -> str:

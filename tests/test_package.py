@@ -291,3 +291,14 @@ def test_inspect_prints_summary_and_refuses_tampered(tmp_path):
     (path / "plan.json").write_text("{}")
     bad = CliRunner().invoke(inspect, [str(path)])
     assert bad.exit_code == 1 and "plan.json" in bad.output and "does not match manifest.json" in bad.output
+
+
+def test_inspect_names_a_chosen_gemv_tiling():
+    from megabake.package.commands import _kernel, tiling_note
+
+    kernel = {"grid": [132, 1, 1], "block": [256, 1, 1]}
+    assert tiling_note(kernel) == "" and "GEMV tiling" not in _kernel(kernel)
+    kernel["tiling"] = {"spec": "balanced:2x4+ring4", "attention_preload": True}
+    assert _kernel(kernel).endswith(", GEMV tiling balanced:2x4+ring4 + attention preload")
+    kernel["autotune"] = {"tuning": {}, "stage_us": {}, "chosen": "per-stage"}
+    assert tiling_note(kernel) == "autotuned (per-stage)"

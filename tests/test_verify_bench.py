@@ -129,6 +129,8 @@ def test_table_names_a_kernel_baked_with_a_chosen_tiling(bench):
     report["kernel"]["tiling"] = {"spec": "2x4+preload+ring4", "attention_preload": True}
     row = bench.row_from_report("llama-3.2-1b", report)
     assert "Kernel (llama-3.2-1b): tiling 2x4+preload+ring4 + attention preload." in bench.markdown_table([row])
+    report["kernel"]["tiling"] = {"spec": None, "attention_preload": True}
+    assert bench.row_from_report("llama-3.2-1b", report).kernel == "attention preload"
     report["kernel"]["autotune"] = {"tuning": {}, "stage_us": {}, "chosen": "t2u4-spread"}
     assert bench.row_from_report("llama-3.2-1b", report).kernel == "autotuned (t2u4-spread)"
 

@@ -52,7 +52,20 @@ def _kernel(kernel: dict | None) -> str:
     check = kernel.get("compile_check")
     if check:
         text += f", compile check {check['target']} {'ok' if check['ok'] else 'FAILED: ' + str(check.get('error'))}"
-    return text
+    tiling = tiling_note(kernel)
+    return text + (f", GEMV tiling {tiling}" if tiling else "")
+
+
+def tiling_note(kernel: dict | None) -> str:
+    """How the kernel's GEMV tiling was chosen when it is not the default ("" for the default): the
+    ``--tiling`` spec (and attention preload) or "autotuned (<chosen>)"."""
+    kernel = kernel or {}
+    if kernel.get("autotune"):
+        return f"autotuned ({kernel['autotune'].get('chosen', 'per-stage')})"
+    tiling = kernel.get("tiling") or {}
+    parts = [str(tiling["spec"])] if tiling.get("spec") else []
+    parts += ["attention preload"] if tiling.get("attention_preload") else []
+    return " + ".join(parts)
 
 
 def _numerics(numerics: dict | None) -> str:
