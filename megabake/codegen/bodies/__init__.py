@@ -318,20 +318,28 @@ def gemv_rows_pre(weight: cute.Tensor, pre: cute.Tensor, bias: cute.Tensor, s_ve
 
 
 @cute.jit
+def _chunk_vector(weight: cute.Tensor, tile: Int32, kbase: Int32, lane: Int32, r: cutlass.Constexpr[int],
+                  u: cutlass.Constexpr[int], rows: cutlass.Constexpr[int], kvecs: cutlass.Constexpr[int],
+                  per_tile: cutlass.Constexpr[int], unroll: cutlass.Constexpr[int]):
+    """The 16-byte weight vector ``kbase + u*32 + lane`` of row ``r`` of ``tile``, as a view. Rows and
+    vectors past the end are clamped (read, never used), so no access needs a branch."""
+    row = cutlass.min(tile * per_tile + r, rows - 1)
+    kv = kbase + u * WARP + lane
+    if cutlass.const_expr(kvecs % (WARP * unroll) != 0):
+        kv = cutlass.min(kv, kvecs - 1)
+    return cute.zipped_divide(weight[row, None], (VEC,))[(None, kv)]
+
+
+@cute.jit
 def _load_chunk(weight: cute.Tensor, buf: cute.Tensor, tile: Int32, kbase: Int32, lane: Int32,
                 rows: cutlass.Constexpr[int], kvecs: cutlass.Constexpr[int], per_tile: cutlass.Constexpr[int],
                 unroll: cutlass.Constexpr[int]):
-    """Issue the 16-byte loads of one K chunk (vectors ``kbase + u*32 + lane``) of ``tile`` into the registers
-    ``buf`` (flat ``r * unroll + u``, the layout of :func:`gemv_preload`). Rows and vectors past the end are
-    clamped (loaded, never used), so no load needs a branch."""
+    """Issue the 16-byte loads of one K chunk (:func:`_chunk_vector`) of ``tile`` into the registers ``buf``
+    (flat ``r * unroll + u``, the layout of :func:`gemv_preload`)."""
     for r in cutlass.range_constexpr(per_tile):
-        row = cutlass.min(tile * per_tile + r, rows - 1)
         for u in cutlass.range_constexpr(unroll):
-            kv = kbase + u * WARP + lane
-            if cutlass.const_expr(kvecs % (WARP * unroll) != 0):
-                kv = cutlass.min(kv, kvecs - 1)
             cute.zipped_divide(buf, (VEC,))[(None, r * unroll + u)].store(
-                cute.zipped_divide(weight[row, None], (VEC,))[(None, kv)].load())
+                _chunk_vector(weight, tile, kbase, lane, r, u, rows, kvecs, per_tile, unroll).load())
 
 
 @cute.jit
@@ -392,17 +400,13 @@ def gemv_rows_pipelined(weight: cute.Tensor, pre: cute.Tensor, bias: cute.Tensor
 def _copy_chunk(weight: cute.Tensor, ring: cute.Tensor, slot: Int32, tile: Int32, kbase: Int32, lane: Int32,
                 rows: cutlass.Constexpr[int], kvecs: cutlass.Constexpr[int], per_tile: cutlass.Constexpr[int],
                 unroll: cutlass.Constexpr[int]):
-    """cp.async the 16-byte vectors of one K chunk of ``tile`` (as :func:`_load_chunk` loads them) into ring
-    ``slot``: vector ``r * unroll + u`` of each lane lands in ``ring[slot, r * unroll + u, lane, :]``."""
+    """cp.async the 16-byte vectors of one K chunk (:func:`_chunk_vector`) of ``tile`` into ring ``slot``:
+    vector ``r * unroll + u`` of each lane lands in ``ring[slot, r * unroll + u, lane, :]``."""
     atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), weight.element_type,
                                num_bits_per_copy=128)
     for r in cutlass.range_constexpr(per_tile):
-        row = cutlass.min(tile * per_tile + r, rows - 1)
         for u in cutlass.range_constexpr(unroll):
-            kv = kbase + u * WARP + lane
-            if cutlass.const_expr(kvecs % (WARP * unroll) != 0):
-                kv = cutlass.min(kv, kvecs - 1)
-            cute.copy(atom, cute.zipped_divide(weight[row, None], (VEC,))[(None, kv)],
+            cute.copy(atom, _chunk_vector(weight, tile, kbase, lane, r, u, rows, kvecs, per_tile, unroll),
                       cute.zipped_divide(ring[slot, r * unroll + u, lane, None], (VEC,))[(None, 0)])
 
 
