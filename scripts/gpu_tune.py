@@ -37,7 +37,7 @@ def variants() -> dict:
 
     return {"default": GemvTuning(), **{k: v for k, v in CANDIDATES.items() if v != GemvTuning()},
             "t2u16": GemvTuning(2, 16), "t1u32": GemvTuning(1, 32),
-            # software-pipelined K loops (K must be whole chunks: Llama-1B and Qwen3 shapes, not SmolLM)
+            # software-pipelined K loops (two chunks per warp in flight, in registers)
             "t2u4-pipe": GemvTuning(2, 4, pipeline=True), "t2u4-pipe-preload": GemvTuning(2, 4, preload=True, pipeline=True),
             "t2u4-spread-pipe-preload": GemvTuning(2, 4, spread=True, preload=True, pipeline=True),
             "balanced": Balanced(GemvTuning()), "balanced-pipe": Balanced(GemvTuning(2, 4, pipeline=True)),
