@@ -5,6 +5,7 @@ Usage (on a Hopper GPU, from the repo root; on the H200: `source .cute/activate.
     python3 benchmarks/decode.py --out DIR            # every model-sized preset (all but tiny-llama)
     python3 benchmarks/decode.py --presets smollm-135m llama-3.2-1b --out DIR
     python3 benchmarks/decode.py --from-results DIR/results.json --out DIR   # re-render table + chart
+    python3 benchmarks/decode.py --out DIR --resume   # keep DIR's finished presets, run the rest
 
 For every preset: bake (``megabake.bake.bake``, packages under DIR/packages), then ``verify_package``
 (numerics over advancing decode calls, timings against the strongest CUDA-graphed Inductor baseline). A
@@ -14,7 +15,9 @@ DIR/<preset>-package.tar.gz (the verified package, ``packages/...`` inside: unta
 DIR/decode.md (the table, rewritten after each preset) and DIR/decode.png (needs matplotlib; when
 it is missing the chart is skipped with a note and can be rendered later with --from-results). The short
 table is printed last. ``--stand-in`` times eager HF as the "megabake" candidate instead of baking: a check
-of this harness on a GPU without a megakernel (its rows say so).
+of this harness on a GPU without a megakernel (its rows say so). ``--resume`` takes a preset's row from
+DIR/<preset>-report.json when that report was made with the same settings (bucket, steps, prefill, samples,
+tiling), so a run cut short by a time limit goes on where it stopped instead of measuring everything again.
 """
 
 from __future__ import annotations
@@ -249,11 +252,58 @@ def _stand_in_report(spec, capacity: int) -> dict:
             "kernel": None}
 
 
+def resumable_report(preset: str, args) -> dict | None:
+    """DIR/<preset>-report.json when it holds finished timings made with this run's settings, else None
+    (and the reason logged): ``--resume`` must never mix rows measured under different settings."""
+    path = args.out / f"{preset}-report.json"
+    if not path.exists():
+        return None
+    try:
+        report = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        LOG.warning("[%s] cannot resume from %s (%s); measuring again", preset, path, exc)
+        return None
+    wanted = _run_settings(preset, args)
+    found = _report_settings(report)
+    if found != wanted:
+        differing = sorted(k for k in wanted if found.get(k) != wanted[k])
+        LOG.warning("[%s] %s was made with other settings (%s); measuring again", preset, path,
+                    ", ".join(f"{k}={found.get(k)!r} not {wanted[k]!r}" for k in differing))
+        return None
+    return report
+
+
+def _run_settings(preset: str, args) -> dict:
+    from megabake.bake import normalized_tiling
+
+    return {"preset": preset, "capacity": args.capacity, "steps": args.steps, "prefill": args.prefill,
+            "samples": args.samples, "timed": True, "autotune": bool(args.autotune),
+            "tiling": normalized_tiling(args.tiling) if args.tiling else None,
+            "attention_preload": bool(args.attention_preload)}
+
+
+def _report_settings(report: dict) -> dict:
+    numerics, timings = report.get("numerics") or {}, report.get("timings") or {}
+    kernel = report.get("kernel") or {}
+    tiling = kernel.get("tiling") or {}
+    return {"preset": (report.get("model") or {}).get("preset"),
+            "capacity": (report.get("bucket") or {}).get("capacity"),
+            "steps": numerics.get("steps"), "prefill": numerics.get("prefill"),
+            "samples": (timings.get("method") or {}).get("samples"), "timed": bool(timings.get("candidates")),
+            "autotune": bool(kernel.get("autotune")), "tiling": tiling.get("spec"),
+            "attention_preload": bool(tiling.get("attention_preload"))}
+
+
 def run(args) -> list[Row]:
     rows = []
     for preset in args.presets:
         LOG.info("=== %s ===", preset)
         started = time.perf_counter()
+        report = resumable_report(preset, args) if args.resume and not args.stand_in else None
+        if report is not None:
+            LOG.info("[%s] resumed from %s", preset, args.out / f"{preset}-report.json")
+            rows.append(row_from_report(preset, report))
+            continue
         try:
             row = stand_in_preset(preset, args) if args.stand_in else verify_preset(preset, args)
         except Exception as exc:  # keep going: one broken preset must not cost the others' GPU time
@@ -308,6 +358,8 @@ def parse_args(argv=None):
     parser.add_argument("--baselines", nargs="+", default=None,
                         help="baselines to time (default: inductor-reduce-overhead inductor-graph)")
     parser.add_argument("--from-results", type=Path, default=None, help="re-render from a results.json")
+    parser.add_argument("--resume", action="store_true", help="take a preset's row from OUT/<preset>-report.json "
+                        "when it was made with the same settings; run only the others")
     parser.add_argument("--stand-in", action="store_true", help="time eager HF instead of a baked megakernel")
     parser.add_argument("--autotune", action="store_true", help="bake with `--autotune` (per-stage GEMV tiling "
                         "measured on this GPU)")

@@ -3,7 +3,8 @@
 #   tests: the GPU tests (numerics, one launch per step, verify, hub load) -> OUT/pytest-gpu.log (~3.5 min), then
 #          the bit-identity sweep of tilings -> OUT/pytest-gpu-tilings.log (~2-3 min)
 #   smoke: kernel vs CPU reference executor + step latency per preset       -> OUT/smoke-*.json     (~1-3 min)
-#   bench: decode benchmark table + chart, all presets in one process          -> OUT/bench/  (~2 min per preset)
+#   bench: decode benchmark table + chart, all presets in one process          -> OUT/bench/  (~2.5 min per preset;
+#          4 presets need two calls: the second with BENCH_RESUME, see below)
 #   tune:  GEMV tiling / preload / pipeline sweep with per-stage clocks (scripts/gpu_tune.py) -> OUT/tune-*.json
 #          (~2 min per preset for all 17 variants; VARIANTS="default t2u4-pipe ..." picks some)
 # A device call is limited to 10 minutes: pick parts with PARTS (default "tests"), e.g.
@@ -33,10 +34,26 @@ if [[ " $PARTS " == *" smoke "* ]]; then
   summary+=("smoke: rc=$?" "$(sed -n '/== smoke ==/,$p' "$OUT/smoke.log")")
 fi
 if [[ " $PARTS " == *" bench "* ]]; then
-  # BENCH_ARGS="--tiling 2x4+preload+ring4 --attention-preload" benches a chosen kernel instead of the default
-  timeout 560 python3 benchmarks/decode.py --presets "${PRESETS[@]}" --out "$OUT/bench" ${BENCH_ARGS:-} \
+  # BENCH_ARGS="--tiling 2x4+preload+ring4 --attention-preload" benches a chosen kernel instead of the default.
+  # BENCH_RESUME=DIR (a folder of the repo holding <preset>-report.json files from a run cut short) seeds the
+  # run with them and passes --resume, so only the missing presets are measured.
+  # The device returns at most 8 files: the run works in a scratch folder and OUT/bench gets the table, chart,
+  # results.json, log and one archive of the reports + package archives (tar -xzf it in the repo root).
+  work=$(mktemp -d)/bench
+  mkdir -p "$work"
+  resume=()
+  if [[ -n "${BENCH_RESUME:-}" ]]; then
+    cp "$BENCH_RESUME"/*-report.json "$work"/ 2>/dev/null
+    resume=(--resume)
+  fi
+  timeout 560 python3 benchmarks/decode.py --presets "${PRESETS[@]}" --out "$work" "${resume[@]}" ${BENCH_ARGS:-} \
     >"$OUT/bench.log" 2>&1
-  summary+=("bench: rc=$?" "$(cat "$OUT/bench/decode.md" 2>/dev/null)")
+  rc=$?
+  mkdir -p "$OUT/bench"
+  cp "$work"/decode.md "$work"/decode.png "$work"/results.json "$work"/decode.log "$OUT/bench"/ 2>/dev/null
+  (cd "$work" && tar -czf "$OUT/bench/artifacts.tar.gz" --transform 's,^,bench/,' \
+    $(ls *-report.json *-package.tar.gz 2>/dev/null))
+  summary+=("bench: rc=$rc" "$(cat "$work/decode.md" 2>/dev/null)")
 fi
 if [[ " $PARTS " == *" tune "* ]]; then
   # VARIANTS="default t2u4-pipe ..." limits the sweep (names: python3 scripts/gpu_tune.py --help)

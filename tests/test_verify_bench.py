@@ -152,3 +152,36 @@ def test_verified_package_comes_back_as_one_flat_archive(bench, tmp_path):
     from megabake.package import read_package
 
     assert read_package(tmp_path / "repo" / prefix).report["status"] == "unverified"  # digests still check out
+
+
+def test_resume_keeps_finished_presets_and_measures_only_the_rest(bench, tmp_path, monkeypatch):
+    measured = []
+
+    def fake_verify(preset, args):
+        measured.append(preset)
+        report = _report(0.7)
+        report["model"]["preset"] = preset
+        report["numerics"]["prefill"] = args.prefill
+        report["timings"]["method"] = {"samples": args.samples}
+        (args.out / f"{preset}-report.json").write_text(json.dumps(report))
+        return bench.row_from_report(preset, report)
+
+    monkeypatch.setattr(bench, "verify_preset", fake_verify)
+    assert bench.main(["--presets", "smollm-135m", "--out", str(tmp_path)]) == 0
+    assert measured == ["smollm-135m"]
+    first = json.loads((tmp_path / "results.json").read_text())[0]
+
+    assert bench.main(["--presets", "smollm-135m", "llama-3.2-1b", "--out", str(tmp_path), "--resume"]) == 0
+    assert measured == ["smollm-135m", "llama-3.2-1b"]  # smollm came from its report, not a second run
+    rows = json.loads((tmp_path / "results.json").read_text())
+    assert [r["preset"] for r in rows] == ["smollm-135m", "llama-3.2-1b"]
+    assert rows[0]["megabake_ms"] == first["megabake_ms"] and rows[0]["speedup"] == first["speedup"]
+
+    # other settings (here: more samples, a tiling) never reuse a report
+    assert bench.main(["--presets", "smollm-135m", "--out", str(tmp_path), "--resume", "--samples", "60"]) == 0
+    assert bench.main(["--presets", "smollm-135m", "--out", str(tmp_path), "--resume", "--tiling", "2x4"]) == 0
+    assert measured[2:] == ["smollm-135m", "smollm-135m"]
+    assert "other settings (samples=40 not 60)" in (tmp_path / "decode.log").read_text()
+    # without --resume everything is measured again
+    assert bench.main(["--presets", "smollm-135m", "--out", str(tmp_path)]) == 0
+    assert measured[4:] == ["smollm-135m"]
