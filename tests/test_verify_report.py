@@ -180,3 +180,12 @@ def test_summary_lines(base_report, good_numerics):
     text = "\n".join(summary_lines(report))
     assert text.startswith("status: verified")
     assert "inductor-graph" in text and "floor 0.0631 ms" in text
+
+
+def test_evidence_states_top1_as_the_pass_rule_reads_it(base_report, good_numerics):
+    numerics = copy.deepcopy(good_numerics)
+    numerics["summary"].update(top1_agreement=0.921875, top1_agreement_decisive=1.0, decisive_steps=17)
+    report = assemble_report(base_report, numerics=numerics, timings=timings(), environment=ENV,
+                             toolchain=toolchain(), verified_at="2026-12-01T08:00:00Z")
+    line = next(r for r in report["status_reasons"] if r.startswith("numerics: "))
+    assert line.endswith("top-1 agreement 1 over the 17 decisive steps (0.922 over all steps)")

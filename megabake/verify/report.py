@@ -72,13 +72,23 @@ def _environment_problems(report: dict, environment: dict | None) -> list[str]:
     return []
 
 
+def _top1_evidence(summary: dict) -> str:
+    """Top-1 agreement as the pass rule reads it (over the decisive steps, where bf16 can resolve the
+    top-1), then the raw figure over every step, which on random weights mostly counts near-ties."""
+    raw = f"top-1 agreement {_fmt(summary.get('top1_agreement'))}"
+    if summary.get("top1_agreement_decisive") is None:
+        return raw
+    return (f"top-1 agreement {_fmt(summary['top1_agreement_decisive'])} over the "
+            f"{summary.get('decisive_steps')} decisive steps ({raw.split(' ', 2)[2]} over all steps)")
+
+
 def _evidence(numerics: dict | None, timings: dict | None) -> list[str]:
     lines = []
     if numerics:
         s = numerics.get("summary", {})
         lines.append(f"numerics: {numerics.get('steps')} steps after a {numerics.get('prefill')}-token prefill, "
                      f"max rel-L2 vs fp32 {_fmt(s.get('max_rel_l2_vs_fp32'))} (eager bf16 "
-                     f"{_fmt(s.get('max_rel_l2_bf16_vs_fp32'))}), top-1 agreement {_fmt(s.get('top1_agreement'))}")
+                     f"{_fmt(s.get('max_rel_l2_bf16_vs_fp32'))}), {_top1_evidence(s)}")
     if timings and timings.get("speedup") and timings.get("baseline"):
         sp, base = timings["speedup"], timings["baseline"]
         mk = next(c for c in timings["candidates"].values() if c.get("kind") == "megabake")
