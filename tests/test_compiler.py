@@ -331,6 +331,12 @@ def test_plan_refuses_buckets_that_do_not_fit_shared_memory():
     assert str(HOPPER_SMEM_PER_BLOCK) in str(info.value)
     with pytest.raises(PlanError, match=r"--capacity \d+ or less"):
         _check_shared_memory(dims, batch=1, capacity=60000, threads=256)
+    # no capacity helps at batch 8: the message must not suggest "--capacity 0"
+    with pytest.raises(PlanError) as info:
+        _check_shared_memory(dims, batch=8, capacity=2048, threads=256)
+    assert "--batch 6 or less at this capacity" in str(info.value) and "--capacity" not in str(info.value)
+    with pytest.raises(PlanError, match=r"a smaller --batch and --capacity \(neither alone is enough\)"):
+        _check_shared_memory(dims, batch=8, capacity=60000, threads=256)
 
 
 @pytest.mark.parametrize("preset", ["smollm-135m", "llama-3.2-1b", "qwen2.5-0.5b", "qwen3-0.6b"])

@@ -742,10 +742,13 @@ def _check_shared_memory(dims: ModelDims, batch: int, capacity: int, threads: in
     spare = HOPPER_SMEM_PER_BLOCK - (need - 4 * capacity)
     max_capacity = max(0, spare // 4)
     max_batch = max(0, (HOPPER_SMEM_PER_BLOCK - (need - 4 * batch * floats["vec_width"])) // (4 * floats["vec_width"]))
+    fixes = [f"--batch {max_batch} or less at this capacity"] if max_batch >= 1 else []
+    fixes += [f"--capacity {max_capacity} or less at this batch"] if max_capacity >= 1 else []
+    fix = (" or ".join(fixes) if fixes
+           else "a smaller --batch and --capacity (neither alone is enough)")
     raise PlanError(f"bucket batch={batch}, capacity={capacity} needs {need} bytes of shared memory per CTA, over "
                     f"Hopper's {HOPPER_SMEM_PER_BLOCK}: the kernel stages each sequence's {floats['vec_width']}-wide "
-                    f"fp32 GEMV input and one head's attention scores on chip. For this model use --batch "
-                    f"{max_batch} or less at this capacity, or --capacity {max_capacity} or less at this batch")
+                    f"fp32 GEMV input and one head's attention scores on chip. For this model use {fix}")
 
 
 def _check_ring(tuning: dict[str, GemvTuning], threads: int, other_bytes: int) -> int:
