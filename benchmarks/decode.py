@@ -17,7 +17,8 @@ it is missing the chart is skipped with a note and can be rendered later with --
 table is printed last. ``--stand-in`` times eager HF as the "megabake" candidate instead of baking: a check
 of this harness on a GPU without a megakernel (its rows say so). ``--resume`` takes a preset's row from
 DIR/<preset>-report.json when that report was made with the same settings (bucket, steps, prefill, samples,
-tiling), so a run cut short by a time limit goes on where it stopped instead of measuring everything again.
+tiling) by the same megabake sources (``toolchain.source_sha256``), so a run cut short by a time limit goes
+on where it stopped instead of measuring everything again.
 """
 
 from __future__ import annotations
@@ -275,8 +276,9 @@ def resumable_report(preset: str, args) -> dict | None:
 
 def _run_settings(preset: str, args) -> dict:
     from megabake.bake import normalized_tiling
+    from megabake.verify.env import source_digest
 
-    return {"preset": preset, "capacity": args.capacity, "steps": args.steps, "prefill": args.prefill,
+    return {"preset": preset, "compiler": source_digest(), "capacity": args.capacity, "steps": args.steps, "prefill": args.prefill,
             "samples": args.samples, "timed": True, "autotune": bool(args.autotune),
             "tiling": normalized_tiling(args.tiling) if args.tiling else None,
             "attention_preload": bool(args.attention_preload)}
@@ -287,6 +289,7 @@ def _report_settings(report: dict) -> dict:
     kernel = report.get("kernel") or {}
     tiling = kernel.get("tiling") or {}
     return {"preset": (report.get("model") or {}).get("preset"),
+            "compiler": (report.get("toolchain") or {}).get("source_sha256"),
             "capacity": (report.get("bucket") or {}).get("capacity"),
             "steps": numerics.get("steps"), "prefill": numerics.get("prefill"),
             "samples": (timings.get("method") or {}).get("samples"), "timed": bool(timings.get("candidates")),

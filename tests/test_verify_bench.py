@@ -157,10 +157,13 @@ def test_verified_package_comes_back_as_one_flat_archive(bench, tmp_path):
 def test_resume_keeps_finished_presets_and_measures_only_the_rest(bench, tmp_path, monkeypatch):
     measured = []
 
+    from megabake.verify.env import source_digest
+
     def fake_verify(preset, args):
         measured.append(preset)
         report = _report(0.7)
         report["model"]["preset"] = preset
+        report["toolchain"]["source_sha256"] = source_digest()
         report["numerics"]["prefill"] = args.prefill
         report["timings"]["method"] = {"samples": args.samples}
         (args.out / f"{preset}-report.json").write_text(json.dumps(report))
@@ -185,3 +188,10 @@ def test_resume_keeps_finished_presets_and_measures_only_the_rest(bench, tmp_pat
     # without --resume everything is measured again
     assert bench.main(["--presets", "smollm-135m", "--out", str(tmp_path)]) == 0
     assert measured[4:] == ["smollm-135m"]
+    # a report made by other megabake sources (another checkout) is never reused
+    report = json.loads((tmp_path / "smollm-135m-report.json").read_text())
+    report["toolchain"]["source_sha256"] = "0" * 64
+    (tmp_path / "smollm-135m-report.json").write_text(json.dumps(report))
+    assert bench.main(["--presets", "smollm-135m", "--out", str(tmp_path), "--resume"]) == 0
+    assert measured[5:] == ["smollm-135m"]
+    assert "compiler='" + "0" * 64 in (tmp_path / "decode.log").read_text()

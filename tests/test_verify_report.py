@@ -189,3 +189,21 @@ def test_evidence_states_top1_as_the_pass_rule_reads_it(base_report, good_numeri
                              toolchain=toolchain(), verified_at="2026-12-01T08:00:00Z")
     line = next(r for r in report["status_reasons"] if r.startswith("numerics: "))
     assert line.endswith("top-1 agreement 1 over the 17 decisive steps (0.922 over all steps)")
+
+
+def test_source_digest_names_the_sources_not_the_checkout(tmp_path):
+    import shutil
+    from pathlib import Path
+
+    from megabake.verify.env import source_digest
+
+    source = Path(__file__).resolve().parents[1] / "megabake"
+    copy = tmp_path / "megabake"
+    shutil.copytree(source, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    (copy / "__pycache__").mkdir(exist_ok=True)
+    (copy / "__pycache__" / "stale.py").write_text("x = 1\n")  # generated files do not count
+    assert source_digest(copy) == source_digest(source)  # same bytes elsewhere: same compiler
+    assert len(source_digest(source)) == 64
+    body = copy / "plan" / "__init__.py"
+    body.write_text(body.read_text() + "\n# one more line\n")
+    assert source_digest(copy) != source_digest(source)

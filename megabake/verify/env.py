@@ -10,6 +10,7 @@ and works anywhere. ``hopper_problem()`` says why this machine cannot run a mega
 
 from __future__ import annotations
 
+import hashlib
 import platform
 import re
 import socket
@@ -129,6 +130,19 @@ def git_revision(root: Path | None = None) -> str | None:
         return None
 
 
+def source_digest(root: Path | None = None) -> str:
+    """sha256 over the megabake package's Python sources and schemas (relative path and bytes of each, in
+    path order): names the compiler that made a report even where git metadata is missing or stale (a copied
+    tree, an installed wheel). ``__pycache__`` and other generated files are left out."""
+    root = root or Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for path in sorted(p for pattern in ("**/*.py", "schemas/*.json") for p in root.glob(pattern)
+                       if "__pycache__" not in p.parts):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0")
+        digest.update(path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
 def toolchain() -> dict:
     import torch
     import transformers
@@ -138,6 +152,7 @@ def toolchain() -> dict:
     return {
         "megabake": megabake.__version__,
         "git_revision": git_revision(),
+        "source_sha256": source_digest(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
