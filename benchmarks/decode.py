@@ -278,8 +278,8 @@ def _run_settings(preset: str, args) -> dict:
     from megabake.bake import normalized_tiling
     from megabake.verify.env import source_digest
 
-    return {"preset": preset, "compiler": source_digest(), "capacity": args.capacity, "steps": args.steps, "prefill": args.prefill,
-            "samples": args.samples, "timed": True, "autotune": bool(args.autotune),
+    return {"preset": preset, "compiler": source_digest(), "capacity": args.capacity, "steps": args.steps,
+            "prefill": args.prefill, "samples": args.samples, "timed": True, "autotune": bool(args.autotune),
             "tiling": normalized_tiling(args.tiling) if args.tiling else None,
             "attention_preload": bool(args.attention_preload)}
 

@@ -155,9 +155,9 @@ def test_verified_package_comes_back_as_one_flat_archive(bench, tmp_path):
 
 
 def test_resume_keeps_finished_presets_and_measures_only_the_rest(bench, tmp_path, monkeypatch):
-    measured = []
-
     from megabake.verify.env import source_digest
+
+    measured = []
 
     def fake_verify(preset, args):
         measured.append(preset)

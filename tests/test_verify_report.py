@@ -198,12 +198,12 @@ def test_source_digest_names_the_sources_not_the_checkout(tmp_path):
     from megabake.verify.env import source_digest
 
     source = Path(__file__).resolve().parents[1] / "megabake"
-    copy = tmp_path / "megabake"
-    shutil.copytree(source, copy, ignore=shutil.ignore_patterns("__pycache__"))
-    (copy / "__pycache__").mkdir(exist_ok=True)
-    (copy / "__pycache__" / "stale.py").write_text("x = 1\n")  # generated files do not count
-    assert source_digest(copy) == source_digest(source)  # same bytes elsewhere: same compiler
+    copied = tmp_path / "megabake"
+    shutil.copytree(source, copied, ignore=shutil.ignore_patterns("__pycache__"))
+    (copied / "__pycache__").mkdir(exist_ok=True)
+    (copied / "__pycache__" / "stale.py").write_text("x = 1\n")  # generated files do not count
+    assert source_digest(copied) == source_digest(source)  # same bytes elsewhere: same compiler
     assert len(source_digest(source)) == 64
-    body = copy / "plan" / "__init__.py"
+    body = copied / "plan" / "__init__.py"
     body.write_text(body.read_text() + "\n# one more line\n")
-    assert source_digest(copy) != source_digest(source)
+    assert source_digest(copied) != source_digest(source)
