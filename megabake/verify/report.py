@@ -75,11 +75,11 @@ def _environment_problems(report: dict, environment: dict | None) -> list[str]:
 def _top1_evidence(summary: dict) -> str:
     """Top-1 agreement as the pass rule reads it (over the decisive steps, where bf16 can resolve the
     top-1), then the raw figure over every step, which on random weights mostly counts near-ties."""
-    raw = f"top-1 agreement {_fmt(summary.get('top1_agreement'))}"
+    every_step = _fmt(summary.get("top1_agreement"))
     if summary.get("top1_agreement_decisive") is None:
-        return raw
+        return f"top-1 agreement {every_step}"
     return (f"top-1 agreement {_fmt(summary['top1_agreement_decisive'])} over the "
-            f"{summary.get('decisive_steps')} decisive steps ({raw.split(' ', 2)[2]} over all steps)")
+            f"{summary.get('decisive_steps')} decisive steps ({every_step} over all steps)")
 
 
 def _evidence(numerics: dict | None, timings: dict | None) -> list[str]:
