@@ -1,4 +1,4 @@
-"""Bake: model (preset or Hub id @ revision) -> a decode package folder, running the whole pipeline.
+"""Bake: model (preset, Hub id @ revision, local folder or .gguf; see ``megabake.sources``) -> a decode package folder, running the whole pipeline.
 
 Contract: ``bake(model, revision=None, batch=1, capacity=128, out="packages", ...) -> BakeResult`` runs
 capture -> ir -> plan -> codegen, checks the plan's reference executor against eager fp32 PyTorch, compiles
@@ -19,8 +19,9 @@ from typing import Callable
 import torch
 
 from . import __version__
-from .errors import MegaBakeError, network_errors
+from .errors import MegaBakeError
 from .plan import GemvTuning
+from .sources import ModelSource, load_source
 
 DEFAULT_GPU_CLASS = "sm90a-132sm"  # H100/H200 SXM
 
@@ -32,69 +33,6 @@ class BakeResult:
     plan_hash: str
     timings: dict[str, float] = field(default_factory=dict)
     model: object = field(default=None, repr=False, compare=False)  # the baked model, for an in-process verify
-
-
-@dataclass
-class ModelSource:
-    model: torch.nn.Module
-    model_id: str
-    revision: str
-    weights: str  # random | pretrained
-    seed: int | None
-    preset: str | None
-
-
-def load_source(model: str, revision: str | None, seed: int) -> ModelSource:
-    """A preset name (random weights from ``seed``) or a Hub repo id at ``revision`` (resolved to a sha)."""
-    from .presets import get_preset, is_preset
-
-    if is_preset(model):
-        if revision not in (None, "", f"random-seed{seed}"):
-            raise MegaBakeError(f"--revision does not apply to the built-in preset {model!r} (random weights "
-                                f"from --seed); drop it or bake a Hub model id")
-        preset = get_preset(model)
-        return ModelSource(preset.build_model(seed=seed), preset.model_id, f"random-seed{seed}", "random", seed, model)
-    if "/" not in model:
-        from .presets import PRESETS
-
-        raise MegaBakeError(f"{model!r} is neither a built-in preset ({', '.join(sorted(PRESETS))}) nor a Hub "
-                            "repo id of the form ORG/NAME")
-    sha = resolve_hub_revision(model, revision or "main")
-    from transformers import AutoModelForCausalLM
-
-    try:
-        hf_model = AutoModelForCausalLM.from_pretrained(model, revision=sha, dtype=torch.float32).eval()
-    except network_errors() as exc:
-        raise MegaBakeError(f"could not load the weights of {model}@{sha[:12]}: {exc}. Check the network, or bake "
-                            "offline from a cached snapshot (HF_HUB_OFFLINE=1 and --revision <its commit sha>)") from exc
-    return ModelSource(hf_model, model, sha, "pretrained", None, None)
-
-
-def resolve_hub_revision(model: str, wanted: str) -> str:
-    """The commit sha of ``model`` at ``wanted`` (branch, tag or sha), asked of the Hub; offline
-    (``HF_HUB_OFFLINE=1``), a full commit sha is taken as given (the snapshot must be in the HF cache)."""
-    import re
-
-    from huggingface_hub import HfApi, constants
-    from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
-
-    if constants.HF_HUB_OFFLINE:
-        if re.fullmatch(r"[0-9a-f]{40}", wanted):
-            return wanted
-        raise MegaBakeError(f"HF_HUB_OFFLINE is set, so {model}@{wanted} cannot be resolved: pass --revision "
-                            "with the full 40-character commit sha of a snapshot in your HF cache")
-    try:
-        return HfApi().model_info(model, revision=wanted).sha
-    except RevisionNotFoundError:
-        raise MegaBakeError(f"revision {wanted!r} does not exist in the Hub repo {model}; pass a branch, tag or "
-                            "commit sha that exists (see the repo's 'Files and versions')") from None
-    except RepositoryNotFoundError:
-        raise MegaBakeError(f"the Hub repo {model} does not exist or needs a token: check the id, or log in "
-                            "with `hf auth login` / set HF_TOKEN for gated models") from None
-    except (HfHubHTTPError,) + network_errors() as exc:
-        raise MegaBakeError(f"could not reach the Hub to resolve {model}@{wanted}: {exc}. Retry with network "
-                            "access, bake a built-in preset, or bake offline from a cached snapshot "
-                            "(HF_HUB_OFFLINE=1 and --revision <its commit sha>)") from exc
 
 
 def parse_gpu_class(gpu_class: str) -> tuple[tuple[int, int], int]:
@@ -230,7 +168,9 @@ def _autotune(build, model, progress):
 
     from .runtime.autotune import autotune
 
-    gpu_model = copy.deepcopy(model).to("cuda", torch.bfloat16)
+    from .rope import cast_model
+
+    gpu_model = cast_model(copy.deepcopy(model), device="cuda", dtype=torch.bfloat16)
     try:
         return autotune(build, gpu_model, progress=progress)
     finally:
@@ -272,7 +212,9 @@ def reference_check(plan, model, *, steps: int = 4, seed: int = 0) -> dict:
 
     from .plan.reference import reference_executor_for
 
-    fp32 = model.float()
+    from .rope import cast_model
+
+    fp32 = cast_model(model, dtype=torch.float32)
     executor = reference_executor_for(plan, fp32, dtype=torch.float32)
     cache = StaticCache(config=fp32.config, max_cache_len=plan.capacity)
     generator = torch.Generator().manual_seed(seed)
@@ -322,7 +264,8 @@ def _report(source: ModelSource, cfg_hash: str, plan, variant: str, gpu_class: s
         "created_at": created,
         "model": {"id": source.model_id, "revision": source.revision, "config_hash": cfg_hash,
                   "weights": source.weights, "seed": source.seed, "preset": source.preset,
-                  "architecture": type(source.model).__name__, "dtype": "bfloat16"},
+                  "architecture": type(source.model).__name__, "dtype": "bfloat16",
+                  **({"local": source.local} if source.local else {})},
         "bucket": {"mode": "decode", "batch": plan.batch, "capacity": plan.capacity},
         "gpu_class": gpu_class,
         "variant": variant,

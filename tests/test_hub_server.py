@@ -270,3 +270,31 @@ def test_hub_env_makes_fake_hub_the_default(hub_env, tmp_path):
     api.upload_file(path_or_fileobj=b"cfg", path_in_repo="config.json", repo_id=REPO)
     assert _read(hf_hub_download(REPO, "config.json", cache_dir=tmp_path)) == b"cfg"
     assert os.environ["HF_ENDPOINT"] == hub_env.url
+
+
+def test_fault_injection_kinds_counts_and_restart(hub_server):
+    sha = hub_server.commit_files(REPO, {"w/x.bin": BIG, "a.txt": b"hello world"})
+    url = f"{hub_server.url}/{REPO}/resolve/main/w/x.bin"
+    status = hub_server.fail_file("w/x.bin", times=2)  # 503 on any method, twice
+    assert [httpx.head(url).status_code, httpx.get(url).status_code, httpx.get(url).status_code] == [503, 503, 200]
+    assert status.hits == 2 and status.remaining == 0
+    hub_server.fail_file("w/x.bin", "truncate", times=1)
+    assert httpx.head(url).status_code == 200  # body faults leave HEAD alone
+    with pytest.raises(httpx.RemoteProtocolError):  # full Content-Length, half the body
+        httpx.get(url)
+    hub_server.fail_file("w/x.bin", "short", times=1)
+    short = httpx.get(url)
+    assert short.content == BIG[: len(BIG) // 2] and int(short.headers["Content-Length"]) == len(BIG) // 2
+    hub_server.inject_fault("/api/models/*/refs", "drop", times=1)
+    with pytest.raises(httpx.RemoteProtocolError):
+        httpx.get(f"{hub_server.url}/api/models/{REPO}/refs")
+    assert [r["fault"] for r in hub_server.requests[-4:]] == [None, "truncate", "short", "drop"]
+    hub_server.fail_file("a.txt", "stop")
+    with pytest.raises(httpx.TransportError):
+        httpx.get(f"{hub_server.url}/{REPO}/resolve/main/a.txt")
+    assert not hub_server.running
+    with pytest.raises(httpx.ConnectError):  # nothing listens until restart()
+        httpx.get(url)
+    hub_server.clear_faults()
+    assert hub_server.faults == [] and hub_server.restart().running
+    assert httpx.get(url).content == BIG and hub_server.head(REPO) == sha  # same port, same repos

@@ -343,7 +343,7 @@ def test_tampered_package_fails_the_build(packages):
 def test_missing_packages_folder_is_an_error(tmp_path):
     result = CliRunner().invoke(registry, ["build", "--packages", str(tmp_path / "nope"),
                                            "--out", str(tmp_path / "r")])
-    assert result.exit_code == 1 and "does not exist" in result.output
+    assert result.exit_code == 2 and "does not exist" in result.output
 
 
 # ------------------------------------------------------------------------------------ headless Chromium

@@ -70,8 +70,9 @@ def test_perturbed_logit_fails_naming_step_and_metric(model):
     assert numerics["pass"] is False
     step3 = numerics["per_step"][3]
     assert step3["rel_l2_vs_fp32"] > 1.25 * step3["rel_l2_bf16_vs_fp32"]
-    assert any(f.startswith(f"step 3 (position {PREFILL + 3}): rel_l2_vs_fp32") for f in numerics["failures"])
-    assert not any(f.startswith("step 2 ") or f.startswith("step 4 ") for f in numerics["failures"])
+    assert any(f.startswith("max rel_l2_vs_fp32") and f.endswith(f"(worst: step 3, position {PREFILL + 3})")
+               for f in numerics["failures"])
+    assert not any("step 2," in f or "step 4," in f for f in numerics["failures"])
     assert any("top1_agreement" in f for f in numerics["failures"])  # 17 became the top-1 at step 3
 
 
@@ -131,11 +132,30 @@ def test_judge_rules():
 
     assert judge([m(0, 0.0124)], None, slack=1.25, top1_min=0.99) == []
     failures = judge([m(0, 0.0126)], None, slack=1.25, top1_min=0.99)
-    assert failures == ["step 0 (position 16): rel_l2_vs_fp32 0.0126 > 1.25 x eager bf16 0.01"]
+    assert failures == ["max rel_l2_vs_fp32 0.0126 > 1.25 x eager bf16's max 0.01 over 1 steps (worst: step 0, "
+                        "position 16)",
+                        "median rel_l2_vs_fp32 0.0126 > 1.25 x eager bf16's median 0.01 over 1 steps (worst: step 0, "
+                        "position 16)"]
     many = [m(i, 0.0) for i in range(99)] + [m(99, 0.0, agree=False)]
     assert judge(many, None, slack=1.25, top1_min=0.99) == []  # exactly 99%
     many[0] = m(0, 0.0, agree=False)
     assert any(f.startswith("top1_agreement 0.9800 < 0.99") for f in judge(many, None, slack=1.25, top1_min=0.99))
+
+
+def test_judge_is_robust_to_one_step_where_eager_is_unusually_close():
+    # Seen on real weights after a 1,900-token prompt: eager bf16 lands at 0.003 on one step while the decoder
+    # is closer to fp32 on average and in the worst case. A per-step rule failed that run; this one passes it.
+    def m(step, err, ref):
+        return StepMetrics(step, 1900 + step, err, ref, err, err, err, 0.0, True, True, 1, 1)
+
+    run = [m(i, 0.008, 0.012) for i in range(30)]
+    run[7] = m(7, 0.008, 0.003)
+    assert judge(run, None, slack=1.25, top1_min=0.99) == []
+    run[11] = m(11, 0.05, 0.012)  # one step far above eager's worst (a race): the worst fails
+    assert [f.split(" >")[0] for f in judge(run, None, slack=1.25, top1_min=0.99)] == ["max rel_l2_vs_fp32 0.05"]
+    systematic = [m(i, 0.016, 0.010 + 0.001 * (i % 5)) for i in range(30)]  # always worse than eager
+    assert [f.split(" >")[0] for f in judge(systematic, None, slack=1.25, top1_min=0.99)] == [
+        "median rel_l2_vs_fp32 0.016"]
 
 
 def test_compare_logits_batch_rows():

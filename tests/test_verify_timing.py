@@ -233,6 +233,41 @@ def test_first_call_that_disagrees_with_eager_is_failed_and_never_the_baseline()
     assert pick_baseline([close, wrong], results) == "close"
 
 
+def test_agreement_limit_follows_eager_drift_at_long_context():
+    """Random-weight Llama-1B at position 4000: eager bf16 is ~0.8 rel-L2 from fp32, so a correct candidate
+    can be ~1 away from eager; the limit scales with the measured drift and never drops below 0.1."""
+    from megabake.verify.timing import AGREEMENT_LIMIT, _first_call, agreement_limit
+
+    assert agreement_limit(None) == AGREEMENT_LIMIT == agreement_limit(0.01)
+    assert agreement_limit(0.8) == pytest.approx(2.0)
+    assert agreement_limit(float("nan")) == AGREEMENT_LIMIT
+    reference = torch.linspace(-1.0, 1.0, 8).reshape(1, 8)
+    drifted = Candidate("drifted", "baseline", lambda i: reference + 0.5)  # rel-L2 ~0.77 to eager
+    _first_call(drifted, reference, agreement_limit(0.8))
+    assert drifted.error is None
+    _first_call(drifted, reference, agreement_limit(0.05))
+    assert "disagrees with eager bf16" in drifted.error
+
+
+def test_eager_drift_vs_fp32_measures_bf16_against_exact_fp32():
+    from megabake.presets import get_preset
+    from megabake.verify.baselines import eager_reference_logits
+    from megabake.verify.timing import TimingInputs, TimingSettings, eager_drift_vs_fp32
+
+    model = get_preset("tiny-llama").build_model().to(torch.bfloat16)
+
+    class Decoder:
+        batch, capacity, device = 1, 32, torch.device("cpu")
+        vocab_size = model.config.vocab_size
+
+    settings = TimingSettings(samples=1, inner=2, warmup=0, prefill=8, seed=0)
+    inputs = TimingInputs.make(Decoder(), settings)
+    reference = eager_reference_logits(model, inputs.prompt, inputs.tokens[0], inputs.positions[0], 32)
+    drift = eager_drift_vs_fp32(model, inputs, 32, reference)
+    assert 1e-4 < drift < 0.1  # bf16 rounding, not a different computation
+    assert model.dtype == torch.bfloat16  # the fp32 copy left the model alone
+
+
 def test_decode_ids_give_one_layout_and_one_compile():
     from torch._dynamo.testing import CompileCounter
 

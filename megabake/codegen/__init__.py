@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..plan import HEAD_NORMS, STAGE_BIAS, Plan, Stage, ring_shape, smem_floats
+from ..plan import ATTN_COUNT, ATTN_PART, HEAD_NORMS, STAGE_BIAS, Plan, Stage, kv_splits, ring_shape, smem_floats
 
 KERNEL_ARGUMENTS = [
     "embed", "w_qkv", "w_o", "w_gate_up", "w_down", "norms", "final_norm", "lm_head", "rope_cos", "rope_sin",
@@ -30,7 +30,7 @@ KERNEL_ARGUMENTS = [
 def kernel_arguments(plan: Plan) -> list[str]:
     """Kernel parameter order: the fixed buffers, then the bias and per-head-norm buffers this plan has
     (none for Llama)."""
-    optional = list(STAGE_BIAS.values()) + [HEAD_NORMS]
+    optional = list(STAGE_BIAS.values()) + [HEAD_NORMS, ATTN_PART, ATTN_COUNT]
     return KERNEL_ARGUMENTS + [name for name in optional if any(b.name == name for b in plan.buffers)]
 
 
@@ -161,8 +161,12 @@ def _header(w: _Writer, plan: Plan, plan_hash: str, arguments: list[str]) -> Non
         "QKV_ROWS": d.qkv_rows, "INTER": d.intermediate, "VOCAB": d.vocab, "CTAS": plan.ctas,
         "THREADS": plan.threads, "WARPS": plan.warps, "TOTAL_WARPS": plan.ctas * plan.warps,
     }
-    scratch = smem_floats(d, plan.batch, plan.capacity, plan.threads)
+    splits = kv_splits(plan)
+    scratch = smem_floats(d, plan.batch, plan.capacity, plan.threads, bool(splits))
     consts.update({"VEC_WIDTH": scratch["vec_width"], "RED_SCRATCH": scratch["red"], "ATT_SCRATCH": scratch["att"]})
+    if splits:
+        attention = next(s.tiling for s in plan.stages if s.kind == "attention")
+        consts.update({"KV_SPLITS": splits, "ATT_UNROLL": attention.unroll, "MIN_CHUNK": attention.per_tile})
     ring_stages, ring_vectors = _ring_stages(plan)
     if ring_stages:
         consts.update({"RING_STAGES": ring_stages, "RING_VECTORS": ring_vectors})
@@ -312,6 +316,13 @@ def _warp_index(stage: Stage) -> str:
 
 
 def _attention_call(plan: Plan) -> tuple[str, str]:
+    if kv_splits(plan):
+        norms = "qk_norms[layer, None, None]" if plan.has_head_norms else "qkv"
+        return ("split_kv_attention",
+                f"bodies.split_kv_attention(qkv, {norms}, rope_cos, rope_sin, k_cache[layer, None, None, None, None], "
+                f"v_cache[layer, None, None, None, None], attn, {ATTN_PART}, {ATTN_COUNT}, pos, s_att, cta, tidx, "
+                f"BATCH, N_HEADS, N_KV_HEADS, HEAD_DIM, CTAS, THREADS, ATTN_SCALE, {plan.has_head_norms}, EPS, "
+                "KV_SPLITS, ATT_UNROLL, MIN_CHUNK)")
     caches = ("rope_cos, rope_sin, k_cache[layer, None, None, None, None], v_cache[layer, None, None, None, None], "
               "attn, pos, s_att, s_red, cta, tidx, BATCH, N_HEADS, N_KV_HEADS, HEAD_DIM, CAPACITY, CTAS, THREADS, "
               "ATTN_SCALE")

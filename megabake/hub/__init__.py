@@ -3,11 +3,14 @@
 Contract: ``publish(packages, repo_id, ...)`` -> :class:`PublishResult` (one atomic commit with every package
 file, ``registry/index.json`` and the ``README.md`` model card; one immutable tag per package);
 ``load_from_hub(repo_id, revision, ...)`` -> runnable decoder; ``fetch_package(...)`` -> verified
-:class:`FetchedPackage` without importing any code. All Hub I/O goes through ``huggingface_hub``.
+:class:`FetchedPackage` without importing any code. All Hub I/O goes through ``huggingface_hub``; every failure
+of it (server errors, unreachable Hub, truncated or interrupted transfers) surfaces as :class:`HubIOError`, a
+``MegaBakeError`` naming the file, the status or failure and the fix -- never as a raw library exception.
 """
 
 from megabake.hub.errors import (
     HubError,
+    HubIOError,
     ImmutableTagError,
     NoMatchingPackageError,
     PublishConflictError,
@@ -41,6 +44,7 @@ __all__ = [
     "INDEX_PATH",
     "FetchedPackage",
     "HubError",
+    "HubIOError",
     "ImmutableTagError",
     "NoMatchingPackageError",
     "PublishConflictError",

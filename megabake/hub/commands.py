@@ -1,8 +1,10 @@
 """Click commands ``publish`` and ``ls`` (registered in ``megabake/cli.py``); thin: parse, call the API, print.
 
 Contract: ``megabake publish PACKAGE... --repo ORG/NAME`` publishes with :func:`megabake.hub.publish` (exit 1 with
-cause and fix on refusal, conflict or failure; ``--dry-run`` prints the commit it would make). ``megabake ls``
-lists packages baked under ``--root``, the local registry index, and (with ``--repo``) a Hub repo's index.
+cause and fix on refusal, conflict or failure; exit 2 for bad input found before any network call: a folder
+without packages, a bad --repo / --parent-commit / --endpoint; ``--dry-run`` prints the commit it would make).
+``megabake ls`` lists packages baked under ``--root``, the local registry index, and (with ``--repo``) a Hub
+repo's index. Errors print ``error: <message>`` on stderr (``megabake.errors``), never a traceback.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ from pathlib import Path
 import click
 from huggingface_hub.errors import HfHubHTTPError
 
-from megabake.errors import MegaBakeError, network_errors
+from megabake.errors import (EXIT_FAILED, UNAVAILABLE_HELP, InputError, MegaBakeError, check_commit_sha, check_endpoint,
+                             check_repo_id, exit_codes_help, fail, network_errors, reports_errors)
 from megabake.hub.load import read_hub_index
 from megabake.hub.publish import publish as publish_packages
 from megabake.package import find_packages, iter_entries, read_index, read_package
@@ -44,19 +47,32 @@ Refused unless a flag says otherwise: unverified packages (--allow-unverified), 
 manifest.json, a tag that already names different contents.
 """
 
+PUBLISH_EXIT_CODES = exit_codes_help(
+    ok="published (or, with --dry-run, planned; or nothing new to publish)",
+    failed="refused (unverified, random weights, failed, tampered), a conflict (the branch moved), a tag that "
+           "names other contents, or the Hub could not be reached: nothing was published",
+    usage="usage or bad input, before any network call: a missing folder, a folder without packages, a bad "
+          "--repo, --parent-commit or --endpoint",
+    cannot_run=UNAVAILABLE_HELP)
+LS_EXIT_CODES = exit_codes_help(
+    ok="listed",
+    failed="the registry index is invalid, or the Hub repo's index could not be read",
+    usage="usage or bad input: a bad --repo or --endpoint",
+    cannot_run=UNAVAILABLE_HELP)
+
 
 def _package_paths(paths: tuple[str, ...]) -> list[Path]:
     found: list[Path] = []
     for path in paths:
         inside = find_packages(path)
         if not inside:
-            raise click.ClickException(f"{path}: no package folder (manifest.json) found. fix: pass a folder "
-                                       "written by `megabake bake` (see `megabake ls`)")
+            raise InputError(f"{path}: no package folder (manifest.json) found. fix: pass a folder written by "
+                             "`megabake bake` (see `megabake ls`)")
         found += inside
     return found
 
 
-@click.command("publish", epilog=WALKTHROUGH)
+@click.command("publish", epilog=WALKTHROUGH + "\n\n" + PUBLISH_EXIT_CODES)
 @click.argument("packages", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False))
 @click.option("--repo", "repo_id", required=True, metavar="ORG/NAME", help="Hub model repo (created if needed).")
 @click.option("--branch", default="main", show_default=True, help="Branch to commit to.")
@@ -68,18 +84,29 @@ def _package_paths(paths: tuple[str, ...]) -> list[Path]:
 @click.option("--private", is_flag=True, default=None, help="Create the repo private (if it does not exist).")
 @click.option("--endpoint", envvar="HF_ENDPOINT", metavar="URL", help="Hub endpoint [env HF_ENDPOINT].")
 @click.option("--token", envvar="HF_TOKEN", metavar="TOKEN", help="Hub token [env HF_TOKEN; default: saved login].")
+@reports_errors
 def publish(packages, repo_id, branch, parent_commit, allow_unverified, allow_random_weights, dry_run, private,
             endpoint, token) -> None:
     """Publish PACKAGE folders (or folders holding packages) to the Hub in one atomic commit."""
+    check_repo_id(repo_id)
+    if not branch.strip():
+        raise InputError("--branch is empty; pass a branch name such as main")
+    if parent_commit is not None:
+        check_commit_sha(parent_commit, "--parent-commit")
+    if endpoint:
+        check_endpoint(endpoint)
+    paths = _package_paths(packages)
     try:
-        result = publish_packages(_package_paths(packages), repo_id, branch=branch, parent_commit=parent_commit,
+        result = publish_packages(paths, repo_id, branch=branch, parent_commit=parent_commit,
                                   allow_unverified=allow_unverified, allow_random_weights=allow_random_weights,
                                   dry_run=dry_run, private=private or None, endpoint=endpoint, token=token)
-    except (MegaBakeError, HfHubHTTPError) as exc:
-        raise click.ClickException(str(exc)) from exc
+    except MegaBakeError:
+        raise  # error: <message>, with the error's exit code
+    except HfHubHTTPError as exc:
+        fail(f"the Hub refused the request: {exc}. Nothing was published", EXIT_FAILED)
     except network_errors() as exc:
-        raise click.ClickException(f"could not reach the Hub at {endpoint or 'the default endpoint'}: {exc}. Nothing "
-                                   "was published; retry with network access") from exc
+        fail(f"could not reach the Hub at {endpoint or 'the default endpoint'}: {exc}. Nothing was published; "
+             "retry with network access", EXIT_FAILED)
     click.echo(result.plan.summary())
     if dry_run:
         click.echo("dry run: nothing was written")
@@ -92,7 +119,7 @@ def publish(packages, repo_id, branch, parent_commit, allow_unverified, allow_ra
     click.echo(f"load with: megabake.load_from_hub({repo_id!r}, revision={example!r}, trust_remote_code=True)")
 
 
-@click.command("ls")
+@click.command("ls", epilog=LS_EXIT_CODES)
 @click.option("--root", default="packages", show_default=True, type=click.Path(), help="Packages root to scan.")
 @click.option("--registry", default="registry/index.json", show_default=True, type=click.Path(),
               help="Local registry index (skipped if absent).")
@@ -100,8 +127,13 @@ def publish(packages, repo_id, branch, parent_commit, allow_unverified, allow_ra
 @click.option("--revision", default="main", show_default=True, help="Revision of --repo.")
 @click.option("--endpoint", envvar="HF_ENDPOINT", metavar="URL", help="Hub endpoint [env HF_ENDPOINT].")
 @click.option("--token", envvar="HF_TOKEN", metavar="TOKEN", help="Hub token [env HF_TOKEN].")
+@reports_errors
 def ls(root, registry, repo_id, revision, endpoint, token) -> None:
     """List packages baked locally and the packages the registry knows."""
+    if repo_id:
+        check_repo_id(repo_id)
+    if endpoint:
+        check_endpoint(endpoint)
     click.echo(f"baked locally under {root}:")
     paths = find_packages(root) if Path(root).is_dir() else []
     for path in paths:
@@ -114,15 +146,14 @@ def ls(root, registry, repo_id, revision, endpoint, token) -> None:
     if not paths:
         click.echo("  (none)")
     if Path(registry).is_file():
-        try:
-            _echo_index(f"registry index {registry}:", read_index(registry))
-        except MegaBakeError as exc:
-            raise click.ClickException(str(exc)) from exc
+        _echo_index(f"registry index {registry}:", read_index(registry))  # an invalid index exits 1
     if repo_id:
         try:
             index, commit = read_hub_index(repo_id, revision, endpoint=endpoint, token=token)
-        except (MegaBakeError, HfHubHTTPError, OSError) as exc:
-            raise click.ClickException(f"cannot read the registry index of {repo_id}@{revision}: {exc}") from exc
+        except MegaBakeError as exc:
+            fail(f"cannot read the registry index of {repo_id}@{revision}: {exc}", exc.exit_code)
+        except (HfHubHTTPError, *network_errors()) as exc:
+            fail(f"cannot read the registry index of {repo_id}@{revision}: {exc}", EXIT_FAILED)
         _echo_index(f"Hub repo {repo_id}@{revision} (commit {commit}):", index)
 
 

@@ -1,13 +1,19 @@
 """Load a published package from the Hub: resolve, select, download, verify, trust, construct.
 
 Contract: ``fetch_package(repo_id, revision, ...)`` resolves ``revision`` (branch, tag or commit) to ONE commit
-with ``HfApi.resolve_revision`` and does everything else at that commit: reads ``registry/index.json`` (or,
-without an index, the packages' report + manifest files), picks the package for the GPU class and the
-smallest bucket that fits (:mod:`megabake.hub.select`), downloads only its folder with ``snapshot_download``
-(``allow_patterns``; the standard HF cache, so ``HF_HUB_OFFLINE=1`` works from it), and verifies digests,
-schemas and that the package is the one the index names. ``load_from_hub`` then refuses to import
-``module.py`` unless ``trust_remote_code=True`` or the caller pinned the 40-hex commit as ``revision``, and
-returns ``megabake.runtime.MegakernelDecoder.from_package(path, device=device)``.
+with ``HfApi.resolve_revision`` and does everything else at that commit: reads ``registry/index.json`` (or, when
+the Hub answers a real HTTP 404 for it -- or the HF cache recorded that 404 for this commit -- the packages'
+report + manifest files), picks the package for the GPU class and the smallest bucket that fits
+(:mod:`megabake.hub.select`), downloads only its ``manifest.json`` and the files it lists, one by one with
+``hf_hub_download`` (the standard HF cache, so ``HF_HUB_OFFLINE=1`` works from it), and verifies digests, schemas
+and that the package is the one the index names. ``load_from_hub`` then refuses to import ``module.py`` unless
+``trust_remote_code=True`` or the caller pinned the 40-hex commit as ``revision``, and returns
+``megabake.runtime.MegakernelDecoder.from_package(path, device=device)``.
+
+Faults: any failure of the Hub other than that 404 (5xx after huggingface_hub's retries, connection refused or
+dropped, truncated body, server gone mid-download, offline without a cached copy) raises
+:class:`~megabake.hub.errors.HubIOError` naming the file, the HTTP status or failure and the fix, before anything
+is imported. No huggingface_hub / httpx exception escapes. Partial downloads never enter the HF cache.
 """
 
 from __future__ import annotations
@@ -19,10 +25,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from huggingface_hub import HfApi, hf_hub_download, snapshot_download
+from huggingface_hub import HfApi, constants, hf_hub_download, snapshot_download, try_to_load_from_cache
 from huggingface_hub.errors import EntryNotFoundError
+from huggingface_hub.file_download import _CACHED_NO_EXIST
 
-from megabake.hub.errors import HubError, NoMatchingPackageError, UntrustedCodeError
+from megabake.hub.errors import HubError, NoMatchingPackageError, UntrustedCodeError, hub_io, is_absent
 from megabake.hub.publish import INDEX_PATH
 from megabake.hub.select import Request, select_entry
 from megabake.package import (
@@ -38,6 +45,7 @@ from megabake.package import (
 from megabake.package.store import MANIFEST, REPORT
 
 COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
+NOTHING_IMPORTED = "Nothing was imported (module.py was not loaded); the HF cache holds no partial file."
 _CACHE_FIX = ("delete the cached copy (`hf cache rm model/{repo_id}`) and load again with force_download=True; "
               "if the error persists, the copy on the Hub is corrupt: republish the package")
 
@@ -73,40 +81,100 @@ class _Hub:
     local_files_only: bool
     force_download: bool
 
+    consequence: str = NOTHING_IMPORTED
+
     def kwargs(self) -> dict[str, Any]:
         return dict(revision=self.commit, cache_dir=self.cache_dir, endpoint=self.endpoint, token=self.token,
                     local_files_only=self.local_files_only, force_download=self.force_download,
                     library_name="megabake")
 
-    def snapshot(self, patterns: list[str]) -> Path:
-        return Path(snapshot_download(self.repo_id, allow_patterns=patterns, **self.kwargs()))
+    @property
+    def host(self) -> str:
+        return self.endpoint or constants.ENDPOINT
+
+    def where(self, path: str) -> str:
+        return f"{self.repo_id}@{self.commit[:12]}:{path}"
+
+    def snapshot(self, patterns: list[str], what: str) -> Path:
+        with hub_io(f"downloading {self.where(what)}", self.consequence, self.host):
+            return Path(snapshot_download(self.repo_id, allow_patterns=patterns, **self.kwargs()))
+
+    def download(self, path: str) -> Path:
+        """One file at the commit, into the HF cache (a failed or partial download never lands there)."""
+        with hub_io(f"downloading {self.where(path)}", self.consequence, self.host, path):
+            return Path(hf_hub_download(self.repo_id, path, **self.kwargs()))
+
+    def package_folder(self, entry: dict[str, Any], where: str) -> Path:
+        """The entry's manifest.json (checked against the index's digest first), then every file it lists, each
+        into the HF cache; returns the package folder in the cache snapshot. Nothing is verified beyond that here."""
+        path, manifest = self._manifest(entry, where)
+        for item in manifest["files"]:
+            self.download(f"{entry['path']}/{item['path']}")
+        return path.parent
+
+    def _manifest(self, entry: dict[str, Any], where: str) -> tuple[Path, dict[str, Any]]:
+        path = self.download(f"{entry['path']}/{MANIFEST}")
+        digest, fix = sha256_bytes(path.read_bytes()), _CACHE_FIX.format(repo_id=self.repo_id)
+        if digest != entry["manifest_sha256"]:
+            raise DigestMismatchError(str(path.parent), MANIFEST, f"the package named by {where}",
+                                      f"manifest_sha256: index says {entry['manifest_sha256']!r}, package has "
+                                      f"{digest!r}", fix=fix)
+        try:
+            return path, validate("manifest", json.loads(path.read_text()), source=self.where(entry["path"]))
+        except ValueError as exc:
+            raise HubError(f"{self.where(entry['path'])}/{MANIFEST} is not a valid manifest ({exc}). "
+                           f"{self.consequence} fix: {fix}") from None
 
     def index(self) -> tuple[dict[str, Any], str]:
         """The registry index at the commit, or one built from the packages' reports when there is none."""
-        try:
-            path = hf_hub_download(self.repo_id, INDEX_PATH, **self.kwargs())
-        except EntryNotFoundError:
+        path = self._index_file()
+        if path is None:
             return self._index_from_reports(), f"the package folders of {self.repo_id}@{self.commit[:12]}"
-        where = f"{self.repo_id}@{self.commit[:12]}:{INDEX_PATH}"
+        where = self.where(INDEX_PATH)
         try:
             return validate("registry_index", json.loads(Path(path).read_text()), source=where), where
         except ValueError as exc:
-            raise HubError(f"{where} is not a valid registry index ({exc}). fix: republish to rebuild it") from None
+            raise HubError(f"{where} is not a valid registry index ({exc}). {self.consequence} fix: republish "
+                           "(any publish to the repo rebuilds the index from its packages)") from None
+
+    def _index_file(self) -> str | None:
+        """Local path of the index; None ONLY when it is absent at this commit (a real 404, live or cached)."""
+        with hub_io(f"reading {self.where(INDEX_PATH)}", self.consequence, self.host, INDEX_PATH):
+            try:
+                return hf_hub_download(self.repo_id, INDEX_PATH, **self.kwargs())
+            except EntryNotFoundError as exc:
+                if is_absent(exc) or self._cached_absent():
+                    return None
+                raise
+
+    def _cached_absent(self) -> bool:
+        """The HF cache recorded a 404 for the index at this (immutable) commit: it is absent, even offline."""
+        found = try_to_load_from_cache(self.repo_id, INDEX_PATH, cache_dir=self.cache_dir, revision=self.commit)
+        return found is _CACHED_NO_EXIST
 
     def _index_from_reports(self) -> dict[str, Any]:
-        folder = self.snapshot([f"packages/*/{REPORT}", f"packages/*/{MANIFEST}"])
+        folder = self.snapshot([f"packages/*/{REPORT}", f"packages/*/{MANIFEST}"], f"packages/*/{REPORT}")
         entries = []
         for manifest in sorted(folder.glob(f"packages/*/*/*/{MANIFEST}")):
-            report_path = manifest.parent / REPORT
-            report = validate("report", json.loads(report_path.read_text()), source=str(report_path))
+            report = self._report(manifest.parent / REPORT)
             entry = entry_from_report(report, sha256_bytes(manifest.read_bytes()), self.repo_id)
             entries.append((report["model"]["id"], report["model"]["revision"], entry))
         return merge_index(empty_index(), entries)
 
+    def _report(self, path: Path) -> dict[str, Any]:
+        try:
+            return validate("report", json.loads(path.read_text()), source=str(path))
+        except ValueError as exc:
+            raise HubError(f"{path} (the repo has no {INDEX_PATH}) is not a valid report ({exc}). "
+                           f"{self.consequence} fix: republish the package") from None
 
-def resolve_commit(api: HfApi, repo_id: str, revision: str, cache_dir=None, local_files_only: bool = False) -> str:
-    """Branch / tag / commit -> 40-hex commit (from the HF cache's refs when offline)."""
-    resolved = api.resolve_revision(repo_id, revision=revision, cache_dir=cache_dir, local_files_only=local_files_only)
+
+def resolve_commit(api: HfApi, repo_id: str, revision: str, cache_dir=None, local_files_only: bool = False,
+                   consequence: str = NOTHING_IMPORTED) -> str:
+    """Branch / tag / commit -> 40-hex commit (from the HF cache's refs when offline or the Hub is down)."""
+    with hub_io(f"resolving {repo_id}@{revision}", consequence, api.endpoint):
+        resolved = api.resolve_revision(repo_id, revision=revision, cache_dir=cache_dir,
+                                        local_files_only=local_files_only)
     return resolved.resolved
 
 
@@ -132,8 +200,8 @@ def _fetch(repo_id, revision, request, allow_unverified, cache_dir, endpoint, to
     hub = _Hub(repo_id, commit, cache_dir, endpoint, token, local_files_only, force_download)
     index, where = hub.index()
     found_model, found_revision, entry = select_entry(index, request, allow_unverified, where)
-    folder = hub.snapshot([f"{entry['path']}/*"])
-    package = _verify(folder / entry["path"], entry, where, _CACHE_FIX.format(repo_id=repo_id))
+    folder = hub.package_folder(entry, where)
+    package = _verify(folder, entry, where, _CACHE_FIX.format(repo_id=repo_id))
     return FetchedPackage(repo_id, revision, commit, package.path, package, entry, found_model, found_revision)
 
 
@@ -219,6 +287,7 @@ def read_hub_index(repo_id: str, revision: str = "main", *, cache_dir: str | Pat
                    local_files_only: bool = False) -> tuple[dict[str, Any], str]:
     """(registry index, commit) of ``repo_id`` at ``revision`` (built from the package reports if it has none)."""
     api = HfApi(endpoint=endpoint, token=token, library_name="megabake")
-    commit = resolve_commit(api, repo_id, revision, cache_dir, local_files_only)
-    index, _ = _Hub(repo_id, commit, cache_dir, endpoint, token, local_files_only, False).index()
+    consequence = "Nothing was read."
+    commit = resolve_commit(api, repo_id, revision, cache_dir, local_files_only, consequence)
+    index, _ = _Hub(repo_id, commit, cache_dir, endpoint, token, local_files_only, False, consequence).index()
     return index, commit

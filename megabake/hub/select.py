@@ -19,7 +19,8 @@ from megabake.package.layout import GPU_CLASS_RE, check_model_revision
 
 LOADABLE = {"verified": 0, "unverified": 1}
 _BUCKET_RE = re.compile(r"^(?:(?P<mode>[a-z]+)-)?b(?P<batch>[0-9]+)-c(?P<capacity>[0-9]+)$")
-_TAG_RE = re.compile(r"^(?P<model>[^.]+)\.(?P<revision>[0-9a-f]{40}|random-seed[0-9]+)\.(?P<variant>.+)$")
+_TAG_RE = re.compile(r"^(?P<model>[^.]+)\.(?P<revision>[0-9a-f]{40}|random-seed[0-9]+|sha256-[0-9a-f]{16})"
+                     r"\.(?P<variant>.+)$")
 
 
 @dataclass(frozen=True)

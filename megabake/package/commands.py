@@ -1,7 +1,9 @@
 """``megabake inspect PATH``: verify a package folder and print its summary (click command ``inspect``).
 
 Contract: exit 0 and a human summary (or ``--json``: report + manifest) for a package whose digests and
-schemas check out; exit 1 with the cause and the fix otherwise. Registered in ``megabake/cli.py``.
+schemas check out; exit 1 with the cause and the fix when they do not; exit 2 when PATH is not a package
+folder (no manifest.json) or does not exist. Errors print ``error: <message>`` on stderr. Registered in
+``megabake/cli.py``.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import json
 
 import click
 
-from megabake.errors import MegaBakeError
+from megabake.errors import UNAVAILABLE_HELP, InputError, exit_codes_help, reports_errors
 from megabake.package.layout import package_tag
 from megabake.package.registry import headline
 from megabake.package.store import Package, read_package
@@ -88,15 +90,26 @@ def _timings(report: dict) -> str:
     return text
 
 
-@click.command("inspect")
+INSPECT_EXIT_CODES = exit_codes_help(
+    ok="the package checks out (digests, schemas); summary printed",
+    failed="a check failed: a file does not match manifest.json, or a document breaks its schema",
+    usage="usage or bad input: PATH does not exist or is not a package folder (no manifest.json)",
+    cannot_run=UNAVAILABLE_HELP)
+
+
+@click.command("inspect", epilog=INSPECT_EXIT_CODES)
 @click.argument("path", type=click.Path(exists=True, file_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Print report.json and manifest.json as one JSON object.")
+@reports_errors
 def inspect(path: str, as_json: bool) -> None:
     """Verify the package folder PATH (digests, schemas) and print its summary."""
-    try:
-        package = read_package(path)
-    except MegaBakeError as exc:
-        raise click.ClickException(str(exc)) from exc
+    from pathlib import Path
+
+    if not (Path(path) / "manifest.json").is_file():
+        raise InputError(f"{path} is not a package folder: manifest.json is missing. fix: pass the variant "
+                         "folder packages/<org>--<model>/<rev>/<variant>/ written by `megabake bake` "
+                         "(`megabake ls` lists them)")
+    package = read_package(path)  # a PackageError (digest, schema) exits 1 with the cause and the fix
     if as_json:
         click.echo(json.dumps({"path": str(package.path), "report": package.report, "manifest": package.manifest},
                               indent=2))

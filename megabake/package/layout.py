@@ -20,7 +20,7 @@ _GPU_CLASS = r"sm(?P<cc>[0-9]+)(?P<suffix>[a-z]*)-(?P<sm_count>[0-9]+)sm"
 GPU_CLASS_RE = re.compile(rf"^{_GPU_CLASS}$")
 VARIANT_RE = re.compile(rf"^(?P<mode>[a-z]+)-b(?P<batch>[0-9]+)-c(?P<capacity>[0-9]+)-(?P<gpu_class>{_GPU_CLASS})$")
 MODEL_ID_RE = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*/)?[A-Za-z0-9][A-Za-z0-9._-]*$")
-MODEL_REVISION_RE = re.compile(r"^([0-9a-f]{40}|random-seed[0-9]+)$")
+MODEL_REVISION_RE = re.compile(r"^([0-9a-f]{40}|random-seed[0-9]+|sha256-[0-9a-f]{16})$")
 
 
 @dataclass(frozen=True, order=True)
@@ -80,7 +80,7 @@ def model_dirname(model_id: str) -> str:
 def check_model_revision(model_revision: str) -> str:
     if not MODEL_REVISION_RE.match(model_revision):
         raise ValueError(f"model revision {model_revision!r} must be a resolved 40-hex commit sha "
-                         "or 'random-seed<N>' for preset weights")
+                         "or 'random-seed<N>' for preset weights, or 'sha256-<16 hex>' for local weights")
     return model_revision
 
 

@@ -91,6 +91,8 @@ class PackedWeight:
 @dataclass
 class Tiling:
     kind: str  # rows (GEMV rows over warps) | heads (one (batch, head) per CTA) | chunks (elements over CTAs)
+    #          | kv_splits (split-KV attention: (split, batch, KV head) items over CTAs; per_tile = minimum
+    #          positions per split, unroll = K/V rows in flight per lane group)
     units: int  # rows, heads or elements covered
     per_tile: int
     tiles: int
@@ -520,8 +522,13 @@ def _check_pipeline(tuning: dict[str, GemvTuning], threads: int) -> None:
 
 def build_plan(ir: IRGraph, *, ctas: int = 132, threads: int = 256, weight_dtype: str = "bfloat16",
                rotary_scaling: float = 1.0, inv_freq_buffer: str = "",
-               tuning: dict[str, GemvTuning] | None = None, attention_preload: bool = False) -> Plan:
+               tuning: dict[str, GemvTuning] | None = None, attention_preload: bool = False,
+               split_kv: bool | None = None) -> Plan:
     """Turn recognised IR into a plan for a grid of ``ctas`` CTAs of ``threads`` threads.
+
+    ``split_kv`` (default: on unless ``attention_preload``) splits decode attention's cached keys across CTAs
+    (flash decoding, ``bodies.split_kv_attention``); off, one CTA reads a (batch, head)'s whole cache (the
+    layout attention preload needs).
 
     ``tuning`` overrides the GEMV tiling of named stages (``GEMV_STAGES``); the rest keep ``DEFAULT_TUNING``.
     ``attention_preload`` loads each lane group's first cached K/V rows before the barrier that precedes
@@ -547,11 +554,15 @@ def build_plan(ir: IRGraph, *, ctas: int = 132, threads: int = 256, weight_dtype
         if k % 8:
             raise PlanError(f"a GEMV reduction length of {k} is not a multiple of 8 (16-byte bf16 vectors)")
     batch, capacity = ir.batch, ir.capacity
-    _check_shared_memory(dims, batch, capacity, threads)
-    ring = _check_ring(tuning, threads, _smem_bytes(dims, batch, capacity, threads))
+    if split_kv is None:
+        split_kv = not attention_preload
+    if split_kv and attention_preload:
+        raise PlanError("attention preload applies to the unsplit attention: pass split_kv=False with it")
+    _check_shared_memory(dims, batch, capacity, threads, split_kv)
+    ring = _check_ring(tuning, threads, _smem_bytes(dims, batch, capacity, threads, split_kv))
     layers = [_bind_layer(block) for block in blocks]
     tied = lm_head.weight == embed.table
-    stages = _stages(dims, batch, tuning)
+    stages = _stages(dims, batch, tuning, _attention_tiling(dims, batch, ctas, threads, split_kv))
     if attention_preload:
         _check_attention_preload(dims, batch, ctas)
     for stage in stages:
@@ -565,9 +576,9 @@ def build_plan(ir: IRGraph, *, ctas: int = 132, threads: int = 256, weight_dtype
     rotary_ops = [op.id for op in ir.of_kind(RotaryTable)]
     return Plan(
         version=PLAN_VERSION, dims=dims, batch=batch, capacity=capacity, ctas=ctas, threads=threads,
-        smem_bytes=_smem_bytes(dims, batch, capacity, threads) + ring, weight_dtype=weight_dtype,
+        smem_bytes=_smem_bytes(dims, batch, capacity, threads, split_kv) + ring, weight_dtype=weight_dtype,
         buffers=_buffers(dims, batch, capacity, weight_dtype, tied) + _bias_buffers(dims, biased)
-        + _head_norm_buffers(dims, head_norms),
+        + _head_norm_buffers(dims, head_norms) + _split_kv_buffers(dims, batch, stages),
         packed=_packing(blocks, embed, final_norm, lm_head, tied) + _bias_packing(blocks, biased)
         + _head_norm_packing(blocks, head_norms),
         stages=stages, layers=layers,
@@ -698,7 +709,41 @@ def _head_norm_packing(blocks: list[_Block], head_norms: bool) -> list[PackedWei
                                             for block in blocks])]
 
 
-def _stages(dims: ModelDims, batch: int, tuning: dict[str, GemvTuning]) -> list[Stage]:
+SPLIT_KV_UNROLL = 4  # K and V rows in flight per lane group and iteration
+SPLIT_KV_MIN_CHUNK = 128  # fewest positions per split: short contexts stay in one split (no merge)
+ATTN_PART = "attn_part"  # split-KV partials [B, heads, splits, head_dim + 2]: accumulator, max, sum
+ATTN_COUNT = "attn_count"  # split-KV arrival counters [B * kv_heads] (int32, reset by the last arrival)
+
+
+def _attention_tiling(dims: ModelDims, batch: int, ctas: int, threads: int, split_kv: bool) -> Tiling:
+    if not split_kv:
+        return Tiling("heads", batch * dims.n_heads, 1, batch * dims.n_heads)
+    groups = batch * dims.n_kv_heads
+    splits = max(1, ctas // groups)
+    stride = (threads // WARP) * (WARP // (dims.head_dim // 8))  # positions one CTA pass covers
+    step = stride * SPLIT_KV_UNROLL
+    min_chunk = -(-SPLIT_KV_MIN_CHUNK // step) * step
+    return Tiling("kv_splits", groups, min_chunk, groups * splits, unroll=SPLIT_KV_UNROLL)
+
+
+def kv_splits(plan_or_tiling) -> int:
+    """Splits per (batch, KV head) of a split-KV attention tiling (0 when attention is not split)."""
+    tiling = plan_or_tiling
+    if isinstance(plan_or_tiling, Plan):
+        tiling = next(s.tiling for s in plan_or_tiling.stages if s.kind == "attention")
+    return tiling.tiles // tiling.units if tiling.kind == "kv_splits" else 0
+
+
+def _split_kv_buffers(dims: ModelDims, batch: int, stages: list[Stage]) -> list[Buffer]:
+    tiling = next(s.tiling for s in stages if s.kind == "attention")
+    splits = kv_splits(tiling)
+    if not splits:
+        return []
+    return [Buffer(ATTN_PART, "workspace", "float32", [batch, dims.n_heads, splits, dims.head_dim + 2]),
+            Buffer(ATTN_COUNT, "sync", "int32", [batch * dims.n_kv_heads])]
+
+
+def _stages(dims: ModelDims, batch: int, tuning: dict[str, GemvTuning], attention: Tiling) -> list[Stage]:
     H = dims.hidden
     lm = "embed"  # tied default; the runtime binds lm_head to the right buffer
     return [
@@ -707,8 +752,7 @@ def _stages(dims: ModelDims, batch: int, tuning: dict[str, GemvTuning]) -> list[
         Stage(1, "norm_qkv", "layer", "norm_gemv", ["x", "norms", "w_qkv"], ["qkv"], _rows_tiling(dims.qkv_rows, tuning["norm_qkv"]),
               _STAGE_ROLES["norm_qkv"]),
         Stage(2, "attention", "layer", "attention", ["qkv", "rope_cos", "rope_sin", "k_cache", "v_cache", "position"],
-              ["attn", "k_cache", "v_cache"], Tiling("heads", batch * dims.n_heads, 1, batch * dims.n_heads),
-              _STAGE_ROLES["attention"]),
+              ["attn", "k_cache", "v_cache"], attention, _STAGE_ROLES["attention"]),
         Stage(3, "o_residual", "layer", "gemv_residual", ["attn", "w_o", "x"], ["x"], _rows_tiling(H, tuning["o_residual"]),
               _STAGE_ROLES["o_residual"]),
         Stage(4, "norm_gate_up", "layer", "norm_gemv", ["x", "norms", "w_gate_up"], ["gate_up"],
@@ -720,26 +764,30 @@ def _stages(dims: ModelDims, batch: int, tuning: dict[str, GemvTuning]) -> list[
     ]
 
 
-def smem_floats(dims: ModelDims, batch: int, capacity: int, threads: int) -> dict[str, int]:
-    """Shared-memory scratch in fp32 elements: GEMV input vectors, reductions, attention scratch."""
+def smem_floats(dims: ModelDims, batch: int, capacity: int, threads: int, split_kv: bool = False) -> dict[str, int]:
+    """Shared-memory scratch in fp32 elements: GEMV input vectors, reductions, attention scratch (unsplit: one
+    head's scores over the whole capacity; split-KV: the group's queries and per-warp partials, no capacity)."""
     warps = threads // WARP
+    group = dims.n_heads // dims.n_kv_heads
+    att = (group * dims.head_dim + 8 * ((group + 8) // 8) + 8 + (dims.head_dim + 2) * group * warps if split_kv
+           else dims.head_dim + capacity + warps * dims.head_dim)
     return {
         "vec_width": max(dims.hidden, dims.q_rows, dims.intermediate),
         "red": warps * max(batch, 1),
-        "att": dims.head_dim + capacity + warps * dims.head_dim,
+        "att": att,
     }
 
 
 HOPPER_SMEM_PER_BLOCK = 227 * 1024  # opt-in maximum of dynamic shared memory per CTA on SM90
 
 
-def _check_shared_memory(dims: ModelDims, batch: int, capacity: int, threads: int) -> None:
+def _check_shared_memory(dims: ModelDims, batch: int, capacity: int, threads: int, split_kv: bool = False) -> None:
     """The kernel stages each GEMV input row (fp32) and the attention scores of one head in shared memory."""
-    need = _smem_bytes(dims, batch, capacity, threads)
+    need = _smem_bytes(dims, batch, capacity, threads, split_kv)
     if need <= HOPPER_SMEM_PER_BLOCK:
         return
-    floats = smem_floats(dims, batch, capacity, threads)
-    spare = HOPPER_SMEM_PER_BLOCK - (need - 4 * capacity)
+    floats = smem_floats(dims, batch, capacity, threads, split_kv)
+    spare = HOPPER_SMEM_PER_BLOCK - (need - 4 * capacity) if not split_kv else 0
     max_capacity = max(0, spare // 4)
     max_batch = max(0, (HOPPER_SMEM_PER_BLOCK - (need - 4 * batch * floats["vec_width"])) // (4 * floats["vec_width"]))
     fixes = [f"--batch {max_batch} or less at this capacity"] if max_batch >= 1 else []
@@ -766,6 +814,6 @@ def _check_ring(tuning: dict[str, GemvTuning], threads: int, other_bytes: int) -
     return ring + 16
 
 
-def _smem_bytes(dims: ModelDims, batch: int, capacity: int, threads: int) -> int:
-    floats = smem_floats(dims, batch, capacity, threads)
+def _smem_bytes(dims: ModelDims, batch: int, capacity: int, threads: int, split_kv: bool = False) -> int:
+    floats = smem_floats(dims, batch, capacity, threads, split_kv)
     return 4 * (batch * floats["vec_width"] + floats["red"] + floats["att"]) + 3 * 16

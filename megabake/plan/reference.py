@@ -126,9 +126,11 @@ class ReferenceExecutor:
         self._gemv(stage, self.w[self.lm_head], normed, self.buffers["logits"], accumulate=False)
 
     def _stage_attention(self, stage, layer, tokens, position):
-        d = self.plan.dims
         if not 0 <= position < self.plan.capacity:
             raise IndexError(f"position {position} outside the KV capacity {self.plan.capacity}")
+        if stage.tiling.kind == "kv_splits":
+            return self._split_kv_attention(stage, layer, position)
+        d = self.plan.dims
         qkv, attn = self.buffers["qkv"], self.buffers["attn"]
         kc, vc = self.buffers["k_cache"][layer], self.buffers["v_cache"][layer]
         group = d.n_heads // d.n_kv_heads
@@ -158,6 +160,66 @@ class ReferenceExecutor:
             probs = torch.softmax(scores, dim=0)
             attn[b, head * d.head_dim:(head + 1) * d.head_dim] = probs @ values
         self.tile_owners[stage.name] = owners
+
+
+    def _roped_group(self, layer, b, kvh, position):
+        """The group's roped queries [G, D] (scaled by attn_scale, as the kernel folds it) and the new k, v."""
+        d, qkv = self.plan.dims, self.buffers["qkv"]
+        group = d.n_heads // d.n_kv_heads
+        cos, sin = self.cos[position], self.sin[position]
+        queries = []
+        for h in range(group):
+            q = qkv[b, (kvh * group + h) * d.head_dim:(kvh * group + h + 1) * d.head_dim]
+            if self.plan.has_head_norms:
+                q = self._rmsnorm(q, self.w["qk_norms"][layer, 0])
+            queries.append(_rope(q, cos, sin) * d.attn_scale)
+        k_off, v_off = d.q_rows + kvh * d.head_dim, d.q_rows + d.kv_rows + kvh * d.head_dim
+        k = qkv[b, k_off:k_off + d.head_dim]
+        if self.plan.has_head_norms:
+            k = self._rmsnorm(k, self.w["qk_norms"][layer, 1])
+        return torch.stack(queries), _rope(k, cos, sin), qkv[b, v_off:v_off + d.head_dim]
+
+    def _split_kv_attention(self, stage, layer, position):
+        """Mirror of ``bodies.split_kv_attention``: (split, batch, KV head) items over CTAs, each a partial softmax
+        (max, sum, accumulator) over its chunk for every query head of the group, merged exactly."""
+        d, plan = self.plan.dims, self.plan
+        groups, splits = stage.tiling.units, stage.tiling.tiles // stage.tiling.units
+        group = d.n_heads // d.n_kv_heads
+        n = position + 1
+        minimum = stage.tiling.per_tile
+        chunk = max(_ceil_div(_ceil_div(n, splits), minimum) * minimum, minimum)
+        active = _ceil_div(n, chunk)
+        owners, partials = {}, {}
+        for item in range(groups * splits):
+            split, g = divmod(item, groups)
+            owners[item] = (item % plan.ctas, 0)
+            if split >= active:
+                continue
+            b, kvh = divmod(g, d.n_kv_heads)
+            start, end = split * chunk, min(split * chunk + chunk, n)
+            queries, k_new, v_new = self._roped_group(layer, b, kvh, position)
+            kc, vc = self.buffers["k_cache"][layer, b, kvh], self.buffers["v_cache"][layer, b, kvh]
+            if end == n:  # the split holding `position` appends this step's key and value
+                kc[position], vc[position] = k_new.to(self.cache_dtype), v_new.to(self.cache_dtype)
+            scores = queries @ kc[start:end].float().T  # [G, chunk]
+            top = scores.max(dim=1).values
+            weights = torch.exp(scores - top[:, None])
+            partials[(g, split)] = (top, weights.sum(dim=1), weights @ vc[start:end].float())
+        attn = self.buffers["attn"]
+        for g in range(groups):
+            b, kvh = divmod(g, d.n_kv_heads)
+            parts = [partials[(g, s)] for s in range(active)]
+            top = torch.stack([p[0] for p in parts]).max(dim=0).values
+            scale = [torch.exp(p[0] - top) for p in parts]
+            total = sum(p[1] * c for p, c in zip(parts, scale))
+            out = sum(p[2] * c[:, None] for p, c in zip(parts, scale)) / total[:, None]
+            first = kvh * group * d.head_dim
+            attn[b, first:first + group * d.head_dim] = out.reshape(-1)
+        self.tile_owners[stage.name] = owners
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ from ..errors import DeviceError, InputError, MegaBakeError
 from ..plan import Plan
 from ..plan.packing import pack_weights, rotary_tables, torch_dtype
 from ..plan.reference import ReferenceExecutor
-from ..plan.rotary import exact_inv_freq
+from ..rope import cast_model, exact_inv_freq, exact_rotary_buffers, restore_rotary_buffers
 
 
 @dataclass(frozen=True)
@@ -92,14 +92,16 @@ class MegakernelDecoder:
         self.launches_per_step = 1
         self._graph = None
         self._use_graph = use_graph
-        # RoPE tables come from the fp32 inverse frequencies, before any cast to bf16 rounds them.
+        # One source of RoPE frequencies (megabake.rope): the kernel's tables, the prefill that writes the
+        # prompt's keys and every reference use the exact fp32 inverse frequencies, whatever the weights' dtype.
         self.inv_freq_fp32 = exact_inv_freq(model, plan.rotary.inv_freq_buffer)
         if self.backend == "cuda":
             self.gpu = require_hopper(device)
             check_admission(plan, self.gpu)
-            self.model = model.to(device=device, dtype=torch.bfloat16)
+            self.model = cast_model(model, device=device, dtype=torch.bfloat16)
             self._bind_cuda()
         elif self.backend == "reference":
+            restore_rotary_buffers(model, exact_rotary_buffers(model))  # a bf16 model's rounded buffers
             self.model = model
             dtype = next(model.parameters()).dtype
             weights = pack_weights(plan, model.get_parameter, dtype=dtype)
@@ -237,9 +239,7 @@ class MegakernelDecoder:
         """
         import copy
 
-        reference = copy.deepcopy(self.model).float()
-        reference.get_buffer(self.plan.rotary.inv_freq_buffer).copy_(self.inv_freq_fp32)
-        return reference
+        return cast_model(copy.deepcopy(self.model), dtype=torch.float32)
 
     @torch.no_grad()
     def prefill(self, prompt_ids) -> torch.Tensor:
@@ -289,7 +289,11 @@ class MegakernelDecoder:
 
     # ------------------------------------------------------------------------------------- package
     @classmethod
-    def from_package(cls, package_dir, *, device=None, model=None, use_graph: bool = True) -> "MegakernelDecoder":
+    def from_package(cls, package_dir, *, device=None, model=None, model_path=None,
+                     use_graph: bool = True) -> "MegakernelDecoder":
+        """Bind a package folder. The model is rebuilt from the report (preset + seed, Hub repo @ revision, or
+        the local folder / .gguf it was baked from, or its copy at ``model_path``; local weights must still
+        match the report's sha256) unless ``model`` is given (its config must match)."""
         package_dir = Path(package_dir)
         try:
             plan = Plan.from_json((package_dir / "plan.json").read_text())
@@ -298,19 +302,24 @@ class MegakernelDecoder:
         except FileNotFoundError as exc:
             raise MegaBakeError(f"{package_dir} is not a MegaBake package: missing {Path(exc.filename).name}") from exc
         if model is None:
-            model = load_model_for_report(report)
+            model = load_model_for_report(report, model_path=model_path)
         else:
             check_model_matches(report, model)
         device = torch.device(device) if device is not None else None
         return cls(plan, source, model, device=device, package_dir=package_dir, report=report, use_graph=use_graph)
 
 
-def load_model_for_report(report: dict):
-    """Rebuild the model a package was baked from: a preset with its seed, or a Hub repo at its revision."""
+def load_model_for_report(report: dict, model_path=None):
+    """Rebuild the model a package was baked from: a preset with its seed, a Hub repo at its revision, or the
+    local folder / .gguf file (at ``model_path`` if it moved), refused when its weights' digest changed."""
     from ..presets import get_preset, is_preset
 
     info = report["model"]
-    if info.get("preset") and is_preset(info["preset"]):
+    if info.get("local"):
+        from ..sources import load_local
+
+        model = load_local(info["local"], model_path)
+    elif info.get("preset") and is_preset(info["preset"]):
         model = get_preset(info["preset"]).build_model(seed=info.get("seed") or 0)
     else:
         from transformers import AutoModelForCausalLM

@@ -53,11 +53,12 @@ def _free_device_memory() -> None:
 
 
 def verify_package(path, *, steps=64, prefill: int = 16, samples: int = 40, baselines=None,
-                   device=None, model=None) -> dict:
+                   device=None, model=None, model_path=None) -> dict:
     """Verify the package folder ``path`` on this machine's Hopper GPU and update its report.json.
 
     ``model``: the model the package was baked from, when the caller still holds it (saves rebuilding it;
-    the package's config hash is still checked against it)."""
+    the package's config hash is still checked against it). ``model_path``: where a local model folder or
+    .gguf file the package was baked from lies now (digest-checked)."""
     from megabake.package import read_package, update_report
 
     path = Path(path)
@@ -65,7 +66,7 @@ def verify_package(path, *, steps=64, prefill: int = 16, samples: int = 40, base
     require_hopper(device)
     from megabake.runtime import MegakernelDecoder
 
-    decoder = MegakernelDecoder.from_package(path, device=device or "cuda", model=model)
+    decoder = MegakernelDecoder.from_package(path, device=device or "cuda", model=model, model_path=model_path)
     report = verify_decoder(decoder, package.report, steps=steps, prefill=prefill, samples=samples,
                             baselines=baselines)
     update_report(path, report)

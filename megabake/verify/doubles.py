@@ -29,7 +29,9 @@ class EagerDecoder:
         self.vocab_size = int(model.config.vocab_size)
         self.device = model_device(model)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        runner_model = copy.deepcopy(model).float() if exact else model
+        from ..rope import cast_model
+
+        runner_model = cast_model(copy.deepcopy(model), dtype=torch.float32) if exact else model
         self._runner = ReferenceDecoder(runner_model, capacity=capacity, fp32=exact)
         self._perturb = perturb
         self._steps = 0

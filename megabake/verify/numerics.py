@@ -9,13 +9,17 @@ of the logits against fp32 and against eager bf16, KL(fp32 || decoder), top-1 ag
 (the decoder's top-1 token is one of eager bf16's top-1 tokens: bf16 logits tie), finiteness. At the end
 the KV caches are compared over the written positions, and positions past them must still be zero.
 
-Pass rule (``judge``): at every step the decoder's rel-L2 to fp32 is at most ``slack`` x eager bf16's
-rel-L2 to fp32; the KV cache likewise; top-1 agreement with eager bf16 >= ``top1_min`` over the *decisive*
-steps (the fp32 reference's top-1/top-2 gap exceeds twice eager bf16's max-abs error, so bf16 precision can
-resolve the top-1 at all: random-weight models have near-flat logits where eager bf16's own rounding flips
-the argmax); and the decoder picks the fp32 top-1 at least as often as eager bf16 does (or >= top1_min).
-Raw agreement over all steps is reported too. No NaN or Inf in any logits or the KV cache. Each failure
-names the step, the position and the metric.
+Pass rule (``judge``), judged over the whole run by robust statistics against eager bf16's, never by
+one step: the decoder's worst (max) and median rel-L2 to fp32 over the steps are each at most ``slack`` x
+eager bf16's worst and median rel-L2 to fp32 (a race or a wrong step shows as a worst far above eager's
+worst; a systematic error as a median above eager's median), while one step where eager bf16 happens to land
+unusually close to fp32 does not fail a run that is closer to fp32 on average and in the worst case; the
+KV cache's rel-L2 is at most ``slack`` x eager's; top-1 agreement with eager bf16 >= ``top1_min`` over the
+*decisive* steps (the fp32 reference's top-1/top-2 gap exceeds twice eager bf16's max-abs error, so bf16
+precision can resolve the top-1 at all: random-weight models have near-flat logits where eager bf16's own
+rounding flips the argmax); and the decoder picks the fp32 top-1 at least as often as eager bf16 does (or
+>= top1_min). Per-step numbers stay in the report. No NaN or Inf in any logits or the KV cache. Each
+failure names the metric and, for per-step failures, the step and the position.
 ``steps="max"`` (or None) decodes up to the bucket's capacity.
 """
 
@@ -96,8 +100,7 @@ class NumericsResult:
         cfg = self.config
         summary = {
             "top1_agreement": self.top1_agreement,
-            "max_rel_l2_vs_fp32": _json_float(max((m.rel_l2_vs_fp32 for m in self.per_step), default=0.0)),
-            "max_rel_l2_bf16_vs_fp32": _json_float(max((m.rel_l2_bf16_vs_fp32 for m in self.per_step), default=0.0)),
+            **{k: _json_float(v) for k, v in error_stats(self.per_step).items()},
             "kv_cache_rel_l2": _json_float(self.kv.rel_l2) if self.kv else None,
             "kv_cache_max_abs": _json_float(self.kv.max_abs) if self.kv else None,
             **self.top1_stats(),
@@ -207,16 +210,35 @@ def _within(err: float, level: float, slack: float) -> bool:
     return math.isfinite(err) and err <= slack * level + ABS_TOL
 
 
+def error_stats(per_step: list[StepMetrics]) -> dict:
+    """Worst and median rel-L2 to fp32 over the steps, of the decoder and of eager bf16 (the pass rule's inputs)."""
+    ours = [m.rel_l2_vs_fp32 for m in per_step]
+    eager = [m.rel_l2_bf16_vs_fp32 for m in per_step]
+    if not per_step:
+        return {"max_rel_l2_vs_fp32": 0.0, "median_rel_l2_vs_fp32": 0.0,
+                "max_rel_l2_bf16_vs_fp32": 0.0, "median_rel_l2_bf16_vs_fp32": 0.0}
+    return {"max_rel_l2_vs_fp32": max(ours), "median_rel_l2_vs_fp32": _median(ours),
+            "max_rel_l2_bf16_vs_fp32": max(eager), "median_rel_l2_bf16_vs_fp32": _median(eager)}
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
+
+
 def judge(per_step: list[StepMetrics], kv: KVMetrics | None, *, slack: float, top1_min: float) -> list[str]:
     """The failures of the pass rule (module doc); empty means pass."""
-    failures = []
-    for m in per_step:
-        where = f"step {m.step} (position {m.position})"
-        if not m.finite:
-            failures.append(f"{where}: finite: logits hold NaN or Inf")
-        elif not _within(m.rel_l2_vs_fp32, m.rel_l2_bf16_vs_fp32, slack):
-            failures.append(f"{where}: rel_l2_vs_fp32 {m.rel_l2_vs_fp32:.3g} > {slack} x eager bf16 "
-                            f"{m.rel_l2_bf16_vs_fp32:.3g}")
+    failures = [f"step {m.step} (position {m.position}): finite: logits hold NaN or Inf"
+                for m in per_step if not m.finite]
+    if not failures:
+        stats = error_stats(per_step)
+        for which in ("max", "median"):
+            ours, eager = stats[f"{which}_rel_l2_vs_fp32"], stats[f"{which}_rel_l2_bf16_vs_fp32"]
+            if not _within(ours, eager, slack):
+                worst = max(per_step, key=lambda m: m.rel_l2_vs_fp32)
+                failures.append(f"{which} rel_l2_vs_fp32 {ours:.3g} > {slack} x eager bf16's {which} {eager:.3g} "
+                                f"over {len(per_step)} steps (worst: step {worst.step}, position {worst.position})")
     stats = top1_stats(per_step)
     agreement = stats["top1_agreement_decisive"]
     if agreement < top1_min:

@@ -117,7 +117,14 @@ class ReferenceDecoder:
 
 
 def reference_models(model):
-    """(eager bf16 model, fp32 model) holding ``model``'s weights; the bf16 one is ``model`` if already bf16."""
-    bf16 = model if model_dtype(model) == torch.bfloat16 else copy.deepcopy(model).to(torch.bfloat16)
-    fp32 = copy.deepcopy(model).float()
+    """(eager bf16 model, fp32 model) holding ``model``'s weights; the bf16 one is ``model`` if already bf16.
+
+    Both keep exact fp32 RoPE frequencies (``megabake.rope.cast_model``), as HF's own
+    ``from_pretrained(dtype=torch.bfloat16)`` does: eager bf16 is the model a user would run.
+    """
+    from ..rope import cast_model
+
+    bf16 = model if model_dtype(model) == torch.bfloat16 else copy.deepcopy(model)
+    bf16 = cast_model(bf16, dtype=torch.bfloat16)
+    fp32 = cast_model(copy.deepcopy(model), dtype=torch.float32)
     return bf16.eval(), fp32.eval()

@@ -1,0 +1,190 @@
+"""Long contexts on the H200: real-weights numerics after long prompts, and step time by position.
+
+Usage (on the H200, after ``source .cute/activate.sh``):
+
+    python3 scripts/gpu_long_context.py real GGUF --out DIR     # issue 11/13 table: SmolLM2-135M-Instruct
+    python3 scripts/gpu_long_context.py sweep PRESET... --out DIR [--baseline]
+
+``real``: a capacity-2048 bucket of the GGUF's model; after prefills of 128, 1024, 1900 and 2040 tokens
+(random token ids, teacher-forced), worst and median rel-L2 to fp32 and top-1 vs fp32 of the megakernel and of
+eager bf16 over 30 steps (or all that fit); then greedy answers to chat prompts: the megakernel's, HF fp32's and
+HF bf16's tokens, common-prefix lengths, and teacher-forced top-1 agreement with fp32 along fp32's answer.
+
+``sweep``: GPU time per step (CUDA events over graph replays, median of 5 x 50) at positions 16, 1000, 2000,
+4000 of a capacity-4096 bucket with a random KV cache, for split-KV attention and the unsplit kind; with
+``--baseline`` also the hand-captured ``inductor-graph`` step at the same positions. Prints a table last and
+writes ``DIR/*.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+PREFILLS = (128, 1024, 1900, 2040)
+POSITIONS = (16, 1000, 2000, 4000)
+
+
+def real(gguf: Path, out: Path) -> None:
+    from megabake.runtime import MegakernelDecoder, gpu_info
+    from megabake.verify import run_numerics
+    from tests.compiler_fixtures import compile_model
+    from tests.real_weights import CHAT_PROMPTS, _fp32_model_and_tokenizer, chat_ids
+
+    model, tokenizer = _fp32_model_and_tokenizer(str(gguf))
+    compiled = compile_model(copy.deepcopy(model), capacity=2048, ctas=gpu_info().sm_count)
+    decoder = MegakernelDecoder(compiled.plan, compiled.generated.source, copy.deepcopy(model), device="cuda")
+    rows = []
+    for prefill in PREFILLS:
+        numerics = run_numerics(decoder, prefill=prefill, steps=min(30, 2048 - prefill), seed=prefill)
+        rows.append({"prefill": prefill, "steps": numerics["steps"], "pass": numerics["pass"],
+                     "failures": numerics["failures"][:3], **numerics["summary"]})
+    chats = _chats(decoder, model, tokenizer, CHAT_PROMPTS, chat_ids)
+    (out / "real_weights.json").write_text(json.dumps({"numerics": rows, "chats": chats}, indent=1))
+    print("| prefill | steps | pass | worst rel-L2 MB / eager | median rel-L2 MB / eager | top-1 vs fp32 MB / eager |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['prefill']} | {r['steps']} | {r['pass']} | {r['max_rel_l2_vs_fp32']:.4f} / "
+              f"{r['max_rel_l2_bf16_vs_fp32']:.4f} | {r['median_rel_l2_vs_fp32']:.4f} / "
+              f"{r['median_rel_l2_bf16_vs_fp32']:.4f} | {r['top1_vs_fp32']:.2f} / {r['bf16_top1_vs_fp32']:.2f} |")
+    print("| prompt | common prefix MB/fp32 | bf16/fp32 | fp32 tokens | teacher-forced top-1 MB / bf16 | megakernel text |")
+    print("|---|---|---|---|---|---|")
+    for c in chats:
+        print(f"| {c['prompt']} | {c['common_megakernel']} | {c['common_bf16']} | {c['fp32_tokens']} | "
+              f"{c['top1_megakernel']:.2f} / {c['top1_bf16']:.2f} | {c['megakernel_text']!r} |")
+
+
+@torch.no_grad()
+def _chats(decoder, model, tokenizer, prompts, chat_ids, new_tokens: int = 32) -> list[dict]:
+    from megabake.rope import cast_model
+
+    fp32 = copy.deepcopy(model).cuda().eval()
+    bf16 = cast_model(copy.deepcopy(model), device="cuda", dtype=torch.bfloat16).eval()
+    eos = tokenizer.eos_token_id
+    results = []
+    for prompt in prompts:
+        ids = chat_ids(tokenizer, prompt)
+        length = ids.shape[1]
+        ours = decoder.generate(ids, max_new_tokens=new_tokens)[0, length:].tolist()
+        ref = fp32.generate(ids.cuda(), max_new_tokens=new_tokens, do_sample=False)[0, length:].tolist()
+        half = bf16.generate(ids.cuda(), max_new_tokens=new_tokens, do_sample=False)[0, length:].tolist()
+        ours = ours[:ours.index(eos) + 1] if eos in ours else ours
+        path = torch.tensor([ids[0].tolist() + ref])  # fp32's answer, teacher-forced
+        want = fp32(path.cuda()).logits[0, length - 1:-1].argmax(-1).cpu()
+        got_half = bf16(path.cuda()).logits[0, length - 1:-1].argmax(-1).cpu()
+        got = [decoder.prefill(ids).argmax(-1).item()]
+        for i, token in enumerate(ref[:-1]):
+            got.append(decoder.step(torch.tensor([token]), length + i).argmax(-1).item())
+        results.append({
+            "prompt": prompt, "fp32_tokens": len(ref),
+            "common_megakernel": _common(ours, ref), "common_bf16": _common(half, ref),
+            "top1_megakernel": float((torch.tensor(got) == want).float().mean()),
+            "top1_bf16": float((got_half == want).float().mean()),
+            "megakernel_text": tokenizer.decode(ours), "fp32_text": tokenizer.decode(ref),
+        })
+    return results
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def sweep(presets: list[str], out: Path, baseline: bool) -> None:
+    from megabake.codegen import generate
+    from megabake.plan import build_plan
+    from megabake.plan.rotary import recover_rotary
+    from megabake.runtime import MegakernelDecoder, gpu_info
+    from tests.compiler_fixtures import compile_preset
+
+    table = []
+    for name in presets:
+        compiled = compile_preset(name, capacity=4096, ctas=gpu_info().sm_count)
+        inv_freq, scaling = recover_rotary(compiled.captured, compiled.ir)
+        row = {"preset": name}
+        for label, split in (("split", True), ("unsplit", False)):
+            plan = build_plan(compiled.ir, ctas=gpu_info().sm_count, inv_freq_buffer=inv_freq,
+                              rotary_scaling=scaling, split_kv=split)
+            decoder = MegakernelDecoder(plan, generate(plan).source, copy.deepcopy(compiled.model), device="cuda")
+            _random_cache(decoder.buffers["k_cache"], decoder.buffers["v_cache"])
+            step = decoder.step
+            row[label] = {p: _event_ms(lambda p=p: step(torch.tensor([7]), p)) for p in POSITIONS}
+            kv_bytes = decoder.buffers["k_cache"][:, :, :, :1].numel() * 2 * 2  # K and V, one position, bf16
+            del decoder
+            torch.cuda.empty_cache()
+        row["kv_bytes_per_position"] = kv_bytes
+        if baseline:
+            row["inductor-graph"] = _baseline_ms(compiled.model)
+        table.append(row)
+        (out / f"sweep-{name}.json").write_text(json.dumps(row, indent=1))
+    print("| preset | kind | " + " | ".join(f"pos {p}" for p in POSITIONS) + " | 4000 budget (16 + KV@3.5TB/s, +15%) |")
+    print("|---|---|" + "---|" * len(POSITIONS) + "---|")
+    for row in table:
+        budget = (row["split"][16] + row["kv_bytes_per_position"] * 4000 / 3.5e9) * 1.15
+        for kind in ("split", "unsplit", "inductor-graph"):
+            if kind in row:
+                cells = " | ".join(f"{row[kind][p]:.3f}" for p in POSITIONS)
+                print(f"| {row['preset']} | {kind} | {cells} | {budget:.3f} |")
+
+
+def _random_cache(*caches) -> None:
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    for cache in caches:
+        cache.copy_(torch.randn(cache.shape, generator=generator, device="cuda", dtype=torch.float32).to(cache.dtype))
+
+
+def _event_ms(call, inner: int = 50, rounds: int = 5) -> float:
+    for _ in range(5):
+        call()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(inner):
+            call()
+        end.record()
+        torch.cuda.synchronize()
+        samples.append(start.elapsed_time(end) / inner)
+    return statistics.median(samples)
+
+
+@torch.no_grad()
+def _baseline_ms(model) -> dict:
+    from megabake.rope import cast_model
+    from megabake.verify.baselines import build_baseline
+
+    gpu_model = cast_model(copy.deepcopy(model), device="cuda", dtype=torch.bfloat16).eval()
+    prompt = torch.randint(1, model.config.vocab_size, (1, 16), device="cuda")
+    step = build_baseline("inductor-graph", gpu_model, prompt, 4096)
+    ids = torch.tensor([7], device="cuda")
+    return {p: _event_ms(lambda p=p: step.call(ids, torch.tensor([p], device="cuda"))) for p in POSITIONS}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("real", help="real-weights numerics after long prompts + greedy chat text")
+    r.add_argument("gguf", type=Path)
+    r.add_argument("--out", type=Path, required=True)
+    s = sub.add_parser("sweep", help="GPU ms per step by position, split vs unsplit attention")
+    s.add_argument("presets", nargs="+")
+    s.add_argument("--out", type=Path, required=True)
+    s.add_argument("--baseline", action="store_true", help="also time the inductor-graph step")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.command == "real":
+        real(args.gguf, args.out)
+    else:
+        sweep(args.presets, args.out, args.baseline)
+
+
+if __name__ == "__main__":
+    main()
