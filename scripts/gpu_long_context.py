@@ -104,34 +104,40 @@ def sweep(presets: list[str], out: Path, baseline: bool) -> None:
     from megabake.runtime import MegakernelDecoder, gpu_info
     from tests.compiler_fixtures import compile_preset
 
+    from megabake.presets import get_preset
+
     table = []
     for name in presets:
-        compiled = compile_preset(name, capacity=4096, ctas=gpu_info().sm_count)
+        capacity = min(4096, get_preset(name).config.get("max_position_embeddings", 4096))
+        positions = sorted({p for p in POSITIONS if p < capacity - 1} | {min(POSITIONS[-1], capacity - 1)})
+        compiled = compile_preset(name, capacity=capacity, ctas=gpu_info().sm_count)
         inv_freq, scaling = recover_rotary(compiled.captured, compiled.ir)
-        row = {"preset": name}
+        row = {"preset": name, "capacity": capacity, "positions": positions}
         for label, split in (("split", True), ("unsplit", False)):
             plan = build_plan(compiled.ir, ctas=gpu_info().sm_count, inv_freq_buffer=inv_freq,
                               rotary_scaling=scaling, split_kv=split)
             decoder = MegakernelDecoder(plan, generate(plan).source, copy.deepcopy(compiled.model), device="cuda")
             _random_cache(decoder.buffers["k_cache"], decoder.buffers["v_cache"])
             step = decoder.step
-            row[label] = {p: _event_ms(lambda p=p: step(torch.tensor([7]), p)) for p in POSITIONS}
+            row[label] = {p: _event_ms(lambda p=p: step(torch.tensor([7]), p)) for p in positions}
             kv_bytes = decoder.buffers["k_cache"][:, :, :, :1].numel() * 2 * 2  # K and V, one position, bf16
             del decoder
             torch.cuda.empty_cache()
         row["kv_bytes_per_position"] = kv_bytes
         if baseline:
-            row["inductor-graph"] = _baseline_ms(compiled.model)
+            row["inductor-graph"] = _baseline_ms(compiled.model, capacity, positions)
         table.append(row)
         (out / f"sweep-{name}.json").write_text(json.dumps(row, indent=1))
-    print("| preset | kind | " + " | ".join(f"pos {p}" for p in POSITIONS) + " | 4000 budget (16 + KV@3.5TB/s, +15%) |")
-    print("|---|---|" + "---|" * len(POSITIONS) + "---|")
+    print("| preset (capacity) | kind | GPU ms per step at positions | budget at the last position "
+          "(pos-16 step + KV read at 3.5 TB/s, +15%) |")
+    print("|---|---|---|---|")
     for row in table:
-        budget = (row["split"][16] + row["kv_bytes_per_position"] * 4000 / 3.5e9) * 1.15
+        last = row["positions"][-1]
+        budget = (row["split"][16] + row["kv_bytes_per_position"] * last / 3.5e12 * 1e3) * 1.15  # ms
         for kind in ("split", "unsplit", "inductor-graph"):
             if kind in row:
-                cells = " | ".join(f"{row[kind][p]:.3f}" for p in POSITIONS)
-                print(f"| {row['preset']} | {kind} | {cells} | {budget:.3f} |")
+                cells = ", ".join(f"{p}: {row[kind][p]:.3f}" for p in row["positions"])
+                print(f"| {row['preset']} ({row['capacity']}) | {kind} | {cells} | {budget:.3f} |")
 
 
 def _random_cache(*caches) -> None:
@@ -157,15 +163,15 @@ def _event_ms(call, inner: int = 50, rounds: int = 5) -> float:
 
 
 @torch.no_grad()
-def _baseline_ms(model) -> dict:
+def _baseline_ms(model, capacity: int, positions: list[int]) -> dict:
     from megabake.rope import cast_model
     from megabake.verify.baselines import build_baseline
 
     gpu_model = cast_model(copy.deepcopy(model), device="cuda", dtype=torch.bfloat16).eval()
     prompt = torch.randint(1, model.config.vocab_size, (1, 16), device="cuda")
-    step = build_baseline("inductor-graph", gpu_model, prompt, 4096)
+    step = build_baseline("inductor-graph", gpu_model, prompt, capacity)
     ids = torch.tensor([7], device="cuda")
-    return {p: _event_ms(lambda p=p: step.call(ids, torch.tensor([p], device="cuda"))) for p in POSITIONS}
+    return {p: _event_ms(lambda p=p: step.call(ids, torch.tensor([p], device="cuda"))) for p in positions}
 
 
 def main() -> None:

@@ -873,17 +873,20 @@ def _merge_into(m: cute.Tensor, l: cute.Tensor, acc: cute.Tensor, h: cutlass.Con
 
 @cute.jit
 def _online_softmax_chunk(keys: cute.Tensor, values: cute.Tensor, s_q: cute.Tensor, m: cute.Tensor,
-                          l: cute.Tensor, acc: cute.Tensor, first: Int32, end: Int32, sub: Int32,
+                          l: cute.Tensor, acc: cute.Tensor, first: Int32, end: Int32, grp: Int32, sub: Int32,
                           group: cutlass.Constexpr[int], lanes_per_pos: cutlass.Constexpr[int],
                           stride: cutlass.Constexpr[int], unroll: cutlass.Constexpr[int]):
-    """One lane group's positions first, first + stride, ... < end: ``unroll`` K and V rows in flight, every
-    query head of the group scored against each key row once loaded (GQA packing), online softmax per head."""
+    """Lane group ``grp`` of a warp takes positions first + grp, first + grp + stride, ... < end: ``unroll`` K and
+    V rows in flight, every query head of the group scored against each key row once loaded (GQA packing),
+    online softmax per head. The loop bounds depend on the warp only (``first``), never on the lane group:
+    every lane runs the same iterations, so the lane-group shuffles stay converged; positions past ``end``
+    load a clamped row and are masked out."""
     kf = cute.make_rmem_tensor(cute.make_layout((VEC, unroll)), Float32)
     vf = cute.make_rmem_tensor(cute.make_layout((VEC, unroll)), Float32)
     scores = cute.make_rmem_tensor(cute.make_layout(unroll), Float32)
     for base in range(first, end, stride * unroll):
         for u in cutlass.range_constexpr(unroll):
-            t = cutlass.min(base + u * stride, end - 1)
+            t = cutlass.min(base + grp + u * stride, end - 1)
             kf[(None, u)].store(cute.zipped_divide(keys[t, None], (VEC,))[(None, sub)].load().to(Float32))
             vf[(None, u)].store(cute.zipped_divide(values[t, None], (VEC,))[(None, sub)].load().to(Float32))
         for h in cutlass.range_constexpr(group):
@@ -898,7 +901,7 @@ def _online_softmax_chunk(keys: cute.Tensor, values: cute.Tensor, s_q: cute.Tens
                     part = part + cute.arch.shuffle_sync_bfly(part, offset)
                     offset //= 2
                 score = Float32(ATT_NEG)
-                if base + u * stride < end:
+                if base + grp + u * stride < end:
                     score = part
                 scores[u] = score
                 top = cute.arch.fmax(top, score)
@@ -908,7 +911,7 @@ def _online_softmax_chunk(keys: cute.Tensor, values: cute.Tensor, s_q: cute.Tens
                 acc[h * VEC + e] = acc[h * VEC + e] * correction
             for u in cutlass.range_constexpr(unroll):
                 p = Float32(0.0)
-                if base + u * stride < end:
+                if base + grp + u * stride < end:
                     p = cute.math.exp(scores[u] - top)
                 total = total + p
                 for e in cutlass.range_constexpr(VEC):
@@ -984,7 +987,7 @@ def split_kv_attention(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Te
             for e in cutlass.range_constexpr(group * VEC):
                 acc[e] = Float32(0.0)
             _online_softmax_chunk(k_cache[b, kvh, None, None], v_cache[b, kvh, None, None], s_q, m, l, acc,
-                                  start + warp * pos_per_warp + grp, end, sub, group, lanes_per_pos, stride, unroll)
+                                  start + warp * pos_per_warp, end, grp, sub, group, lanes_per_pos, stride, unroll)
             for h in cutlass.range_constexpr(group):  # lane groups of a warp: butterfly merge
                 offset = lanes_per_pos
                 while cutlass.const_expr(offset < WARP):
