@@ -397,3 +397,41 @@ def test_split_kv_attention_matches_eager_fp32_near_0_at_split_boundaries_and_at
 @functools.lru_cache(maxsize=1)
 def _split_tiny():
     return compile_preset("tiny-llama", capacity=1024)
+
+
+def test_generate_stops_at_eos_samples_by_seed_and_streams(tiny):
+    """megabake.generation on the reference backend: greedy = HF, EOS stops, same seed = same sample, streamer."""
+    import torch
+
+    from megabake.runtime import MegakernelDecoder
+
+    decoder = MegakernelDecoder(tiny.plan, tiny.generated.source, tiny.model, device="cpu")
+    prompt = torch.tensor([[5, 9, 3]])
+    greedy = decoder.generate(prompt, max_new_tokens=6, eos_token_id=[])
+    eos = int(greedy[0, 4])  # a token the greedy answer makes: generation must stop right after its first one
+    first_eos = 3 + greedy[0, 3:].tolist().index(eos)
+    stopped = decoder.generate(prompt, max_new_tokens=6, eos_token_id=eos, return_details=True)
+    assert stopped.stopped_by == "eos" and stopped.tokens.tolist() == greedy[:, :first_eos + 1].tolist()
+    first = decoder.generate(prompt, max_new_tokens=5, do_sample=True, temperature=1.5, top_k=20, top_p=0.9,
+                             seed=7, eos_token_id=[])
+    again = decoder.generate(prompt, max_new_tokens=5, do_sample=True, temperature=1.5, top_k=20, top_p=0.9,
+                             seed=7, eos_token_id=[])
+    assert first.tolist() == again.tolist()
+
+    class Recorder:
+        def __init__(self):
+            self.calls = []
+
+        def put(self, value):
+            self.calls.append(value.reshape(-1).tolist())
+
+        def end(self):
+            self.calls.append("end")
+
+    streamer = Recorder()
+    out = decoder.generate(prompt, max_new_tokens=4, eos_token_id=[], streamer=streamer)
+    assert streamer.calls == [[5, 9, 3]] + [[t] for t in out[0, 3:].tolist()] + ["end"]
+    with pytest.raises(InputError, match="top_p"):
+        decoder.generate(prompt, max_new_tokens=2, do_sample=True, top_p=0.0)
+    with pytest.raises(InputError, match="stop_strings need a tokenizer"):
+        decoder.generate(prompt, max_new_tokens=2, stop_strings=["x"])

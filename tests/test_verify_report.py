@@ -86,7 +86,8 @@ def test_perturbed_logit_turns_status_failed_naming_step_and_metric(base_report,
                                        toolchain=toolchain()))
     assert report["status"] == "failed"
     assert report["numerics"]["pass"] is False
-    assert "numerics: step 5 (position 9): rel_l2_vs_fp32" in " | ".join(report["status_reasons"])
+    assert "numerics: max rel_l2_vs_fp32" in " | ".join(report["status_reasons"])
+    assert "(worst: step 5, position 9)" in " | ".join(report["status_reasons"])
     assert all(r.startswith("numerics: ") for r in report["status_reasons"])
 
 

@@ -5,7 +5,8 @@ workspace of one bucket. ``step(token_ids, position) -> logits [B, V]`` (fp32, a
 runs one decode step: on an SM90 GPU as exactly one cooperative launch of the compiled megakernel, replayed
 from a CUDA graph; on the CPU (``backend="reference"``) through the plan's reference executor.
 ``prefill(prompt_ids)`` runs the HF model eagerly and copies its KV cache into the decoder's;
-``generate(prompt_ids, max_new_tokens)`` does prefill then greedy megakernel decode. Inputs outside the
+``generate(prompt_ids, max_new_tokens, ...)`` does prefill then megakernel decode (``megabake.generation``:
+greedy or sampled, EOS / stop strings, streaming). Inputs outside the
 bucket (position >= capacity, token id >= vocab, batch > bucket) raise :class:`InputError`.
 ``MegakernelDecoder.from_package(path, device=...)`` rebuilds the model named by ``report.json`` (preset
 with its seed, or a Hub repo at the pinned revision) and binds it.
@@ -269,23 +270,16 @@ class MegakernelDecoder:
             v_cache[i].copy_(layer.values.to(v_cache.dtype))
         return out.logits[:, -1].float()
 
-    @torch.no_grad()
-    def generate(self, prompt_ids, max_new_tokens: int = 16) -> torch.Tensor:
-        """Greedy decoding: eager prefill, then one megakernel launch per new token."""
-        prompt = torch.as_tensor(prompt_ids)
-        if prompt.ndim == 1:
-            prompt = prompt[None]
-        length = prompt.shape[1]
-        if max_new_tokens < 1:
-            raise InputError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-        if length + max_new_tokens > self.capacity + 1:
-            raise InputError(f"prompt of {length} + {max_new_tokens} new tokens exceeds the KV capacity {self.capacity}")
-        logits = self.prefill(prompt)
-        tokens = [logits.argmax(-1).cpu()]
-        for i in range(max_new_tokens - 1):
-            logits = self.step(tokens[-1], length + i)
-            tokens.append(logits.argmax(-1).cpu())
-        return torch.cat([prompt.cpu(), torch.stack(tokens, dim=1)], dim=1)
+    def generate(self, prompt_ids, max_new_tokens: int = 16, *, return_details: bool = False, **settings):
+        """Eager prefill, then one megakernel launch per new token (``megabake.generation.generate``): greedy
+        or sampled (``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``seed``), stopping at
+        ``eos_token_id`` / ``stop_strings`` (with ``tokenizer``) as the model's ``generation_config`` says,
+        tokens streamed to ``streamer``. Returns ids [B, P + n]; ``return_details=True`` gives the
+        :class:`~megabake.generation.Generation` (why it stopped, prefill and per-step times)."""
+        from ..generation import generate
+
+        result = generate(self, prompt_ids, max_new_tokens=max_new_tokens, **settings)
+        return result if return_details else result.tokens
 
     # ------------------------------------------------------------------------------------- package
     @classmethod
