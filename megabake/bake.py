@@ -1,4 +1,4 @@
-"""Bake: model (preset, Hub id @ revision, local folder or .gguf; see ``megabake.sources``) -> a decode package folder, running the whole pipeline.
+"""Bake: a model (preset, Hub id @ revision, local folder or .gguf: ``megabake.sources``) -> a decode package.
 
 Contract: ``bake(model, revision=None, batch=1, capacity=128, out="packages", ...) -> BakeResult`` runs
 capture -> ir -> plan -> codegen, checks the plan's reference executor against eager fp32 PyTorch, compiles
