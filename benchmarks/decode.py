@@ -7,7 +7,7 @@ Usage (on a Hopper GPU, from the repo root; on the H200: `source .cute/activate.
     python3 benchmarks/decode.py --from-results DIR/results.json --out DIR   # re-render table + chart
     python3 benchmarks/decode.py --out DIR --resume   # keep DIR's finished presets, run the rest
 
-For every preset: bake (``megabake.bake.bake``, packages under DIR/packages), then ``verify_package``
+For every preset: bake (``megabake.baking.bake``, packages under DIR/packages), then ``verify_package``
 (numerics over advancing decode calls, timings against the strongest CUDA-graphed Inductor baseline). A
 preset that fails is logged with its traceback and the run goes on. Writes DIR/decode.log (everything),
 DIR/results.json (one row per preset), DIR/<preset>-report.json (the full report with raw samples),
@@ -187,7 +187,7 @@ def write_chart(rows: list[Row], path: Path) -> str | None:
 def bake_preset(preset: str, out: Path, capacity: int, autotune: bool = False, tiling: str | None = None,
                 attention_preload: bool = False):
     """Bake on this GPU; one CPU reference step (verify's 64 GPU steps are the real numerics evidence)."""
-    from megabake.bake import bake
+    from megabake.baking import bake
 
     return bake(preset, capacity=capacity, out=out / "packages", reference_steps=1, autotune=autotune,
                 tiling=tiling, attention_preload=attention_preload,
@@ -195,7 +195,7 @@ def bake_preset(preset: str, out: Path, capacity: int, autotune: bool = False, t
 
 
 def verify_preset(preset: str, args) -> Row:
-    from megabake.verify import verify_package
+    from megabake.verification import verify_package
 
     started = time.perf_counter()
     baked = bake_preset(preset, args.out, args.capacity, args.autotune, args.tiling, args.attention_preload)
@@ -227,8 +227,8 @@ def stand_in_preset(preset: str, args) -> Row:
     import torch
 
     from megabake.presets import get_preset
-    from megabake.verify.api import verify_decoder
-    from megabake.verify.doubles import EagerDecoder
+    from megabake.verification.api import verify_decoder
+    from megabake.verification.doubles import EagerDecoder
 
     started = time.perf_counter()
     spec = get_preset(preset)
@@ -240,7 +240,7 @@ def stand_in_preset(preset: str, args) -> Row:
 
 
 def _stand_in_report(spec, capacity: int) -> dict:
-    from megabake.verify.env import environment
+    from megabake.verification.env import environment
 
     env = environment()
     return {"schema_version": 1, "status": "unverified", "status_reasons": [], "created_at": "2026-01-01T00:00:00Z",
@@ -275,8 +275,8 @@ def resumable_report(preset: str, args) -> dict | None:
 
 
 def _run_settings(preset: str, args) -> dict:
-    from megabake.bake import normalized_tiling
-    from megabake.verify.env import source_digest
+    from megabake.baking import normalized_tiling
+    from megabake.verification.env import source_digest
 
     return {"preset": preset, "compiler": source_digest(), "capacity": args.capacity, "steps": args.steps,
             "prefill": args.prefill, "samples": args.samples, "timed": True, "autotune": bool(args.autotune),
@@ -371,7 +371,7 @@ def parse_args(argv=None):
     parser.add_argument("--attention-preload", action="store_true", help="bake with `--attention-preload`")
     args = parser.parse_args(argv)
     if args.tiling:
-        from megabake.bake import normalized_tiling
+        from megabake.baking import normalized_tiling
         from megabake.errors import PlanError
 
         try:

@@ -1,7 +1,9 @@
 """MegaBake: bake Hugging Face decoders into one persistent CuTe DSL megakernel per decode step.
 
 Public API only (imports are lazy so ``import megabake`` stays cheap and works without CuTe DSL):
-``bake``, ``verify``, ``publish``, ``load_from_hub``, ``MegakernelDecoder``.
+``bake``, ``verify``, ``publish``, ``load_from_hub``, ``MegakernelDecoder``, ``make_backend``.
+No submodule shares a public function's name (the pipelines live in ``megabake.baking`` and
+``megabake.verification``), so importing any submodule never replaces ``megabake.bake`` or ``megabake.verify``.
 Pipeline: capture -> ir -> plan -> codegen -> runtime, then verify, package, hub.
 """
 
@@ -10,11 +12,12 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 _LAZY = {
-    "bake": ("megabake.bake", "bake"),
-    "verify": ("megabake.verify", "verify_package"),
+    "bake": ("megabake.baking", "bake"),
+    "verify": ("megabake.verification", "verify_package"),
     "publish": ("megabake.hub", "publish"),
     "load_from_hub": ("megabake.hub", "load_from_hub"),
     "MegakernelDecoder": ("megabake.runtime", "MegakernelDecoder"),
+    "make_backend": ("megabake.integrations", "make_backend"),
 }
 
 __all__ = ["__version__", *_LAZY]

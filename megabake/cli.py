@@ -1,6 +1,6 @@
 """The ``megabake`` command line (click): thin wrappers that parse, check, call the API and print.
 
-Commands: bake, verify, publish, inspect, ls, registry. One error style and one exit-code policy for all
+Commands: bake, verify, publish, inspect, ls, registry, run. One error style and one exit-code policy for all
 (``megabake.errors``): ``error: <message>`` on stderr, never a traceback; exit 0 ok, 1 a check failed (or
 the work could not be completed), 2 usage or bad input (found before any work), 3 cannot run here (no Hopper
 GPU, missing dependency). Click's own usage errors keep click's format and exit 2.
@@ -115,7 +115,7 @@ def bake(model, revision, batch, capacity, out, gpu_class, seed, threads, no_gpu
         _require_hopper_for_autotune()
     created = _check_out(out)
 
-    from .bake import bake as run_bake
+    from .baking import bake as run_bake
 
     def progress(message: str) -> None:
         click.echo(f"[megabake] {message}", err=True)
@@ -188,7 +188,7 @@ def _check_tiling(tiling: str | None, attention_preload: bool, autotune: bool, n
         raise _usage("--autotune runs candidate kernels on the GPU; it cannot be combined with --no-gpu")
     if tiling is None:
         return
-    from .bake import normalized_tiling
+    from .baking import normalized_tiling
 
     try:
         normalized_tiling(tiling)
@@ -240,11 +240,12 @@ def _check_out(out: str) -> list[Path]:
 
 # Commands owned by other modules (registered lazily so `megabake --help` stays fast and robust).
 _EXTERNAL = {
-    "verify": ("megabake.verify.commands", "verify_command"),
+    "verify": ("megabake.verification.commands", "verify_command"),
     "publish": ("megabake.hub.commands", "publish"),
     "inspect": ("megabake.package.commands", "inspect"),
     "ls": ("megabake.hub.commands", "ls"),
     "registry": ("megabake.registry.commands", "registry"),
+    "run": ("megabake.runtime.commands", "run_command"),
 }
 
 

@@ -14,7 +14,7 @@ sys.path.insert(0, ".")
 from tests.compiler_fixtures import compile_preset  # noqa: E402
 
 from megabake.runtime import MegakernelDecoder, gpu_info  # noqa: E402
-from megabake.verify.baselines import build_baseline  # noqa: E402
+from megabake.verification.baselines import build_baseline  # noqa: E402
 
 
 def timed(call, n=200):

@@ -26,9 +26,9 @@ def run_case(preset_name: str, case: str) -> dict:
 
     sys.path.insert(0, ".")
     from megabake.presets import get_preset
-    from megabake.verify.baselines import build_baseline, build_order, decode_ids, eager_reference_logits
-    from megabake.verify.numerics import rel_l2, teacher_tokens
-    from megabake.verify.reference import ReferenceDecoder
+    from megabake.verification.baselines import build_baseline, build_order, decode_ids, eager_reference_logits
+    from megabake.verification.numerics import rel_l2, teacher_tokens
+    from megabake.verification.reference import ReferenceDecoder
 
     model = get_preset(preset_name).build_model().to(DEVICE, torch.bfloat16).eval()
     ids = teacher_tokens(1, 20, model.config.vocab_size, seed=1).to(DEVICE)

@@ -35,7 +35,7 @@ POSITIONS = (16, 1000, 2000, 4000)
 
 def real(gguf: Path, out: Path) -> None:
     from megabake.runtime import MegakernelDecoder, gpu_info
-    from megabake.verify import run_numerics
+    from megabake.verification import run_numerics
     from tests.compiler_fixtures import compile_model
     from tests.real_weights import CHAT_PROMPTS, _fp32_model_and_tokenizer, chat_ids
 
@@ -165,7 +165,7 @@ def _event_ms(call, inner: int = 50, rounds: int = 5) -> float:
 @torch.no_grad()
 def _baseline_ms(model, capacity: int, positions: list[int]) -> dict:
     from megabake.rope import cast_model
-    from megabake.verify.baselines import build_baseline
+    from megabake.verification.baselines import build_baseline
 
     gpu_model = cast_model(copy.deepcopy(model), device="cuda", dtype=torch.bfloat16).eval()
     prompt = torch.randint(1, model.config.vocab_size, (1, 16), device="cuda")

@@ -103,7 +103,7 @@ def test_autotune_report_validates_in_a_package_report():
 
 
 def test_bake_autotune_needs_a_hopper_gpu(tmp_path):
-    from megabake.bake import bake
+    from megabake.baking import bake
 
     with pytest.raises(MegaBakeError, match="--autotune times candidate kernels on a Hopper GPU"):
         bake("tiny-llama", out=tmp_path, autotune=True)

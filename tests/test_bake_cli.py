@@ -60,7 +60,7 @@ def test_bake_refuses_bad_input_before_any_work(tmp_path, args, message):
 
 
 def _fake_bake(status, calls):
-    from megabake.bake import BakeResult
+    from megabake.baking import BakeResult
 
     def run_bake(model, *, out, **kwargs):
         calls.append(dict(kwargs, model=model, out=out))
@@ -77,11 +77,11 @@ def _fake_bake(status, calls):
 def test_bake_exit_code_follows_the_status(tmp_path, monkeypatch, status, code):
     from click.testing import CliRunner
 
-    import megabake.bake
+    import megabake.baking
     from megabake.cli import cli
 
     calls = []
-    monkeypatch.setattr(megabake.bake, "bake", _fake_bake(status, calls))
+    monkeypatch.setattr(megabake.baking, "bake", _fake_bake(status, calls))
     out = tmp_path / "new" / "packages"
     result = CliRunner().invoke(cli, ["bake", "--no-gpu", "--out", str(out), "--capacity", "24"])
     assert result.exit_code == code, result.output
@@ -100,7 +100,7 @@ def test_bake_help_lists_options():
 
 
 def test_first_latency_never_fails_the_bake():
-    from megabake.bake import first_latency
+    from megabake.baking import first_latency
 
     report = {"environment": {"gpu_name": "NVIDIA H200"}}
     reason = first_latency(report, decoder=None)  # no CUDA here: run_timings refuses, the bake goes on
@@ -159,3 +159,15 @@ def test_bake_help_documents_exit_codes():
     for line in ("Exit codes", "0 baked", "1 the package was written but its status is 'failed'",
                  "2 usage or bad input", "3 cannot run here", "0..2**63-1"):
         assert line in text, line
+
+
+def test_public_functions_survive_submodule_imports():
+    """`megabake.bake` / `megabake.verify` stay the functions after their pipelines' modules are imported."""
+    import megabake
+    import megabake.baking
+    import megabake.verification
+    import megabake.verification.commands  # noqa: F401  (what `megabake verify` imports)
+
+    assert megabake.bake is megabake.baking.bake and callable(megabake.bake)
+    assert megabake.verify is megabake.verification.verify_package and callable(megabake.verify)
+    assert megabake.bake is megabake.baking.bake  # a second access after use is the same function

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megabake.bake import bake
+from megabake.baking import bake
 from megabake.errors import MegaBakeError
 from megabake.package import read_package
 from megabake.presets import get_preset

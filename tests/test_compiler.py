@@ -373,8 +373,8 @@ def test_split_kv_attention_matches_eager_fp32_near_0_at_split_boundaries_and_at
     import torch
 
     from megabake.runtime import MegakernelDecoder
-    from megabake.verify.numerics import rel_l2, teacher_tokens
-    from megabake.verify.reference import ReferenceDecoder
+    from megabake.verification.numerics import rel_l2, teacher_tokens
+    from megabake.verification.reference import ReferenceDecoder
 
     compiled = _split_tiny()
     stage = next(s for s in compiled.plan.stages if s.kind == "attention")

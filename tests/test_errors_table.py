@@ -201,12 +201,12 @@ CASES = [
     A("api-verify-no-gpu", "DeviceError", "megabake.verify('<pkg>')", lambda t: _api("verify")(t.pkg),
       no_gpu=True),
     A("api-verify-decoder-steps", "InputError",
-      "megabake.verify.api.verify_decoder(decoder, report, steps=1000, prefill=4, timings=False)",
-      lambda t: __import__("megabake.verify.api").verify.api.verify_decoder(
+      "megabake.verification.api.verify_decoder(decoder, report, steps=1000, prefill=4, timings=False)",
+      lambda t: __import__("megabake.verification.api").verify.api.verify_decoder(
           _decoder(t), {}, steps=1000, prefill=4, timings=False)),
     A("api-verify-decoder-prefill", "InputError",
-      "megabake.verify.api.verify_decoder(decoder, report, steps=2, prefill=0, timings=False)",
-      lambda t: __import__("megabake.verify.api").verify.api.verify_decoder(
+      "megabake.verification.api.verify_decoder(decoder, report, steps=2, prefill=0, timings=False)",
+      lambda t: __import__("megabake.verification.api").verify.api.verify_decoder(
           _decoder(t), {}, steps=2, prefill=0, timings=False)),
     A("api-publish-nothing", "PublishRefusedError", "megabake.publish([], 'acme/x')",
       lambda t: _api("publish")([], "acme/x")),

@@ -51,7 +51,7 @@ def baked(request):
 
 
 def test_numerics_match_pytorch_over_64_advancing_steps(baked):
-    from megabake.verify import run_numerics
+    from megabake.verification import run_numerics
 
     name, _, decoder = baked
     numerics = run_numerics(decoder, prefill=16, steps=64, slack=1.25)
@@ -209,7 +209,7 @@ def test_timeline_build_accounts_for_the_step():
 
 def test_bake_with_autotune_on_the_gpu(tmp_path):
     """`megabake bake --autotune`: candidate tilings timed per stage on this GPU, the winners baked and checked."""
-    from megabake.bake import bake
+    from megabake.baking import bake
     from megabake.plan import GEMV_STAGES, Plan
 
     result = bake("tiny-llama", capacity=64, out=tmp_path, autotune=True, gpu_steps=16)

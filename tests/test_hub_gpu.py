@@ -15,7 +15,7 @@ TOKEN = "hf_fake_token"
 
 
 def test_load_from_hub_picks_this_gpu_class_and_runs(hub_server, tmp_path):
-    from megabake.bake import bake
+    from megabake.baking import bake
     from megabake.runtime import gpu_info
 
     info = gpu_info()

@@ -28,7 +28,7 @@ TOKENS = [5, 17, 301, 42]
 @pytest.fixture(scope="module")
 def baked(tmp_path_factory):
     """The default preset baked once per module (CPU: compiled for sm_90a, not run -> status unverified)."""
-    from megabake.bake import bake
+    from megabake.baking import bake
     from megabake.presets import DEFAULT_PRESET
 
     result = bake(DEFAULT_PRESET, out=tmp_path_factory.mktemp("packages"), run_on_gpu=False)

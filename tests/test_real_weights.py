@@ -39,7 +39,7 @@ def test_long_prompt_then_decode_stays_as_close_to_fp32_as_eager_bf16(real, long
     fp32 frequencies. Before the fix the first step after a 1,900-token prompt was at rel-L2 0.019 from fp32
     while eager bf16 was at 0.0054."""
     from megabake.runtime import MegakernelDecoder
-    from megabake.verify import run_numerics
+    from megabake.verification import run_numerics
 
     model, _ = real
     bf16 = copy.deepcopy(model).to(torch.bfloat16)  # a plain cast rounds inv_freq: the decoder must undo it
@@ -66,7 +66,7 @@ def test_cast_model_keeps_exact_rotary_frequencies(real):
 
 @pytest.fixture(scope="module")
 def baked_gguf(tmp_path_factory):
-    from megabake.bake import bake
+    from megabake.baking import bake
 
     return bake(str(require_smollm2_gguf()), capacity=256, out=tmp_path_factory.mktemp("packages"),
                 run_on_gpu=False, reference_steps=2)

@@ -33,7 +33,7 @@ def long_decoder():
 
 @pytest.mark.parametrize("prefill", [128, 1900])
 def test_long_prompt_numerics_on_real_weights(long_decoder, prefill):
-    from megabake.verify import run_numerics
+    from megabake.verification import run_numerics
 
     decoder, _, _ = long_decoder
     numerics = run_numerics(decoder, prefill=prefill, steps=30, seed=prefill)

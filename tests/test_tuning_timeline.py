@@ -105,7 +105,7 @@ def test_exact_inv_freq_falls_back_to_a_buffer_it_cannot_explain(tiny):
 
 
 def test_hand_captured_graph_is_built_after_graph_trees():
-    from megabake.verify.baselines import build_order
+    from megabake.verification.baselines import build_order
 
     assert build_order(["inductor-graph", "inductor-reduce-overhead", "eager"]) == [
         "inductor-reduce-overhead", "eager", "inductor-graph"]

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from megabake.verify.report import assemble_report
-from megabake.verify.timing import Candidate, Samples, TimingSettings, assemble_timings
+from megabake.verification.report import assemble_report
+from megabake.verification.timing import Candidate, Samples, TimingSettings, assemble_timings
 from tests.fixtures_packages import make_report
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -138,7 +138,7 @@ def test_table_names_a_kernel_baked_with_a_chosen_tiling(bench):
 def test_verified_package_comes_back_as_one_flat_archive(bench, tmp_path):
     import tarfile
 
-    from megabake.bake import bake
+    from megabake.baking import bake
 
     baked = bake("tiny-llama", out=tmp_path / "packages", run_on_gpu=False, reference_steps=1)
     archive = bench.archive_package(baked.path, tmp_path / "packages", tmp_path / "tiny-llama-package.tar.gz")
@@ -155,7 +155,7 @@ def test_verified_package_comes_back_as_one_flat_archive(bench, tmp_path):
 
 
 def test_resume_keeps_finished_presets_and_measures_only_the_rest(bench, tmp_path, monkeypatch):
-    from megabake.verify.env import source_digest
+    from megabake.verification.env import source_digest
 
     measured = []
 

@@ -28,7 +28,7 @@ def tiny():
 
 def test_environment_record():
     from megabake.package import validate
-    from megabake.verify import environment, toolchain
+    from megabake.verification import environment, toolchain
     from tests.fixtures_packages import make_report
 
     env = environment()
@@ -39,8 +39,8 @@ def test_environment_record():
 
 
 def test_numerics_with_stand_in_on_gpu(tiny):
-    from megabake.verify import run_numerics
-    from megabake.verify.doubles import EagerDecoder
+    from megabake.verification import run_numerics
+    from megabake.verification.doubles import EagerDecoder
 
     exact = run_numerics(EagerDecoder(tiny, capacity=128), prefill=16, steps=64)
     assert exact["pass"], exact["failures"]
@@ -50,9 +50,9 @@ def test_numerics_with_stand_in_on_gpu(tiny):
 
 @pytest.mark.parametrize("name", ["inductor-reduce-overhead", "inductor-graph"])
 def test_baselines_replay_a_graph_and_agree_with_eager(tiny, name):
-    from megabake.verify.baselines import build_baseline, eager_reference_logits
-    from megabake.verify.numerics import rel_l2, teacher_tokens
-    from megabake.verify.timing import check_graph
+    from megabake.verification.baselines import build_baseline, eager_reference_logits
+    from megabake.verification.numerics import rel_l2, teacher_tokens
+    from megabake.verification.timing import check_graph
 
     torch._dynamo.reset()
     ids = teacher_tokens(1, 24, tiny.config.vocab_size, seed=0).cuda()
@@ -73,8 +73,8 @@ def test_baselines_replay_a_graph_and_agree_with_eager(tiny, name):
 def test_hand_captured_graph_survives_graph_trees_built_in_verify_order(tiny):
     """CUDA-graph trees clear cuBLAS workspaces while recording; a hand-captured graph using cuBLAS must be
     captured after them (``build_order``) or its replay faults (seen on Llama-1B: illegal address)."""
-    from megabake.verify.baselines import build_baseline, build_order, eager_reference_logits
-    from megabake.verify.numerics import rel_l2, teacher_tokens
+    from megabake.verification.baselines import build_baseline, build_order, eager_reference_logits
+    from megabake.verification.numerics import rel_l2, teacher_tokens
 
     torch._dynamo.reset()
     ids = teacher_tokens(1, 24, tiny.config.vocab_size, seed=0).cuda()
@@ -97,8 +97,8 @@ def test_hand_captured_graph_keeps_its_kv_cache_alive(tiny):
     next allocations would overwrite it under the graph (seen on SmolLM: stable logits at rel-L2 0.57)."""
     import gc
 
-    from megabake.verify.baselines import build_baseline, eager_reference_logits
-    from megabake.verify.numerics import rel_l2, teacher_tokens
+    from megabake.verification.baselines import build_baseline, eager_reference_logits
+    from megabake.verification.numerics import rel_l2, teacher_tokens
 
     torch._dynamo.reset()
     ids = teacher_tokens(1, 24, tiny.config.vocab_size, seed=0).cuda()
@@ -114,9 +114,9 @@ def test_hand_captured_graph_keeps_its_kv_cache_alive(tiny):
 
 
 def test_timing_harness_with_stand_in(tiny):
-    from megabake.verify.doubles import EagerDecoder
-    from megabake.verify.report import assemble_report, summary_lines, validated
-    from megabake.verify.timing import run_timings
+    from megabake.verification.doubles import EagerDecoder
+    from megabake.verification.report import assemble_report, summary_lines, validated
+    from megabake.verification.timing import run_timings
     from tests.fixtures_packages import make_report
 
     torch._dynamo.reset()
@@ -138,9 +138,9 @@ def test_timing_harness_with_stand_in(tiny):
 
 
 def test_verify_baked_tiny_package(tmp_path):
-    from megabake.bake import bake
-    from megabake.verify import verify_package
-    from megabake.verify.report import summary_lines
+    from megabake.baking import bake
+    from megabake.verification import verify_package
+    from megabake.verification.report import summary_lines
 
     torch._dynamo.reset()
     path = bake("tiny-llama", capacity=128, out=tmp_path).path

@@ -9,9 +9,9 @@ import torch
 
 from megabake.errors import InputError
 from megabake.presets import get_preset
-from megabake.verify import run_numerics
-from megabake.verify.doubles import EagerDecoder
-from megabake.verify.numerics import (
+from megabake.verification import run_numerics
+from megabake.verification.doubles import EagerDecoder
+from megabake.verification.numerics import (
     StepMetrics,
     compare_logits,
     judge,
@@ -186,7 +186,7 @@ def test_steps_max_fills_capacity(model):
 
 @pytest.fixture(scope="module")
 def baked_tiny(tmp_path_factory):
-    from megabake.bake import bake
+    from megabake.baking import bake
 
     return bake("tiny-llama", capacity=32, out=tmp_path_factory.mktemp("packages"), run_on_gpu=False).path
 
@@ -203,7 +203,7 @@ def test_real_decoder_reference_backend_passes(baked_tiny):
 def test_top1_rule_ignores_near_ties_but_not_decisive_flips():
     import torch
 
-    from megabake.verify.numerics import compare_logits, judge
+    from megabake.verification.numerics import compare_logits, judge
 
     fp32 = torch.zeros(1, 8)
     fp32[0, 3], fp32[0, 5] = 1.0, 0.999  # near tie: bf16 error below can flip it

@@ -11,13 +11,13 @@ from click.testing import CliRunner
 from megabake.errors import DeviceError
 from megabake.package import read_package, update_report, validate
 from megabake.presets import get_preset
-from megabake.verify import assemble_report, run_numerics, toolchain, verify_package
-from megabake.verify.api import verify_decoder
-from megabake.verify.commands import parse_baselines, verify_command
-from megabake.verify.doubles import EagerDecoder
-from megabake.verify.env import gpu_class_name, hopper_problem, parse_driver_text
-from megabake.verify.report import decide_status, summary_lines, validated
-from megabake.verify.timing import Candidate, Samples, TimingSettings, assemble_timings
+from megabake.verification import assemble_report, run_numerics, toolchain, verify_package
+from megabake.verification.api import verify_decoder
+from megabake.verification.commands import parse_baselines, verify_command
+from megabake.verification.doubles import EagerDecoder
+from megabake.verification.env import gpu_class_name, hopper_problem, parse_driver_text
+from megabake.verification.report import decide_status, summary_lines, validated
+from megabake.verification.timing import Candidate, Samples, TimingSettings, assemble_timings
 from tests.fixtures_packages import make_report, write_fixture_package
 
 ENV = {"gpu_name": "NVIDIA H200", "gpu_class": "sm90a-132sm", "sm_count": 132, "compute_capability": "9.0",
@@ -196,7 +196,7 @@ def test_source_digest_names_the_sources_not_the_checkout(tmp_path):
     import shutil
     from pathlib import Path
 
-    from megabake.verify.env import source_digest
+    from megabake.verification.env import source_digest
 
     source = Path(__file__).resolve().parents[1] / "megabake"
     copied = tmp_path / "megabake"

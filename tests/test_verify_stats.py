@@ -1,11 +1,11 @@
-"""megabake.verify.stats against known inputs: median, percentile, seeded bootstrap, paired ratio."""
+"""megabake.verification.stats against known inputs: median, percentile, seeded bootstrap, paired ratio."""
 
 import math
 import random
 
 import pytest
 
-from megabake.verify.stats import Summary, bootstrap_ci, median, paired_ratio, percentile, summarize
+from megabake.verification.stats import Summary, bootstrap_ci, median, paired_ratio, percentile, summarize
 
 
 def test_median_odd_even_and_unsorted():

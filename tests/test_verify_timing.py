@@ -6,10 +6,10 @@ import torch
 
 from megabake.errors import DeviceError
 from megabake.presets import get_preset
-from megabake.verify.baselines import BASELINES, DEFAULT_BASELINES, build_baseline, eager_reference_logits
-from megabake.verify.commands import KNOWN_BASELINES
-from megabake.verify.numerics import rel_l2, teacher_tokens
-from megabake.verify.timing import (
+from megabake.verification.baselines import BASELINES, DEFAULT_BASELINES, build_baseline, eager_reference_logits
+from megabake.verification.commands import KNOWN_BASELINES
+from megabake.verification.numerics import rel_l2, teacher_tokens
+from megabake.verification.timing import (
     Candidate,
     Samples,
     TimingSettings,
@@ -119,7 +119,7 @@ def test_assemble_timings_object():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
 def test_run_timings_without_cuda_raises_clearly():
     model = get_preset("tiny-llama").build_model()
-    from megabake.verify.doubles import EagerDecoder
+    from megabake.verification.doubles import EagerDecoder
 
     with pytest.raises(DeviceError, match="CUDA GPU"):
         run_timings(EagerDecoder(model, capacity=32))
@@ -167,7 +167,7 @@ def test_unknown_baseline(tiny):
 
 
 def test_graph_check_from_profiler_names():
-    from megabake.verify.timing import graph_check_from_names
+    from megabake.verification.timing import graph_check_from_names
 
     replayed = graph_check_from_names(["cudaMemcpyAsync", "cudaGraphLaunch", "cudaStreamSynchronize"])
     assert replayed.replays is True and replayed.launches == 0
@@ -178,8 +178,8 @@ def test_graph_check_from_profiler_names():
 
 
 def test_weight_bytes_fallback():
-    from megabake.verify.doubles import EagerDecoder
-    from megabake.verify.timing import weight_bytes_of
+    from megabake.verification.doubles import EagerDecoder
+    from megabake.verification.timing import weight_bytes_of
 
     model = get_preset("tiny-llama").build_model(dtype=torch.bfloat16)
     decoder = EagerDecoder(model, capacity=16)
@@ -190,7 +190,7 @@ def test_weight_bytes_fallback():
 
 
 def test_candidate_errors_are_logged_when_they_happen(caplog):
-    from megabake.verify.timing import Candidate, _log_errors
+    from megabake.verification.timing import Candidate, _log_errors
 
     broken = Candidate("inductor-graph", "baseline", None, error="AcceleratorError: illegal memory access")
     fine = Candidate("megabake", "megabake", lambda i: None)
@@ -202,7 +202,7 @@ def test_candidate_errors_are_logged_when_they_happen(caplog):
 
 
 def test_recheck_voids_a_candidate_whose_output_moved():
-    from megabake.verify.timing import _recheck
+    from megabake.verification.timing import _recheck
 
     reference = torch.ones(1, 8)
     steady = Candidate("steady", "baseline", lambda i: torch.ones(1, 8), rel_l2_vs_eager=0.0)
@@ -218,7 +218,7 @@ def test_recheck_voids_a_candidate_whose_output_moved():
 def test_first_call_that_disagrees_with_eager_is_failed_and_never_the_baseline():
     """Seen on the H200: a hand-captured graph replaying over a freed KV cache gave stable logits at rel-L2
     0.57 vs eager; the re-check (output moved?) cannot see that, the first-call agreement check must."""
-    from megabake.verify.timing import AGREEMENT_LIMIT, _first_call
+    from megabake.verification.timing import AGREEMENT_LIMIT, _first_call
 
     reference = torch.linspace(-1.0, 1.0, 8).reshape(1, 8)
     close = Candidate("close", "baseline", lambda i: reference * 1.01)
@@ -236,7 +236,7 @@ def test_first_call_that_disagrees_with_eager_is_failed_and_never_the_baseline()
 def test_agreement_limit_follows_eager_drift_at_long_context():
     """Random-weight Llama-1B at position 4000: eager bf16 is ~0.8 rel-L2 from fp32, so a correct candidate
     can be ~1 away from eager; the limit scales with the measured drift and never drops below 0.1."""
-    from megabake.verify.timing import AGREEMENT_LIMIT, _first_call, agreement_limit
+    from megabake.verification.timing import AGREEMENT_LIMIT, _first_call, agreement_limit
 
     assert agreement_limit(None) == AGREEMENT_LIMIT == agreement_limit(0.01)
     assert agreement_limit(0.8) == pytest.approx(2.0)
@@ -251,8 +251,8 @@ def test_agreement_limit_follows_eager_drift_at_long_context():
 
 def test_eager_drift_vs_fp32_measures_bf16_against_exact_fp32():
     from megabake.presets import get_preset
-    from megabake.verify.baselines import eager_reference_logits
-    from megabake.verify.timing import TimingInputs, TimingSettings, eager_drift_vs_fp32
+    from megabake.verification.baselines import eager_reference_logits
+    from megabake.verification.timing import TimingInputs, TimingSettings, eager_drift_vs_fp32
 
     model = get_preset("tiny-llama").build_model().to(torch.bfloat16)
 
@@ -271,7 +271,7 @@ def test_eager_drift_vs_fp32_measures_bf16_against_exact_fp32():
 def test_decode_ids_give_one_layout_and_one_compile():
     from torch._dynamo.testing import CompileCounter
 
-    from megabake.verify.baselines import decode_ids
+    from megabake.verification.baselines import decode_ids
 
     torch._dynamo.reset()
     counter = CompileCounter()
@@ -287,7 +287,7 @@ def test_decode_ids_give_one_layout_and_one_compile():
 
 
 def test_block_cross_check_runs_each_candidate_back_to_back():
-    from megabake.verify.timing import measure_blocks
+    from megabake.verification.timing import measure_blocks
 
     clock = FakeClock()
     settings = TimingSettings(samples=2, inner=3, block_calls=5)
@@ -302,7 +302,7 @@ def test_block_cross_check_runs_each_candidate_back_to_back():
 
 def test_block_disagreement_becomes_a_report_warning():
     from megabake.package import validate
-    from megabake.verify.report import summary_lines
+    from megabake.verification.report import summary_lines
     from tests.fixtures_packages import make_report
 
     candidates = [Candidate("megabake", "megabake", None), Candidate("inductor-graph", "baseline", None)]

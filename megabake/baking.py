@@ -242,7 +242,7 @@ def _compile_check(plan, source: str):
 
 def _toolchain() -> dict:
     try:
-        from .verify import toolchain
+        from .verification import toolchain
 
         return toolchain()
     except Exception:  # the verifier's helpers are optional at bake time
@@ -285,7 +285,7 @@ def _report(source: ModelSource, cfg_hash: str, plan, variant: str, gpu_class: s
 def _gpu_evidence(report: dict, plan, source: str, model, *, steps: int, prefill: int) -> None:
     """On a Hopper GPU: run the kernel, record numerics and a first latency (baselines: `megabake verify`)."""
     from .runtime import MegakernelDecoder
-    from .verify import environment, run_numerics
+    from .verification import environment, run_numerics
 
     decoder = MegakernelDecoder(plan, source, model, device="cuda")
     report["environment"] = environment()
@@ -300,7 +300,7 @@ def _gpu_evidence(report: dict, plan, source: str, model, *, steps: int, prefill
 
 def first_latency(report: dict, decoder) -> str:
     """Time the megakernel alone (no baselines: those are `megabake verify`'s job); never fails the bake."""
-    from .verify import run_timings
+    from .verification import run_timings
 
     try:
         report["timings"] = run_timings(decoder, baselines=())

@@ -1,6 +1,6 @@
 """Verify: numerics across advancing decode calls, timing against CUDA-graphed Inductor, report assembly.
 
-Public API (imports are lazy: ``import megabake.verify`` does not import torch):
+Public API (imports are lazy: ``import megabake.verification`` does not import torch):
 
 * ``verify_package(path, *, steps=64, prefill=16, samples=40, baselines=None, device=None) -> dict``:
   the updated report (written to ``path/report.json``); needs a Hopper GPU.
@@ -16,14 +16,14 @@ Modules: ``stats`` (median, bootstrap), ``numerics``, ``reference`` (eager HF + 
 from __future__ import annotations
 
 _LAZY = {
-    "verify_package": ("megabake.verify.api", "verify_package"),
-    "verify_decoder": ("megabake.verify.api", "verify_decoder"),
-    "run_numerics": ("megabake.verify.numerics", "run_numerics"),
-    "run_timings": ("megabake.verify.timing", "run_timings"),
-    "environment": ("megabake.verify.env", "environment"),
-    "toolchain": ("megabake.verify.env", "toolchain"),
-    "assemble_report": ("megabake.verify.report", "assemble_report"),
-    "DEFAULT_BASELINES": ("megabake.verify.baselines", "DEFAULT_BASELINES"),
+    "verify_package": ("megabake.verification.api", "verify_package"),
+    "verify_decoder": ("megabake.verification.api", "verify_decoder"),
+    "run_numerics": ("megabake.verification.numerics", "run_numerics"),
+    "run_timings": ("megabake.verification.timing", "run_timings"),
+    "environment": ("megabake.verification.env", "environment"),
+    "toolchain": ("megabake.verification.env", "toolchain"),
+    "assemble_report": ("megabake.verification.report", "assemble_report"),
+    "DEFAULT_BASELINES": ("megabake.verification.baselines", "DEFAULT_BASELINES"),
 }
 
 __all__ = list(_LAZY)
@@ -35,4 +35,4 @@ def __getattr__(name: str):
 
         module_name, attr = _LAZY[name]
         return getattr(importlib.import_module(module_name), attr)
-    raise AttributeError(f"module 'megabake.verify' has no attribute {name!r}")
+    raise AttributeError(f"module 'megabake.verification' has no attribute {name!r}")
