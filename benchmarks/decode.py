@@ -6,6 +6,12 @@ Usage (on a Hopper GPU, from the repo root; on the H200: `source .cute/activate.
     python3 benchmarks/decode.py --presets smollm-135m llama-3.2-1b --out DIR
     python3 benchmarks/decode.py --from-results DIR/results.json --out DIR   # re-render table + chart
     python3 benchmarks/decode.py --out DIR --resume   # keep DIR's finished presets, run the rest
+    python3 benchmarks/decode.py --presets smollm-135m --positions 16 1000 4000 --batches 1 4 8 --out DIR
+
+With ``--positions`` / ``--batches`` the run is a context x batch matrix instead (``benchmarks/matrix.py``): per
+preset and batch one bake whose bucket holds the largest position, numerics at the longest context, and for
+each position the megakernel timed against graphed Inductor in the same process (DIR/matrix.md, matrix.png,
+matrix.json, raw timings per cell under DIR/matrix/).
 
 For every preset: bake (``megabake.baking.bake``, packages under DIR/packages), then ``verify_package``
 (numerics over advancing decode calls, timings against the strongest CUDA-graphed Inductor baseline). A
@@ -369,7 +375,17 @@ def parse_args(argv=None):
     parser.add_argument("--tiling", default=None, help="bake with `--tiling SPEC` (e.g. 2x4+spread+preload+ring4, "
                         "balanced:2x4+ring4)")
     parser.add_argument("--attention-preload", action="store_true", help="bake with `--attention-preload`")
+    parser.add_argument("--positions", nargs="+", type=int, default=None,
+                        help="context axis: time each preset at these KV positions (e.g. 16 1000 4000)")
+    parser.add_argument("--batches", nargs="+", type=int, default=None, help="batch axis (e.g. 1 4 8)")
+    parser.add_argument("--numerics-steps", type=int, default=16,
+                        help="matrix mode: decode steps of the numerics check at the longest context")
     args = parser.parse_args(argv)
+    if args.positions or args.batches:
+        args.positions = args.positions or [16]
+        args.batches = args.batches or [1]
+        if min(args.positions) < 1 or min(args.batches) < 1:
+            parser.error("--positions and --batches take positive integers")
     if args.tiling:
         from megabake.baking import normalized_tiling
         from megabake.errors import PlanError
@@ -404,6 +420,12 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     handlers = setup_logging(args.out)
     try:
+        if args.positions:
+            from benchmarks.matrix import run_matrix, write_matrix
+
+            cells = run_matrix(args)
+            print(write_matrix(cells, args.out))
+            return 0 if cells and all(c.status == "measured" for c in cells) else 1
         if args.from_results:
             rows = [Row(**r) for r in json.loads(args.from_results.read_text())]
         else:

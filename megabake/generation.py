@@ -10,6 +10,9 @@ sampling applies temperature, then top-k, then top-p (nucleus), from a ``torch.G
 an end-of-sequence token (later tokens of a finished sequence are that token), or when the decoded new text of
 every sequence contains a stop string (needs ``tokenizer``). ``streamer`` receives the prompt, then each new
 token, then ``end()`` (the ``transformers.TextStreamer`` protocol: tokens appear as they are made).
+Greedy decoding on a decoder with ``greedy_tokens`` (the megakernel) runs ``sync_every`` steps per host round
+trip (argmax and position stay on the GPU; tokens reach the streamer in groups of ``sync_every``); the
+tokens are the same as one step at a time (``sync_every=1``).
 Every bad setting raises :class:`InputError` naming it.
 """
 
@@ -113,8 +116,10 @@ def next_tokens(logits: torch.Tensor, settings: GenerationSettings, generator: t
 
 
 @torch.no_grad()
-def generate(decoder, prompt_ids, *, tokenizer=None, streamer=None, **given) -> Generation:
+def generate(decoder, prompt_ids, *, tokenizer=None, streamer=None, sync_every: int = 8, **given) -> Generation:
     """Prefill then decode step by step (module doc)."""
+    if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
+        raise InputError(f"sync_every must be a positive int (greedy tokens per host round trip), got {sync_every!r}")
     settings = settings_for(getattr(decoder, "model", None), **given)
     prompt = torch.as_tensor(prompt_ids)
     prompt = prompt[None] if prompt.ndim == 1 else prompt
@@ -133,9 +138,10 @@ def generate(decoder, prompt_ids, *, tokenizer=None, streamer=None, **given) -> 
     tokens, step_times = [], []
     finished = torch.zeros(prompt.shape[0], dtype=torch.bool)
     stopped_by = "max_new_tokens"
+    upcoming = _next_token_source(decoder, settings, generator, sync_every)
     decode_started = time.perf_counter()
+    token = next_tokens(logits, settings, generator)
     while True:
-        token = next_tokens(logits, settings, generator)
         if tokens and settings.eos_token_ids:
             token = torch.where(finished, torch.full_like(token, settings.eos_token_ids[0]), token)
         tokens.append(token)
@@ -150,14 +156,37 @@ def generate(decoder, prompt_ids, *, tokenizer=None, streamer=None, **given) -> 
             break
         if len(tokens) == settings.max_new_tokens:
             break
-        step_started = time.perf_counter()
-        logits = decoder.step(token, length + len(tokens) - 1)
-        step_times.append(time.perf_counter() - step_started)
+        token = upcoming(token, length + len(tokens) - 1, settings.max_new_tokens - len(tokens), step_times)
     decode_s = time.perf_counter() - decode_started
     if streamer is not None:
         streamer.end()
     out = torch.cat([prompt.cpu(), torch.stack(tokens, dim=1)], dim=1)
     return Generation(out, length, stopped_by, prefill_s, decode_s, step_times)
+
+
+def _next_token_source(decoder, settings: GenerationSettings, generator, sync_every: int):
+    """``upcoming(token, position, remaining, step_times) -> next token``: one decode step per call, or, for
+    greedy decoding on a decoder with ``greedy_tokens``, up to ``sync_every`` steps per host round trip
+    (argmax and position stay on the GPU; the same tokens, since each step's input is the previous argmax)."""
+    pending: list[torch.Tensor] = []
+
+    def one_step(token, position, remaining, step_times):
+        started = time.perf_counter()
+        logits = decoder.step(token, position)
+        chosen = next_tokens(logits, settings, generator)
+        step_times.append(time.perf_counter() - started)
+        return chosen
+
+    def chunked(token, position, remaining, step_times):
+        if not pending:
+            count = min(sync_every, remaining)
+            started = time.perf_counter()
+            pending.extend(decoder.greedy_tokens(token, position, count).unbind(1))
+            step_times.extend([(time.perf_counter() - started) / count] * count)
+        return pending.pop(0)
+
+    greedy_on_device = not settings.do_sample and sync_every > 1 and hasattr(decoder, "greedy_tokens")
+    return chunked if greedy_on_device else one_step
 
 
 def _is_eos(token: torch.Tensor, eos_ids: tuple[int, ...]) -> torch.Tensor:

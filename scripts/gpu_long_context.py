@@ -97,35 +97,48 @@ def _common(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def sweep(presets: list[str], out: Path, baseline: bool) -> None:
+def _kinds(tilings: list[str], unsplit: bool) -> list[tuple[str, bool, str | None]]:
+    """(label, split_kv, tiling spec or None): the default split kernel, one per extra GEMV tiling, unsplit."""
+    kinds = [("split", True, None)] + [(f"split+{spec}", True, spec) for spec in tilings]
+    return kinds + ([("unsplit", False, None)] if unsplit else [])
+
+
+def sweep(presets: list[str], out: Path, baseline: bool, tilings: list[str] = (), unsplit: bool = True,
+          batch: int = 1, capacity_limit: int = 4096, wanted: tuple[int, ...] = POSITIONS) -> None:
     from megabake.codegen import generate
     from megabake.plan import build_plan
     from megabake.plan.rotary import recover_rotary
+    from megabake.plan import GemvTuning
     from megabake.runtime import MegakernelDecoder, gpu_info
+    from megabake.runtime.autotune import uniform_tuning
     from tests.compiler_fixtures import compile_preset
 
     from megabake.presets import get_preset
 
     table = []
     for name in presets:
-        capacity = min(4096, get_preset(name).config.get("max_position_embeddings", 4096))
-        positions = sorted({p for p in POSITIONS if p < capacity - 1} | {min(POSITIONS[-1], capacity - 1)})
-        compiled = compile_preset(name, capacity=capacity, ctas=gpu_info().sm_count)
+        capacity = min(capacity_limit, get_preset(name).config.get("max_position_embeddings", capacity_limit))
+        positions = sorted({p for p in wanted if p < capacity - 1} | {min(max(wanted), capacity - 1)})
+        compiled = compile_preset(name, batch=batch, capacity=capacity, ctas=gpu_info().sm_count)
         inv_freq, scaling = recover_rotary(compiled.captured, compiled.ir)
-        row = {"preset": name, "capacity": capacity, "positions": positions}
-        for label, split in (("split", True), ("unsplit", False)):
+        row = {"preset": name, "capacity": capacity, "positions": positions, "batch": batch}
+        kinds = _kinds(list(tilings), unsplit)
+        for label, split, spec in kinds:
+            tuning = uniform_tuning(GemvTuning.parse(spec)) if spec else None
             plan = build_plan(compiled.ir, ctas=gpu_info().sm_count, inv_freq_buffer=inv_freq,
-                              rotary_scaling=scaling, split_kv=split)
+                              rotary_scaling=scaling, split_kv=split, tuning=tuning)
             decoder = MegakernelDecoder(plan, generate(plan).source, copy.deepcopy(compiled.model), device="cuda")
             _random_cache(decoder.buffers["k_cache"], decoder.buffers["v_cache"])
-            step = decoder.step
-            row[label] = {p: _event_ms(lambda p=p: step(torch.tensor([7]), p)) for p in positions}
+            step, ids = decoder.step, [7] * batch
+            row[label] = {p: _event_ms(lambda p=p: step(ids, p)) for p in positions}
+            host = _sync_call_ms(lambda: step(ids, positions[0]))
+            row.setdefault("sync_call_ms_at_first_position", {})[label] = host
             kv_bytes = decoder.buffers["k_cache"][:, :, :, :1].numel() * 2 * 2  # K and V, one position, bf16
             del decoder
             torch.cuda.empty_cache()
         row["kv_bytes_per_position"] = kv_bytes
         if baseline:
-            row["inductor-graph"] = _baseline_ms(compiled.model, capacity, positions)
+            row["inductor-graph"] = _baseline_ms(compiled.model, capacity, positions, batch)
         table.append(row)
         (out / f"sweep-{name}.json").write_text(json.dumps(row, indent=1))
     print("| preset (capacity) | kind | GPU ms per step at positions | budget at the last position "
@@ -134,10 +147,12 @@ def sweep(presets: list[str], out: Path, baseline: bool) -> None:
     for row in table:
         last = row["positions"][-1]
         budget = (row["split"][16] + row["kv_bytes_per_position"] * last / 3.5e12 * 1e3) * 1.15  # ms
-        for kind in ("split", "unsplit", "inductor-graph"):
+        for kind in [k[0] for k in _kinds(list(tilings), unsplit)] + ["inductor-graph"]:
             if kind in row:
                 cells = ", ".join(f"{p}: {row[kind][p]:.3f}" for p in row["positions"])
-                print(f"| {row['preset']} ({row['capacity']}) | {kind} | {cells} | {budget:.3f} |")
+                host = row.get("sync_call_ms_at_first_position", {}).get(kind)
+                extra = f" (sync call {host:.3f})" if host else ""
+                print(f"| {row['preset']} ({row['capacity']}, b{batch}) | {kind} | {cells}{extra} | {budget:.3f} |")
 
 
 def _random_cache(*caches) -> None:
@@ -162,15 +177,31 @@ def _event_ms(call, inner: int = 50, rounds: int = 5) -> float:
     return statistics.median(samples)
 
 
+def _sync_call_ms(call, calls: int = 200) -> float:
+    """Median ms of a complete synchronized call (host cost + GPU), as a user's decode loop sees it."""
+    import time
+
+    for _ in range(10):
+        call()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(calls):
+        started = time.perf_counter()
+        call()
+        torch.cuda.synchronize()
+        samples.append((time.perf_counter() - started) * 1e3)
+    return statistics.median(samples)
+
+
 @torch.no_grad()
-def _baseline_ms(model, capacity: int, positions: list[int]) -> dict:
+def _baseline_ms(model, capacity: int, positions: list[int], batch: int = 1) -> dict:
     from megabake.rope import cast_model
     from megabake.verification.baselines import build_baseline
 
     gpu_model = cast_model(copy.deepcopy(model), device="cuda", dtype=torch.bfloat16).eval()
-    prompt = torch.randint(1, model.config.vocab_size, (1, 16), device="cuda")
+    prompt = torch.randint(1, model.config.vocab_size, (batch, 16), device="cuda")
     step = build_baseline("inductor-graph", gpu_model, prompt, capacity)
-    ids = torch.tensor([7], device="cuda")
+    ids = torch.full((batch,), 7, device="cuda")
     return {p: _event_ms(lambda p=p: step.call(ids, torch.tensor([p], device="cuda"))) for p in positions}
 
 
@@ -184,12 +215,19 @@ def main() -> None:
     s.add_argument("presets", nargs="+")
     s.add_argument("--out", type=Path, required=True)
     s.add_argument("--baseline", action="store_true", help="also time the inductor-graph step")
+    s.add_argument("--tilings", nargs="*", default=[], help="extra GEMV tilings to time with split-KV attention "
+                   "(e.g. 2x4+spread+preload+ring4)")
+    s.add_argument("--no-unsplit", action="store_true", help="skip the unsplit attention kernel")
+    s.add_argument("--batch", type=int, default=1)
+    s.add_argument("--capacity", type=int, default=4096, help="bucket capacity (capped by the model's limit)")
+    s.add_argument("--positions", nargs="+", type=int, default=list(POSITIONS))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.command == "real":
         real(args.gguf, args.out)
     else:
-        sweep(args.presets, args.out, args.baseline)
+        sweep(args.presets, args.out, args.baseline, args.tilings, not args.no_unsplit, args.batch, args.capacity,
+              tuple(args.positions))
 
 
 if __name__ == "__main__":

@@ -227,6 +227,37 @@ def test_reference_decoder_rejects_bad_inputs(tiny):
         decoder.prefill(torch.ones(1, tiny.plan.capacity + 1, dtype=torch.long))
     with pytest.raises(InputError, match="max_new_tokens"):
         decoder.generate(torch.tensor([[1, 2]]), max_new_tokens=0)
+    with pytest.raises(InputError, match="integer tensor"):
+        decoder.step(torch.tensor([1.0]), 0)
+    with pytest.raises(InputError, match="integers"):
+        decoder.step([1.5], 0)
+    with pytest.raises(InputError, match="position must be an int"):
+        decoder.step(1, 2.0)
+    with pytest.raises(InputError, match="capacity"):
+        decoder.greedy_tokens(1, tiny.plan.capacity - 2, 3)
+    with pytest.raises(InputError, match="count"):
+        decoder.greedy_tokens(1, 0, 0)
+    with pytest.raises(InputError, match="backend"):
+        MegakernelDecoder(tiny.plan, tiny.generated.source, tiny.model, device="cpu", backend="rocm")
+
+
+def test_reference_greedy_tokens_follow_step_by_step_argmax(tiny):
+    import copy
+
+    from megabake.runtime import MegakernelDecoder
+
+    decoder = MegakernelDecoder(tiny.plan, tiny.generated.source, copy.deepcopy(tiny.model), device="cpu")
+    prompt = torch.randint(1, tiny.plan.dims.vocab, (1, 6), generator=torch.Generator().manual_seed(4))
+    first = decoder.prefill(prompt).argmax(-1)
+    chunk = decoder.greedy_tokens(first, 6, 5)
+    decoder.prefill(prompt)
+    token, host = first, []
+    for k in range(5):
+        token = decoder.step(token, 6 + k).argmax(-1)
+        host.append(token)
+    assert chunk.shape == (1, 5) and torch.equal(chunk, torch.stack(host, 1))
+    assert torch.equal(decoder.generate(prompt, max_new_tokens=11),
+                       decoder.generate(prompt, max_new_tokens=11, sync_every=1))
 
 
 def test_cuda_backend_needs_hopper(tiny):

@@ -183,6 +183,34 @@ def test_generate_runs_prefill_then_megakernel():
     assert out.shape == (1, 20) and torch.equal(out[:, :8], prompt)
 
 
+@pytest.mark.parametrize("batch", [1, 2])
+def test_greedy_tokens_on_the_gpu_equal_step_by_step_argmax(batch):
+    """N greedy steps in one CUDA graph (argmax and position on the device) give the tokens of N host-driven
+    steps; generate() with sync_every=8 gives sync_every=1's ids; the KV cache ends identical."""
+    from megabake.runtime import MegakernelDecoder, gpu_info
+
+    compiled = compile_preset("smollm-135m", batch=batch, capacity=256, ctas=gpu_info().sm_count)
+    decoder = MegakernelDecoder(compiled.plan, compiled.generated.source, compiled.model, device="cuda")
+    prompt = torch.randint(1, compiled.plan.dims.vocab, (batch, 20), generator=torch.Generator().manual_seed(5))
+    first = decoder.prefill(prompt).argmax(-1)
+    saved = [c.clone() for c in decoder.kv_cache()]
+    on_device = decoder.greedy_tokens(first, 20, 24)
+    caches_device = [c.clone() for c in decoder.kv_cache()]
+    for cache, old in zip(decoder.kv_cache(), saved):
+        cache.copy_(old)
+    token, host = first, []
+    for k in range(24):
+        token = decoder.step(token, 20 + k).argmax(-1).cpu()
+        host.append(token)
+    assert torch.equal(on_device, torch.stack(host, 1))
+    assert all(torch.equal(a, b) for a, b in zip(caches_device, decoder.kv_cache()))
+    fast = decoder.generate(prompt, max_new_tokens=30)
+    slow = decoder.generate(prompt, max_new_tokens=30, sync_every=1)
+    assert torch.equal(fast, slow)
+    with pytest.raises(InputError, match="capacity"):
+        decoder.greedy_tokens(first, 250, 8)  # positions 250..257 do not fit a 256 bucket
+
+
 def test_timeline_build_accounts_for_the_step():
     """The profiling build records a clock per stage; their sum is the kernel's time, and logits are unchanged."""
     from megabake.codegen import generate, timeline_labels

@@ -195,3 +195,30 @@ def test_resume_keeps_finished_presets_and_measures_only_the_rest(bench, tmp_pat
     assert bench.main(["--presets", "smollm-135m", "--out", str(tmp_path), "--resume"]) == 0
     assert measured[5:] == ["smollm-135m"]
     assert "compiler='" + "0" * 64 in (tmp_path / "decode.log").read_text()
+
+
+def test_matrix_mode_buckets_positions_table_and_chart(bench, tmp_path):
+    """--positions/--batches: the bucket holds the largest position (capped by the model), positions past it
+    become the last that fits, and cells render as a table, a JSON file and a latency-vs-context chart."""
+    from benchmarks.matrix import Cell, _fill, bucket_capacity, fitting_positions, write_matrix
+
+    assert bucket_capacity([16, 1000, 4000], None) == 4096 and bucket_capacity([8000], None) == 8192 and bucket_capacity([16], None) == 128
+    assert bucket_capacity([16, 1000, 4000], 2048) == 2048
+    assert fitting_positions([16, 1000, 4000], 2048) == [16, 1000, 2027]
+    args = bench.parse_args(["--presets", "smollm-135m", "--positions", "16", "4000", "--batches", "1", "4",
+                             "--out", str(tmp_path)])
+    assert args.positions == [16, 4000] and args.batches == [1, 4]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--positions", "0", "--out", str(tmp_path)])
+    cells = []
+    for batch, position, ms in ((1, 16, 0.5), (1, 2027, 0.6), (4, 16, 0.7)):
+        cell = Cell("smollm-135m", batch, position, 2048, status="measured",
+                    numerics={"pass": True, "prefill": 2012, "max_rel_l2_vs_fp32": 0.01,
+                              "max_rel_l2_bf16_vs_fp32": 0.02})
+        _fill(cell, _report(ms)["timings"])
+        cells.append(cell)
+    table = write_matrix(cells, tmp_path)
+    assert "| smollm-135m | 4 | 16 | measured | 0.700" in table and "inductor-graph ms" in table
+    assert "2.07x" in table.splitlines()[4]  # 1.45 / 0.7
+    assert json.loads((tmp_path / "matrix.json").read_text())[1]["position"] == 2027
+    assert (tmp_path / "matrix.png").stat().st_size > 1000

@@ -75,6 +75,32 @@ def check_admission(plan: Plan, info: GpuInfo) -> None:
         raise DeviceError(f"{plan.threads} threads per CTA exceeds 1024")
 
 
+def host_token_ids(token_ids) -> list[int]:
+    """Token ids (an int, a sequence of ints, or an integer tensor of one id per sequence) as host ints.
+    A CUDA tensor is copied to the host (one sync): its ids must be checked before the kernel gathers rows."""
+    if isinstance(token_ids, bool):
+        raise InputError("token ids must be integers, got a bool")
+    if isinstance(token_ids, int):
+        return [token_ids]
+    if torch.is_tensor(token_ids):
+        if token_ids.is_floating_point() or token_ids.is_complex() or token_ids.dtype == torch.bool:
+            raise InputError(f"token ids must be an integer tensor, got dtype {token_ids.dtype}")
+        return [int(t) for t in token_ids.reshape(-1).tolist()]
+    try:
+        values = list(token_ids)
+    except TypeError:
+        raise InputError(f"token ids must be an int, a sequence of ints or an integer tensor, got "
+                         f"{type(token_ids).__name__}") from None
+    ints = []
+    for value in values:
+        if torch.is_tensor(value) and value.numel() == 1 and not value.is_floating_point():
+            value = int(value)
+        if isinstance(value, bool) or not hasattr(value, "__index__"):
+            raise InputError(f"token ids must be integers, got {type(value).__name__} {value!r}")
+        ints.append(int(value.__index__()))
+    return ints
+
+
 class MegakernelDecoder:
     """A baked decode step bound to weights, a KV cache and (on GPU) a compiled, graph-captured kernel."""
 
@@ -92,6 +118,8 @@ class MegakernelDecoder:
         self.vocab_size = plan.dims.vocab
         self.launches_per_step = 1
         self._graph = None
+        self._greedy_graphs: dict = {}
+        self._greedy_ids = None
         self._use_graph = use_graph
         # One source of RoPE frequencies (megabake.rope): the kernel's tables, the prefill that writes the
         # prompt's keys and every reference use the exact fp32 inverse frequencies, whatever the weights' dtype.
@@ -110,7 +138,7 @@ class MegakernelDecoder:
             self._reference = ReferenceExecutor(plan, weights, cos, sin)
             self.buffers = self._reference.buffers
         else:
-            raise ValueError(f"unknown backend {backend!r}: use 'cuda' or 'reference'")
+            raise InputError(f"unknown backend {backend!r}: use 'cuda' or 'reference'")
 
     # ------------------------------------------------------------------------------------- binding
     def _bind_cuda(self) -> None:
@@ -122,6 +150,11 @@ class MegakernelDecoder:
         # tokens and position share one int32 buffer so a step uploads them with a single copy, no kernel
         self._inputs = torch.zeros(plan.batch + 1, dtype=torch.int32, device=device)
         self.buffers["tokens"], self.buffers["position"] = self._inputs[:plan.batch], self._inputs[plan.batch:]
+        self._staging = torch.zeros(plan.batch + 1, dtype=torch.int32, pin_memory=True)
+        self._staging_view = self._staging.numpy()  # numpy item writes cost ~100 ns, torch's ~1 us
+        self._staged = torch.cuda.Event()
+        self._greedy_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._greedy_ids: torch.Tensor | None = None
         from .compile import load_module
 
         self.module = load_module(self.module_source)
@@ -163,37 +196,47 @@ class MegakernelDecoder:
         self._graph = graph
 
     # ------------------------------------------------------------------------------------- inputs
-    def _check_inputs(self, token_ids, position: int) -> torch.Tensor:
-        # validate on the host: checking a CUDA tensor in place would add kernels and syncs to every step
-        tokens = torch.as_tensor(token_ids).reshape(-1).to(device="cpu", dtype=torch.long)
-        if tokens.numel() > self.batch:
-            raise InputError(f"batch of {tokens.numel()} sequences is larger than the baked bucket (batch "
-                             f"{self.batch}); bake a bucket with --batch {tokens.numel()}")
-        if tokens.numel() == 0:
+    def _check_inputs(self, token_ids, position) -> list[int]:
+        """Token ids as host ints (padded to the bucket's batch), checked in plain Python: torch ops on small
+        host tensors cost microseconds each, and checking a CUDA tensor in place would add kernels."""
+        tokens = host_token_ids(token_ids)
+        if len(tokens) > self.batch:
+            raise InputError(f"batch of {len(tokens)} sequences is larger than the baked bucket (batch "
+                             f"{self.batch}); bake a bucket with --batch {len(tokens)}")
+        if not tokens:
             raise InputError("no token ids given")
-        bad = tokens[(tokens < 0) | (tokens >= self.vocab_size)]
-        if bad.numel():
-            raise InputError(f"token id {int(bad[0])} is outside the vocabulary [0, {self.vocab_size})")
-        if not isinstance(position, int) and not (torch.is_tensor(position) and position.numel() == 1):
+        for token in tokens:
+            if not 0 <= token < self.vocab_size:
+                raise InputError(f"token id {token} is outside the vocabulary [0, {self.vocab_size})")
+        self._check_position(position)
+        return tokens + [0] * (self.batch - len(tokens))
+
+    def _check_position(self, position, count: int = 1) -> int:
+        if isinstance(position, bool) or not isinstance(position, int) and not (
+                torch.is_tensor(position) and position.numel() == 1 and not position.is_floating_point()):
             raise InputError(f"position must be an int, got {type(position).__name__}")
         position = int(position)
-        if position < 0 or position >= self.capacity:
-            raise InputError(f"position {position} is outside the KV capacity [0, {self.capacity}): the cache "
-                             f"is full; bake a bucket with a larger --capacity")
-        if tokens.numel() < self.batch:
-            tokens = torch.cat([tokens, tokens.new_zeros(self.batch - tokens.numel())])
-        return tokens
+        if position < 0 or position + count - 1 >= self.capacity:
+            last = position + count - 1
+            raise InputError(f"position {last if position >= 0 else position} is outside the KV capacity "
+                             f"[0, {self.capacity}): the cache is full; bake a bucket with a larger --capacity")
+        return position
+
+    def _upload(self, tokens: list[int], position: int) -> None:
+        """One asynchronous host-to-device copy of tokens + position from a pinned staging buffer."""
+        self._staged.synchronize()  # the previous upload has left the staging buffer (long done in practice)
+        self._staging_view[:self.batch] = tokens
+        self._staging_view[self.batch] = position
+        self._inputs.copy_(self._staging, non_blocking=True)
+        self._staged.record()
 
     # ------------------------------------------------------------------------------------- steps
     def step(self, token_ids, position: int) -> torch.Tensor:
         """One decode step at ``position`` (same for every sequence). Returns fp32 logits [B, V]."""
         tokens = self._check_inputs(token_ids, position)
         if self.backend == "reference":
-            return self._reference.step(tokens, int(position))
-        host = torch.empty(self.batch + 1, dtype=torch.int32)
-        host[:self.batch] = tokens
-        host[self.batch] = int(position)
-        self._inputs.copy_(host)  # one host-to-device copy; the launch is the step's only kernel
+            return self._reference.step(torch.tensor(tokens), int(position))
+        self._upload(tokens, int(position))
         if self._use_graph:
             if self._graph is None:
                 self._capture_graph_safely()
@@ -202,6 +245,45 @@ class MegakernelDecoder:
                 return self.buffers["logits"]
         self._launch()
         return self.buffers["logits"]
+
+    @torch.no_grad()
+    def greedy_tokens(self, token_ids, position: int, count: int) -> torch.Tensor:
+        """``count`` greedy decode steps in one host round trip. Step k runs at ``position + k`` on the previous
+        step's argmax (the first on ``token_ids``); returns the ``count`` argmax tokens [B, count] (int64, CPU).
+
+        On a GPU the steps are one CUDA graph (per ``count``): megakernel, argmax, next input and position
+        stay on the device. Same tokens as ``step`` + host argmax, ``count`` times."""
+        tokens = self._check_inputs(token_ids, position)
+        if not isinstance(count, int) or count < 1:
+            raise InputError(f"count must be a positive int, got {count!r}")
+        self._check_position(position, count)
+        if self.backend == "reference" or not self._use_graph:
+            out = []
+            current = tokens
+            for k in range(count):
+                current = self.step(current, int(position) + k).argmax(-1).tolist()
+                out.append(current)
+            return torch.tensor(out, dtype=torch.long).T.contiguous()
+        if self._graph is None:
+            self._capture_graph_safely()
+        graph = self._greedy_graphs.get(count) or self._capture_greedy_graph(count)
+        self._upload(tokens, int(position))
+        graph.replay()
+        return self._greedy_ids[:count].T.cpu()
+
+    def _capture_greedy_graph(self, count: int):
+        if self._greedy_ids is None or self._greedy_ids.shape[0] < count:
+            self._greedy_ids = torch.zeros(max(count, 16), self.batch, dtype=torch.long, device=self.device)
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):  # capture records, it does not run: the KV cache is untouched
+            for k in range(count):
+                self._launch()
+                torch.argmax(self.buffers["logits"], dim=-1, out=self._greedy_ids[k])
+                self._inputs[:self.batch].copy_(self._greedy_ids[k])
+                self._inputs[self.batch:].add_(1)
+        self._greedy_graphs[count] = graph
+        return graph
 
     def _capture_graph_safely(self) -> None:
         # Capture replays the kernel once, which would advance the cache: snapshot and restore it.
