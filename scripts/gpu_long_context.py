@@ -125,8 +125,12 @@ def sweep(presets: list[str], out: Path, baseline: bool, tilings: list[str] = ()
         kinds = _kinds(list(tilings), unsplit)
         for label, split, spec in kinds:
             tuning = uniform_tuning(GemvTuning.parse(spec)) if spec else None
-            plan = build_plan(compiled.ir, ctas=gpu_info().sm_count, inv_freq_buffer=inv_freq,
-                              rotary_scaling=scaling, split_kv=split, tuning=tuning)
+            try:
+                plan = build_plan(compiled.ir, ctas=gpu_info().sm_count, inv_freq_buffer=inv_freq,
+                                  rotary_scaling=scaling, split_kv=split, tuning=tuning)
+            except Exception as exc:  # e.g. a ring that does not fit this bucket's shared memory
+                print(f"[{name}] {label}: {type(exc).__name__}: {exc}", flush=True)
+                continue
             decoder = MegakernelDecoder(plan, generate(plan).source, copy.deepcopy(compiled.model), device="cuda")
             _random_cache(decoder.buffers["k_cache"], decoder.buffers["v_cache"])
             step, ids = decoder.step, [7] * batch
