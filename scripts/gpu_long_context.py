@@ -137,6 +137,7 @@ def sweep(presets: list[str], out: Path, baseline: bool, tilings: list[str] = ()
             row[label] = {p: _event_ms(lambda p=p: step(ids, p)) for p in positions}
             host = _sync_call_ms(lambda: step(ids, positions[0]))
             row.setdefault("sync_call_ms_at_first_position", {})[label] = host
+            row.setdefault("host_ms_of_step_call", {})[label] = _host_ms(lambda: step(ids, positions[0]))
             kv_bytes = decoder.buffers["k_cache"][:, :, :, :1].numel() * 2 * 2  # K and V, one position, bf16
             del decoder
             torch.cuda.empty_cache()
@@ -145,6 +146,9 @@ def sweep(presets: list[str], out: Path, baseline: bool, tilings: list[str] = ()
             row["inductor-graph"] = _baseline_ms(compiled.model, capacity, positions, batch)
         table.append(row)
         (out / f"sweep-{name}.json").write_text(json.dumps(row, indent=1))
+    print(f"launch + sync floor (one tiny kernel in a graph): {launch_floor_ms():.4f} ms")
+    for row in table:
+        print(f"{row['preset']}: host ms inside step() {row.get('host_ms_of_step_call')}")
     print("| preset (capacity) | kind | GPU ms per step at positions | budget at the last position "
           "(pos-16 step + KV read at 3.5 TB/s, +15%) |")
     print("|---|---|---|---|")
@@ -195,6 +199,31 @@ def _sync_call_ms(call, calls: int = 200) -> float:
         torch.cuda.synchronize()
         samples.append((time.perf_counter() - started) * 1e3)
     return statistics.median(samples)
+
+
+def _host_ms(call, calls: int = 200) -> float:
+    """Median ms the host spends inside one call (the GPU idle before it, synchronized after it)."""
+    import time
+
+    samples = []
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        call()
+        samples.append((time.perf_counter() - started) * 1e3)
+    torch.cuda.synchronize()
+    return statistics.median(samples)
+
+
+def launch_floor_ms() -> float:
+    """Synchronized replay of a graph holding one tiny kernel: this machine's fixed launch + sync cost."""
+    x = torch.zeros(8, device="cuda")
+    x.add_(1)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        x.add_(1)
+    return _sync_call_ms(graph.replay)
 
 
 @torch.no_grad()

@@ -22,7 +22,7 @@ import hashlib
 import json
 import math
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from ..errors import PlanError
 from ..ir import (Add, DecodeAttention, Embedding, GatedAct, IRGraph, KVAppend, Linear, RMSNorm, RoPE,
@@ -478,7 +478,30 @@ STAGE_BIAS = {"norm_qkv": "bias_qkv", "o_residual": "bias_o", "norm_gate_up": "b
 HEAD_NORMS = "qk_norms"  # [L, 2, head_dim] fp32: Qwen3's q_norm and k_norm weights, applied before RoPE
 _BIAS_ROLES = {"norm_qkv": ["q", "k", "v"], "o_residual": ["o"], "norm_gate_up": ["gate", "up"],
                "down_residual": ["down"]}
-DEFAULT_TUNING = {name: GemvTuning() for name in GEMV_STAGES}
+DEFAULT_TUNING = {name: GemvTuning() for name in GEMV_STAGES}  # the plain register tiling (fallback)
+# The default when no tuning is given: weights streamed through a 4-stage cp.async ring, CTA-major tiles, the
+# first chunk loaded before the barrier (H200, split-KV attention, 2026-12-01: -3.6% SmolLM-135M, -6.6%
+# Llama-3.2-1B GPU time per step at positions 16-4000; docs/PERF.md). A bucket whose shared memory cannot
+# hold 4 stages gets the deepest ring that fits (3 or 2), else the plain tiling.
+STREAMING_DEFAULT = GemvTuning(2, 4, spread=True, preload=True, stages=4)
+
+
+def streaming_tuning(stages: int) -> dict[str, GemvTuning]:
+    """``STREAMING_DEFAULT`` with ``stages`` for every GEMV stage (0: the plain tiling); the LM head never
+    preloads (no barrier precedes it inside the layer loop)."""
+    if not stages:
+        return dict(DEFAULT_TUNING)
+    tiling = replace(STREAMING_DEFAULT, stages=stages)
+    return {name: replace(tiling, preload=False) if name == "norm_lm_head" else tiling for name in GEMV_STAGES}
+
+
+def default_tuning(threads: int, other_smem_bytes: int) -> dict[str, GemvTuning]:
+    """The deepest streaming ring (4..2 stages) that fits next to ``other_smem_bytes``, else the plain tiling."""
+    for stages in range(STREAMING_DEFAULT.stages, 1, -1):
+        tuning = streaming_tuning(stages)
+        if other_smem_bytes + ring_bytes(tuning.values(), threads) + 16 <= HOPPER_SMEM_PER_BLOCK:
+            return tuning
+    return streaming_tuning(0)
 
 
 def _rows_tiling(rows: int, tuning: GemvTuning) -> Tiling:
@@ -530,7 +553,8 @@ def build_plan(ir: IRGraph, *, ctas: int = 132, threads: int = 256, weight_dtype
     (flash decoding, ``bodies.split_kv_attention``); off, one CTA reads a (batch, head)'s whole cache (the
     layout attention preload needs).
 
-    ``tuning`` overrides the GEMV tiling of named stages (``GEMV_STAGES``); the rest keep ``DEFAULT_TUNING``.
+    ``tuning=None`` picks :func:`default_tuning` (the streaming ring that fits this bucket); a dict overrides
+    the GEMV tiling of named stages (``GEMV_STAGES``) and the rest keep the plain ``DEFAULT_TUNING``.
     ``attention_preload`` loads each lane group's first cached K/V rows before the barrier that precedes
     attention (the attention stage's ``tiling.preload``; one (batch, head) tile per CTA at most).
     """
@@ -539,13 +563,17 @@ def build_plan(ir: IRGraph, *, ctas: int = 132, threads: int = 256, weight_dtype
     unknown = sorted(set(tuning or {}) - set(GEMV_STAGES))
     if unknown:
         raise PlanError(f"tuning names unknown GEMV stage(s) {unknown}; known: {list(GEMV_STAGES)}")
-    tuning = {**DEFAULT_TUNING, **(tuning or {})}
+    if split_kv is None:
+        split_kv = not attention_preload
+    embed, blocks, final_norm, lm_head, ropes = _recognise(ir)
+    dims = _dims(blocks, final_norm, lm_head)
+    if tuning is None:
+        tuning = default_tuning(threads, _smem_bytes(dims, ir.batch, ir.capacity, threads, split_kv))
+    tuning = {**DEFAULT_TUNING, **tuning}
     _check_pipeline(tuning, threads)
     if tuning["norm_lm_head"].preload:
         raise PlanError("GEMV preload is not supported for the LM head stage (no barrier precedes it inside the "
                         "layer loop); use preload=False for norm_lm_head")
-    embed, blocks, final_norm, lm_head, ropes = _recognise(ir)
-    dims = _dims(blocks, final_norm, lm_head)
     if lm_head.bias is not None:
         raise PlanError(f"{lm_head.hf_module} (the LM head) has a bias; an LM-head bias is not supported yet")
     biased = _biased_stages(blocks)
@@ -554,8 +582,6 @@ def build_plan(ir: IRGraph, *, ctas: int = 132, threads: int = 256, weight_dtype
         if k % 8:
             raise PlanError(f"a GEMV reduction length of {k} is not a multiple of 8 (16-byte bf16 vectors)")
     batch, capacity = ir.batch, ir.capacity
-    if split_kv is None:
-        split_kv = not attention_preload
     if split_kv and attention_preload:
         raise PlanError("attention preload applies to the unsplit attention: pass split_kv=False with it")
     _check_shared_memory(dims, batch, capacity, threads, split_kv)

@@ -75,6 +75,10 @@ def check_admission(plan: Plan, info: GpuInfo) -> None:
         raise DeviceError(f"{plan.threads} threads per CTA exceeds 1024")
 
 
+STAGING_ROWS = 3  # two step graphs alternate rows 0 and 1; row 2 feeds direct uploads
+DIRECT_ROW = 2
+
+
 def host_token_ids(token_ids) -> list[int]:
     """Token ids (an int, a sequence of ints, or an integer tensor of one id per sequence) as host ints.
     A CUDA tensor is copied to the host (one sync): its ids must be checked before the kernel gathers rows."""
@@ -150,9 +154,13 @@ class MegakernelDecoder:
         # tokens and position share one int32 buffer so a step uploads them with a single copy, no kernel
         self._inputs = torch.zeros(plan.batch + 1, dtype=torch.int32, device=device)
         self.buffers["tokens"], self.buffers["position"] = self._inputs[:plan.batch], self._inputs[plan.batch:]
-        self._staging = torch.zeros(plan.batch + 1, dtype=torch.int32, pin_memory=True)
+        # pinned staging rows for tokens + position: rows 0/1 alternate between two captured step graphs (each
+        # copies its row, then launches), row 2 feeds direct uploads; an event per row guards its reuse
+        self._staging = torch.zeros(STAGING_ROWS, plan.batch + 1, dtype=torch.int32, pin_memory=True)
         self._staging_view = self._staging.numpy()  # numpy item writes cost ~100 ns, torch's ~1 us
-        self._staged = torch.cuda.Event()
+        self._staged = [torch.cuda.Event() for _ in range(STAGING_ROWS)]
+        self._graphs: list[torch.cuda.CUDAGraph] = []
+        self._next_row = 0
         self._greedy_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._greedy_ids: torch.Tensor | None = None
         from .compile import load_module
@@ -188,12 +196,17 @@ class MegakernelDecoder:
         self._compiled(*self._cute_args, stream)
 
     def _capture_graph(self) -> None:
+        """Two step graphs, one per pinned staging row: copy that row to the device inputs, then the kernel."""
         self._launch()  # warm: module load, first-launch setup
         torch.cuda.synchronize(self.device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self._launch()
-        self._graph = graph
+        graphs = []
+        for row in range(2):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self._inputs.copy_(self._staging[row], non_blocking=True)
+                self._launch()
+            graphs.append(graph)
+        self._graphs, self._graph = graphs, graphs[0]
 
     # ------------------------------------------------------------------------------------- inputs
     def _check_inputs(self, token_ids, position) -> list[int]:
@@ -222,13 +235,17 @@ class MegakernelDecoder:
                              f"[0, {self.capacity}): the cache is full; bake a bucket with a larger --capacity")
         return position
 
+    def _stage(self, row: int, tokens: list[int], position: int) -> None:
+        """Write tokens + position into pinned staging row ``row`` once its previous copy has run."""
+        self._staged[row].synchronize()  # that copy was enqueued two steps ago: done unless the host runs ahead
+        self._staging_view[row, :self.batch] = tokens
+        self._staging_view[row, self.batch] = position
+
     def _upload(self, tokens: list[int], position: int) -> None:
-        """One asynchronous host-to-device copy of tokens + position from a pinned staging buffer."""
-        self._staged.synchronize()  # the previous upload has left the staging buffer (long done in practice)
-        self._staging_view[:self.batch] = tokens
-        self._staging_view[self.batch] = position
-        self._inputs.copy_(self._staging, non_blocking=True)
-        self._staged.record()
+        """One asynchronous host-to-device copy of tokens + position (the direct-upload staging row)."""
+        self._stage(DIRECT_ROW, tokens, position)
+        self._inputs.copy_(self._staging[DIRECT_ROW], non_blocking=True)
+        self._staged[DIRECT_ROW].record()
 
     # ------------------------------------------------------------------------------------- steps
     def step(self, token_ids, position: int) -> torch.Tensor:
@@ -236,13 +253,15 @@ class MegakernelDecoder:
         tokens = self._check_inputs(token_ids, position)
         if self.backend == "reference":
             return self._reference.step(torch.tensor(tokens), int(position))
+        if self._use_graph and self._graph is None:
+            self._capture_graph_safely()
+        if self._graph is not None:  # one graph launch: the input copy is the graph's first node
+            row, self._next_row = self._next_row, 1 - self._next_row
+            self._stage(row, tokens, int(position))
+            self._graphs[row].replay()
+            self._staged[row].record()
+            return self.buffers["logits"]
         self._upload(tokens, int(position))
-        if self._use_graph:
-            if self._graph is None:
-                self._capture_graph_safely()
-            if self._graph is not None:
-                self._graph.replay()
-                return self.buffers["logits"]
         self._launch()
         return self.buffers["logits"]
 
@@ -257,15 +276,15 @@ class MegakernelDecoder:
         if not isinstance(count, int) or count < 1:
             raise InputError(f"count must be a positive int, got {count!r}")
         self._check_position(position, count)
-        if self.backend == "reference" or not self._use_graph:
+        if self.backend == "cuda" and self._use_graph and self._graph is None:
+            self._capture_graph_safely()
+        if self._graph is None:  # the reference executor, or no CUDA graphs here: one step at a time
             out = []
             current = tokens
             for k in range(count):
                 current = self.step(current, int(position) + k).argmax(-1).tolist()
                 out.append(current)
             return torch.tensor(out, dtype=torch.long).T.contiguous()
-        if self._graph is None:
-            self._capture_graph_safely()
         graph = self._greedy_graphs.get(count) or self._capture_greedy_graph(count)
         self._upload(tokens, int(position))
         graph.replay()
@@ -273,7 +292,8 @@ class MegakernelDecoder:
 
     def _capture_greedy_graph(self, count: int):
         if self._greedy_ids is None or self._greedy_ids.shape[0] < count:
-            self._greedy_ids = torch.zeros(max(count, 16), self.batch, dtype=torch.long, device=self.device)
+            self._greedy_graphs.clear()  # they write the buffer being replaced
+            self._greedy_ids = torch.zeros(max(count, 64), self.batch, dtype=torch.long, device=self.device)
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):  # capture records, it does not run: the KV cache is untouched
