@@ -4,8 +4,12 @@ Contract: ``bake(model, revision=None, batch=1, capacity=128, out="packages", ..
 capture -> ir -> plan -> codegen, checks the plan's reference executor against eager fp32 PyTorch, compiles
 ``module.py`` for sm_90a with CuTe DSL (works without a GPU), and on a Hopper GPU also runs the kernel and
 records a first numerical check and its latency. It writes ``module.py``, ``plan.json``,
-``source_map.json`` and ``report.json`` (+ ``manifest.json``) atomically through ``megabake.package``.
-Without a Hopper GPU the report is ``unverified`` with the reason. Progress goes to ``progress(msg)``.
+``source_map.json`` and ``report.json`` (+ ``manifest.json``) atomically through ``megabake.package`` into
+``out/<org>--<model>/<rev>/<variant>``, the variant carrying the plan tag (``decode-b1-c128-sm90a-132sm-p<8
+hex>``). It never silently replaces another package (``megabake.package.save_package``): the same files with
+an equal or stronger report are left as is (``BakeResult.outcome == "unchanged"``); different files raise
+``OverwriteRefusedError`` unless ``force=True``. Without a Hopper GPU the report is ``unverified`` with the
+reason. Progress goes to ``progress(msg)``.
 """
 
 from __future__ import annotations
@@ -28,11 +32,17 @@ DEFAULT_GPU_CLASS = "sm90a-132sm"  # H100/H200 SXM
 
 @dataclass
 class BakeResult:
+    """``report`` is this bake's report; when ``outcome`` is "unchanged" the package at ``path`` kept its own
+    (``read_package(path).report``). ``outcome``: written | unchanged | upgraded | replaced; ``note``: what the
+    write did, one line ("" for a plain first write)."""
+
     path: Path
     report: dict
     plan_hash: str
     timings: dict[str, float] = field(default_factory=dict)
     model: object = field(default=None, repr=False, compare=False)  # the baked model, for an in-process verify
+    outcome: str = "written"
+    note: str = ""
 
 
 def parse_gpu_class(gpu_class: str) -> tuple[tuple[int, int], int]:
@@ -47,12 +57,12 @@ def parse_gpu_class(gpu_class: str) -> tuple[tuple[int, int], int]:
 def bake(model: str, *, revision: str | None = None, batch: int = 1, capacity: int = 128,
          out: str | Path = "packages", gpu_class: str | None = None, seed: int = 0, threads: int = 256,
          reference_steps: int = 4, gpu_steps: int = 64, gpu_prefill: int = 16, run_on_gpu: bool = True,
-         autotune: bool = False, tiling: str | None = None, attention_preload: bool = False,
+         autotune: bool = False, tiling: str | None = None, attention_preload: bool = False, force: bool = False,
          progress: Callable[[str], None] = lambda msg: None) -> BakeResult:
     from .capture import capture_decode_step
     from .codegen import generate
     from .ir import lower
-    from .package import package_dir, variant_name, write_package
+    from .package import package_destination, save_package
     from .plan import build_plan
     from .plan.rotary import recover_rotary
     from .presets import config_hash
@@ -102,7 +112,8 @@ def bake(model: str, *, revision: str | None = None, batch: int = 1, capacity: i
     with clock("CuTe DSL compile check for sm_90a"):
         compile_result = _compile_check(plan, generated.source)
 
-    variant = variant_name("decode", batch, capacity, gpu_class)
+    dest, variant = package_destination(out, source.model_id, source.revision, "decode", batch, capacity, gpu_class,
+                                        plan.hash)
     report = _report(source, config_hash(source.model.config), plan, variant, gpu_class, compile_result, reference)
     if tuned:
         report["kernel"]["autotune"] = tuned.report()
@@ -123,15 +134,14 @@ def bake(model: str, *, revision: str | None = None, batch: int = 1, capacity: i
         report["status"] = "failed"
         report["status_reasons"].insert(0, f"CuTe DSL compile for sm_90a failed: {compile_result.error}")
 
-    dest = package_dir(out, source.model_id, source.revision, variant)
     with clock(f"write package {dest}"):
         files = {
             "module.py": generated.source,
             "plan.json": plan.to_json(),
             "source_map.json": _json(generated.source_map),
         }
-        write_package(dest, files, report)
-    return BakeResult(dest, report, plan.hash, timings, model=source.model)
+        saved = save_package(dest, files, report, force=force)
+    return BakeResult(dest, report, plan.hash, timings, model=source.model, outcome=saved.action, note=saved.message)
 
 
 BALANCED = "balanced:"  # --tiling prefix: rows per tile chosen per stage for tile balance

@@ -1,6 +1,6 @@
 """The ``megabake`` command line (click): thin wrappers that parse, check, call the API and print.
 
-Commands: bake, verify, publish, inspect, ls, registry, run. One error style and one exit-code policy for all
+Commands: bake, verify, publish, inspect, ls, lock, registry, run. One error style and one exit-code policy for all
 (``megabake.errors``): ``error: <message>`` on stderr, never a traceback; exit 0 ok, 1 a check failed (or
 the work could not be completed), 2 usage or bad input (found before any work), 3 cannot run here (no Hopper
 GPU, missing dependency). Click's own usage errors keep click's format and exit 2.
@@ -49,9 +49,10 @@ def cli():
 
 
 BAKE_EXIT_CODES = exit_codes_help(
-    ok="baked: the package path is the last line of stdout (status unverified, or verified on a GPU)",
-    failed="the package was written but its status is 'failed' (reasons on stderr), or the pipeline failed "
-           "(model not supported, Hub unreachable)",
+    ok="baked: the package path is the last line of stdout (status unverified, or verified on a GPU); also when "
+       "an identical package was already there ('unchanged: ...' on stderr, nothing written)",
+    failed="the bake's status is 'failed' (reasons on stderr), the pipeline failed (model not supported, Hub "
+           "unreachable), or the package folder holds a different package (nothing written; --force replaces it)",
     usage="usage or bad input (option out of range, unknown model, bad --tiling, --out not writable): "
           "found before any work, nothing written",
     cannot_run="cannot run here (--autotune without a Hopper GPU, a missing dependency)")
@@ -89,14 +90,21 @@ BAKE_EXIT_CODES = exit_codes_help(
                    "also picks each stage's rows per tile for tile balance. Works without a GPU.")
 @click.option("--attention-preload", is_flag=True, help="Load each attention lane group's first cached K/V rows "
               "before the barrier that precedes attention.")
+@click.option("--force", is_flag=True, help="Write the package even when its folder holds a different package "
+              "(other module.py / plan.json / source_map.json: refused without --force, exit 1) or the same files "
+              "with an equal or stronger report (verified > unverified > failed: left unchanged without --force, "
+              "exit 0).")
 @reports_errors
 def bake(model, revision, batch, capacity, out, gpu_class, seed, threads, no_gpu, steps, autotune, tiling,
-         attention_preload):
+         attention_preload, force):
     """Bake MODEL into a decode package (module.py, plan.json, source_map.json, report.json, manifest.json).
 
     On any machine: capture -> IR -> plan -> codegen, the plan's CPU reference executor against eager
     fp32 PyTorch, and a CuTe DSL compile of module.py for sm_90a. On a Hopper GPU it also runs the kernel
-    and records a first numerical check. The package path is printed on the last line of stdout.
+    and records a first numerical check. The package path is printed on the last line of stdout:
+    OUT/<org>--<model>/<rev>/<variant>, the variant naming the bucket, the GPU class and the plan
+    (decode-b1-c128-sm90a-132sm-p<8 hex of the plan's sha256>). A bake never silently replaces another
+    package: the same inputs leave the folder unchanged; a different package there is refused without --force.
 
     \b
     Examples:
@@ -124,7 +132,7 @@ def bake(model, revision, batch, capacity, out, gpu_class, seed, threads, no_gpu
         result = run_bake(model, revision=revision, batch=batch, capacity=capacity, out=out, gpu_class=gpu_class,
                           seed=seed, threads=int(threads), run_on_gpu=not no_gpu, gpu_steps=steps,
                           gpu_prefill=prefill, autotune=autotune, tiling=tiling,
-                          attention_preload=attention_preload, progress=progress)
+                          attention_preload=attention_preload, force=force, progress=progress)
     except BaseException:
         from .errors import remove_created
 
@@ -133,6 +141,8 @@ def bake(model, revision, batch, capacity, out, gpu_class, seed, threads, no_gpu
     report = result.report
     click.echo(f"[megabake] status: {report['status']}" +
                (f" ({'; '.join(report['status_reasons'])})" if report["status_reasons"] else ""), err=True)
+    if result.note:
+        click.echo(result.note, err=True)
     click.echo(str(result.path))
     if report["status"] == "failed":
         raise SystemExit(EXIT_FAILED)
@@ -244,6 +254,7 @@ _EXTERNAL = {
     "publish": ("megabake.hub.commands", "publish"),
     "inspect": ("megabake.package.commands", "inspect"),
     "ls": ("megabake.hub.commands", "ls"),
+    "lock": ("megabake.hub.commands", "lock"),
     "registry": ("megabake.registry.commands", "registry"),
     "run": ("megabake.runtime.commands", "run_command"),
 }

@@ -1,6 +1,7 @@
 """Small, schema-valid fixture packages for package / hub tests (no bake, no torch).
 
-``make_report(...)`` returns a report.json dict; ``fixture_files(...)`` the other files (module.py, plan.json,
+``make_report(...)`` returns a report.json dict (``tagged=True``: the variant carries the plan tag, as a bake
+writes it; default: the older untagged name); ``fixture_files(...)`` the other files (module.py, plan.json,
 source_map.json) consistent with it; ``write_fixture_package(root, ...)`` writes one with
 ``megabake.package.write_package`` at ``package_dir(root, model_id, revision, variant)`` and returns its path.
 """
@@ -24,7 +25,7 @@ def plan_bytes(capacity: int, tag: str = "") -> bytes:
 def make_report(*, model_id: str = "megabake/tiny-llama", revision: str = "random-seed0", batch: int = 1,
                 capacity: int = 128, gpu_class: str = "sm90a-132sm", status: str = "verified",
                 plan: bytes | None = None, timings: dict | None = None, megabake_ms: float | None = 0.5,
-                baseline_ms: float | None = 1.0) -> dict:
+                baseline_ms: float | None = 1.0, tagged: bool = False) -> dict:
     weights = "random" if revision.startswith("random-seed") else "pretrained"
     seed = int(revision[len("random-seed"):]) if weights == "random" else None
     plan = plan if plan is not None else plan_bytes(capacity)
@@ -57,7 +58,8 @@ def make_report(*, model_id: str = "megabake/tiny-llama", revision: str = "rando
                   "dtype": "bfloat16"},
         "bucket": {"mode": "decode", "batch": batch, "capacity": capacity},
         "gpu_class": gpu_class,
-        "variant": variant_name("decode", batch, capacity, gpu_class),
+        "variant": variant_name("decode", batch, capacity, gpu_class,
+                                hashlib.sha256(plan).hexdigest() if tagged else None),
         "plan": {"hash": hashlib.sha256(plan).hexdigest(), "stages": 3, "barriers_per_step": 2, "ctas": 132,
                  "threads_per_cta": 256, "layers": 2, "weight_bytes": 123456},
         "toolchain": {"megabake": "0.1.0", "git_revision": None, "python": "3.11.7", "torch": "2.13.0",

@@ -35,7 +35,7 @@ def test_bake_hub_model_pins_the_resolved_revision(hub_env, hub_cache, tmp_path)
     assert report["model"]["id"] == "acme/tiny-llama"
     assert report["model"]["revision"] == sha and len(sha) == 40
     assert report["model"]["weights"] == "pretrained" and report["model"]["preset"] is None
-    assert result.path == tmp_path / "packages" / "acme--tiny-llama" / sha / "decode-b1-c128-sm90a-132sm"
+    assert result.path == tmp_path / "packages" / "acme--tiny-llama" / sha / f"decode-b1-c128-sm90a-132sm-p{result.plan_hash[:8]}"
     assert report["reference_check"]["ok"] and report["kernel"]["compile_check"]["ok"]
     assert any(hub_cache.rglob("model.safetensors")), "weights must come through the HF cache"
     read_package(result.path)

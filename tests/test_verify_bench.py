@@ -144,7 +144,7 @@ def test_verified_package_comes_back_as_one_flat_archive(bench, tmp_path):
     archive = bench.archive_package(baked.path, tmp_path / "packages", tmp_path / "tiny-llama-package.tar.gz")
     with tarfile.open(archive) as tar:
         names = tar.getnames()
-    prefix = "packages/megabake--tiny-llama/random-seed0/decode-b1-c128-sm90a-132sm"
+    prefix = f"packages/megabake--tiny-llama/random-seed0/{baked.path.name}"
     assert {f"{prefix}/{name}" for name in ("module.py", "plan.json", "report.json", "manifest.json")} <= set(names)
     (tmp_path / "repo").mkdir()
     with tarfile.open(archive) as tar:

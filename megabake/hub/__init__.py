@@ -6,12 +6,16 @@ file, ``registry/index.json`` and the ``README.md`` model card; one immutable ta
 :class:`FetchedPackage` without importing any code. All Hub I/O goes through ``huggingface_hub``; every failure
 of it (server errors, unreachable Hub, truncated or interrupted transfers) surfaces as :class:`HubIOError`, a
 ``MegaBakeError`` naming the file, the status or failure and the fix -- never as a raw library exception.
+Lock files (:mod:`megabake.hub.lock`): ``megabake lock`` pins, per repo, a commit, a package folder and its
+manifest digest; ``load_from_hub(..., lockfile=PATH)`` loads exactly that.
 """
 
 from megabake.hub.errors import (
     HubError,
     HubIOError,
     ImmutableTagError,
+    LockChangedError,
+    LockFileError,
     NoMatchingPackageError,
     PublishConflictError,
     PublishFailedError,
@@ -26,6 +30,7 @@ from megabake.hub.load import (
     read_hub_index,
     resolve_commit,
 )
+from megabake.hub.lock import LOCK_FILE, lock_entry, locked_entry, make_lock, read_lock, write_lock
 from megabake.hub.publish import (
     CARD_PATH,
     INDEX_PATH,
@@ -42,10 +47,13 @@ from megabake.hub.select import Request, select_entry
 __all__ = [
     "CARD_PATH",
     "INDEX_PATH",
+    "LOCK_FILE",
     "FetchedPackage",
     "HubError",
     "HubIOError",
     "ImmutableTagError",
+    "LockChangedError",
+    "LockFileError",
     "NoMatchingPackageError",
     "PublishConflictError",
     "PublishFailedError",
@@ -59,10 +67,15 @@ __all__ = [
     "commit_publish",
     "fetch_package",
     "load_from_hub",
+    "lock_entry",
+    "locked_entry",
+    "make_lock",
     "make_api",
     "plan_publish",
     "publish",
     "read_hub_index",
+    "read_lock",
     "resolve_commit",
     "select_entry",
+    "write_lock",
 ]

@@ -26,7 +26,7 @@ from huggingface_hub.errors import (
     RevisionResolutionError,
 )
 
-from megabake.errors import MegaBakeError
+from megabake.errors import InputError, MegaBakeError
 
 RETRYABLE_STATUS = (408, 429, 500, 502, 503, 504)
 LIBRARY_ERRORS = (HfHubHTTPError, EntryNotFoundError, RevisionResolutionError, httpx.HTTPError, OSError, ValueError)
@@ -69,6 +69,15 @@ class NoMatchingPackageError(HubError, LookupError):
 
 class UntrustedCodeError(HubError, PermissionError):
     """module.py would be imported without trust_remote_code=True or a caller-pinned commit."""
+
+
+class LockFileError(HubError, InputError):
+    """A lock file cannot be used: unreadable or malformed, no entry for the repo, or the call asks for something
+    other than what it pins. Exit code 2 (bad input)."""
+
+
+class LockChangedError(HubError):
+    """``megabake lock`` would replace a lock file that pins other packages, without ``--force``; nothing written."""
 
 
 # --------------------------------------------------------------------------------------- classification

@@ -10,6 +10,14 @@ and that the package is the one the index names. ``load_from_hub`` then refuses 
 ``trust_remote_code=True`` or the caller pinned the 40-hex commit as ``revision``, and returns
 ``megabake.runtime.MegakernelDecoder.from_package(path, device=device)``.
 
+With ``lockfile=PATH`` (a lock written by ``megabake lock``, :mod:`megabake.hub.lock`) nothing is resolved or
+selected: the repo's entry names the commit, the package folder and the sha256 of its ``manifest.json``; exactly
+that package is downloaded at exactly that commit and verified against the entry (a different manifest raises
+``DigestMismatchError``). A lock pins a commit, so, like a 40-hex ``revision``, it counts as trusted. A lock
+without an entry for the repo, a malformed lock, or a ``revision`` / ``bucket`` / ``gpu_class`` / model that
+the locked package does not match raises ``LockFileError`` (exit code 2). ``fetch_to_lock`` is ``fetch_package``
+for ``megabake lock`` (its failures say that no lock file was written).
+
 Faults: any failure of the Hub other than that 404 (5xx after huggingface_hub's retries, connection refused or
 dropped, truncated body, server gone mid-download, offline without a cached copy) raises
 :class:`~megabake.hub.errors.HubIOError` naming the file, the HTTP status or failure and the fix, before anything
@@ -29,15 +37,17 @@ from huggingface_hub import HfApi, constants, hf_hub_download, snapshot_download
 from huggingface_hub.errors import EntryNotFoundError
 from huggingface_hub.file_download import _CACHED_NO_EXIST
 
-from megabake.hub.errors import HubError, NoMatchingPackageError, UntrustedCodeError, hub_io, is_absent
+from megabake.hub.errors import HubError, LockFileError, NoMatchingPackageError, UntrustedCodeError, hub_io, is_absent
+from megabake.hub.lock import locked_entry, read_lock
 from megabake.hub.publish import INDEX_PATH
-from megabake.hub.select import Request, select_entry
+from megabake.hub.select import Request, fits, select_entry
 from megabake.package import (
     DigestMismatchError,
     Package,
     empty_index,
     entry_from_report,
     merge_index,
+    parse_variant,
     read_package,
     sha256_bytes,
     validate,
@@ -48,6 +58,9 @@ COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
 NOTHING_IMPORTED = "Nothing was imported (module.py was not loaded); the HF cache holds no partial file."
 _CACHE_FIX = ("delete the cached copy (`hf cache rm model/{repo_id}`) and load again with force_download=True; "
               "if the error persists, the copy on the Hub is corrupt: republish the package")
+_LOCK_FIX = ("delete the cached copy (`hf cache rm model/{repo_id}`) and load again with force_download=True; if the "
+             "error persists, the package at the locked commit is not the one {lockfile} pins: review it, then "
+             "re-lock deliberately (`megabake lock {repo_id}@<rev> --out {lockfile} --force`)")
 
 
 @dataclass
@@ -62,11 +75,12 @@ class FetchedPackage:
     entry: dict[str, Any]
     model_id: str
     model_revision: str
+    lockfile: Path | None = None
 
     @property
     def pinned(self) -> bool:
-        """True when the caller asked for this exact commit (a 40-hex revision)."""
-        return self.revision == self.commit
+        """True when the caller pinned this exact commit: a 40-hex revision, or a lock file."""
+        return self.revision == self.commit or self.lockfile is not None
 
 
 @dataclass
@@ -82,6 +96,8 @@ class _Hub:
     force_download: bool
 
     consequence: str = NOTHING_IMPORTED
+    label: str = "index"  # what names the package: the registry index, or a lock file
+    fix: str | None = None  # the fix of a digest mismatch (default: re-download, else republish)
 
     def kwargs(self) -> dict[str, Any]:
         return dict(revision=self.commit, cache_dir=self.cache_dir, endpoint=self.endpoint, token=self.token,
@@ -114,10 +130,10 @@ class _Hub:
 
     def _manifest(self, entry: dict[str, Any], where: str) -> tuple[Path, dict[str, Any]]:
         path = self.download(f"{entry['path']}/{MANIFEST}")
-        digest, fix = sha256_bytes(path.read_bytes()), _CACHE_FIX.format(repo_id=self.repo_id)
+        digest, fix = sha256_bytes(path.read_bytes()), self.fix or _CACHE_FIX.format(repo_id=self.repo_id)
         if digest != entry["manifest_sha256"]:
             raise DigestMismatchError(str(path.parent), MANIFEST, f"the package named by {where}",
-                                      f"manifest_sha256: index says {entry['manifest_sha256']!r}, package has "
+                                      f"manifest_sha256: {self.label} says {entry['manifest_sha256']!r}, package has "
                                       f"{digest!r}", fix=fix)
         try:
             return path, validate("manifest", json.loads(path.read_text()), source=self.where(entry["path"]))
@@ -178,26 +194,41 @@ def resolve_commit(api: HfApi, repo_id: str, revision: str, cache_dir=None, loca
     return resolved.resolved
 
 
-def fetch_package(repo_id: str, revision: str = "main", *, model_id: str | None = None,
+def fetch_package(repo_id: str, revision: str | None = None, *, model_id: str | None = None,
                   model_revision: str | None = None, bucket: Any = None, gpu_class: str | None = None,
                   allow_unverified: bool = False, cache_dir: str | Path | None = None, endpoint: str | None = None,
                   token: str | bool | None = None, local_files_only: bool = False,
-                  force_download: bool = False) -> FetchedPackage:
+                  force_download: bool = False, lockfile: str | Path | None = None) -> FetchedPackage:
     """Resolve, select, download and verify one package (no code is imported). See the module docstring.
 
-    ``gpu_class=None`` accepts any GPU class (what the CPU reference executor can run).
+    ``revision``: a branch, tag or commit (default "main"). ``gpu_class=None`` accepts any GPU class (what the
+    CPU reference executor can run). ``lockfile``: load exactly the package the lock pins for ``repo_id``.
     """
+    request = Request.from_args(bucket, gpu_class, model_id, model_revision)
+    if lockfile is not None:
+        return _fetch_locked(repo_id, lockfile, revision, request, allow_unverified, cache_dir, endpoint, token,
+                             local_files_only, force_download)
     revision = revision or "main"
-    request = Request.from_args(bucket, gpu_class, model_id, model_revision).with_tag_defaults(revision)
+    request = request.with_tag_defaults(revision)
     return _fetch(repo_id, revision, request, allow_unverified, cache_dir, endpoint, token, local_files_only,
                   force_download)
 
 
+def fetch_to_lock(repo_id: str, revision: str | None, *, bucket: Any = None, gpu_class: str | None = None,
+                  model_id: str | None = None, model_revision: str | None = None, allow_unverified: bool = False,
+                  endpoint: str | None = None, token: str | bool | None = None) -> FetchedPackage:
+    """``fetch_package`` for ``megabake lock``: the same selection and checks; a failure says nothing was written."""
+    revision = revision or "main"
+    request = Request.from_args(bucket, gpu_class, model_id, model_revision).with_tag_defaults(revision)
+    return _fetch(repo_id, revision, request, allow_unverified, None, endpoint, token, False, False,
+                  consequence="Nothing was written (no lock file).")
+
+
 def _fetch(repo_id, revision, request, allow_unverified, cache_dir, endpoint, token, local_files_only,
-           force_download) -> FetchedPackage:
+           force_download, consequence: str = NOTHING_IMPORTED) -> FetchedPackage:
     api = HfApi(endpoint=endpoint, token=token, library_name="megabake")
-    commit = resolve_commit(api, repo_id, revision, cache_dir, local_files_only)
-    hub = _Hub(repo_id, commit, cache_dir, endpoint, token, local_files_only, force_download)
+    commit = resolve_commit(api, repo_id, revision, cache_dir, local_files_only, consequence)
+    hub = _Hub(repo_id, commit, cache_dir, endpoint, token, local_files_only, force_download, consequence)
     index, where = hub.index()
     found_model, found_revision, entry = select_entry(index, request, allow_unverified, where)
     folder = hub.package_folder(entry, where)
@@ -205,7 +236,48 @@ def _fetch(repo_id, revision, request, allow_unverified, cache_dir, endpoint, to
     return FetchedPackage(repo_id, revision, commit, package.path, package, entry, found_model, found_revision)
 
 
-def _verify(path: Path, entry: dict[str, Any], where: str, fix: str) -> Package:
+def _fetch_locked(repo_id, lockfile, revision, request, allow_unverified, cache_dir, endpoint, token,
+                  local_files_only, force_download) -> FetchedPackage:
+    """The package ``lockfile`` pins for ``repo_id``, at its commit, checked against the lock's digest."""
+    lockfile = Path(lockfile)
+    entry = locked_entry(read_lock(lockfile), repo_id, lockfile)
+    _check_locked_request(entry, revision, request, allow_unverified, lockfile)
+    fix = _LOCK_FIX.format(repo_id=repo_id, lockfile=lockfile)
+    hub = _Hub(repo_id, entry["commit"], cache_dir, endpoint, token, local_files_only, force_download,
+               label=f"lock file {lockfile}", fix=fix)
+    where = f"{lockfile} (entry {repo_id})"
+    folder = hub.package_folder(entry, where)
+    package = _verify(folder, entry, where, fix, label="the lock")
+    return FetchedPackage(repo_id, entry["revision"], entry["commit"], package.path, package, entry,
+                          entry["model_id"], entry["model_revision"], lockfile=lockfile)
+
+
+def _check_locked_request(entry: dict[str, Any], revision: str | None, request: Request, allow_unverified: bool,
+                          lockfile: Path) -> None:
+    """What the caller asked for must be what the lock pins (the lock decides; it never widens or narrows)."""
+    pinned = f"{entry['repo']}@{entry['revision']} = commit {entry['commit']}, {entry['path']}"
+    variant = parse_variant(entry["variant"])
+    as_index_entry = {"variant": entry["variant"], "mode": variant.mode, "batch": variant.batch,
+                      "capacity": variant.capacity, "gpu_class": variant.gpu_class}
+    conflicts = []
+    if revision not in (None, entry["revision"], entry["commit"]):
+        conflicts.append(f"revision {revision!r}")
+    if (request.model_id not in (None, entry["model_id"])
+            or request.model_revision not in (None, entry["model_revision"])):
+        conflicts.append(f"model {request.model_id or 'any'}@{request.model_revision or 'any'}")
+    if not fits(as_index_entry, request):
+        conflicts.append(f"a bucket / GPU class that variant does not fit (batch {request.batch}, KV capacity >= "
+                         f"{request.capacity or 1}, GPU class {request.gpu_class or 'any'})")
+    if conflicts:
+        raise LockFileError(f"{lockfile} pins {pinned}, but the call asks for {' and '.join(conflicts)}. fix: drop "
+                            f"those arguments (the lock chooses), or re-lock with them (`megabake lock ... --out "
+                            f"{lockfile} --force`)")
+    if entry["status"] != "verified" and not allow_unverified:
+        raise LockFileError(f"{lockfile} pins {pinned}, which is {entry['status']}. fix: pass allow_unverified=True "
+                            "to load it, or lock a verified package")
+
+
+def _verify(path: Path, entry: dict[str, Any], where: str, fix: str, label: str = "index") -> Package:
     try:
         package = read_package(path)
     except DigestMismatchError as exc:
@@ -215,7 +287,7 @@ def _verify(path: Path, entry: dict[str, Any], where: str, fix: str) -> Package:
         ("manifest_sha256", package.manifest_sha256), ("status", package.status))
         if entry[key] != value]
     if mismatches:
-        listing = "; ".join(f"{key}: index says {want!r}, package has {got!r}" for key, want, got in mismatches)
+        listing = "; ".join(f"{key}: {label} says {want!r}, package has {got!r}" for key, want, got in mismatches)
         raise DigestMismatchError(str(path), MANIFEST, f"the package named by {where}", listing, fix=fix)
     return package
 
@@ -231,28 +303,36 @@ def check_trust(fetched: FetchedPackage, trust_remote_code: bool) -> None:
         f"pass trust_remote_code=True, or pin revision={fetched.commit!r}")
 
 
-def load_from_hub(repo_id: str, revision: str = "main", *, model_revision: str | None = None, bucket: Any = None,
-                  device: Any = None, trust_remote_code: bool = False, model_id: str | None = None,
-                  gpu_class: str | None = None, allow_unverified: bool = False, cache_dir: str | Path | None = None,
-                  endpoint: str | None = None, token: str | bool | None = None, local_files_only: bool = False,
-                  force_download: bool = False):
+def load_from_hub(repo_id: str, revision: str | None = None, *, model_revision: str | None = None,
+                  bucket: Any = None, device: Any = None, trust_remote_code: bool = False,
+                  model_id: str | None = None, gpu_class: str | None = None, allow_unverified: bool = False,
+                  cache_dir: str | Path | None = None, endpoint: str | None = None, token: str | bool | None = None,
+                  local_files_only: bool = False, force_download: bool = False, lockfile: str | Path | None = None):
     """Return the runnable decoder of the best published package for this device (see the module docstring).
 
-    ``bucket``: None (batch 1, smallest capacity), a KV capacity, ``(batch, capacity)``, ``"b1-c512"`` or a
-    variant name. ``device``: None (CUDA if available, else CPU), ``"cpu"`` (CPU reference executor: any GPU
-    class fits) or a CUDA device (its GPU class must match). ``gpu_class`` overrides the detected class.
+    ``revision``: a branch, tag or commit (default "main"). ``bucket``: None (batch 1, smallest capacity), a KV
+    capacity, ``(batch, capacity)``, ``"b1-c512"`` or a variant name. ``device``: None (CUDA if available, else
+    CPU), ``"cpu"`` (CPU reference executor: any GPU class fits) or a CUDA device (its GPU class must match).
+    ``gpu_class`` overrides the detected class. ``lockfile``: load exactly the package a ``megabake lock`` file
+    pins for ``repo_id`` (its commit and manifest digest).
     """
     device = _device(device)
-    revision = revision or "main"
-    request = Request.from_args(bucket, gpu_class, model_id, model_revision).with_tag_defaults(revision)
     detected = None if gpu_class else _device_gpu_class(device)
-    if detected and request.variant and not request.variant.endswith(detected):
-        raise NoMatchingPackageError(f"revision {revision!r} names variant {request.variant}, but {device} is GPU "
-                                     f"class {detected}. fix: load the repo's branch or another tag for {detected}")
-    if detected and request.variant is None:
-        request = dataclasses.replace(request, gpu_class=detected)
-    fetched = _fetch(repo_id, revision, request, allow_unverified, cache_dir, endpoint, token, local_files_only,
-                     force_download)
+    if lockfile is not None:
+        fetched = fetch_package(repo_id, revision, model_id=model_id, model_revision=model_revision, bucket=bucket,
+                                gpu_class=gpu_class, allow_unverified=allow_unverified, cache_dir=cache_dir,
+                                endpoint=endpoint, token=token, local_files_only=local_files_only,
+                                force_download=force_download, lockfile=lockfile)
+        _check_device_class(fetched.entry["variant"], detected, device, f"lock file {lockfile}")
+    else:
+        revision = revision or "main"
+        request = Request.from_args(bucket, gpu_class, model_id, model_revision).with_tag_defaults(revision)
+        if request.variant:
+            _check_device_class(request.variant, detected, device, f"revision {revision!r}")
+        elif detected:
+            request = dataclasses.replace(request, gpu_class=detected)
+        fetched = _fetch(repo_id, revision, request, allow_unverified, cache_dir, endpoint, token, local_files_only,
+                         force_download)
     check_trust(fetched, trust_remote_code)
     try:
         from megabake.runtime import MegakernelDecoder
@@ -260,6 +340,15 @@ def load_from_hub(repo_id: str, revision: str = "main", *, model_revision: str |
         raise HubError(f"megabake.runtime.MegakernelDecoder is unavailable ({exc}); the package was fetched and "
                        f"verified at {fetched.path}. fix: install megabake completely (pip install -e .)") from exc
     return MegakernelDecoder.from_package(fetched.path, device=device)
+
+
+def _check_device_class(variant: str, detected: str | None, device: str, source: str) -> None:
+    """A variant pinned by a tag, a variant name or a lock must be of the CUDA device's GPU class."""
+    gpu_class = parse_variant(variant).gpu_class
+    if detected and gpu_class != detected:
+        raise NoMatchingPackageError(f"{source} names variant {variant} (GPU class {gpu_class}), but {device} is GPU "
+                                     f"class {detected}. fix: load another tag, variant or lock for {detected}, or "
+                                     "pass device='cpu' to run the CPU reference executor")
 
 
 def _device(device: Any) -> str:

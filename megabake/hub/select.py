@@ -2,15 +2,23 @@
 
 Contract: ``Request.from_args(bucket=..., gpu_class=..., ...)`` normalizes what the caller asked for;
 ``select_entry(index, request, allow_unverified)`` returns ``(model_id, model_revision, entry)`` for the best
-registry-index entry (batch equal, smallest KV capacity >= the one asked, GPU class equal when one is asked,
-verified first) or raises :class:`NoMatchingPackageError` listing the variants, buckets and GPU classes that
+registry-index entry or raises :class:`NoMatchingPackageError` listing the variants, buckets and GPU classes that
 exist next to what was asked for. Pure data in, data out: no I/O.
+
+Fit: batch equal, KV capacity >= the one asked, GPU class equal when one is asked; a variant name asked for
+fits exactly that variant, or, without a plan tag (``decode-b1-c512-sm90a-132sm``), every plan of that bucket
+and GPU class; a package tag as the revision fits exactly its own package (``Request.exact``). Among the fits,
+deterministically: the smallest capacity, then verified before unverified, then the GPU class (by name), then
+the lowest measured ``megabake_ms`` (unmeasured last), then the newest ``created_at``, then the variant name.
+So when a bucket holds several plans (tilings), the fastest verified one is loaded; a package tag or a
+plan-tagged variant name pins one.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from megabake.hub.errors import NoMatchingPackageError
@@ -34,6 +42,7 @@ class Request:
     capacity: int | None = None
     gpu_class: str | None = None
     variant: str | None = None
+    exact: bool = False  # the variant is a package tag's: only that name fits, even without a plan tag
 
     @classmethod
     def from_args(cls, bucket: Any = None, gpu_class: str | None = None, model_id: str | None = None,
@@ -82,7 +91,8 @@ class Request:
         untouched = self.capacity is None and self.gpu_class is None and self.batch == 1
         return Request(model_id=model_id, model_revision=match["revision"], mode=self.mode, batch=self.batch,
                        capacity=self.capacity, gpu_class=self.gpu_class,
-                       variant=variant.name if untouched else self.variant)
+                       variant=variant.name if untouched else self.variant,
+                       exact=untouched or self.exact)
 
     def describe(self) -> str:
         parts = [f"model {self.model_id or 'any'}", f"model revision {self.model_revision or 'any'}",
@@ -105,18 +115,32 @@ def select_entry(index: dict[str, Any], request: Request, allow_unverified: bool
         listing = ", ".join(f"{m}@{r}" for m, r in models)
         raise NoMatchingPackageError(f"{where} holds packages for several models / model revisions ({listing}); "
                                      "pass model_id= and/or model_revision= to choose one")
-    fits = [item for item in pool if _fits(item[2], request)]
-    if not fits:
+    fitting = [item for item in pool if fits(item[2], request)]
+    if not fitting:
         raise _no_match("no package fits the bucket / GPU class asked for", pool, request, where)
     allowed = {"verified"} | ({"unverified"} if allow_unverified else set())
-    loadable = [item for item in fits if item[2]["status"] in allowed]
+    loadable = [item for item in fitting if item[2]["status"] in allowed]
     if not loadable:
-        statuses = sorted({item[2]["status"] for item in fits})
+        statuses = sorted({item[2]["status"] for item in fitting})
         hint = " pass allow_unverified=True to load an unverified package" if "unverified" in statuses else ""
         raise _no_match(f"packages fit but none is loadable (statuses: {', '.join(statuses)});{hint}",
                         pool, request, where)
-    loadable.sort(key=lambda item: (item[2]["capacity"], LOADABLE[item[2]["status"]], item[2]["gpu_class"]))
-    return loadable[0]
+    return min(loadable, key=lambda item: preference(item[2]))
+
+
+def preference(entry: dict[str, Any]) -> tuple:
+    """Sort key of a loadable entry: smaller is preferred (see the module docstring)."""
+    measured = entry.get("megabake_ms")
+    return (entry["capacity"], LOADABLE[entry["status"]], entry["gpu_class"],
+            measured is None, measured or 0.0, -_timestamp(entry.get("created_at")), entry["variant"])
+
+
+def _timestamp(text: str | None) -> float:
+    """Seconds since the epoch of an RFC 3339 time (0 when absent or unreadable: oldest)."""
+    try:
+        return datetime.fromisoformat((text or "").replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return 0.0
 
 
 def _same_model(item: tuple[str, str, dict], request: Request) -> bool:
@@ -124,12 +148,26 @@ def _same_model(item: tuple[str, str, dict], request: Request) -> bool:
     return request.model_id in (None, model_id) and request.model_revision in (None, revision)
 
 
-def _fits(entry: dict[str, Any], request: Request) -> bool:
+def fits(entry: dict[str, Any], request: Request) -> bool:
+    """``entry`` (an index entry: variant, mode, batch, capacity, gpu_class) fits ``request``."""
     if request.variant is not None:
-        return entry["variant"] == request.variant
+        return variant_matches(entry["variant"], request.variant, request.exact)
     return (entry["mode"] == request.mode and entry["batch"] == request.batch
             and entry["capacity"] >= (request.capacity or 1)
             and request.gpu_class in (None, entry["gpu_class"]))
+
+
+def variant_matches(name: str, asked: str, exact: bool = False) -> bool:
+    """``name`` is the variant ``asked`` for: equal, or (unless ``exact``) ``asked`` has no plan tag and names
+    ``name``'s bucket and GPU class."""
+    if name == asked or exact:
+        return name == asked
+    wanted = parse_variant(asked)
+    try:
+        have = parse_variant(name)
+    except ValueError:
+        return False
+    return wanted.plan_tag is None and have.bucket_name == wanted.name
 
 
 def _no_match(reason: str, pool: list, request: Request, where: str) -> NoMatchingPackageError:

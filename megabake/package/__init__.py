@@ -2,10 +2,13 @@
 
 Contract (docs/FORMATS.md is the prose form, ``schemas/`` the normative one):
 
-* layout: ``package_dir(root, model_id, model_revision, variant)``, ``repo_path(...)``, ``variant_name``,
-  ``parse_variant``, ``gpu_class_of``, ``package_tag``;
-* files: ``write_package(dest_dir, files, report)`` (validated, atomic), ``read_package(path) -> Package``
-  (digests + schemas checked), ``update_report(path, report)``;
+* layout: ``package_dir(root, model_id, model_revision, variant)``, ``repo_path(...)``, ``variant_name``
+  (with an optional plan tag), ``parse_variant``, ``gpu_class_of``, ``package_tag``;
+* files: ``write_package(dest_dir, files, report)`` (validated, atomic, replaces what is there),
+  ``read_package(path) -> Package`` (digests + schemas checked), ``update_report(path, report)``;
+* write policy for new packages: ``package_destination(...)`` (the plan-tagged folder of a bake) and
+  ``save_package(dest_dir, files, report, force=False) -> SaveResult`` (identical files and a report at least
+  as strong: unchanged; different files: :class:`OverwriteRefusedError` unless ``force``);
 * schemas: ``validate(kind, obj)`` raising :class:`SchemaValidationError` (JSON pointer + expectation);
 * registry: ``build_index(packages_root, hub_repo=None)``, ``registry_entry(package)``, ``merge_index``,
   ``read_index`` / ``write_index``.
@@ -13,7 +16,7 @@ Contract (docs/FORMATS.md is the prose form, ``schemas/`` the normative one):
 Importing this package is cheap: no torch, no huggingface_hub.
 """
 
-from megabake.package.errors import DigestMismatchError, PackageError, SchemaValidationError
+from megabake.package.errors import DigestMismatchError, OverwriteRefusedError, PackageError, SchemaValidationError
 from megabake.package.layout import (
     Variant,
     gpu_class_of,
@@ -21,9 +24,11 @@ from megabake.package.layout import (
     package_dir,
     package_tag,
     parse_variant,
+    plan_tag,
     repo_path,
     variant_name,
 )
+from megabake.package.policy import SaveResult, package_destination, save_package
 from megabake.package.registry import (
     build_index,
     empty_index,
@@ -50,8 +55,10 @@ from megabake.package.store import (
 __all__ = [
     "KINDS",
     "DigestMismatchError",
+    "OverwriteRefusedError",
     "Package",
     "PackageError",
+    "SaveResult",
     "SchemaValidationError",
     "Variant",
     "build_index",
@@ -64,13 +71,16 @@ __all__ = [
     "iter_entries",
     "merge_index",
     "model_dirname",
+    "package_destination",
     "package_dir",
     "package_tag",
     "parse_variant",
+    "plan_tag",
     "read_index",
     "read_package",
     "registry_entry",
     "repo_path",
+    "save_package",
     "sha256_bytes",
     "sha256_file",
     "update_report",

@@ -1,7 +1,8 @@
 """Errors of the package layer. Every message names the file, the cause and the fix.
 
 ``PackageError`` is the base; ``SchemaValidationError`` carries the JSON pointer of the bad field and what was
-expected; ``DigestMismatchError`` names the file whose bytes do not match manifest.json.
+expected; ``DigestMismatchError`` names the file whose bytes do not match manifest.json;
+``OverwriteRefusedError`` says why a new package may not replace the one already at its folder.
 """
 
 from __future__ import annotations
@@ -53,9 +54,20 @@ class DigestMismatchError(PackageError):
         )
 
 
+class OverwriteRefusedError(PackageError):
+    """A package folder already holds a different package (or something that is not a package) and ``force``
+    was not given; nothing was written. ``path``: the folder; ``differs``: what differs, in words."""
+
+    def __init__(self, message: str, path: str, differs: list[str]):
+        self.path = path
+        self.differs = differs
+        super().__init__(message)
+
+
 SCHEMA_FILES = {
     "report": "report.schema.json",
     "source_map": "source_map.schema.json",
     "manifest": "manifest.schema.json",
     "registry_index": "registry-index.schema.json",
+    "lock": "lock.schema.json",
 }

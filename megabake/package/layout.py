@@ -4,7 +4,10 @@ Contract (docs/FORMATS.md):
 ``package_dir(root, model_id, model_revision, variant)`` -> ``root/<org>--<model>/<model-rev>/<variant>`` where
 ``root`` is a packages root (e.g. ``packages/``); ``repo_path(...)`` is the same folder inside a repository
 (``packages/<org>--<model>/<model-rev>/<variant>``), used for the Hub and the registry index.
-``variant_name(mode, batch, capacity, gpu_class)`` -> ``decode-b1-c128-sm90a-132sm``; ``parse_variant`` inverts it.
+``variant_name(mode, batch, capacity, gpu_class, plan_hash=None)`` -> ``decode-b1-c128-sm90a-132sm``, or with the
+plan's sha256 ``decode-b1-c128-sm90a-132sm-p1a2b3c4d`` (``-p`` + its first 8 hex digits: what ``megabake bake``
+writes, so two plans of one bucket never share a folder); ``parse_variant`` inverts both forms (names without
+the plan tag are the packages baked before the tag existed and stay valid).
 ``gpu_class_of((9, 0), 132, "a")`` -> ``sm90a-132sm``.
 """
 
@@ -18,22 +21,31 @@ PACKAGES_DIR = "packages"
 MODES = ("decode",)
 _GPU_CLASS = r"sm(?P<cc>[0-9]+)(?P<suffix>[a-z]*)-(?P<sm_count>[0-9]+)sm"
 GPU_CLASS_RE = re.compile(rf"^{_GPU_CLASS}$")
-VARIANT_RE = re.compile(rf"^(?P<mode>[a-z]+)-b(?P<batch>[0-9]+)-c(?P<capacity>[0-9]+)-(?P<gpu_class>{_GPU_CLASS})$")
+PLAN_TAG_LEN = 8  # hex digits of the plan's sha256 in a variant name
+VARIANT_RE = re.compile(rf"^(?P<mode>[a-z]+)-b(?P<batch>[0-9]+)-c(?P<capacity>[0-9]+)-(?P<gpu_class>{_GPU_CLASS})"
+                        rf"(?:-p(?P<plan_tag>[0-9a-f]{{{PLAN_TAG_LEN}}}))?$")
 MODEL_ID_RE = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*/)?[A-Za-z0-9][A-Za-z0-9._-]*$")
 MODEL_REVISION_RE = re.compile(r"^([0-9a-f]{40}|random-seed[0-9]+|sha256-[0-9a-f]{16})$")
 
 
 @dataclass(frozen=True, order=True)
 class Variant:
-    """What must match at load time: mode, bucket (batch, KV capacity) and GPU class."""
+    """What must match at load time: mode, bucket (batch, KV capacity) and GPU class; ``plan_tag`` (8 hex digits
+    of the plan's sha256, or None for a name without one) tells plans of one bucket apart."""
 
     mode: str
     batch: int
     capacity: int
     gpu_class: str
+    plan_tag: str | None = None
 
     @property
     def name(self) -> str:
+        return variant_name(self.mode, self.batch, self.capacity, self.gpu_class, self.plan_tag)
+
+    @property
+    def bucket_name(self) -> str:
+        """The name without the plan tag: ``decode-b1-c128-sm90a-132sm``."""
         return variant_name(self.mode, self.batch, self.capacity, self.gpu_class)
 
     def __str__(self) -> str:
@@ -50,24 +62,32 @@ def gpu_class_of(compute_capability: tuple[int, int] = (9, 0), sm_count: int = 1
     return name
 
 
-def variant_name(mode: str, batch: int, capacity: int, gpu_class: str) -> str:
-    """``decode-b<batch>-c<capacity>-<gpu_class>``."""
+def variant_name(mode: str, batch: int, capacity: int, gpu_class: str, plan_hash: str | None = None) -> str:
+    """``decode-b<batch>-c<capacity>-<gpu_class>``, plus ``-p<first 8 hex of plan_hash>`` when it is given
+    (``plan_hash``: the plan's sha256, or an 8-hex plan tag)."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; supported modes: {', '.join(MODES)}")
     if int(batch) < 1 or int(capacity) < 1:
         raise ValueError(f"batch and capacity must be >= 1, got batch={batch}, capacity={capacity}")
     if not GPU_CLASS_RE.match(gpu_class):
         raise ValueError(f"GPU class {gpu_class!r} is not like 'sm90a-132sm' (see gpu_class_of)")
-    return f"{mode}-b{int(batch)}-c{int(capacity)}-{gpu_class}"
+    return f"{mode}-b{int(batch)}-c{int(capacity)}-{gpu_class}" + (f"-p{plan_tag(plan_hash)}" if plan_hash else "")
+
+
+def plan_tag(plan_hash: str) -> str:
+    """The first 8 hex digits of a plan's sha256 (the plan tag of a variant name)."""
+    if not re.fullmatch(r"[0-9a-f]{8}(?:[0-9a-f]{56})?", plan_hash or ""):
+        raise ValueError(f"plan hash {plan_hash!r} is not a sha256 (64 lowercase hex digits) or an 8-hex plan tag")
+    return plan_hash[:PLAN_TAG_LEN]
 
 
 def parse_variant(name: str) -> Variant:
     """Inverse of :func:`variant_name`; raises ValueError naming the expected form."""
     match = VARIANT_RE.match(name)
     if not match or match["mode"] not in MODES:
-        raise ValueError(f"variant {name!r} is not of the form <mode>-b<batch>-c<capacity>-<gpu_class>, "
-                         "e.g. 'decode-b1-c128-sm90a-132sm'")
-    return Variant(match["mode"], int(match["batch"]), int(match["capacity"]), match["gpu_class"])
+        raise ValueError(f"variant {name!r} is not of the form <mode>-b<batch>-c<capacity>-<gpu_class>[-p<plan "
+                         "tag>], e.g. 'decode-b1-c128-sm90a-132sm' or 'decode-b1-c128-sm90a-132sm-p1a2b3c4d'")
+    return Variant(match["mode"], int(match["batch"]), int(match["capacity"]), match["gpu_class"], match["plan_tag"])
 
 
 def model_dirname(model_id: str) -> str:

@@ -258,9 +258,11 @@ def _check_digests(root: Path, manifest: dict[str, Any]) -> None:
 def check_consistency(report: dict[str, Any], contents: dict[str, bytes], source: str) -> None:
     """Cross-field rules a JSON Schema cannot express (docs/FORMATS.md, "Consistency rules")."""
     bucket = report["bucket"]
-    expected_variant = variant_name(bucket["mode"], bucket["batch"], bucket["capacity"], report["gpu_class"])
-    _require(report["variant"] == expected_variant, "report", "/variant", repr(expected_variant),
-             f"{report['variant']!r} does not match /bucket and /gpu_class", source)
+    untagged = variant_name(bucket["mode"], bucket["batch"], bucket["capacity"], report["gpu_class"])
+    tagged = variant_name(bucket["mode"], bucket["batch"], bucket["capacity"], report["gpu_class"],
+                          report["plan"]["hash"])
+    _require(report["variant"] in (tagged, untagged), "report", "/variant", f"{tagged!r} (or {untagged!r})",
+             f"{report['variant']!r} does not match /bucket, /gpu_class and /plan/hash", source)
     model = report["model"]
     if model["weights"] == "random":
         expected_rev = f"random-seed{model['seed']}"
