@@ -111,10 +111,13 @@ def bake(model: str, *, revision: str | None = None, batch: int = 1, capacity: i
         reference = reference_check(plan, source.model, steps=reference_steps)
     with clock("CuTe DSL compile check for sm_90a"):
         compile_result = _compile_check(plan, generated.source)
+    with clock("precompile the kernel for sm_90a (loads without JIT)"):
+        precompiled = _export_precompiled(plan, generated.source) if compile_result.ok else {"files": {}, "report": None}
 
     dest, variant = package_destination(out, source.model_id, source.revision, "decode", batch, capacity, gpu_class,
                                         plan.hash)
     report = _report(source, config_hash(source.model.config), plan, variant, gpu_class, compile_result, reference)
+    report["kernel"]["precompiled"] = precompiled["report"]
     if tuned:
         report["kernel"]["autotune"] = tuned.report()
     if chosen_tuning or attention_preload:
@@ -139,6 +142,7 @@ def bake(model: str, *, revision: str | None = None, batch: int = 1, capacity: i
             "module.py": generated.source,
             "plan.json": plan.to_json(),
             "source_map.json": _json(generated.source_map),
+            **precompiled["files"],
         }
         saved = save_package(dest, files, report, force=force)
     return BakeResult(dest, report, plan.hash, timings, model=source.model, outcome=saved.action, note=saved.message)
@@ -250,7 +254,36 @@ def _compile_check(plan, source: str):
     return compile_check(plan, module)
 
 
+def _export_precompiled(plan, source: str) -> dict:
+    """Package files + ``report.kernel.precompiled``; a failed export is recorded, never fatal (JIT at load)."""
+    from .runtime.compile import METADATA_FILE, export_kernel, load_module
+
+    started = time.perf_counter()
+    try:
+        exported = export_kernel(plan, load_module(source))
+    except Exception as exc:  # evidence, not a requirement
+        return {"files": {}, "report": {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:2000],
+                                        "seconds": round(time.perf_counter() - started, 3)}}
+    meta = exported["metadata"]
+    return {"files": exported["files"], "report": {
+        "ok": True, "file": meta["object"], "metadata": METADATA_FILE, "sha256": meta["sha256"], "size": meta["size"],
+        "arch": meta["arch"], "cutlass_dsl": meta["toolchain"]["cutlass_dsl"],
+        "seconds": round(time.perf_counter() - started, 3), "error": None}}
+
+
 def _toolchain() -> dict:
+    """What built the package: the verifier's record (versions, git) and the device toolchain
+    (``megabake.package.toolchain``: CuTe DSL, its CUDA, the minimum driver, the host)."""
+    from .package.toolchain import toolchain_record
+
+    try:
+        device = toolchain_record()
+    except Exception:  # never fatal: an unknown toolchain is recorded as unknown
+        device = {}
+    return {**_verifier_toolchain(), **{k: v for k, v in device.items() if v is not None}}
+
+
+def _verifier_toolchain() -> dict:
     try:
         from .verification import toolchain
 

@@ -21,11 +21,14 @@ class Compiled:
     generated: GeneratedModule
 
 
-def compile_model(model, *, batch: int = 1, capacity: int = 32, ctas: int = 132, threads: int = 256) -> Compiled:
+def compile_model(model, *, batch: int = 1, capacity: int = 32, ctas: int = 132, threads: int = 256,
+                  tuning=None) -> Compiled:
+    """``tuning=None``: the default GEMV tiling (the streaming ring); ``DEFAULT_TUNING``: the plain tiling."""
     captured = capture_decode_step(model, batch=batch, capacity=capacity)
     ir = lower(captured)
     inv_freq, scaling = recover_rotary(captured, ir)
-    plan = build_plan(ir, ctas=ctas, threads=threads, inv_freq_buffer=inv_freq, rotary_scaling=scaling)
+    plan = build_plan(ir, ctas=ctas, threads=threads, inv_freq_buffer=inv_freq, rotary_scaling=scaling,
+                      tuning=tuning)
     return Compiled(model, captured, ir, plan, generate(plan))
 
 

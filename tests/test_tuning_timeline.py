@@ -8,7 +8,7 @@ import torch
 
 from megabake.codegen import generate, timeline_labels
 from megabake.errors import MegaBakeError, PlanError
-from megabake.plan import GEMV_STAGES, GemvTuning, Plan, build_plan
+from megabake.plan import DEFAULT_TUNING, GEMV_STAGES, GemvTuning, Plan, build_plan
 from megabake.plan.reference import reference_executor_for
 from megabake.plan.rotary import exact_inv_freq, recover_rotary
 from megabake.runtime.compile import load_module
@@ -17,7 +17,8 @@ from tests.compiler_fixtures import compile_preset
 
 @pytest.fixture(scope="module")
 def tiny():
-    return compile_preset("tiny-llama")
+    """The plain register tiling: the baseline every tuning here is compared with (the default streams)."""
+    return compile_preset("tiny-llama", tuning=DEFAULT_TUNING)
 
 
 def _plan(tiny, tuning):
@@ -128,7 +129,7 @@ def test_spread_tiling_deals_tiles_cta_major_with_the_same_numerics(tiny):
     assert '"spread": true' in spread.to_json() and '"spread"' not in tiny.plan.to_json()  # old plans keep their hash
     source = generate(spread).source
     assert "swarp = (tidx // 32) * CTAS + cta" in source and "bodies.gemv_rows(w_qkv[layer, None, None], s_vec, qkv, swarp" in source
-    assert "swarp" not in tiny.generated.source
+    assert "swarp" not in tiny.generated.kernel_source
     executor = reference_executor_for(spread, tiny.model)
     default = reference_executor_for(tiny.plan, tiny.model)
     for position, token in enumerate([3, 17, 5]):
@@ -180,7 +181,7 @@ def test_attention_preload_loads_cached_rows_before_the_barrier(tiny):
     assert result.ok, result.error
     with pytest.raises(PlanError, match="one \\(batch, head\\) tile per CTA"):
         build_plan(tiny.ir, ctas=3, inv_freq_buffer=inv_freq, rotary_scaling=scaling, attention_preload=True)
-    assert "attention_preload" not in tiny.generated.source
+    assert "attention_preload" not in tiny.generated.kernel_source
 
 
 def test_pipelined_gemv_plans_generates_and_compiles_with_the_same_numerics(tiny):
@@ -200,7 +201,7 @@ def test_pipelined_gemv_plans_generates_and_compiles_with_the_same_numerics(tiny
     assert sum(("pre_o_residual" in call or "pre_norm_gate_up" in call) and call.endswith("False, True)")
                for call in calls) == 2  # preloaded
     assert sum(call.endswith("False, False)") for call in calls) == 3
-    assert "gemv_rows_pipelined" not in tiny.generated.source
+    assert "gemv_rows_pipelined" not in tiny.generated.kernel_source
     executor, default = reference_executor_for(plan, tiny.model), reference_executor_for(tiny.plan, tiny.model)
     for position, token in enumerate([3, 17, 5]):
         assert torch.equal(executor.step(torch.tensor([token]), position),
@@ -315,7 +316,7 @@ def test_streamed_gemv_plans_its_ring_generates_and_compiles(tiny):
     assert "RING_STAGES = 4" in source and "RING_VECTORS = 8" in source and "s_ring = smem.allocate_tensor(" in source
     calls = [line.strip() for line in source.splitlines() if "bodies.gemv_rows" in line]
     assert len(calls) == 5 and all(c.startswith("bodies.gemv_rows_streamed(") for c in calls), calls
-    assert "s_ring" not in tiny.generated.source
+    assert "s_ring" not in tiny.generated.kernel_source
     executor, default = reference_executor_for(plan, tiny.model), reference_executor_for(tiny.plan, tiny.model)
     for position, token in enumerate([3, 17, 5]):
         assert torch.equal(executor.step(torch.tensor([token]), position),
@@ -392,3 +393,24 @@ def test_streamed_gemv_with_preload_fills_its_ring_before_the_barrier(tiny):
     assert not any("pre_norm_qkv = cute.make_rmem_tensor" in line for line in lines)  # no register tile
     result = compile_check(plan, load_module("\n".join(lines) + "\n"))
     assert result.ok, result.error
+
+
+def test_default_tuning_is_the_deepest_streaming_ring_that_fits(tiny):
+    """The default streams through a 4-stage cp.async ring (32 KB a stage at 256 threads); a bucket whose other
+    shared memory leaves less room gets 3 or 2 stages, else the plain tiling. The LM head never preloads."""
+    from megabake.plan import HOPPER_SMEM_PER_BLOCK, STREAMING_DEFAULT, default_tuning
+
+    stage_bytes = 8 * 8 * 512
+    for other, stages in ((10_000, 4), (HOPPER_SMEM_PER_BLOCK - 4 * stage_bytes, 3),
+                          (HOPPER_SMEM_PER_BLOCK - 3 * stage_bytes, 2), (HOPPER_SMEM_PER_BLOCK - stage_bytes, 0)):
+        tuning = default_tuning(256, other)
+        assert {t.stages for t in tuning.values()} == {stages}, (other, stages)
+        if stages:
+            assert tuning["norm_qkv"] == STREAMING_DEFAULT.__class__(2, 4, spread=True, preload=True, stages=stages)
+            assert not tuning["norm_lm_head"].preload
+        else:
+            assert tuning == dict(DEFAULT_TUNING)
+    inv_freq, scaling = recover_rotary(tiny.captured, tiny.ir)
+    default = build_plan(tiny.ir, inv_freq_buffer=inv_freq, rotary_scaling=scaling)
+    assert {s.tiling.stages for s in default.stages if s.tiling.kind == "rows"} == {4}
+    assert default.smem_bytes == tiny.plan.smem_bytes + 4 * stage_bytes + 16

@@ -8,13 +8,17 @@ from a CUDA graph; on the CPU (``backend="reference"``) through the plan's refer
 ``generate(prompt_ids, max_new_tokens, ...)`` does prefill then megakernel decode (``megabake.generation``:
 greedy or sampled, EOS / stop strings, streaming). Inputs outside the
 bucket (position >= capacity, token id >= vocab, batch > bucket) raise :class:`InputError`.
-``MegakernelDecoder.from_package(path, device=...)`` rebuilds the model named by ``report.json`` (preset
-with its seed, or a Hub repo at the pinned revision) and binds it.
+``MegakernelDecoder.from_package(path, device=...)`` checks the package's toolchain (same CuTe DSL major.minor)
+before anything is loaded, rebuilds the model named by ``report.json`` (preset with its seed, a Hub repo at the
+pinned revision, or the local weights it was baked from) and binds it; on a GPU it loads the package's
+precompiled kernel (``megakernel.sm_90a.o``, no JIT) when the toolchain matches exactly, else compiles
+``module.py`` (``compile_path`` / ``compile_fallback`` say which and why).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +29,9 @@ from ..plan import Plan
 from ..plan.packing import pack_weights, rotary_tables, torch_dtype
 from ..plan.reference import ReferenceExecutor
 from ..rope import cast_model, exact_inv_freq, exact_rotary_buffers, restore_rotary_buffers
+
+
+LOG = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -179,13 +186,25 @@ class MegakernelDecoder:
         return [self.buffers.get(name, self.buffers["embed"]) for name in self.module.ARGUMENTS]
 
     def _compile(self) -> None:
+        """The package's precompiled kernel when it fits this toolchain and these tensors, else a JIT compile of
+        module.py. ``compile_path``: "precompiled" | "jit"; ``compile_fallback``: why not precompiled."""
         import cuda.bindings.driver as cuda
         import cutlass.cute as cute
         from cutlass.cute.runtime import from_dlpack
 
+        from .compile import load_precompiled, tensor_alignments
+
         self._torch_args = self._kernel_tensors()
-        self._cute_args = [from_dlpack(t, assumed_align=16 if t.data_ptr() % 16 == 0 else t.element_size())
-                           for t in self._torch_args]
+        aligns = tensor_alignments(self._torch_args)
+        self._cute_args = [from_dlpack(t, assumed_align=a) for t, a in zip(self._torch_args, aligns)]
+        self.compile_path, self.compile_fallback = "jit", None
+        if self.package_dir is not None:
+            loaded = load_precompiled(self.package_dir, module_source=self.module_source, tensors=self._torch_args)
+            if loaded.function is not None:
+                self._compiled, self.compile_path = loaded.function, "precompiled"
+                return
+            self.compile_fallback = loaded.reason
+            LOG.info("precompiled kernel not used (%s); compiling module.py", loaded.reason)
         stream = cuda.CUstream(torch.cuda.current_stream(self.device).cuda_stream)
         self._compiled = cute.compile(self.module.launch, *self._cute_args, stream)
 
@@ -397,11 +416,15 @@ class MegakernelDecoder:
             source = (package_dir / "module.py").read_text()
         except FileNotFoundError as exc:
             raise MegaBakeError(f"{package_dir} is not a MegaBake package: missing {Path(exc.filename).name}") from exc
+        device = torch.device(device) if device is not None else None
+        if (device.type == "cuda") if device is not None else torch.cuda.is_available():
+            from ..package.toolchain import check_compatible
+
+            check_compatible(report.get("toolchain") or {}, precompiled=False)  # before any model load
         if model is None:
             model = load_model_for_report(report, model_path=model_path)
         else:
             check_model_matches(report, model)
-        device = torch.device(device) if device is not None else None
         return cls(plan, source, model, device=device, package_dir=package_dir, report=report, use_graph=use_graph)
 
 
