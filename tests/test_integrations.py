@@ -306,3 +306,28 @@ def test_make_backend_bad_inputs_raise_input_error():
         make_backend(model="tiny-llama")
     with pytest.raises(InputError, match="batch must be an int >= 1"):
         make_backend().prepare(_model(), batch=0)
+
+
+@pytest.mark.slow
+def test_backend_on_real_bf16_weights_gives_generates_tokens():
+    """SmolLM2-135M-Instruct in bf16: returning the megakernel's logits rounded to the graph's bf16 made
+    near-ties (the H200 run of 2026-12-01 diverged at token 17 of the haiku prompt); fp32 logits keep greedy
+    ids equal to ``decoder.generate``'s."""
+    import copy
+
+    from megabake.rope import cast_model
+    from tests.real_weights import chat_ids, smollm2_fp32
+
+    model, tokenizer = smollm2_fp32()
+    ids = chat_ids(tokenizer, "Write a haiku about the sea.")
+    decoder = bake_decoder(cast_model(copy.deepcopy(model), dtype=torch.bfloat16), batch=1, capacity=128)
+    own = decoder.generate(ids, max_new_tokens=32)[0].tolist()
+    compiled = cast_model(copy.deepcopy(model), dtype=torch.bfloat16).eval()
+    backend = make_backend(other="eager")
+    backend.prepare(compiled, batch=1, cache_length=128)
+    compiled.compile(backend=backend, fullgraph=True)
+    with torch.no_grad():
+        got = compiled.generate(ids, max_new_tokens=32, do_sample=False, disable_compile=True,
+                                past_key_values=StaticCache(config=compiled.config, max_cache_len=128))[0].tolist()
+    assert got[:len(own)] == own
+    assert [(r.kind, r.path) for r in backend.report] == [("prefill", "eager"), ("decode", "megakernel")]

@@ -524,7 +524,10 @@ class _DecodeGraph:
         bucket.sync.remember(keys[0], position + 1)
 
     def _logits(self, logits: torch.Tensor, rows: int, device) -> torch.Tensor:
-        return logits[:rows, None, :].to(device=device, dtype=self.out_dtype, copy=True)
+        """The megakernel's fp32 logits, not rounded to the graph's dtype: bf16 rounding makes near-ties of
+        the top tokens (spacing 0.125 at logit 20), so greedy ids would differ from ``decoder.generate``'s;
+        transformers' generate upcasts the logits to fp32 anyway."""
+        return logits[:rows, None, :].to(device=device, dtype=torch.float32, copy=True)
 
     def _checked_step(self, bucket: _Bucket, args, tokens, position, keys, values, lengths):
         """First megakernel call on a bucket: also run the graph as traced and compare (module doc)."""
