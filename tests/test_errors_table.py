@@ -241,6 +241,12 @@ CASES = [
       lambda t: __import__("megabake.presets").presets.get_preset("tiny-lama")),
     A("api-read-package", "PackageError", "megabake.package.read_package('<empty>')",
       lambda t: __import__("megabake.package").package.read_package(t.empty)),
+    A("api-backend-fallback", "InputError", "megabake.make_backend(fallback='bogus')",
+      lambda t: _api("make_backend")(fallback="bogus")),
+    A("api-backend-other", "InputError", "megabake.make_backend(other='tvm')",
+      lambda t: _api("make_backend")(other="tvm")),
+    A("api-backend-capacity", "InputError", "megabake.make_backend(capacity=1)",
+      lambda t: _api("make_backend")(capacity=1)),
     A("api-load-lock-missing", "LockFileError", "megabake.load_from_hub('acme/x', lockfile='<tmp>/nope.lock')",
       lambda t: _api("load_from_hub")("acme/x", lockfile=t.tmp / "nope.lock")),
     A("api-load-lock-not-json", "LockFileError", "megabake.load_from_hub('acme/x', lockfile='<index>')",
@@ -253,11 +259,11 @@ CASES = [
       no_gpu=True),
     A("api-verify-decoder-steps", "InputError",
       "megabake.verification.api.verify_decoder(decoder, report, steps=1000, prefill=4, timings=False)",
-      lambda t: __import__("megabake.verification.api").verify.api.verify_decoder(
+      lambda t: __import__("megabake.verification.api").verification.api.verify_decoder(
           _decoder(t), {}, steps=1000, prefill=4, timings=False)),
     A("api-verify-decoder-prefill", "InputError",
       "megabake.verification.api.verify_decoder(decoder, report, steps=2, prefill=0, timings=False)",
-      lambda t: __import__("megabake.verification.api").verify.api.verify_decoder(
+      lambda t: __import__("megabake.verification.api").verification.api.verify_decoder(
           _decoder(t), {}, steps=2, prefill=0, timings=False)),
     A("api-publish-nothing", "PublishRefusedError", "megabake.publish([], 'acme/x')",
       lambda t: _api("publish")([], "acme/x")),
