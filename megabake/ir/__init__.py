@@ -210,8 +210,9 @@ class _Lowering:
             f"unsupported graph node {node.name!r} (target {getattr(node.target, '__name__', node.target)}) "
             f"in HF module {hf_module_path(node) or '<root>'!r} at {source_line(node) or 'unknown source'}: "
             f"{why}. MegaBake's megakernel supports Llama-family decoders (RMSNorm, Linear, RoPE, static-cache "
-            "SDPA, SiLU-gated MLP); this model cannot be baked yet (no Inductor fallback exists yet: run it with "
-            "torch.compile(mode='reduce-overhead') instead, or open an issue naming this node)."
+            "SDPA, SiLU-gated MLP); this model cannot be baked yet: run it with torch.compile(model, "
+            "backend=megabake.make_backend()) (unsupported graphs go through Inductor), or open an issue naming "
+            "this node."
         )
 
     def emit(self, cls, node, covered: list[str], **fields) -> Op:
