@@ -157,7 +157,7 @@ def test_bake_help_documents_exit_codes():
     proc = subprocess.run([sys.executable, "-m", "megabake.cli", "bake", "--help"], capture_output=True, text=True)
     assert proc.returncode == 0
     text = " ".join(proc.stdout.split())
-    for line in ("Exit codes", "0 baked", "1 the package was written but its status is 'failed'",
+    for line in ("Exit codes", "0 baked", "1 the bake's status is 'failed'", "--force replaces it",
                  "2 usage or bad input", "3 cannot run here", "0..2**63-1"):
         assert line in text, line
 
