@@ -52,6 +52,12 @@ def test_variant_gpu_class_and_paths():
     assert gpu_class_of() == "sm90a-132sm"
     assert gpu_class_of((10, 0), 148, "a") == "sm100a-148sm"
     assert gpu_class_of((8, 9), 128, "") == "sm89-128sm"
+    assert gpu_class_of((10, 0), 148) == "sm100a-148sm" and gpu_class_of((8, 0), 108) == "sm80-108sm"
+    from megabake.runtime import GpuInfo
+    from megabake.verification.env import gpu_class_name
+
+    for cc, sms in (((9, 0), 132), ((10, 0), 148), ((8, 0), 108)):  # runtime and verifier spell it alike
+        assert GpuInfo("gpu", cc, sms, 0).gpu_class == gpu_class_name(*cc, sms) == gpu_class_of(cc, sms)
     name = variant_name("decode", 1, 128, "sm90a-132sm")
     assert name == "decode-b1-c128-sm90a-132sm"
     v = parse_variant("decode-b4-c2048-sm100a-148sm")

@@ -52,9 +52,14 @@ class Variant:
         return self.name
 
 
-def gpu_class_of(compute_capability: tuple[int, int] = (9, 0), sm_count: int = 132, arch_suffix: str = "a") -> str:
-    """GPU class = compute capability + arch suffix + SM count, e.g. ((9, 0), 132, "a") -> "sm90a-132sm"."""
+def gpu_class_of(compute_capability: tuple[int, int] = (9, 0), sm_count: int = 132,
+                 arch_suffix: str | None = None) -> str:
+    """GPU class = compute capability + arch suffix + SM count, e.g. ((9, 0), 132) -> "sm90a-132sm". The one
+    place that spells it: ``arch_suffix=None`` is the arch-specific "a" of SM90 and later (sm_90a, sm_100a),
+    none before. The runtime (``GpuInfo.gpu_class``) and the verifier's environment both call this."""
     major, minor = compute_capability
+    if arch_suffix is None:
+        arch_suffix = "a" if major >= 9 else ""
     name = f"sm{major}{minor}{arch_suffix}-{sm_count}sm"
     if not GPU_CLASS_RE.match(name) or sm_count < 1:
         raise ValueError(f"cannot form a GPU class from compute capability {compute_capability}, "

@@ -43,9 +43,9 @@ class GpuInfo:
 
     @property
     def gpu_class(self) -> str:
-        major, minor = self.capability
-        suffix = "a" if (major, minor) == (9, 0) else ""
-        return f"sm{major}{minor}{suffix}-{self.sm_count}sm"
+        from ..package.layout import gpu_class_of
+
+        return gpu_class_of(self.capability, self.sm_count)
 
 
 def gpu_info(device=None) -> GpuInfo | None:

@@ -27,7 +27,7 @@ def gpu_class_name(major: int, minor: int, sm_count: int) -> str:
     """Compute capability + arch-specific suffix (SM90 and later) + SM count, e.g. ``sm90a-132sm``."""
     from megabake.package import gpu_class_of
 
-    return gpu_class_of((major, minor), sm_count, "a" if major >= 9 else "")
+    return gpu_class_of((major, minor), sm_count)
 
 
 def hopper_problem(device=None) -> str | None:
