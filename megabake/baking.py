@@ -59,12 +59,8 @@ def bake(model: str, *, revision: str | None = None, batch: int = 1, capacity: i
          reference_steps: int = 4, gpu_steps: int = 64, gpu_prefill: int = 16, run_on_gpu: bool = True,
          autotune: bool = False, tiling: str | None = None, attention_preload: bool = False, force: bool = False,
          progress: Callable[[str], None] = lambda msg: None) -> BakeResult:
-    from .capture import capture_decode_step
-    from .codegen import generate
-    from .ir import lower
+    from .compiler import compile_step
     from .package import package_destination, save_package
-    from .plan import build_plan
-    from .plan.rotary import recover_rotary
     from .presets import config_hash
     from .runtime import gpu_info
 
@@ -86,27 +82,18 @@ def bake(model: str, *, revision: str | None = None, batch: int = 1, capacity: i
 
     with clock("load model"):
         source = load_source(model, revision, seed)
-    with clock("capture decode step (torch.export, static KV cache)"):
-        captured = capture_decode_step(source.model, batch=batch, capacity=capacity)
-    with clock("lower to IR"):
-        ir = lower(captured)
-    inv_freq, scaling = recover_rotary(captured, ir)
-
-    def build(tuning=None, attention_preload=False):
-        return build_plan(ir, ctas=sm_count, threads=threads, inv_freq_buffer=inv_freq, rotary_scaling=scaling,
-                          tuning=tuning, attention_preload=attention_preload)
-
+    compiled = compile_step(source.model, batch=batch, capacity=capacity, ctas=sm_count, threads=threads,
+                            attention_preload=attention_preload and not chosen_tuning, clock=clock)
+    build = compiled.plan_for
     tuned = None
     if autotune:
         with clock(f"autotune GEMV tilings on {info.name}"):
             tuned = _autotune(build, source.model, progress)
-    with clock("plan stages, tiles, buffers"):
-        if tuned:
-            plan = build(tuned.tuning, tuned.attention_preload)
-        else:
-            plan = build(chosen_tuning(build()) if chosen_tuning else None, attention_preload)
-    with clock("generate module.py"):
-        generated = generate(plan)
+    if tuned:
+        compiled = compiled.replan(tuning=tuned.tuning, attention_preload=tuned.attention_preload)
+    elif chosen_tuning:
+        compiled = compiled.replan(tuning=chosen_tuning(build()), attention_preload=attention_preload)
+    plan, generated = compiled.plan, compiled.generated
     with clock(f"reference executor vs eager fp32 ({reference_steps} steps)"):
         reference = reference_check(plan, source.model, steps=reference_steps)
     with clock("CuTe DSL compile check for sm_90a"):

@@ -475,3 +475,18 @@ def test_generate_stops_at_eos_samples_by_seed_and_streams(tiny):
         decoder.generate(prompt, max_new_tokens=2, do_sample=True, top_p=0.0)
     with pytest.raises(InputError, match="stop_strings need a tokenizer"):
         decoder.generate(prompt, max_new_tokens=2, stop_strings=["x"])
+
+
+def test_compile_step_is_the_one_chain_and_replans_from_the_same_ir(tiny):
+    """megabake.compiler.compile_step: capture -> IR -> rotary -> plan -> codegen for bake, the in-memory bake,
+    scripts and tests; replan builds another tiling from the same capture and IR."""
+    from megabake.codegen import generate
+    from megabake.compiler import CompiledStep
+    from megabake.plan import DEFAULT_TUNING
+
+    assert isinstance(tiny, CompiledStep) and tiny.generated.source == generate(tiny.plan).source
+    plain = tiny.replan(tuning=DEFAULT_TUNING)
+    assert plain.ir is tiny.ir and plain.captured is tiny.captured and plain.plan.hash != tiny.plan.hash
+    assert {s.tiling.stages for s in plain.plan.stages if s.tiling.kind == "rows"} == {0}
+    assert plain.generated.source == generate(plain.plan).source
+    assert tiny.plan_for().hash == tiny.plan.hash  # the default tiling, deterministically

@@ -28,11 +28,7 @@ MODEL_FORWARD_PATCH = "__megabake_served__"  # marks a forward replaced by a dro
 
 def bake_decoder(model, *, batch: int = 1, capacity: int = 128, threads: int = 256):
     """Bake ``model``'s decode step for one bucket and bind it (module doc)."""
-    from ..capture import capture_decode_step
-    from ..codegen import generate
-    from ..ir import lower
-    from ..plan import build_plan
-    from ..plan.rotary import recover_rotary
+    from ..compiler import compile_step
     from ..runtime import MegakernelDecoder
 
     check_bucket(batch, capacity)
@@ -40,14 +36,10 @@ def bake_decoder(model, *, batch: int = 1, capacity: int = 128, threads: int = 2
     backend, ctas = decoder_target(device)
     twin = private_copy(model, dtype=torch.float32, device=torch.device("cpu"))
     with torch.inference_mode(False), torch.enable_grad():  # the export graph the IR reads is grad mode's
-        captured = capture_decode_step(twin, batch=batch, capacity=capacity)
-    ir = lower(captured, strict=True)
-    inv_freq, scaling = recover_rotary(captured, ir)
-    plan = build_plan(ir, ctas=ctas, threads=threads, inv_freq_buffer=inv_freq, rotary_scaling=scaling)
-    source = generate(plan).source
+        compiled = compile_step(twin, batch=batch, capacity=capacity, ctas=ctas, threads=threads)
     dtype = torch.bfloat16 if backend == "cuda" else None
     bound = private_copy(model, dtype=dtype, device=device)
-    return MegakernelDecoder(plan, source, bound, device=device, backend=backend)
+    return MegakernelDecoder(compiled.plan, compiled.generated.source, bound, device=device, backend=backend)
 
 
 def check_bucket(batch, capacity) -> None:
