@@ -14,6 +14,7 @@ needs it instead of costing a barrier. Linear biases (q/k/v/o, gate/up/down) bec
 (``STAGE_BIAS``, zeros for a projection without one) that the GEMV adds as it writes; a plan without biases
 has no such buffers, and its kernel is the same as before biases existed. Qwen3's per-head q/k RMSNorm
 (before RoPE) is recognised through the norm and packed as ``qk_norms`` for the attention stage.
+GEMV tilings and the default choice live in ``megabake.plan.tuning`` (re-exported here).
 """
 
 from __future__ import annotations
@@ -21,10 +22,12 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import re
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 
 from ..errors import PlanError
+from .tuning import (DEFAULT_TUNING, GEMV_STAGES, HOPPER_SMEM_PER_BLOCK, PIPELINE_MAX_THREADS,  # noqa: F401
+                     PIPELINE_MAX_VECTORS, RING_VECTOR_BYTES, STREAMING_DEFAULT, GemvTuning, check_pipeline,
+                     check_ring, default_tuning, ring_bytes, ring_shape, streaming_tuning)
 from ..ir import (Add, DecodeAttention, Embedding, GatedAct, IRGraph, KVAppend, Linear, RMSNorm, RoPE,
                   RotaryTable)
 
@@ -417,60 +420,6 @@ def _check_block_shape(block: _Block, dims: ModelDims) -> None:
         raise PlanError(f"activation {dims.act!r} is not supported (silu only)")
 
 
-@dataclass(frozen=True)
-class GemvTuning:
-    """How a GEMV stage spreads over warps: rows per warp tile, 16-byte loads in flight per lane and row,
-    whether tiles go CTA-major (``spread``) instead of warp-major, whether the first K chunk is loaded
-    before the preceding barrier (``preload``), whether the K loop keeps the next chunk's loads in flight
-    while it reduces the current one (``pipeline``, in registers) or streams weights through a per-warp
-    cp.async ring of ``stages`` chunks in shared memory. None of it changes numerics."""
-
-    per_tile: int = 2
-    unroll: int = 4
-    spread: bool = False  # CTA-major tile order (see Tiling.spread)
-    preload: bool = False  # first chunk in registers before the preceding barrier (see Tiling.preload)
-    pipeline: bool = False  # next chunk's loads in flight while reducing this one (see Tiling.pipeline)
-    stages: int = 0  # cp.async shared-memory ring of this depth (see Tiling.stages); 0: registers
-
-    def __post_init__(self):
-        if not 1 <= self.per_tile <= 8 or not 1 <= self.unroll <= 32:
-            raise PlanError(f"GEMV tuning per_tile={self.per_tile}, unroll={self.unroll} is outside "
-                            "per_tile 1..8, unroll 1..32")
-        if self.stages and not 2 <= self.stages <= 8:
-            raise PlanError(f"GEMV tuning stages={self.stages}: a cp.async ring needs 2..8 stages (0: off)")
-        if self.stages and self.pipeline:
-            raise PlanError("GEMV tuning: a cp.async ring (stages) replaces the register pipeline; use stages with "
-                            "pipeline=False")
-
-    SPEC_FORM = "PER_TILExUNROLL[+spread][+preload][+pipeline][+ringSTAGES], e.g. 2x4+spread+preload+ring4"
-
-    @property
-    def spec(self) -> str:
-        """The compact text form that :meth:`parse` reads (``2x4+spread+ring4``)."""
-        flags = [name for name in ("spread", "preload", "pipeline") if getattr(self, name)]
-        flags += [f"ring{self.stages}"] if self.stages else []
-        return "+".join([f"{self.per_tile}x{self.unroll}", *flags])
-
-    @classmethod
-    def parse(cls, spec: str) -> "GemvTuning":
-        """A tiling from its text form (:attr:`spec`); a clear :class:`PlanError` for anything else."""
-        head, *flags = spec.strip().lower().split("+")
-        match = re.fullmatch(r"(\d+)x(\d+)", head)
-        if not match:
-            raise PlanError(f"tiling {spec!r} is not of the form {cls.SPEC_FORM}")
-        options: dict = {}
-        for flag in flags:
-            ring = re.fullmatch(r"ring(\d+)", flag)
-            if flag in ("spread", "preload", "pipeline"):
-                options[flag] = True
-            elif ring:
-                options["stages"] = int(ring.group(1))
-            else:
-                raise PlanError(f"tiling {spec!r}: unknown flag {flag!r}; the form is {cls.SPEC_FORM}")
-        return cls(int(match.group(1)), int(match.group(2)), **options)
-
-
-GEMV_STAGES = ("norm_qkv", "o_residual", "norm_gate_up", "down_residual", "norm_lm_head")
 
 # Linear biases (Qwen2's q/k/v; Llama's attention_bias / mlp_bias): GEMV stage -> (fp32 bias buffer, roles)
 STAGE_BIAS = {"norm_qkv": "bias_qkv", "o_residual": "bias_o", "norm_gate_up": "bias_gate_up",
@@ -478,69 +427,9 @@ STAGE_BIAS = {"norm_qkv": "bias_qkv", "o_residual": "bias_o", "norm_gate_up": "b
 HEAD_NORMS = "qk_norms"  # [L, 2, head_dim] fp32: Qwen3's q_norm and k_norm weights, applied before RoPE
 _BIAS_ROLES = {"norm_qkv": ["q", "k", "v"], "o_residual": ["o"], "norm_gate_up": ["gate", "up"],
                "down_residual": ["down"]}
-DEFAULT_TUNING = {name: GemvTuning() for name in GEMV_STAGES}  # the plain register tiling (fallback)
-# The default when no tuning is given: weights streamed through a 4-stage cp.async ring, CTA-major tiles, the
-# first chunk loaded before the barrier (H200, split-KV attention, 2026-12-01: -3.6% SmolLM-135M, -6.6%
-# Llama-3.2-1B GPU time per step at positions 16-4000; docs/PERF.md). A bucket whose shared memory cannot
-# hold 4 stages gets the deepest ring that fits (3 or 2), else the plain tiling.
-STREAMING_DEFAULT = GemvTuning(2, 4, spread=True, preload=True, stages=4)
-
-
-def streaming_tuning(stages: int) -> dict[str, GemvTuning]:
-    """``STREAMING_DEFAULT`` with ``stages`` for every GEMV stage (0: the plain tiling); the LM head never
-    preloads (no barrier precedes it inside the layer loop)."""
-    if not stages:
-        return dict(DEFAULT_TUNING)
-    tiling = replace(STREAMING_DEFAULT, stages=stages)
-    return {name: replace(tiling, preload=False) if name == "norm_lm_head" else tiling for name in GEMV_STAGES}
-
-
-def default_tuning(threads: int, other_smem_bytes: int) -> dict[str, GemvTuning]:
-    """The deepest streaming ring (4..2 stages) that fits next to ``other_smem_bytes``, else the plain tiling."""
-    for stages in range(STREAMING_DEFAULT.stages, 1, -1):
-        tuning = streaming_tuning(stages)
-        if other_smem_bytes + ring_bytes(tuning.values(), threads) + 16 <= HOPPER_SMEM_PER_BLOCK:
-            return tuning
-    return streaming_tuning(0)
-
-
 def _rows_tiling(rows: int, tuning: GemvTuning) -> Tiling:
     return Tiling("rows", rows, tuning.per_tile, -(-rows // tuning.per_tile), tuning.unroll, tuning.spread,
                   tuning.preload, tuning.pipeline, tuning.stages)
-
-
-RING_VECTOR_BYTES = 32 * 16  # one 16-byte vector per lane of a warp
-
-
-def ring_shape(tilings) -> tuple[int, int]:
-    """(stages, vectors per lane and stage) of the per-warp cp.async ring that the streamed GEMV stages among
-    ``tilings`` (GemvTuning or Tiling objects) share; (0, 0) when none streams."""
-    streamed = [t for t in tilings if t.stages]
-    if not streamed:
-        return 0, 0
-    return max(t.stages for t in streamed), max(t.per_tile * t.unroll for t in streamed)
-
-
-def ring_bytes(tilings, threads: int) -> int:
-    stages, slots = ring_shape(tilings)
-    return threads // WARP * stages * slots * RING_VECTOR_BYTES
-
-
-PIPELINE_MAX_VECTORS = 8  # per_tile x unroll of a pipelined GEMV: two register tiles of these per lane
-PIPELINE_MAX_THREADS = 256  # the pipelined kernel uses ~250 registers per thread (sm_90a, Llama-1B shape)
-
-
-def _check_pipeline(tuning: dict[str, GemvTuning], threads: int) -> None:
-    """A pipelined K loop holds two register tiles per lane, which bounds the tile and the CTA size."""
-    for stage in GEMV_STAGES:
-        chosen = tuning[stage]
-        if chosen.pipeline and chosen.per_tile * chosen.unroll > PIPELINE_MAX_VECTORS:
-            raise PlanError(f"GEMV stage {stage}: a pipelined K loop holds two tiles of per_tile x unroll = "
-                            f"{chosen.per_tile * chosen.unroll} 16-byte vectors per lane; at most "
-                            f"{PIPELINE_MAX_VECTORS} fit in registers (e.g. per_tile 2, unroll 4)")
-        if chosen.pipeline and threads > PIPELINE_MAX_THREADS:
-            raise PlanError(f"GEMV stage {stage}: a pipelined K loop needs ~250 registers per thread, so at most "
-                            f"{PIPELINE_MAX_THREADS} threads per CTA (got {threads})")
 
 
 def build_plan(ir: IRGraph, *, ctas: int = 132, threads: int = 256, weight_dtype: str = "bfloat16",
@@ -570,7 +459,7 @@ def build_plan(ir: IRGraph, *, ctas: int = 132, threads: int = 256, weight_dtype
     if tuning is None:
         tuning = default_tuning(threads, _smem_bytes(dims, ir.batch, ir.capacity, threads, split_kv))
     tuning = {**DEFAULT_TUNING, **tuning}
-    _check_pipeline(tuning, threads)
+    check_pipeline(tuning, threads)
     if tuning["norm_lm_head"].preload:
         raise PlanError("GEMV preload is not supported for the LM head stage (no barrier precedes it inside the "
                         "layer loop); use preload=False for norm_lm_head")
@@ -585,7 +474,7 @@ def build_plan(ir: IRGraph, *, ctas: int = 132, threads: int = 256, weight_dtype
     if split_kv and attention_preload:
         raise PlanError("attention preload applies to the unsplit attention: pass split_kv=False with it")
     _check_shared_memory(dims, batch, capacity, threads, split_kv)
-    ring = _check_ring(tuning, threads, _smem_bytes(dims, batch, capacity, threads, split_kv))
+    ring = check_ring(tuning, threads, _smem_bytes(dims, batch, capacity, threads, split_kv))
     layers = [_bind_layer(block) for block in blocks]
     tied = lm_head.weight == embed.table
     stages = _stages(dims, batch, tuning, _attention_tiling(dims, batch, ctas, threads, split_kv))
@@ -804,9 +693,6 @@ def smem_floats(dims: ModelDims, batch: int, capacity: int, threads: int, split_
     }
 
 
-HOPPER_SMEM_PER_BLOCK = 227 * 1024  # opt-in maximum of dynamic shared memory per CTA on SM90
-
-
 def _check_shared_memory(dims: ModelDims, batch: int, capacity: int, threads: int, split_kv: bool = False) -> None:
     """The kernel stages each GEMV input row (fp32) and the attention scores of one head in shared memory."""
     need = _smem_bytes(dims, batch, capacity, threads, split_kv)
@@ -823,21 +709,6 @@ def _check_shared_memory(dims: ModelDims, batch: int, capacity: int, threads: in
     raise PlanError(f"bucket batch={batch}, capacity={capacity} needs {need} bytes of shared memory per CTA, over "
                     f"Hopper's {HOPPER_SMEM_PER_BLOCK}: the kernel stages each sequence's {floats['vec_width']}-wide "
                     f"fp32 GEMV input and one head's attention scores on chip. For this model use {fix}")
-
-
-def _check_ring(tuning: dict[str, GemvTuning], threads: int, other_bytes: int) -> int:
-    """Shared-memory bytes of the cp.async ring (with its alignment), checked against what the rest leaves."""
-    ring = ring_bytes(tuning.values(), threads)
-    if not ring:
-        return 0
-    if other_bytes + ring + 16 > HOPPER_SMEM_PER_BLOCK:
-        stages, slots = ring_shape(tuning.values())
-        room = (HOPPER_SMEM_PER_BLOCK - other_bytes - 16) // (threads // WARP * slots * RING_VECTOR_BYTES)
-        fix = f"use stages <= {room}" if room >= 2 else "use stages=0 (no ring fits)"
-        raise PlanError(f"a cp.async ring of {stages} stages x {slots} vectors per lane needs {ring} bytes of shared "
-                        f"memory per CTA next to the kernel's {other_bytes}, over Hopper's {HOPPER_SMEM_PER_BLOCK}; "
-                        f"{fix}, or fewer rows per tile x unroll")
-    return ring + 16
 
 
 def _smem_bytes(dims: ModelDims, batch: int, capacity: int, threads: int, split_kv: bool = False) -> int:
