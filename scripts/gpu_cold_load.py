@@ -16,9 +16,7 @@ CUDA: the floor every mode pays. Reported per run: spawn -> first token (wall, s
 first-step logits' sha256 must be the same for both paths (bit-identical kernels).
 
 Writes ``<out>/cold_load.json`` (every run + summary) and prints a table. Every child has a timeout; a child
-that fails or times out is recorded with its error and the script goes on. If the installed runtime does not
-yet try precompiled kernels (``MegakernelDecoder._compile`` without ``load_precompiled``), the child patches in
-the proposed wiring (``_compile_preferring_precompiled`` below) and says so in the JSON.
+that fails or times out is recorded with its error and the script goes on.
 """
 
 from __future__ import annotations
@@ -38,36 +36,9 @@ MODES = ("baseline", "jit", "precompiled")
 
 
 # ------------------------------------------------------------------------------------------------ child
-def _compile_preferring_precompiled(self) -> None:
-    """The proposed ``MegakernelDecoder._compile``: the package's precompiled kernel, else JIT (and why)."""
-    import cuda.bindings.driver as cuda
-    import cutlass.cute as cute
-    import torch
-    from cutlass.cute.runtime import from_dlpack
-
-    from megabake.runtime.compile import load_precompiled, tensor_alignments
-
-    self._torch_args = self._kernel_tensors()
-    aligns = tensor_alignments(self._torch_args)
-    self._cute_args = [from_dlpack(t, assumed_align=a) for t, a in zip(self._torch_args, aligns)]
-    self.compile_path, self.compile_fallback = "jit", None
-    if self.package_dir is not None:
-        loaded = load_precompiled(self.package_dir, module_source=self.module_source, tensors=self._torch_args)
-        if loaded.function is not None:
-            self._compiled, self.compile_path = loaded.function, "precompiled"
-            return
-        self.compile_fallback = loaded.reason
-    stream = cuda.CUstream(torch.cuda.current_stream(self.device).cuda_stream)
-    self._compiled = cute.compile(self.module.launch, *self._cute_args, stream)
-
-
-def _timed_compile(decoder_class, phases: dict) -> bool:
-    """Time ``decoder_class._compile`` into ``phases["compile_or_load"]``; patch in the precompiled path if the
-    runtime lacks it. Returns whether it was patched."""
-    import inspect
-
-    patched = "load_precompiled" not in inspect.getsource(decoder_class._compile)
-    original = _compile_preferring_precompiled if patched else decoder_class._compile
+def _timed_compile(decoder_class, phases: dict) -> None:
+    """Time ``decoder_class._compile`` (precompiled load or JIT) into ``phases["compile_or_load"]``."""
+    original = decoder_class._compile
 
     def _compile(self):
         started = time.time()
@@ -77,7 +48,6 @@ def _timed_compile(decoder_class, phases: dict) -> bool:
             phases["compile_or_load"] = time.time() - started
 
     decoder_class._compile = _compile
-    return patched
 
 
 def child(package: str | None, spawned_at: float, use_graph: bool) -> dict:
@@ -96,7 +66,7 @@ def child(package: str | None, spawned_at: float, use_graph: bool) -> dict:
     if package is None:
         return dict(result, first_token=imported - spawned_at)
     phases: dict = {}
-    patched = _timed_compile(MegakernelDecoder, phases)
+    _timed_compile(MegakernelDecoder, phases)
     decoder = MegakernelDecoder.from_package(package, device="cuda", use_graph=use_graph)
     torch.cuda.synchronize()
     bound = time.time()
@@ -108,7 +78,7 @@ def child(package: str | None, spawned_at: float, use_graph: bool) -> dict:
                 first_step=done - bound, first_token=done - spawned_at, token=token,
                 logits_sha256=hashlib.sha256(logits.float().cpu().numpy().tobytes()).hexdigest(),
                 compile_path=getattr(decoder, "compile_path", "jit"),
-                compile_fallback=getattr(decoder, "compile_fallback", None), wiring_patched=patched)
+                compile_fallback=getattr(decoder, "compile_fallback", None))
 
 
 # ----------------------------------------------------------------------------------------------- parent

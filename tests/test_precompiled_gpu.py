@@ -88,7 +88,7 @@ def test_precompiled_kernel_matches_the_jit_kernel_bit_for_bit(jit, tmp_path, mo
 
 
 def test_runtime_prefers_the_shipped_kernel_and_falls_back_to_jit_with_a_reason(tmp_path):
-    """Once bake ships megakernel.sm_90a.o and MegakernelDecoder._compile tries it (the wiring of issue 14), a
+    """Bake ships megakernel.sm_90a.o and MegakernelDecoder._compile tries it first; a
     package loads without JIT, and a package without it, or from another toolchain, JIT-compiles and says why."""
     import shutil
 
@@ -98,12 +98,9 @@ def test_runtime_prefers_the_shipped_kernel_and_falls_back_to_jit_with_a_reason(
     from megabake.runtime.compile import METADATA_FILE, OBJECT_FILE
 
     package = bake("tiny-llama", capacity=128, out=tmp_path / "packages", run_on_gpu=False).path
-    if not (package / OBJECT_FILE).exists():
-        pytest.skip("bake does not ship precompiled kernels yet (baking.py wiring of issue 14 pending)")
+    assert (package / OBJECT_FILE).exists(), "bake must ship the precompiled kernel"
     assert OBJECT_FILE in read_package(package).files  # covered by the manifest digests
     decoder = MegakernelDecoder.from_package(package, device="cuda", use_graph=False)
-    if not hasattr(decoder, "compile_path"):
-        pytest.skip("MegakernelDecoder._compile does not try precompiled kernels yet (runtime wiring pending)")
     assert decoder.compile_path == "precompiled" and decoder.compile_fallback is None
     logits = decoder.step([3], 0).clone()
 
