@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..plan import ATTN_COUNT, ATTN_PART, HEAD_NORMS, STAGE_BIAS, Plan, Stage, kv_splits, ring_shape, smem_floats
+from ..plan.stages import ACTIVATIONS, DIMENSION_CONSTANTS, StageSpec, next_gemv, norm_slot, spec_of
 
 KERNEL_ARGUMENTS = [
     "embed", "w_qkv", "w_o", "w_gate_up", "w_down", "norms", "final_norm", "lm_head", "rope_cos", "rope_sin",
@@ -200,6 +201,8 @@ def _header(w: _Writer, plan: Plan, plan_hash: str, arguments: list[str], self_c
         w(f"{name} = {value}")
     w(f"EPS = {d.eps!r}")
     w(f"ATTN_SCALE = {d.attn_scale!r}")
+    if d.embed_scale != 1.0:
+        w(f"EMBED_SCALE = {d.embed_scale!r}  # x = embedding(ids) * EMBED_SCALE")
     w(f"ROWS_PER_TILE = {{{', '.join(repr(s.name) + ': ' + str(s.tiling.per_tile) for s in plan.stages if s.tiling.kind == 'rows')}}}")
     w(f"GEMV_UNROLL = {{{', '.join(repr(s.name) + ': ' + str(s.tiling.unroll) for s in plan.stages if s.tiling.kind == 'rows')}}}  # 16-byte loads in flight per lane and row")
     w("GRID = (CTAS, 1, 1)")
@@ -226,7 +229,7 @@ def _stage(w: _Writer, plan: Plan, stage: Stage, indent: int, layer_var) -> None
     prefix = "layer[*]." if stage.scope == "layer" else ""
     w.begin(_entry(plan, stage, layer_var, "barrier_interval", f"{prefix}{stage.name}"))
     w(f"# ---- stage {stage.index}: {stage.name} ({stage.scope}) ----", indent)
-    calls = _BODY_CALLS[stage.kind](plan, stage)
+    calls = _body_calls(plan, stage)
     for body, call in calls:
         w.begin(_entry(plan, stage, layer_var, "body_call", f"{prefix}{stage.name}.{body}"))
         w(call, indent)
@@ -258,18 +261,19 @@ def _gemv(weight: str, out: str, rows: str, cols: str, stage: Stage, accumulate:
 
 PREFETCH_BUDGET_BYTES = 16 << 20  # per barrier wait; L2 is 50-60 MB on H100/H200
 
-# The next GEMV after the barrier that ends a stage: (weight expression, stage of that GEMV).
-_NEXT_GEMV = {
-    "embed": ("w_qkv[0, None, None]", "norm_qkv"),
-    "norm_qkv": ("w_o[layer, None, None]", "o_residual"),
-    "o_residual": ("w_gate_up[layer, None, None]", "norm_gate_up"),
-    "norm_gate_up": ("w_down[layer, None, None]", "down_residual"),
-    "down_residual": ("w_qkv[cutlass.min(layer + 1, LAYERS - 1), None, None]", "norm_qkv"),
-}
+_LAYER_INDEX = {"first": "0", "same": "layer", "next": "cutlass.min(layer + 1, LAYERS - 1)"}
+
+
+def _next_gemv(stage: Stage) -> tuple[str, str] | None:
+    """The next GEMV after the barrier that ends ``stage`` (stage table): (its weight expression, its stage name)."""
+    found = next_gemv(stage.name)
+    if found is None:
+        return None
+    spec, relation = found
+    return f"{spec.gemv.weight}[{_LAYER_INDEX[relation]}, None, None]", spec.name
 
 
 _RING = "s_ring[tidx // 32, None, None, None, None]"  # this warp's cp.async ring
-_PRELOAD_WEIGHTS = {"norm_qkv": "w_qkv", "o_residual": "w_o", "norm_gate_up": "w_gate_up", "down_residual": "w_down"}
 
 
 def _preload_registers(plan: Plan) -> list[str]:
@@ -279,7 +283,7 @@ def _preload_registers(plan: Plan) -> list[str]:
         if stage.tiling.kind == "rows" and stage.tiling.preload and not stage.tiling.stages:
             width = stage.tiling.per_tile * stage.tiling.unroll
             lines.append(f"pre_{stage.name} = cute.make_rmem_tensor(cute.make_layout(8 * {width}), "
-                         f"{_PRELOAD_WEIGHTS[stage.name]}.element_type)  # first K chunk, loaded before the barrier")
+                         f"{spec_of(stage).gemv.weight}.element_type)  # first K chunk, loaded before the barrier")
     return lines
 
 
@@ -291,19 +295,20 @@ def _before_barrier_calls(plan: Plan, stage: Stage) -> list[str]:
     """Issued before a CTA waits at the barrier that ends ``stage``: the next GEMV's L2 prefetch, its register
     preload when that stage preloads, and the attention's first K/V rows when attention preloads."""
     calls = []
-    if stage.name == "norm_qkv" and _attention_preloads(plan):
+    following = next((s for s in plan.stages if s.index == stage.index + 1), None)
+    if following is not None and following.kind == "attention" and _attention_preloads(plan):
         calls.append("bodies.attention_preload(k_cache[layer, None, None, None, None], v_cache[layer, None, None, "
                      "None, None], pre_kv, pos, cta, tidx, BATCH, N_HEADS, N_KV_HEADS, HEAD_DIM)")
     prefetch = _prefetch_call(plan, stage)
     if prefetch is None:
         return calls
     calls.append(prefetch)
-    weight, next_name = _NEXT_GEMV[stage.name]
+    weight, next_name = _next_gemv(stage)
     next_stage = next(s for s in plan.stages if s.name == next_name)
     if next_stage.tiling.preload and next_stage.tiling.stages:
         rows, cols = _gemv_shape(plan, next_name)
-        # after the last layer's down GEMV comes the LM head, not a QKV GEMV: copy nothing there
-        active = "cutlass.min(LAYERS - 1 - layer, 1)" if stage.name == "down_residual" else "1"
+        # after the last layer's last GEMV comes the LM head, not the next layer's first GEMV: copy nothing there
+        active = "cutlass.min(LAYERS - 1 - layer, 1)" if next_gemv(stage.name)[1] == "next" else "1"
         calls.append(f"bodies.gemv_ring_prefill({weight}, {_RING}, {_warp_index(next_stage)}, lane, {active}, "
                      f"TOTAL_WARPS, {rows}, {cols}, {next_stage.tiling.per_tile}, {next_stage.tiling.unroll}, "
                      f"{next_stage.tiling.stages})")
@@ -315,16 +320,16 @@ def _before_barrier_calls(plan: Plan, stage: Stage) -> list[str]:
 
 
 def _gemv_shape(plan: Plan, stage_name: str) -> tuple[int, int]:
-    d = plan.dims
-    return {"norm_qkv": (d.qkv_rows, d.hidden), "o_residual": (d.hidden, d.q_rows),
-            "norm_gate_up": (2 * d.intermediate, d.hidden), "down_residual": (d.hidden, d.intermediate)}[stage_name]
+    gemv = next(spec_of(s) for s in plan.stages if s.name == stage_name).gemv
+    return getattr(plan.dims, gemv.rows), getattr(plan.dims, gemv.cols)
 
 
 def _prefetch_call(plan: Plan, stage: Stage) -> str | None:
     """L2 prefetch of the next GEMV's first tiles, issued before waiting at the barrier."""
-    if stage.name not in _NEXT_GEMV:
+    found = _next_gemv(stage)
+    if found is None:
         return None
-    weight, next_name = _NEXT_GEMV[stage.name]
+    weight, next_name = found
     rows, cols = _gemv_shape(plan, next_name)
     next_stage = next(s for s in plan.stages if s.name == next_name)
     per_tile = next_stage.tiling.per_tile
@@ -377,29 +382,42 @@ def _gemv_label(plan: Plan, stage: Stage) -> str:
     return "gemv_rows_bias" if plan.bias_of(stage.name) else "gemv_rows"
 
 
-_BODY_CALLS = {
-    "embed": lambda plan, st: [("embed_gather", "bodies.embed_gather(embed, tokens, x, cta, tidx, BATCH, HIDDEN, CTAS, THREADS)")],
-    "norm_gemv": lambda plan, st: [
-        ("rmsnorm_to_smem", f"bodies.rmsnorm_to_smem(x, norms[layer, {0 if st.name == 'norm_qkv' else 1}, None], s_vec, s_red, tidx, BATCH, HIDDEN, THREADS, EPS)"),
-        (_gemv_label(plan, st), _gemv("w_qkv[layer, None, None]" if st.name == "norm_qkv" else "w_gate_up[layer, None, None]",
-                            "qkv" if st.name == "norm_qkv" else "gate_up",
-                            "QKV_ROWS" if st.name == "norm_qkv" else "2 * INTER", "HIDDEN", st, False,
-                            plan.bias_of(st.name))),
-    ],
-    "attention": lambda plan, st: [_attention_call(plan)],
-    "gemv_residual": lambda plan, st: [
-        ("copy_to_smem", "bodies.copy_to_smem(attn, s_vec, tidx, BATCH, Q_ROWS, THREADS)"),
-        (_gemv_label(plan, st), _gemv("w_o[layer, None, None]", "x", "HIDDEN", "Q_ROWS", st, True, plan.bias_of(st.name))),
-    ],
-    "act_gemv_residual": lambda plan, st: [
-        ("silu_mul_to_smem", "bodies.silu_mul_to_smem(gate_up, s_vec, tidx, BATCH, INTER, THREADS)"),
-        (_gemv_label(plan, st), _gemv("w_down[layer, None, None]", "x", "HIDDEN", "INTER", st, True, plan.bias_of(st.name))),
-    ],
-    "norm_gemv_out": lambda plan, st: [
-        ("rmsnorm_to_smem", "bodies.rmsnorm_to_smem(x, final_norm, s_vec, s_red, tidx, BATCH, HIDDEN, THREADS, EPS)"),
-        (_gemv_label(plan, st), _gemv("lm_head", "logits", "VOCAB", "HIDDEN", st, False)),
-    ],
-}
+def _vector_call(plan: Plan, spec: StageSpec) -> tuple[str, str]:
+    """The body call that stages a GEMV stage's fp32 input row(s) in ``s_vec``."""
+    vector, width = spec.vector, DIMENSION_CONSTANTS[spec.vector.width]
+    if vector.kind == "rmsnorm":
+        weight = "final_norm" if vector.norm_role == "final_norm" else f"norms[layer, {norm_slot(vector.norm_role)}, None]"
+        return ("rmsnorm_to_smem",
+                f"bodies.rmsnorm_to_smem({vector.source}, {weight}, s_vec, s_red, tidx, BATCH, {width}, THREADS, EPS)")
+    if vector.kind == "copy":
+        return "copy_to_smem", f"bodies.copy_to_smem({vector.source}, s_vec, tidx, BATCH, {width}, THREADS)"
+    body = ACTIVATIONS[plan.dims.act]
+    if plan.dims.act == "silu":
+        return body, f"bodies.{body}({vector.source}, s_vec, tidx, BATCH, {width}, THREADS)"
+    tanh = plan.dims.act == "gelu_tanh"
+    return body, f"bodies.{body}({vector.source}, s_vec, tidx, BATCH, {width}, THREADS, approximate={tanh})"
+
+
+def _gemv_stage_calls(plan: Plan, stage: Stage) -> list[tuple[str, str]]:
+    spec = spec_of(stage)
+    gemv = spec.gemv
+    weight = f"{gemv.weight}[layer, None, None]" if spec.per_layer else gemv.weight
+    rows, cols = DIMENSION_CONSTANTS[gemv.rows], DIMENSION_CONSTANTS[gemv.cols]
+    bias = plan.bias_of(stage.name) if spec.per_layer else None
+    return [_vector_call(plan, spec),
+            (_gemv_label(plan, stage), _gemv(weight, gemv.out, rows, cols, stage, gemv.accumulate, bias))]
+
+
+def _body_calls(plan: Plan, stage: Stage) -> list[tuple[str, str]]:
+    """(body name, call text) of one stage, from the stage table."""
+    if spec_of(stage).gemv is not None:
+        return _gemv_stage_calls(plan, stage)
+    if stage.kind == "attention":
+        return [_attention_call(plan)]
+    if plan.dims.embed_scale != 1.0:
+        return [("embed_gather_scaled", "bodies.embed_gather_scaled(embed, tokens, x, cta, tidx, BATCH, HIDDEN, CTAS, "
+                                        "THREADS, EMBED_SCALE)")]
+    return [("embed_gather", "bodies.embed_gather(embed, tokens, x, cta, tidx, BATCH, HIDDEN, CTAS, THREADS)")]
 
 
 def _launcher(w: _Writer, arguments: list[str]) -> None:

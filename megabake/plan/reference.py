@@ -14,6 +14,7 @@ import torch
 
 from . import Plan, Stage, WARP
 from .packing import torch_dtype
+from .stages import VectorInput, norm_slot, spec_of
 
 
 class ReferenceExecutor:
@@ -49,6 +50,8 @@ class ReferenceExecutor:
         return self.buffers["logits"].clone()
 
     def _run(self, stage: Stage, layer, tokens, position):
+        if spec_of(stage).gemv is not None:
+            return self._stage_gemv(stage, layer)
         getattr(self, f"_stage_{stage.kind}")(stage, layer, tokens, position)
 
     # -- work assignment (mirrors the kernel) ------------------------------------------------------
@@ -102,28 +105,27 @@ class ReferenceExecutor:
             first = tile * stage.tiling.per_tile
             for i in range(first, min(first + stage.tiling.per_tile, stage.tiling.units)):
                 b, h = divmod(i, hidden)
-                flat[i] = self.w["embed"][tokens[b], h]
+                flat[i] = self.w["embed"][tokens[b], h] * self.plan.dims.embed_scale
 
-    def _stage_norm_gemv(self, stage, layer, tokens, position):
-        slot = 0 if stage.name == "norm_qkv" else 1
-        weight = self.w["w_qkv" if slot == 0 else "w_gate_up"][layer]
-        normed = self._rmsnorm(self.buffers["x"], self.w["norms"][layer, slot])
-        self._gemv(stage, weight, normed, self.buffers["qkv" if slot == 0 else "gate_up"], accumulate=False,
-                   layer=layer)
-
-    def _stage_gemv_residual(self, stage, layer, tokens, position):
-        self._gemv(stage, self.w["w_o"][layer], self.buffers["attn"].clone(), self.buffers["x"], accumulate=True,
-                   layer=layer)
-
-    def _stage_act_gemv_residual(self, stage, layer, tokens, position):
+    def _vector(self, vector: VectorInput, layer: int | None) -> torch.Tensor:
+        """A GEMV stage's input rows, as the kernel stages them in shared memory (fp32)."""
+        source = self.buffers[vector.source]
+        if vector.kind == "rmsnorm":
+            weight = (self.w["final_norm"] if vector.norm_role == "final_norm"
+                      else self.w["norms"][layer, norm_slot(vector.norm_role)])
+            return self._rmsnorm(source, weight)
+        if vector.kind == "copy":
+            return source.clone()
         inter = self.plan.dims.intermediate
-        gu = self.buffers["gate_up"]
-        act = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
-        self._gemv(stage, self.w["w_down"][layer], act, self.buffers["x"], accumulate=True, layer=layer)
+        return _ACTIVATIONS[self.plan.dims.act](source[:, :inter]) * source[:, inter:]
 
-    def _stage_norm_gemv_out(self, stage, layer, tokens, position):
-        normed = self._rmsnorm(self.buffers["x"], self.w["final_norm"])
-        self._gemv(stage, self.w[self.lm_head], normed, self.buffers["logits"], accumulate=False)
+    def _stage_gemv(self, stage: Stage, layer: int | None):
+        spec = spec_of(stage)
+        gemv = spec.gemv
+        weight = self.w[self.lm_head if gemv.weight == "lm_head" else gemv.weight]
+        weight = weight[layer] if spec.per_layer else weight
+        self._gemv(stage, weight, self._vector(spec.vector, layer), self.buffers[gemv.out], gemv.accumulate,
+                   layer=layer)
 
     def _stage_attention(self, stage, layer, tokens, position):
         if not 0 <= position < self.plan.capacity:
@@ -216,6 +218,13 @@ class ReferenceExecutor:
             first = kvh * group * d.head_dim
             attn[b, first:first + group * d.head_dim] = out.reshape(-1)
         self.tile_owners[stage.name] = owners
+
+
+_ACTIVATIONS = {  # the model's activation in act(gate) * up (megabake.plan.stages.ACTIVATIONS)
+    "silu": torch.nn.functional.silu,
+    "gelu_tanh": lambda g: torch.nn.functional.gelu(g, approximate="tanh"),
+    "gelu": torch.nn.functional.gelu,
+}
 
 
 def _ceil_div(a: int, b: int) -> int:

@@ -16,6 +16,7 @@ import re
 from dataclasses import dataclass, replace
 
 from ..errors import PlanError
+from .stages import GEMV_STAGES
 
 WARP = 32
 HOPPER_SMEM_PER_BLOCK = 227 * 1024  # opt-in maximum of dynamic shared memory per CTA on SM90
@@ -74,7 +75,6 @@ class GemvTuning:
         return cls(int(match.group(1)), int(match.group(2)), **options)
 
 
-GEMV_STAGES = ("norm_qkv", "o_residual", "norm_gate_up", "down_residual", "norm_lm_head")
 DEFAULT_TUNING = {name: GemvTuning() for name in GEMV_STAGES}  # the plain register tiling (fallback)
 # The default when no tuning is given: weights streamed through a 4-stage cp.async ring, CTA-major tiles, the
 # first chunk loaded before the barrier (H200, split-KV attention, 2026-12-01: -3.6% SmolLM-135M, -6.6%

@@ -75,6 +75,18 @@ def embed_gather(embed: cute.Tensor, tokens: cute.Tensor, x: cute.Tensor, cta: I
         x[b, h] = embed[tokens[b], h].to(Float32)
 
 
+@cute.jit
+def embed_gather_scaled(embed: cute.Tensor, tokens: cute.Tensor, x: cute.Tensor, cta: Int32, tidx: Int32,
+                        batch: cutlass.Constexpr[int], hidden: cutlass.Constexpr[int],
+                        ctas: cutlass.Constexpr[int], threads: cutlass.Constexpr[int],
+                        scale: cutlass.Constexpr[float]):
+    """x[b, :] = float(embed[tokens[b], :]) * scale (Gemma's sqrt(hidden) normalizer) over all CTAs' threads."""
+    for i in range(cta * threads + tidx, batch * hidden, ctas * threads):
+        b = i // hidden
+        h = i - b * hidden
+        x[b, h] = embed[tokens[b], h].to(Float32) * scale
+
+
 # -------------------------------------------------------------------------------- vector staging
 # Staging reads fp32 activations that other CTAs just wrote (L2 hits, but ~0.5-1 us each round trip). Each
 # thread owns SLOTS = ceil(width / 4 / threads) 16-byte vectors and issues all of its loads before using
@@ -169,6 +181,39 @@ def silu_mul_to_smem(gate_up: cute.Tensor, s_vec: cute.Tensor, tidx: Int32, batc
             idx = tidx + j * threads
             g = gates[j]
             act = g / (1.0 + cute.math.exp(-g)) * ups[j]
+            if cutlass.const_expr((j + 1) * threads <= nvec):
+                _f32_vec(s_vec[b, None], idx).store(act)
+            elif idx < nvec:
+                _f32_vec(s_vec[b, None], idx).store(act)
+    cute.arch.sync_threads()
+
+
+GELU_TANH_C = 0.7978845608028654  # sqrt(2 / pi)
+INV_SQRT2 = 0.7071067811865476
+
+
+@cute.jit
+def gelu_mul_to_smem(gate_up: cute.Tensor, s_vec: cute.Tensor, tidx: Int32, batch: cutlass.Constexpr[int],
+                     inter: cutlass.Constexpr[int], threads: cutlass.Constexpr[int],
+                     approximate: cutlass.Constexpr[bool]):
+    """s_vec[b, i] = gelu(gate_up[b, i]) * gate_up[b, inter + i]; ``approximate``: the tanh form (Gemma's
+    gelu_pytorch_tanh), else the erf form."""
+    nvec = inter // F32_VEC
+    slots = (nvec + threads - 1) // threads
+    for b in cutlass.range_constexpr(batch):
+        gates = []
+        ups = []
+        for j in cutlass.range_constexpr(slots):
+            idx = cutlass.min(tidx + j * threads, nvec - 1)
+            gates.append(_f32_vec(gate_up[b, None], idx).load())
+            ups.append(_f32_vec(gate_up[b, None], idx + nvec).load())
+        for j in cutlass.range_constexpr(slots):
+            idx = tidx + j * threads
+            g = gates[j]
+            if cutlass.const_expr(approximate):
+                act = 0.5 * g * (1.0 + cute.math.tanh(GELU_TANH_C * (g + 0.044715 * g * g * g))) * ups[j]
+            else:
+                act = 0.5 * g * (1.0 + cute.math.erf(g * INV_SQRT2)) * ups[j]
             if cutlass.const_expr((j + 1) * threads <= nvec):
                 _f32_vec(s_vec[b, None], idx).store(act)
             elif idx < nvec:

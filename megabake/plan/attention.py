@@ -1,0 +1,55 @@
+"""Decode-attention tiling: split-KV (flash decoding) or one (batch, head) per CTA, and its workspace.
+
+Contract: ``attention_tiling(dims, batch, ctas, threads, split_kv)`` is the attention stage's :class:`Tiling`:
+``kv_splits`` deals (split, batch, KV head) items over CTAs, each split covering at least ``SPLIT_KV_MIN_CHUNK``
+cached positions (short contexts stay in one split), partial softmax results merged exactly through
+``ATTN_PART`` by the last arrival counted in ``ATTN_COUNT``; ``heads`` gives each (batch, head) one CTA (the
+layout attention preload needs). ``kv_splits(plan or tiling)`` is the number of splits per group (0 unsplit).
+"""
+
+from __future__ import annotations
+
+from ..errors import PlanError
+from .model import WARP, Buffer, ModelDims, Plan, Stage, Tiling
+
+
+SPLIT_KV_UNROLL = 4  # K and V rows in flight per lane group and iteration
+SPLIT_KV_MIN_CHUNK = 128  # fewest positions per split: short contexts stay in one split (no merge)
+ATTN_PART = "attn_part"  # split-KV partials [B, heads, splits, head_dim + 2]: accumulator, max, sum
+ATTN_COUNT = "attn_count"  # split-KV arrival counters [B * kv_heads] (int32, reset by the last arrival)
+
+
+def attention_tiling(dims: ModelDims, batch: int, ctas: int, threads: int, split_kv: bool) -> Tiling:
+    if not split_kv:
+        return Tiling("heads", batch * dims.n_heads, 1, batch * dims.n_heads)
+    groups = batch * dims.n_kv_heads
+    splits = max(1, ctas // groups)
+    stride = (threads // WARP) * (WARP // (dims.head_dim // 8))  # positions one CTA pass covers
+    step = stride * SPLIT_KV_UNROLL
+    min_chunk = -(-SPLIT_KV_MIN_CHUNK // step) * step
+    return Tiling("kv_splits", groups, min_chunk, groups * splits, unroll=SPLIT_KV_UNROLL)
+
+
+def kv_splits(plan_or_tiling) -> int:
+    """Splits per (batch, KV head) of a split-KV attention tiling (0 when attention is not split)."""
+    tiling = plan_or_tiling
+    if isinstance(plan_or_tiling, Plan):
+        tiling = next(s.tiling for s in plan_or_tiling.stages if s.kind == "attention")
+    return tiling.tiles // tiling.units if tiling.kind == "kv_splits" else 0
+
+
+def split_kv_buffers(dims: ModelDims, batch: int, stages: list[Stage]) -> list[Buffer]:
+    tiling = next(s.tiling for s in stages if s.kind == "attention")
+    splits = kv_splits(tiling)
+    if not splits:
+        return []
+    return [Buffer(ATTN_PART, "workspace", "float32", [batch, dims.n_heads, splits, dims.head_dim + 2]),
+            Buffer(ATTN_COUNT, "sync", "int32", [batch * dims.n_kv_heads])]
+
+
+def check_attention_preload(dims: ModelDims, batch: int, ctas: int) -> None:
+    if batch * dims.n_heads > ctas:
+        raise PlanError(f"attention preload needs at most one (batch, head) tile per CTA: {batch} x {dims.n_heads} "
+                        f"heads > {ctas} CTAs; bake without it or with a smaller batch")
+    if dims.n_heads < 2:
+        raise PlanError("attention preload keeps the new K/V row in the GEMV staging buffer, which needs n_heads >= 2")

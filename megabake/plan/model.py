@@ -1,0 +1,229 @@
+"""Plan data model: the dataclasses a plan is made of, its canonical JSON and hash, and queries on it.
+
+Contract: a :class:`Plan` is pure data (ints, floats, strings, lists, dicts); ``plan.to_json()`` is its canonical
+text (sorted keys, fixed indent) and ``plan.hash`` the sha256 of it; ``Plan.from_json`` / ``plan_from_dict`` read
+it back. Stage tilings record only the flags a tiling uses, so plans made before a flag existed keep their bytes
+and hash. Building a plan from IR is ``megabake.plan.build_plan``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import asdict, dataclass, field
+
+from .stages import HEAD_NORMS, STAGE_BIAS
+
+PLAN_VERSION = 1
+WARP = 32
+
+
+@dataclass
+class ModelDims:
+    hidden: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    layers: int
+    eps: float
+    norm_offset: float
+    attn_scale: float
+    act: str  # the gated MLP's activation: one of megabake.plan.stages.ACTIVATIONS
+    embed_scale: float = 1.0  # x = embedding(ids) * embed_scale (Gemma: sqrt(hidden) as the model rounds it)
+
+    @property
+    def q_rows(self) -> int:
+        return self.n_heads * self.head_dim
+
+    @property
+    def kv_rows(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+    @property
+    def qkv_rows(self) -> int:
+        return self.q_rows + 2 * self.kv_rows
+
+    @property
+    def gate_up_rows(self) -> int:
+        return 2 * self.intermediate
+
+
+@dataclass
+class LayerBinding:
+    """Which HF parameters and IR ops one decoder layer is made of."""
+
+    index: int
+    params: dict[str, str]  # role -> HF parameter fqn (input_norm, q, k, v, o, post_norm, gate, up, down)
+    ops: dict[str, list[str]]  # stage role -> IR op ids
+    fx_nodes: dict[str, list[str]]  # stage role -> FX node names
+    hf_modules: dict[str, list[str]]  # stage role -> HF module paths
+
+
+@dataclass
+class Buffer:
+    name: str
+    role: str  # weight | table | state | workspace | input | output | sync
+    dtype: str
+    shape: list[int]
+
+
+@dataclass
+class PackedWeight:
+    """A packed weight buffer: ``sources[layer]`` lists parts concatenated along rows: ``(fqn, 0)`` is an HF
+    parameter, ``("", n)`` is n rows of zeros (a bias a projection does not have, next to one it has)."""
+
+    buffer: str
+    per_layer: bool
+    sources: list[list[tuple[str, int]]]
+
+
+@dataclass
+class Tiling:
+    kind: str  # rows (GEMV rows over warps) | heads (one (batch, head) per CTA) | chunks (elements over CTAs)
+    #          | kv_splits (split-KV attention: (split, batch, KV head) items over CTAs; per_tile = minimum
+    #          positions per split, unroll = K/V rows in flight per lane group)
+    units: int  # rows, heads or elements covered
+    per_tile: int
+    tiles: int
+    unroll: int = 4  # GEMV: 16-byte loads in flight per lane and row (K-loop unroll)
+    # GEMV tile t -> warp: False (warp-major): global warp t % (ctas*warps) = cta*warps + warp, so a small GEMV
+    # fills the first CTAs; True (CTA-major): cta = t % ctas, warp = (t // ctas) % warps, every SM streams.
+    spread: bool = False
+    # GEMV: the first K chunk of each warp's first tile is loaded into registers before the barrier that
+    # precedes the stage (weights do not depend on it), so the stage starts with data in hand.
+    preload: bool = False
+    # GEMV: software-pipelined K loop: the loads of a warp's next chunk (next tile included) are issued before
+    # the current chunk is reduced, so two chunks per warp are in flight instead of one (same summation order;
+    # a K that is not whole chunks ends each tile with a partial, masked chunk).
+    pipeline: bool = False
+    # GEMV: 0, or the depth of a per-warp shared-memory ring that cp.async fills ``stages - 1`` chunks ahead
+    # of the chunk being reduced (no registers held while in flight; same summation order). With ``preload``
+    # the first ``stages - 1`` chunks are copied before the barrier that precedes the stage.
+    stages: int = 0
+
+
+@dataclass
+class Stage:
+    index: int
+    name: str
+    scope: str  # prologue | layer | epilogue
+    kind: str  # embed | norm_gemv | attention | gemv_residual | act_gemv_residual | norm_gemv_out
+    reads: list[str]
+    writes: list[str]
+    tiling: Tiling
+    roles: list[str]  # which LayerBinding / global op roles it implements
+    barrier_after: bool = True
+
+
+@dataclass
+class Rotary:
+    inv_freq_buffer: str  # model buffer fqn (from the graph placeholder's target)
+    attention_scaling: float
+    head_dim: int
+    ops: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Plan:
+    version: int
+    dims: ModelDims
+    batch: int
+    capacity: int
+    ctas: int
+    threads: int
+    smem_bytes: int
+    weight_dtype: str
+    buffers: list[Buffer]
+    packed: list[PackedWeight]
+    stages: list[Stage]
+    layers: list[LayerBinding]
+    rotary: Rotary
+    globals: dict[str, dict[str, list[str]]]  # embed / final_norm / lm_head: ops, fx_nodes, hf_modules
+    tied_lm_head: bool
+
+    # -- identity -----------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        for stage in data["stages"]:  # only tilings that use them name these: older plans keep bytes and hash
+            for flag in ("spread", "preload", "pipeline", "stages"):
+                if not stage["tiling"].get(flag):
+                    stage["tiling"].pop(flag, None)
+        if data["dims"]["embed_scale"] == 1.0:  # recorded only where it scales: older plans keep their hash
+            data["dims"].pop("embed_scale")
+        return data
+
+    def to_json(self) -> str:
+        """Canonical text of plan.json (sorted keys, fixed indent, trailing newline)."""
+        return json.dumps(self.to_dict(), sort_keys=True, indent=1, default=_json_default) + "\n"
+
+    @property
+    def hash(self) -> str:
+        """sha256 of the canonical plan.json bytes."""
+        return hashlib.sha256(self.to_json().encode()).hexdigest()
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        return plan_from_dict(json.loads(text))
+
+    # -- queries ------------------------------------------------------------------------------------
+    @property
+    def warps(self) -> int:
+        return self.threads // WARP
+
+    @property
+    def barriers_per_step(self) -> int:
+        prologue = [s for s in self.stages if s.scope == "prologue" and s.barrier_after]
+        layer = [s for s in self.stages if s.scope == "layer" and s.barrier_after]
+        epilogue = [s for s in self.stages if s.scope == "epilogue" and s.barrier_after]
+        return len(prologue) + len(layer) * self.dims.layers + len(epilogue)
+
+    def bias_of(self, stage_name: str) -> str | None:
+        """The fp32 bias buffer a GEMV stage adds to its outputs, or None (no projection in it has a bias)."""
+        name = STAGE_BIAS.get(stage_name)
+        return name if name and any(b.name == name for b in self.buffers) else None
+
+    @property
+    def has_head_norms(self) -> bool:
+        """Per-head RMSNorm of q and k before RoPE (Qwen3): weights in the ``qk_norms`` buffer."""
+        return any(b.name == HEAD_NORMS for b in self.buffers)
+
+    def buffer(self, name: str) -> Buffer:
+        for buf in self.buffers:
+            if buf.name == name:
+                return buf
+        raise KeyError(name)
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights one decode step streams (embedding: one row per sequence)."""
+        size = {"bfloat16": 2, "float16": 2, "float32": 4}[self.weight_dtype]
+        total = 0
+        for buf in self.buffers:
+            if buf.role != "weight":
+                continue
+            count = math.prod(buf.shape)
+            if buf.name == "embed" and not self.tied_lm_head:
+                count = self.batch * buf.shape[-1]
+            elem = 4 if buf.dtype == "float32" else size
+            total += count * elem
+        return total
+
+
+def _json_default(value):
+    if isinstance(value, tuple):
+        return list(value)
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+
+
+def plan_from_dict(data: dict) -> Plan:
+    data = dict(data)
+    data["dims"] = ModelDims(**data["dims"])
+    data["buffers"] = [Buffer(**b) for b in data["buffers"]]
+    data["packed"] = [PackedWeight(p["buffer"], p["per_layer"], [[tuple(s) for s in layer] for layer in p["sources"]])
+                      for p in data["packed"]]
+    data["stages"] = [Stage(**{**s, "tiling": Tiling(**s["tiling"])}) for s in data["stages"]]
+    data["layers"] = [LayerBinding(**layer) for layer in data["layers"]]
+    data["rotary"] = Rotary(**data["rotary"])
+    return Plan(**data)

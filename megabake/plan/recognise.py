@@ -1,0 +1,185 @@
+"""Recognition: typed IR -> the decoder's parts (embedding, identical blocks, final norm, LM head) by dataflow.
+
+Contract: ``recognise(ir)`` returns ``(embedding, blocks, final_norm, lm_head)``; each :class:`Block` maps the
+roles of one decoder layer (input_norm, q, k, v, q_rope, k_rope, k_append, v_append, attention, o, attn_add,
+post_norm, gate, up, act, down, mlp_add; optionally q_norm, k_norm) to its IR ops, found by following values
+from op to op (never by module names). ``model_dims(blocks, final_norm, lm_head)`` reads the model's
+dimensions and checks that every block has the same shape. Anything else raises :class:`PlanError` naming the
+layer and what was expected.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import PlanError
+from ..ir import Add, DecodeAttention, Embedding, GatedAct, IRGraph, KVAppend, Linear, RMSNorm, RoPE
+from .model import WARP, ModelDims
+from .stages import ACTIVATIONS
+
+
+@dataclass
+class Block:
+    index: int
+    ops: dict[str, object]
+
+
+def _consumers(ir: IRGraph) -> dict[str, list]:
+    users: dict[str, list] = {}
+    for op in ir.ops:
+        for value in _inputs(op):
+            users.setdefault(value, []).append(op)
+    return users
+
+
+def _inputs(op) -> list[str]:
+    if isinstance(op, RMSNorm):
+        return [op.inp]
+    if isinstance(op, Linear):
+        return [op.inp]
+    if isinstance(op, RoPE):
+        return [op.inp]
+    if isinstance(op, KVAppend):
+        return [op.value]
+    if isinstance(op, DecodeAttention):
+        return [op.q]
+    if isinstance(op, GatedAct):
+        return [op.gate, op.up]
+    if isinstance(op, Add):
+        return [op.a, op.b]
+    return []
+
+
+def _rope_users(lin: Linear, users: dict) -> list[tuple[object, RMSNorm | None]]:
+    """Users of a projection, looking through a per-head RMSNorm (Qwen3's q_norm / k_norm) to what follows it."""
+    found = []
+    for user in users.get(lin.out, []):
+        if isinstance(user, RMSNorm):
+            found += [(after, user) for after in users.get(user.out, [])]
+        else:
+            found.append((user, None))
+    return found
+
+
+def _only(items: list, what: str, where: str):
+    if len(items) != 1:
+        raise PlanError(f"expected exactly one {what} after {where}, found {len(items)}; "
+                        "this decoder layout is not supported by the megakernel plan yet")
+    return items[0]
+
+
+def recognise(ir: IRGraph) -> tuple[Embedding, list[Block], RMSNorm, Linear]:
+    users = _consumers(ir)
+    producer = ir.producer()
+    embed = _only(ir.of_kind(Embedding), "embedding", "the token ids")
+    residual = embed.out
+    blocks: list[Block] = []
+    while True:
+        norm = _only([u for u in users.get(residual, []) if isinstance(u, RMSNorm)], "RMSNorm", residual)
+        linears = [u for u in users.get(norm.out, []) if isinstance(u, Linear)]
+        if len(linears) == 1:  # final norm -> LM head
+            lm_head = linears[0]
+            if lm_head.out != ir.output:
+                raise PlanError(f"the last linear ({lm_head.hf_module}) does not produce the step's output")
+            break
+        block = _recognise_block(len(blocks), residual, norm, linears, users, producer)
+        blocks.append(block)
+        residual = block.ops["mlp_add"].out
+    if not blocks:
+        raise PlanError("no decoder layer found between the embedding and the LM head")
+    return embed, blocks, norm, lm_head
+
+
+def _recognise_block(index, residual, norm, linears, users, producer) -> Block:
+    ops: dict[str, object] = {"input_norm": norm}
+    attn = None
+    for lin in linears:
+        for user, head_norm in _rope_users(lin, users):
+            if isinstance(user, RoPE):
+                nxt = users.get(user.out, [])
+                if any(isinstance(n, DecodeAttention) for n in nxt):
+                    ops["q"], ops["q_rope"] = lin, user
+                    attn = next(n for n in nxt if isinstance(n, DecodeAttention))
+                    if head_norm is not None:
+                        ops["q_norm"] = head_norm
+                elif any(isinstance(n, KVAppend) for n in nxt):
+                    ops["k"], ops["k_rope"] = lin, user
+                    ops["k_append"] = next(n for n in nxt if isinstance(n, KVAppend))
+                    if head_norm is not None:
+                        ops["k_norm"] = head_norm
+            elif isinstance(user, KVAppend):
+                ops["v"], ops["v_append"] = lin, user
+    if ("q_norm" in ops) != ("k_norm" in ops):
+        raise PlanError(f"layer {index}: a per-head RMSNorm on only one of q and k is not supported")
+    missing = [r for r in ("q", "k", "v", "k_append", "v_append") if r not in ops] + ([] if attn else ["attention"])
+    if missing or len(linears) != 3:
+        raise PlanError(f"layer {index}: could not recognise the attention block (missing {missing}, "
+                        f"{len(linears)} projections of {norm.hf_module}); expected q/k/v projections with RoPE "
+                        "on q and k and a static-cache attention")
+    ops["attention"] = attn
+    o_proj = _only([u for u in users.get(attn.out, []) if isinstance(u, Linear)], "o-projection", attn.hf_module)
+    add1 = _only([u for u in users.get(o_proj.out, []) if isinstance(u, Add)], "residual add", o_proj.hf_module)
+    if residual not in (add1.a, add1.b):
+        raise PlanError(f"layer {index}: the attention residual add does not add the layer input")
+    norm2 = _only([u for u in users.get(add1.out, []) if isinstance(u, RMSNorm)], "post-attention RMSNorm",
+                  add1.hf_module)
+    mlp_in = [u for u in users.get(norm2.out, []) if isinstance(u, Linear)]
+    act = None
+    for lin in mlp_in:
+        for user in users.get(lin.out, []):
+            if isinstance(user, GatedAct):
+                act = user
+    if act is None or len(mlp_in) != 2:
+        raise PlanError(f"layer {index}: expected a gated MLP (gate/up projections into an activation product)")
+    gate = next(lin for lin in mlp_in if lin.out == act.gate)
+    up = next(lin for lin in mlp_in if lin.out == act.up)
+    down = _only([u for u in users.get(act.out, []) if isinstance(u, Linear)], "down projection", act.hf_module)
+    add2 = _only([u for u in users.get(down.out, []) if isinstance(u, Add)], "MLP residual add", down.hf_module)
+    if add1.out not in (add2.a, add2.b):
+        raise PlanError(f"layer {index}: the MLP residual add does not add the attention residual")
+    ops.update(o=o_proj, attn_add=add1, post_norm=norm2, gate=gate, up=up, act=act, down=down, mlp_add=add2)
+    return Block(index, ops)
+
+
+def model_dims(embed: Embedding, blocks: list[Block], final_norm: RMSNorm, lm_head: Linear) -> ModelDims:
+    first = blocks[0].ops
+    attn: DecodeAttention = first["attention"]
+    norm: RMSNorm = first["input_norm"]
+    dims = ModelDims(
+        hidden=first["q"].in_features, n_heads=attn.n_heads, n_kv_heads=attn.n_kv_heads,
+        head_dim=attn.head_dim, intermediate=first["gate"].out_features, vocab=lm_head.out_features,
+        layers=len(blocks), eps=norm.eps, norm_offset=norm.weight_offset, attn_scale=attn.scale,
+        act=first["act"].act, embed_scale=float(getattr(embed, "scale", 1.0)),
+    )
+    for block in blocks:
+        _check_block_shape(block, dims)
+    if final_norm.eps != dims.eps or final_norm.weight_offset != dims.norm_offset:
+        raise PlanError("the final norm differs from the layer norms (eps or weight offset)")
+    return dims
+
+
+def _check_block_shape(block: Block, dims: ModelDims) -> None:
+    ops = block.ops
+    expect = {
+        "q": (dims.q_rows, dims.hidden), "k": (dims.kv_rows, dims.hidden), "v": (dims.kv_rows, dims.hidden),
+        "o": (dims.hidden, dims.q_rows), "gate": (dims.intermediate, dims.hidden),
+        "up": (dims.intermediate, dims.hidden), "down": (dims.hidden, dims.intermediate),
+    }
+    for role, shape in expect.items():
+        lin: Linear = ops[role]
+        if (lin.out_features, lin.in_features) != shape:
+            raise PlanError(f"layer {block.index} {role} ({lin.hf_module}) has shape "
+                            f"{(lin.out_features, lin.in_features)}, expected {shape}: layers must be identical")
+    for role in ("q_norm", "k_norm"):
+        norm = ops.get(role)
+        if norm is not None and (norm.eps != dims.eps or norm.weight_offset != dims.norm_offset):
+            raise PlanError(f"{norm.hf_module}: a per-head norm whose eps or weight offset differs from the layer "
+                            "norms is not supported")
+    if ops["attention"].head_dim % WARP != 0 or ops["attention"].head_dim > 256:
+        raise PlanError(f"head_dim {ops['attention'].head_dim} must be a multiple of 32 and at most 256")
+    if block.ops["act"].act != dims.act:
+        raise PlanError(f"layer {block.index} uses activation {block.ops['act'].act!r}, layer 0 {dims.act!r}: "
+                        "layers must be identical")
+    if dims.act not in ACTIVATIONS:
+        raise PlanError(f"activation {dims.act!r} of the gated MLP ({block.ops['act'].hf_module}) is not supported; "
+                        f"supported: {', '.join(ACTIVATIONS)}")
