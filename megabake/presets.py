@@ -186,6 +186,50 @@ PRESETS: dict[str, Preset] = {
                 tie_word_embeddings=True,
             ),
         ),
+        Preset(
+            name="tiny-gemma",
+            model_id="megabake/tiny-gemma",
+            architecture="GemmaForCausalLM",
+            description="2-layer Gemma (hidden 256, 4/1 heads x 64, GeGLU tanh, scaled embedding, 1 + w norms): "
+                        "the Gemma family on a CPU in seconds",
+            config=dict(
+                hidden_activation="gelu_pytorch_tanh",
+                rms_norm_eps=1e-6,
+                hidden_size=256,
+                intermediate_size=512,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=1,
+                head_dim=64,
+                vocab_size=1024,
+                max_position_embeddings=2048,
+                rope_theta=10000.0,
+                attention_bias=False,
+                tie_word_embeddings=True,
+            ),
+        ),
+        Preset(
+            name="gemma-2b",
+            model_id="google/gemma-2b",
+            architecture="GemmaForCausalLM",
+            description="gemma-2b shape: hidden 2048, 18 layers, 8/1 heads x 256, intermediate 16384 (GeGLU tanh), "
+                        "vocab 256000, scaled embedding, 1 + w norms, tied",
+            config=dict(
+                hidden_activation="gelu_pytorch_tanh",
+                rms_norm_eps=1e-6,
+                hidden_size=2048,
+                intermediate_size=16384,
+                num_hidden_layers=18,
+                num_attention_heads=8,
+                num_key_value_heads=1,
+                head_dim=256,
+                vocab_size=256000,
+                max_position_embeddings=8192,
+                rope_theta=10000.0,
+                attention_bias=False,
+                tie_word_embeddings=True,
+            ),
+        ),
     ]
 }
 

@@ -217,28 +217,29 @@ def test_backend_under_hf_generate_prefill_inductor_decode_megakernel_batch_two(
     assert "graph 1: decode -> megakernel" in backend.summary()
 
 
-def _gelu_model():
+def _unbakeable_model():
+    """A Mish activation in layer 0: no IR op computes it (GELU, which this used, is baked since Gemma)."""
     model = _model()
-    model.model.layers[0].mlp.act_fn = torch.nn.GELU(approximate="tanh")
+    model.model.layers[0].mlp.act_fn = torch.nn.Mish()
     return model
 
 
 def test_backend_strict_mode_refuses_with_the_unsupported_node():
-    model = _gelu_model()
+    model = _unbakeable_model()
     compiled = torch.compile(model, backend=make_backend(fallback="error", other="eager"), fullgraph=True)
     with pytest.raises(UnsupportedGraphError) as info:
         _greedy_loop(compiled, model, PROMPT1, new=2)
-    assert "gelu" in str(info.value) and "model.layers.0.mlp.act_fn" in str(info.value)
+    assert "mish" in str(info.value) and "model.layers.0.mlp.act_fn" in str(info.value)
 
 
 def test_backend_falls_back_for_a_model_it_cannot_bake():
-    model = _gelu_model()
+    model = _unbakeable_model()
     backend = make_backend(fallback="eager", other="eager")
     got, _ = _greedy_loop(torch.compile(model, backend=backend, fullgraph=True), model, PROMPT1)
     want = model.generate(PROMPT1, max_new_tokens=NEW, do_sample=False, past_key_values=_static(model))
     assert torch.equal(got, want)
     decode = backend.report[1]
-    assert (decode.kind, decode.path) == ("decode", "eager") and "gelu" in decode.reason
+    assert (decode.kind, decode.path) == ("decode", "eager") and "mish" in decode.reason
     assert decode.fallback_calls == decode.calls and decode.megakernel_calls == 0
 
 

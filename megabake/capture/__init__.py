@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import MegaBakeError
+from ..errors import MegaBakeError, UnsupportedGraphError
 
 _WRAPPER_PREFIX = "model."  # the executorch wrapper holds the HF model as attribute "model"
 
@@ -94,6 +94,7 @@ def capture_decode_step(model, *, batch: int = 1, capacity: int = 128) -> Captur
             f"KV capacity {capacity} exceeds the model's max_position_embeddings {max_pos}; "
             f"bake with --capacity {max_pos} or less"
         )
+    _check_layer_types(model.config)
     started = time.perf_counter()
     device = str(next(model.parameters()).device)
     _static_cache_generation_config(model, batch, capacity, device)
@@ -114,6 +115,25 @@ def capture_decode_step(model, *, batch: int = 1, capacity: int = 128) -> Captur
     _classify_placeholders(step)
     step.seconds = time.perf_counter() - started
     return step
+
+
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")  # layers with a KV cache (the IR judges windows)
+
+
+def _check_layer_types(config) -> None:
+    """Hybrid models (Qwen3.5 / Qwen3-Next: Gated DeltaNet linear-attention layers; Mamba-style layers) keep a
+    recurrent state beside the KV cache: refuse them by the layer type, before export fails obscurely."""
+    config = getattr(config, "get_text_config", lambda: config)()
+    layer_types = list(getattr(config, "layer_types", None) or [])
+    other = sorted({t for t in layer_types if t not in ATTENTION_LAYER_TYPES})
+    if other:
+        counts = ", ".join(f"{t} x{layer_types.count(t)}" for t in sorted(set(layer_types)))
+        raise UnsupportedGraphError(
+            f"{type(config).__name__} has {', '.join(repr(t) for t in other)} layers ({counts}): hybrid "
+            "linear-attention / recurrent layers keep a per-sequence recurrent state beside the KV cache, which the "
+            "megakernel does not have yet (only softmax attention over a static KV cache is baked; docs/MODELS.md "
+            "says what it would take). Run it with torch.compile(model, backend=megabake.make_backend()) "
+            "(unsupported graphs go through Inductor).")
 
 
 _CACHE_TARGET = re.compile(r"^(key|value)_cache_(\d+)$")

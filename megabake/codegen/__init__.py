@@ -9,7 +9,7 @@ buffers if it has any), ``GRID``, ``BLOCK``, ``SMEM_BYTES`` and ``PLAN_HASH``.
 
 Self-contained: the module imports only ``cutlass`` and ``cuda.bindings`` (never ``megabake``). The device
 routines the kernel calls as ``bodies.<name>`` are copied verbatim, after the kernel, from
-``megabake/codegen/bodies/__init__.py`` (only those the kernel calls and what they call, in source order,
+``megabake/codegen/bodies`` (``bodies_source()``: only those the kernel calls and what they call, in source order,
 with their comments), below a banner, and bound to the name ``bodies``; so a package runs the device code it
 was baked with, whatever MegaBake is installed. ``generate(plan, self_contained=False)`` writes the legacy
 form that imports the installed ``megabake.codegen.bodies`` instead (same kernel text; kept to compare the
@@ -429,7 +429,26 @@ def _launcher(w: _Writer, arguments: list[str]) -> None:
 
 
 # ------------------------------------------------------------------------------ self-contained module.py
-BODIES_SOURCE = Path(__file__).resolve().parent / "bodies" / "__init__.py"
+BODIES_DIR = Path(__file__).resolve().parent / "bodies"
+BODY_FILES = ("common.py", "sync.py", "staging.py", "gemv.py", "attention.py", "split_attention.py")  # = bodies'
+
+
+def bodies_source() -> str:
+    """The device routines as one text (read as text: no import, so generating a module never needs CuTe DSL):
+    ``common.py`` whole (docstring, imports, constants), then each other file of ``BODY_FILES`` from its first
+    statement after its import block on (its docstring and imports, relative ones included, are left out),
+    three newlines apart. Routines are copied into module.py in this order."""
+    texts = [(BODIES_DIR / BODY_FILES[0]).read_text().rstrip("\n")]
+    for name in BODY_FILES[1:]:
+        texts.append(_after_imports((BODIES_DIR / name).read_text()).strip("\n"))
+    return "\n\n\n".join(texts) + "\n"
+
+
+def _after_imports(text: str) -> str:
+    """``text`` from the line after its last top-level import statement (docstring and imports dropped)."""
+    body = ast.parse(text).body
+    last = max(node.end_lineno for node in body if isinstance(node, (ast.Import, ast.ImportFrom)))
+    return "".join(text.splitlines(keepends=True)[last:])
 _BODY_CALL = re.compile(r"\bbodies\.([A-Za-z_]\w*)")
 _BANNER = "# " + "=" * 108
 
@@ -453,8 +472,7 @@ class Routines:
 
 
 def parse_routines(source: str) -> Routines:
-    """Split ``megabake/codegen/bodies/__init__.py`` text into :class:`Routines` (read as text: no import,
-    so generating a module never needs CuTe DSL)."""
+    """Split the bodies' text (:func:`bodies_source`) into :class:`Routines`."""
     lines = source.splitlines()
     imports, index, text, refs = [], {}, {}, {}
     previous_end = 0
@@ -509,7 +527,7 @@ def bodies_appendix(called: list[str]) -> str:
     """The appendix of a self-contained module: banner, the routines' imports, the routines ``called`` needs
     (verbatim, in source order), and the class ``bodies`` that binds the called ones to the names the kernel
     uses (a class, so no import is needed, unlike a namespace object)."""
-    routines = parse_routines(BODIES_SOURCE.read_text())
+    routines = parse_routines(bodies_source())
     w = _Writer()
     w(_BANNER)
     w(f"# Device routines, copied verbatim from megabake/codegen/bodies/__init__.py (MegaBake {_megabake_version()}):")

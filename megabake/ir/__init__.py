@@ -5,11 +5,39 @@ Linear, RoPE, KVAppend, DecodeAttention, GatedAct, Add) in program order. Ops ar
 ATen nodes compute (``x * rsqrt(mean(x^2) + eps) * w`` is an RMSNorm whatever its module is called), never
 by module names. View/layout/dtype nodes are transparent; nodes that only compute positions or the causal
 mask are folded into the ops that consume them. In strict mode any other node raises
-:class:`UnsupportedGraphError` naming the FX node, its target, the HF module path and the source line.
+:class:`UnsupportedGraphError` naming the feature in words where one is recognisable (sliding-window attention,
+logit soft-capping, partial rotary embedding, per-layer-type rotary tables, LayerNorm, eager attention, ...), then
+the FX node, its target, the HF module path and the source line.
+
+Fields beyond the Llama basics (all defaulted, so a Llama-family IR is unchanged by them):
+
+* ``Embedding.scale`` (1.0 unless scaled): ``embedding(ids) * c`` where ``c`` is a scalar constant (a lifted
+  tensor constant, a floating buffer such as Gemma's ``embed_scale``, or a Python number) is one Embedding op
+  with ``scale = c``; the mul joins its ``fx_nodes`` and its ``out`` is the mul's output. ``c`` is the exact
+  value the model multiplies by, read from the captured constant after the graph's own casts (a bf16 model
+  multiplies by the bf16-rounded sqrt(hidden)). A non-scalar or non-constant factor is refused.
+* ``GatedAct.act``: ``"silu"`` (aten.silu), ``"gelu_tanh"`` (aten.gelu, approximate='tanh') or ``"gelu"``
+  (aten.gelu, approximate='none'), each as ``act(gate) * up``.
+* ``Linear.weight_rows`` (None = the whole weight): a fused projection (Phi-3's ``qkv_proj`` sliced into q/k/v,
+  its ``gate_up_proj`` chunked into gate/up) becomes one Linear op per slice over the rows ``[start, stop)`` of
+  the same weight (and of the bias, when there is one); ``out_features = stop - start``. Only a step-1 slice,
+  ``split``/``split_with_sizes``/``chunk`` + getitem, or ``narrow`` of a Linear's output along its feature
+  (last) dimension is lowered so. Such an op's ``fx_nodes`` are the fused linear node and the slice node(s);
+  its ``hf_module`` is the fused projection's module. The fused Linear itself is dropped from ``ops`` when every
+  use of its output is such a slice (downstream sees separate q/k/v, gate/up projections); it is kept when its
+  whole output is also used directly.
+
+Inference no-ops lower to nothing (the value passes through unchanged): layout and dtype changes (view,
+reshape, transpose, permute, expand, to/_to_copy, type_as, clone, contiguous, alias, detach, lift_fresh_copy),
+a full-range slice, a zero-width slice concatenated onto a value (Phi-3's ``q_pass`` when the rotary covers the
+whole head), and dropout in eval mode (``train=False`` or ``p=0``; dropout with ``train=True, p>0`` is
+refused). Masks built from positions only are folded; a sliding-window mask is folded only when the window is
+at least the KV capacity (then it equals the causal mask); a smaller window is refused.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +70,7 @@ class Op:
 class Embedding(Op):
     table: str = ""  # HF parameter fqn
     ids: str = "input_ids"
+    scale: float = 1.0  # embedding(ids) * scale (Gemma's sqrt(hidden) normalizer), exact as the model multiplies
 
 
 @dataclass
@@ -59,6 +88,7 @@ class Linear(Op):
     bias: str | None = None
     out_features: int = 0
     in_features: int = 0
+    weight_rows: tuple[int, int] | None = None  # None: the whole weight; (start, stop): those rows (and bias)
 
 
 @dataclass
@@ -172,6 +202,14 @@ class Rotary:
     part: str | None = None  # None (tuple), "cos", "sin"
 
 
+@dataclass(frozen=True, eq=False)
+class Const:
+    """A constant tensor (a lifted constant or a floating buffer other than inv_freq), after its casts."""
+
+    value: torch.Tensor
+    origin: str  # placeholder it came from
+
+
 @dataclass(frozen=True)
 class Partial:
     """An unfinished pattern: kind + operands."""
@@ -185,13 +223,28 @@ _LAYOUT_OPS = {
     aten.unsqueeze.default, aten.squeeze.dim, aten.expand.default, aten.alias.default,
     aten.clone.default, aten.contiguous.default, aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default,
     aten.to.device, aten.permute.default,
+    # identity casts / aliases: inference no-ops
+    aten.detach.default, aten.detach_.default, aten.lift_fresh_copy.default, aten.type_as.default,
+    aten.alias_copy.default, aten.view_as.default, aten.reshape_as.default,
 }
+_DROPOUT_OPS = {aten.dropout.default, aten.feature_dropout.default, aten.alpha_dropout.default,
+                aten.feature_alpha_dropout.default}
+_MASK_OPS = {aten.new_ones.default, aten.__and__.Tensor, aten.bitwise_and.Tensor, aten.logical_and.default}
+# Pure ops evaluated on constants (a buffer cast to the hidden dtype, sqrt of a constant, ...)
+_CONST_FOLD_OPS = _LAYOUT_OPS | {
+    aten.mul.Tensor, aten.div.Tensor, aten.add.Tensor, aten.sub.Tensor, aten.pow.Tensor_Scalar,
+    aten.sqrt.default, aten.rsqrt.default, aten.neg.default, aten.reciprocal.default,
+}
+_SPLIT_OPS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.unsafe_split.Tensor}
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 _POSITION_OPS = {
     aten.select.int, aten.copy_.default, aten.arange.default, aten.arange.start, aten.add.Tensor,
     aten.add_.Tensor, aten.le.Tensor, aten.lt.Tensor, aten.ge.Tensor, aten.gt.Tensor, aten.sub.Tensor,
     aten.unsqueeze.default, aten.expand.default, aten.to.dtype_layout, aten.to.dtype, aten.view.default,
     aten.reshape.default, aten.slice.Tensor, aten.bitwise_and.Tensor, aten.logical_and.default,
     aten.index.Tensor, aten.full.default, aten.where.self, aten.scalar_tensor.default,
+    # a mask made additive (eager attention) is still a function of positions only
+    aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.Scalar,
 }
 
 
@@ -203,9 +256,17 @@ class _Lowering:
         self.ops: list[Op] = []
         self.counter = 0
         self.output = ""
+        self.nodes = {node.name: node for node in captured.graph.nodes}
+        self.embeddings: dict[str, Embedding] = {}  # value name -> the Embedding op producing it
+        self.linears: dict[str, Linear] = {}  # value name -> the Linear op producing it
+        self.fused: dict[str, Linear] = {}  # id -> a Linear whose output was sliced into row-range Linears
+        self.sliced: set[str] = set()  # FX nodes lowered into row-range Linears (slice / split / narrow)
 
     # -- helpers --------------------------------------------------------------------------------
     def fail(self, node, why: str):
+        feature = self.feature(node)
+        if feature and feature not in why:
+            why = f"{feature}: {why}"
         raise UnsupportedGraphError(
             f"unsupported graph node {node.name!r} (target {getattr(node.target, '__name__', node.target)}) "
             f"in HF module {hf_module_path(node) or '<root>'!r} at {source_line(node) or 'unknown source'}: "
@@ -226,6 +287,111 @@ class _Lowering:
         if hasattr(arg, "name") and hasattr(arg, "op"):
             return self.env.get(arg.name)
         return arg  # python constant
+
+    def consumers(self, name: str) -> set[str]:
+        """The FX nodes that use value ``name``, looking through transparent (layout/no-op) nodes."""
+        through = self.transparent_to(name)
+        return {user.name for n in through for user in self.nodes[n].users
+                if user.name not in through and user.target is not aten._assert_tensor_metadata.default}
+
+    def transparent_to(self, name: str) -> set[str]:
+        """``name`` and the layout/no-op nodes that pass it through unchanged."""
+        names, stack = {name}, [self.nodes[name]]
+        while stack:
+            for user in stack.pop().users:
+                if user.op == "call_function" and (user.target in _LAYOUT_OPS or user.target in _DROPOUT_OPS) \
+                        and user.args and getattr(user.args[0], "name", None) in names and user.name not in names:
+                    names.add(user.name)
+                    stack.append(user)
+        return names
+
+    def sliding_window(self) -> int | None:
+        window = getattr(self.captured.config, "sliding_window", None)
+        return int(window) if isinstance(window, int) and not isinstance(window, bool) else None
+
+    def feature(self, node) -> str | None:
+        """The model feature a failing node belongs to, in words, when one is recognisable."""
+        funcs = [func for _, _, func in _frames(node)]
+        config = self.captured.config
+        capacity = self.captured.capacity
+        if _in_mask(node, "sliding_window"):
+            window = self.sliding_window()
+            if window is None:
+                return "sliding-window attention (the window size is not in the model config)"
+            if window < capacity:
+                return (f"sliding-window attention (sliding_window={window} is smaller than the KV capacity "
+                        f"{capacity})")
+            return f"sliding-window attention (sliding_window={window})"
+        if _in_mask(node, "chunked"):
+            size = getattr(config, "attention_chunk_size", None)
+            return "chunked attention" + (f" (attention_chunk_size={size})" if size else "")
+        softcap = self.softcapping(node)
+        if softcap:
+            return softcap
+        target = node.target
+        if getattr(target, "__name__", "") == "wrap_with_set_grad_enabled":
+            tables = [self.env.get(a.name) for a in node.args if hasattr(a, "op")]
+            tables = [t.fqn for t in tables if isinstance(t, Param)]
+            if len(tables) > 1:
+                return (f"per-layer-type rotary embeddings ({len(tables)} inv_freq tables in one rotary region: "
+                        f"{', '.join(tables)}; one RoPE table per model is supported)")
+        if target in (aten.native_layer_norm.default, aten.layer_norm.default):
+            return "LayerNorm (mean-centred normalisation with a bias; only RMSNorm is supported)"
+        rotary = self.partial_rotary()
+        if rotary and any("rotary" in func or "rotate_half" in func for func in funcs):
+            return rotary
+        if target in _DROPOUT_OPS:
+            return "dropout in training mode"
+        if target is aten.linear.default and node.args:
+            source = self.env.get(getattr(node.args[0], "name", ""))
+            if isinstance(source, Partial) and source.kind == "activated":
+                return ("an ungated MLP activation (act(x) feeds the down projection directly; only gated "
+                        "act(gate) * up MLPs are supported)")
+        if target in (aten.bmm.default, aten.matmul.default, aten._softmax.default, aten.softmax.int) and \
+                any("attention" in func for func in funcs):
+            cap = getattr(config, "attn_logit_softcapping", None)
+            return ("eager attention (matmul + softmax instead of scaled_dot_product_attention"
+                    + (f", with attention logit soft-capping attn_logit_softcapping={cap}" if cap else "")
+                    + "; load the model with attn_implementation='sdpa')")
+        return None
+
+    def softcapping(self, node) -> str | None:
+        """``cap * tanh(x / cap)`` (Gemma2's attention and final logit soft-capping), seen from any of its nodes."""
+        def is_tanh(n):
+            return getattr(n, "target", None) is aten.tanh.default
+
+        near = [node] + [a for a in node.args if hasattr(a, "op")] + list(node.users)
+        if not any(is_tanh(n) for n in near):
+            return None
+        tanh = next(n for n in near if is_tanh(n))
+        scaled_in = any(getattr(a, "target", None) in (aten.div.Tensor, aten.mul.Tensor) for a in tanh.args)
+        scaled_out = any(u.target is aten.mul.Tensor and any(_scalar(a) for a in u.args) for u in tanh.users)
+        if not (scaled_in and scaled_out):
+            return None
+        config = self.captured.config
+        if _feeds_output(tanh):
+            cap = getattr(config, "final_logit_softcapping", None)
+            return "final logit soft-capping" + (f" (final_logit_softcapping={cap})" if cap else "")
+        funcs = [func for _, _, func in _frames(tanh)]
+        if "self_attn" in hf_module_path(tanh) or any("attention" in func for func in funcs):
+            cap = getattr(config, "attn_logit_softcapping", None)
+            return "attention logit soft-capping" + (f" (attn_logit_softcapping={cap})" if cap else "")
+        return "attention/final logit soft-capping"
+
+    def partial_rotary(self) -> str | None:
+        config = self.captured.config
+        factor = getattr(config, "partial_rotary_factor", None)
+        if factor is None:
+            factor = getattr(config, "rotary_pct", None)
+        if factor is None:
+            factor = (getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor") \
+                if isinstance(getattr(config, "rope_parameters", None), dict) else None
+        if factor is None or float(factor) >= 1.0:
+            return None
+        heads = getattr(config, "num_attention_heads", 0) or 0
+        head_dim = getattr(config, "head_dim", None) or (int(config.hidden_size) // heads if heads else 0)
+        return (f"partial rotary embedding (rotary_dim={int(head_dim * float(factor))} of head_dim={head_dim}, "
+                f"partial_rotary_factor={factor})")
 
     @staticmethod
     def shape(node) -> tuple[int, ...]:
@@ -257,7 +423,14 @@ class _Lowering:
             return Cache(node.name, layer, which)
         if node.name in cap.other_buffers:
             target = cap.other_buffers[node.name]
-            return Param(target) if target.endswith("inv_freq") else Position()
+            if target.endswith("inv_freq"):
+                return Param(target)
+            value = _tensor_or_none(lambda: cap.buffer_tensor(node.name))
+            return Const(value, node.name) if value is not None and value.is_floating_point() else Position()
+        lifted = getattr(cap.program.graph_signature, "inputs_to_lifted_tensor_constants", {}) or {}
+        if node.name in lifted:  # a tensor constant created in forward (torch.tensor(normalizer, dtype=...))
+            value = _tensor_or_none(lambda: cap.program.constants[lifted[node.name]])
+            return Const(value, node.name) if value is not None and value.is_floating_point() else Position()
         if node.name == "input_ids":
             return Partial("token_ids", ())
         return Position()  # cache_position and other user inputs are positions
@@ -280,11 +453,26 @@ class _Lowering:
             return self.kv_append(node, args)
         if target is aten.scaled_dot_product_attention.default:
             return self.attention(node, args)
+        values = [a for a in args if isinstance(a, _VALUES)]
+        if any(isinstance(a, Const) for a in values) and all(isinstance(a, Const) for a in values) \
+                and target in _CONST_FOLD_OPS:
+            folded = self.fold(node)
+            if folded is not None:
+                return folded
+        mask = self.mask_region(node, values)
+        if mask is not None:
+            return mask
         tensor_args = [a for a in args if a is not None and not isinstance(a, (int, float, bool, list, tuple))]
-        if all(isinstance(a, Position) for a in tensor_args) and target in _POSITION_OPS:
+        if all(isinstance(a, (Position, Const)) for a in tensor_args) and target in _POSITION_OPS:
             return Position()
+        if target in _DROPOUT_OPS:
+            return self.dropout(node, args)
         if target in _LAYOUT_OPS and tensor_args:
             return self.layout(node, args[0])
+        if target in _SPLIT_OPS:
+            result = self.split(node, args)
+            if result is not None:
+                return result
         handler = _ELEMENTWISE.get(target)
         if handler is not None:
             result = handler(self, node, args)
@@ -294,8 +482,52 @@ class _Lowering:
             return Partial("opaque", (node.name,))
         self.fail(node, f"no IR op computes {name} with operands {', '.join(_describe(a) for a in args)}")
 
+    def fold(self, node):
+        """Evaluate a pure op whose tensor operands are all constants."""
+        def sub(a):
+            if hasattr(a, "name") and hasattr(a, "op"):
+                value = self.env.get(a.name)
+                if not isinstance(value, Const):
+                    raise LookupError(a.name)
+                return value.value
+            if isinstance(a, (list, tuple)):
+                return type(a)(sub(x) for x in a)
+            return a
+
+        try:
+            with torch.no_grad():
+                result = node.target(*[sub(a) for a in node.args], **{k: sub(v) for k, v in node.kwargs.items()})
+        except Exception:  # noqa: BLE001 - not foldable: fall through to the ordinary rules
+            return None
+        if not isinstance(result, torch.Tensor):
+            return None
+        origin = next(v.origin for v in (self.env.get(a.name) for a in node.args if hasattr(a, "op"))
+                      if isinstance(v, Const))
+        return Const(result, origin)
+
+    def mask_region(self, node, values):
+        """Nodes of a sliding-window mask: folded when the window covers the whole cache, refused otherwise."""
+        if not _in_mask(node, "sliding_window"):
+            return None
+        window = self.sliding_window()
+        if window is None or window < self.captured.capacity:
+            self.fail(node, "the attention mask is not the plain causal mask over the KV cache, and the "
+                      "megakernel's decode attention is causal over every cache slot up to the position")
+        if all(isinstance(a, (Position, Const)) for a in values) and \
+                (node.target in _POSITION_OPS or node.target in _MASK_OPS):
+            return Position()  # window >= capacity: kv > q - window holds for every slot, the mask is causal
+        return None
+
+    def dropout(self, node, args):
+        p = args[1] if len(args) > 1 else node.kwargs.get("p", 0.5)
+        train = args[2] if len(args) > 2 else node.kwargs.get("train", False)
+        if train and p:
+            self.fail(node, f"dropout in training mode (p={p}, train=True) is not an inference op; "
+                      "put the model in eval() mode before baking")
+        return self.layout(node, args[0])
+
     def layout(self, node, source):
-        if isinstance(source, (Act, Cache, Position, Rotary, Param)):
+        if isinstance(source, (Act, Cache, Position, Rotary, Param, Const)):
             return source
         if isinstance(source, Partial) and source.kind in ("normed", "token_ids", "rmsnorm_done", "rope_done"):
             return source
@@ -303,6 +535,9 @@ class _Lowering:
 
     # -- pattern pieces -------------------------------------------------------------------------
     def rotary(self, node, args):
+        if len(args) != 4:
+            self.fail(node, "a grad-mode region with operands "
+                      f"{', '.join(_describe(a) for a in args[1:])} (one inv_freq and the positions expected)")
         _, submod, inv_freq, positions = args
         if not (isinstance(submod, Partial) and isinstance(inv_freq, Param) and isinstance(positions, Position)):
             self.fail(node, "a grad-mode region that is not a function of positions only")
@@ -316,13 +551,95 @@ class _Lowering:
         source, index = args
         if isinstance(source, Rotary) and index in (0, 1):
             return Rotary(source.table, "cos" if index == 0 else "sin")
+        if isinstance(source, Partial) and source.kind == "split" and isinstance(index, int):
+            value, bounds, split_node = source.args
+            if -len(bounds) <= index < len(bounds):
+                start, stop = bounds[index]
+                return self.row_linear(node, self.linears[value], start, stop, [split_node, node.name])
         self.fail(node, f"item {index} of {_describe(source)}")
 
     def embedding(self, node, args):
         table, ids = args[0], args[1]
         if not (isinstance(table, Param) and isinstance(ids, Partial) and ids.kind == "token_ids"):
             self.fail(node, "embedding that is not a parameter table indexed by the input token ids")
-        self.emit(Embedding, node, [node.name], table=table.fqn, ids="input_ids")
+        op = self.emit(Embedding, node, [node.name], table=table.fqn, ids="input_ids")
+        self.embeddings[node.name] = op
+        return Act(node.name)
+
+    def embedding_scale(self, node, emb: Act, factor):
+        """``embedding(ids) * c``: fold a scalar constant ``c`` into the Embedding op."""
+        op = self.embeddings[emb.name]
+        what = "the embedding output multiplied by"
+        if isinstance(factor, Const):
+            if factor.value.numel() != 1:
+                self.fail(node, f"embedding scale: {what} a constant of shape {tuple(factor.value.shape)} "
+                          "(only a scalar constant can be folded into the Embedding op)")
+            value = float(factor.value.detach().reshape(()).float().item())
+        elif _scalar(factor):
+            value = float(factor)
+        else:
+            self.fail(node, f"embedding scale: {what} {_describe(factor)}, not a scalar constant (only a "
+                      "constant factor such as Gemma's sqrt(hidden_size) can be folded into the Embedding op)")
+        if op.scale != 1.0:
+            self.fail(node, "embedding scale: the embedding output is scaled twice")
+        others = self.consumers(emb.name) - {node.name}
+        if others:
+            self.fail(node, f"embedding scale: the unscaled embedding output is also used by {sorted(others)}")
+        op.scale = value
+        op.out = node.name
+        op.fx_nodes.append(node.name)
+        del self.embeddings[emb.name]
+        return Act(node.name)
+
+    def split(self, node, args):
+        """split / split_with_sizes / chunk of a Linear's output along its features: row ranges of its weight."""
+        x = args[0]
+        fused = self.sliceable_linear(node, x)
+        if fused is None:
+            return None
+        rank = len(self.shape(node.args[0]))
+        size = self.shape(node.args[0])[-1]
+        dim = args[2] if len(args) > 2 else node.kwargs.get("dim", 0)
+        if dim not in (-1, rank - 1):
+            self.fail(node, f"fused projection: a split of {fused.hf_module or fused.weight}'s output along "
+                      f"dimension {dim}, not its feature dimension")
+        if node.target is aten.split_with_sizes.default:
+            sizes = list(args[1])
+        elif node.target is aten.chunk.default:
+            step = -(-size // int(args[1]))
+            sizes = [min(step, size - s) for s in range(0, size, step)]
+        else:
+            sizes = [min(int(args[1]), size - s) for s in range(0, size, int(args[1]))]
+        bounds, start = [], 0
+        for n in sizes:
+            bounds.append((start, start + int(n)))
+            start += int(n)
+        if start != size:
+            return None
+        self.sliced.add(node.name)
+        return Partial("split", (x.name, tuple(bounds), node.name))
+
+    def sliceable_linear(self, node, x) -> Linear | None:
+        """The Linear whose output ``node`` slices (as produced, before any view), or None."""
+        if not isinstance(x, Act) or x.name not in self.linears:
+            return None
+        linear_node = self.nodes.get(x.name)
+        if linear_node is None or self.shape(node.args[0]) != self.shape(linear_node):
+            return None
+        return self.linears[x.name]
+
+    def row_linear(self, node, fused: Linear, start: int, stop: int, covered: list[str]):
+        """One Linear over rows [start, stop) of a fused projection's weight (and bias)."""
+        base = fused.weight_rows[0] if fused.weight_rows is not None else 0
+        self.counter += 1
+        op = Linear(id=f"linear_{self.counter}", out=node.name, fx_nodes=[*fused.fx_nodes, *covered],
+                    hf_module=fused.hf_module, source=source_line(node), inp=fused.inp, weight=fused.weight,
+                    bias=fused.bias, out_features=stop - start, in_features=fused.in_features,
+                    weight_rows=(base + start, base + stop))
+        self.ops.append(op)
+        self.linears[node.name] = op
+        self.fused[fused.id] = fused
+        self.sliced.add(node.name)
         return Act(node.name)
 
     def linear(self, node, args):
@@ -335,8 +652,9 @@ class _Lowering:
         if bias is not None and not isinstance(bias, Param):
             self.fail(node, "linear bias that is not a parameter")
         out_f, in_f = self.captured.model.get_parameter(weight.fqn).shape
-        self.emit(Linear, node, [node.name], inp=inp.name, weight=weight.fqn,
-                  bias=bias.fqn if bias is not None else None, out_features=int(out_f), in_features=int(in_f))
+        op = self.emit(Linear, node, [node.name], inp=inp.name, weight=weight.fqn,
+                       bias=bias.fqn if bias is not None else None, out_features=int(out_f), in_features=int(in_f))
+        self.linears[node.name] = op
         return Act(node.name)
 
     def kv_append(self, node, args):
@@ -368,7 +686,14 @@ class _Lowering:
                   v_append=v.append_op, scale=scale, n_heads=n_heads, n_kv_heads=kv_heads, head_dim=head_dim)
         return Act(node.name)
 
+    def drop_fused(self) -> None:
+        """Drop a fused projection every use of which became a row-range Linear."""
+        for op_id, fused in self.fused.items():
+            if self.consumers(fused.out) <= self.sliced and fused.out != self.output:
+                self.ops = [op for op in self.ops if op.id != op_id]
+
     def graph(self) -> IRGraph:
+        self.drop_fused()
         config = self.captured.config
         dtype = str(next(self.captured.model.parameters()).dtype).replace("torch.", "")
         return IRGraph(ops=self.ops, output=self.output, hidden_size=int(config.hidden_size),
@@ -389,11 +714,51 @@ def _describe(value) -> str:
         return "position"
     if isinstance(value, Rotary):
         return f"rotary {value.part}"
+    if isinstance(value, Const):
+        if value.value.numel() == 1:
+            return f"constant {value.value.reshape(()).item():g} ({str(value.value.dtype).replace('torch.', '')})"
+        return f"constant tensor of shape {tuple(value.value.shape)}"
     return repr(value)
 
 
 def _scalar(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _frames(node) -> list[tuple[str, str, str]]:
+    """(file, line, function) of every frame of the node's stack trace, outermost first."""
+    return _FRAME.findall(node.meta.get("stack_trace") or "")
+
+
+def _in_mask(node, kind: str) -> bool:
+    """Whether the node was traced inside one of transformers' mask builders whose name contains ``kind``."""
+    return any("masking_utils" in path and kind in func for path, _, func in _frames(node))
+
+
+def _feeds_output(node) -> bool:
+    """Whether ``node`` reaches the graph output through scalar muls/divs and layout nodes only."""
+    stack, seen = [node], set()
+    while stack:
+        current = stack.pop()
+        for user in current.users:
+            if user.op == "output":
+                return True
+            if user.name not in seen and (user.target in _LAYOUT_OPS or user.target in (aten.mul.Tensor,
+                                                                                        aten.div.Tensor)):
+                seen.add(user.name)
+                stack.append(user)
+    return False
+
+
+def _tensor_or_none(get) -> torch.Tensor | None:
+    try:
+        value = get()
+    except (KeyError, AttributeError):
+        return None
+    return value if isinstance(value, torch.Tensor) else None
+
+
+_VALUES = (Act, Param, Position, Cache, Rotary, Partial, Const)
 
 
 # ---------------------------------------------------------------------- elementwise pattern rules
@@ -463,6 +828,53 @@ def _neg(lw: _Lowering, node, args):
 def _slice(lw: _Lowering, node, args):
     x = _finish(args[0])  # Qwen3 slices the per-head RMSNorm output for rotate-half
     dim, start, end = (list(args[1:]) + [0, 0, None])[:3]
+    step = args[4] if len(args) > 4 else node.kwargs.get("step", 1)
+    if isinstance(x, Act) and lw.shape(node.args[0]):
+        in_shape = lw.shape(node.args[0])
+        rank = len(in_shape)
+        size = in_shape[dim] if -rank <= dim < rank else 0
+        lo, hi = _bounds(start, end, size)
+        if step == 1 and lo == 0 and hi == size:
+            return x  # a full-range slice is the identity
+        fused = lw.sliceable_linear(node, x)
+        if fused is not None:
+            if dim not in (-1, rank - 1) or step != 1:
+                lw.fail(node, f"fused projection: a slice of {fused.hf_module or fused.weight}'s output that is not "
+                        f"a step-1 range of its feature dimension (dim={dim}, step={step})")
+            if lo >= hi:
+                lw.fail(node, f"fused projection: an empty slice [{start}:{end}] of {fused.hf_module}'s output")
+            return lw.row_linear(node, fused, lo, hi, [node.name])
+        if lo >= hi:
+            return Partial("empty", (x.name, node.name))  # Phi-3's q[..., rotary_dim:] when rotary_dim == head_dim
+    return _rotate_half_slice(lw, node, x, dim, start, end)
+
+
+def _narrow(lw: _Lowering, node, args):
+    x, dim, start, length = _finish(args[0]), args[1], args[2], args[3]
+    fused = lw.sliceable_linear(node, x)
+    if fused is None or not isinstance(start, int):
+        return None
+    rank = len(lw.shape(node.args[0]))
+    if dim not in (-1, rank - 1):
+        lw.fail(node, f"fused projection: a narrow of {fused.hf_module or fused.weight}'s output along dimension "
+                f"{dim}, not its feature dimension")
+    size = lw.shape(node.args[0])[-1]
+    lo, hi = _bounds(start, start + length, size)
+    if lo == 0 and hi == size:
+        return x
+    return lw.row_linear(node, fused, lo, hi, [node.name])
+
+
+def _bounds(start, end, size: int) -> tuple[int, int]:
+    """Python slice bounds normalised to [0, size]."""
+    lo = 0 if start is None else int(start)
+    hi = size if end is None else int(end)
+    lo = max(lo + size, 0) if lo < 0 else min(lo, size)
+    hi = max(hi + size, 0) if hi < 0 else min(hi, size)
+    return lo, max(lo, hi)
+
+
+def _rotate_half_slice(lw: _Lowering, node, x, dim, start, end):
     if isinstance(x, Act):
         size = lw.shape(node.args[0])[-1] if lw.shape(node.args[0]) else 0
         if dim in (-1, len(lw.shape(node.args[0])) - 1) and size % 2 == 0:
@@ -475,6 +887,11 @@ def _slice(lw: _Lowering, node, args):
 
 def _cat(lw: _Lowering, node, args):
     dim = args[1] if len(args) > 1 else node.kwargs.get("dim", 0)
+    nodes = [p for p in node.args[0] if hasattr(p, "name")]
+    if len(nodes) == len(node.args[0]) > 1:  # cat with empty tensors (a zero-width pass-through) is the identity
+        full = [p for p in nodes if not (isinstance(lw.val(p), Partial) and lw.val(p).kind == "empty")]
+        if len(full) == 1 and lw.shape(full[0]) == lw.shape(node) and lw.val(full[0]) is not None:
+            return lw.val(full[0])
     if dim not in (-1, len(lw.shape(node)) - 1):  # rotate-half concatenates along the head dimension only
         return None
     parts = [lw.val(p) if hasattr(p, "name") else p for p in node.args[0]]
@@ -508,6 +925,9 @@ def _mul(lw: _Lowering, node, args):
         if isinstance(x, Partial) and x.kind == "activated" and isinstance(_finish(y), Act):
             lw.emit(GatedAct, node, [x.args[2], node.name], gate=x.args[0], up=_finish(y).name, act=x.args[1])
             return Act(node.name)
+    for x, y in ((a, b), (b, a)):
+        if isinstance(x, Act) and x.name in lw.embeddings and not isinstance(y, (Partial, Rotary)):
+            return lw.embedding_scale(node, x, y)
     return None
 
 
@@ -521,6 +941,15 @@ def _activation(kind: str):
     return rule
 
 
+_GELU_ACTS = {"tanh": "gelu_tanh", "none": "gelu"}
+
+
+def _gelu(lw: _Lowering, node, args):
+    approximate = node.kwargs.get("approximate", args[1] if len(args) > 1 else "none")
+    kind = _GELU_ACTS.get(approximate)
+    return _activation(kind)(lw, node, args) if kind else None
+
+
 _ELEMENTWISE = {
     aten.pow.Tensor_Scalar: _pow,
     aten.mean.dim: _mean,
@@ -531,6 +960,8 @@ _ELEMENTWISE = {
     aten.slice.Tensor: _slice,
     aten.cat.default: _cat,
     aten.silu.default: _activation("silu"),
+    aten.gelu.default: _gelu,
+    aten.narrow.default: _narrow,
 }
 
 

@@ -191,7 +191,7 @@ def _buffers(dims: ModelDims, batch: int, capacity: int, wdt: str, tied: bool) -
 def _packing(blocks: list[Block], embed: Embedding, final_norm: RMSNorm, lm_head: Linear,
              tied: bool) -> list[PackedWeight]:
     def per_layer(roles):
-        return [[(block.ops[role].weight, 0) for role in roles] for block in blocks]
+        return [[_weight_source(block.ops[role]) for role in roles] for block in blocks]
 
     packs = [PackedWeight("embed", False, [[(embed.table, 0)]])]
     packs += [PackedWeight(spec.gemv.weight, True, per_layer(spec.gemv.roles)) for spec in LAYER_GEMVS]
@@ -200,6 +200,13 @@ def _packing(blocks: list[Block], embed: Embedding, final_norm: RMSNorm, lm_head
     if not tied:
         packs.append(PackedWeight("lm_head", False, [[(lm_head.weight, 0)]]))
     return packs
+
+
+def _weight_source(op) -> tuple:
+    """A packed-weight source: ``(fqn, 0)`` the whole parameter, or ``(fqn, start, stop)`` those rows of a fused
+    one (Phi-3's qkv_proj / gate_up_proj, ``Linear.weight_rows``)."""
+    rows = getattr(op, "weight_rows", None)
+    return (op.weight, *rows) if rows else (op.weight, 0)
 
 
 def _biased_stages(blocks: list[Block]) -> list[str]:
@@ -215,7 +222,10 @@ def _bias_buffers(dims: ModelDims, biased: list[str]) -> list[Buffer]:
 
 def _bias_packing(blocks: list[Block], biased: list[str]) -> list[PackedWeight]:
     def part(lin):
-        return (lin.bias, 0) if lin.bias is not None else ("", lin.out_features)
+        if lin.bias is None:
+            return ("", lin.out_features)
+        rows = getattr(lin, "weight_rows", None)
+        return (lin.bias, *rows) if rows else (lin.bias, 0)
 
     return [PackedWeight(spec.gemv.bias, True, [[part(block.ops[role]) for role in spec.gemv.roles] for block in blocks])
             for spec in LAYER_GEMVS if spec.name in biased]

@@ -73,7 +73,8 @@ class Buffer:
 @dataclass
 class PackedWeight:
     """A packed weight buffer: ``sources[layer]`` lists parts concatenated along rows: ``(fqn, 0)`` is an HF
-    parameter, ``("", n)`` is n rows of zeros (a bias a projection does not have, next to one it has)."""
+    parameter, ``(fqn, start, stop)`` rows ``start:stop`` of one (a fused projection), ``("", n)`` is n rows of
+    zeros (a bias a projection does not have, next to one it has)."""
 
     buffer: str
     per_layer: bool

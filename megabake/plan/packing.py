@@ -2,7 +2,8 @@
 
 Contract: ``pack_weights(plan, lookup, dtype=..., device=...)`` returns ``{buffer name: tensor}`` for every
 weight buffer of the plan, built only from the plan's :class:`PackedWeight` sources (HF parameter fqns,
-concatenated along rows, stacked per layer; ``("", n)`` sources are n zero rows). Norm weights are packed in
+concatenated along rows, stacked per layer; ``(fqn, start, stop)`` takes rows of a fused parameter; ``("", n)``
+sources are n zero rows). Norm weights are packed in
 fp32 with the plan's weight offset folded in (Gemma's ``1 + w``); biases are packed in fp32. ``rotary_tables(plan, inv_freq)`` evaluates cos/sin for every cache slot.
 """
 
@@ -34,8 +35,8 @@ def pack_weights(plan: Plan, lookup: Callable[[str], torch.Tensor], *, dtype: to
         target = torch.float32 if buf.dtype == "float32" else (dtype or torch_dtype(buf.dtype))
         layers = []
         for sources in spec.sources:
-            parts = [lookup(fqn).detach().to(device=device, dtype=target) if fqn else
-                     torch.zeros(rows, dtype=target, device=device) for fqn, rows in sources]
+            parts = [_source_rows(lookup, source).detach().to(device=device, dtype=target) if source[0] else
+                     torch.zeros(source[1], dtype=target, device=device) for source in sources]
             if is_norm:
                 parts = [p + plan.dims.norm_offset for p in parts]
             layers.append(torch.stack(parts) if is_norm and len(parts) > 1 else torch.cat(parts, dim=0))
@@ -44,6 +45,12 @@ def pack_weights(plan: Plan, lookup: Callable[[str], torch.Tensor], *, dtype: to
             raise ValueError(f"packed {spec.buffer} has shape {list(tensor.shape)}, plan says {buf.shape}")
         packed[spec.buffer] = tensor.contiguous()
     return packed
+
+
+def _source_rows(lookup: Callable[[str], torch.Tensor], source) -> torch.Tensor:
+    """A source's tensor: the whole parameter ``(fqn, 0)`` or its rows ``(fqn, start, stop)``."""
+    tensor = lookup(source[0])
+    return tensor[source[1]:source[2]] if len(source) == 3 else tensor
 
 
 def rotary_tables(plan: Plan, inv_freq: torch.Tensor, *, device=None) -> tuple[torch.Tensor, torch.Tensor]:

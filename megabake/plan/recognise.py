@@ -141,6 +141,9 @@ def _recognise_block(index, residual, norm, linears, users, producer) -> Block:
     return Block(index, ops)
 
 
+SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)  # head_dim / 8 lanes per cached row must divide the 32 lanes of a warp
+
+
 def model_dims(embed: Embedding, blocks: list[Block], final_norm: RMSNorm, lm_head: Linear) -> ModelDims:
     first = blocks[0].ops
     attn: DecodeAttention = first["attention"]
@@ -175,8 +178,12 @@ def _check_block_shape(block: Block, dims: ModelDims) -> None:
         if norm is not None and (norm.eps != dims.eps or norm.weight_offset != dims.norm_offset):
             raise PlanError(f"{norm.hf_module}: a per-head norm whose eps or weight offset differs from the layer "
                             "norms is not supported")
-    if ops["attention"].head_dim % WARP != 0 or ops["attention"].head_dim > 256:
-        raise PlanError(f"head_dim {ops['attention'].head_dim} must be a multiple of 32 and at most 256")
+    head_dim = ops["attention"].head_dim
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise PlanError(f"head_dim {head_dim} ({ops['attention'].hf_module}) is not supported: decode attention "
+                        f"reads each cached row with head_dim / 8 lanes, which must divide a warp; supported: "
+                        f"{', '.join(map(str, SUPPORTED_HEAD_DIMS))} (head_dim 96, as Phi-3-mini's, computed wrong "
+                        "results on the H200 and is refused until the attention handles partial lane groups)")
     if block.ops["act"].act != dims.act:
         raise PlanError(f"layer {block.index} uses activation {block.ops['act'].act!r}, layer 0 {dims.act!r}: "
                         "layers must be identical")

@@ -1,0 +1,361 @@
+"""GEMV: weight rows over warps (plain, register-preloaded, pipelined, cp.async-ring streamed) and reductions.
+
+Part of megabake/codegen/bodies (see its __init__ for the contract); code generation copies these
+routines into module.py in the order of ``megabake.codegen.bodies.BODY_FILES``."""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.cute.nvgpu.cpasync as cpasync
+from cutlass import Float32, Int32, Int64
+
+from .common import VEC, WARP
+
+
+# -------------------------------------------------------------------------------------------- GEMV
+@cute.jit
+def _gemv_chunk(weight: cute.Tensor, s_vec: cute.Tensor, acc: cute.Tensor, tile: Int32, kv: Int32,
+                rows: cutlass.Constexpr[int], batch: cutlass.Constexpr[int], per_tile: cutlass.Constexpr[int]):
+    for r in cutlass.range_constexpr(per_tile):
+        row = cutlass.min(tile * per_tile + r, rows - 1)
+        w = cute.zipped_divide(weight[row, None], (VEC,))[(None, kv)].load().to(Float32)
+        for b in cutlass.range_constexpr(batch):
+            xv = cute.zipped_divide(s_vec[b, None], (VEC,))[(None, kv)].load()
+            acc[r * batch + b] = acc[r * batch + b] + (w * xv).reduce(
+                cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
+
+
+@cute.jit
+def _gemv_rows(weight: cute.Tensor, s_vec: cute.Tensor, out: cute.Tensor, bias: cute.Tensor, gwarp: Int32,
+               lane: Int32, total_warps: cutlass.Constexpr[int], rows: cutlass.Constexpr[int],
+               cols: cutlass.Constexpr[int], batch: cutlass.Constexpr[int], per_tile: cutlass.Constexpr[int],
+               accumulate: cutlass.Constexpr[bool], unroll: cutlass.Constexpr[int],
+               has_bias: cutlass.Constexpr[bool]):
+    """out[b, r] (+)= sum_k weight[r, k] * s_vec[b, k] for the rows of the tiles this warp owns.
+
+    Tile t covers rows [t*per_tile, (t+1)*per_tile) and belongs to global warp t % total_warps. Each lane
+    reads 16-byte vectors; ``unroll`` x ``per_tile`` independent loads per lane are in flight per step of
+    the K loop (fully unrolled bodies, compile-time K), accumulation is fp32, the warp reduces with
+    shuffles, and lane 0 writes (each output element has exactly one owner), adding ``bias[row]`` (fp32)
+    when ``has_bias``.
+    """
+    tiles = (rows + per_tile - 1) // per_tile
+    kvecs = cols // VEC
+    chunk = WARP * unroll
+    full_chunks = kvecs // chunk
+    tail = kvecs - full_chunks * chunk
+    acc = cute.make_rmem_tensor(cute.make_layout(per_tile * batch), Float32)
+    for tile in range(gwarp, tiles, total_warps):
+        for i in cutlass.range_constexpr(per_tile * batch):
+            acc[i] = Float32(0.0)
+        for c in range(full_chunks):
+            for u in cutlass.range_constexpr(unroll):
+                _gemv_chunk(weight, s_vec, acc, tile, c * chunk + u * WARP + lane, rows, batch, per_tile)
+        if cutlass.const_expr(tail > 0):
+            for u in cutlass.range_constexpr((tail + WARP - 1) // WARP):
+                kv = full_chunks * chunk + u * WARP + lane
+                if kv < kvecs:
+                    _gemv_chunk(weight, s_vec, acc, tile, kv, rows, batch, per_tile)
+        _gemv_write(acc, out, bias, tile, lane, rows, batch, per_tile, accumulate, has_bias)
+
+
+@cute.jit
+def _gemv_write(acc: cute.Tensor, out: cute.Tensor, bias: cute.Tensor, tile: Int32, lane: Int32,
+                rows: cutlass.Constexpr[int], batch: cutlass.Constexpr[int], per_tile: cutlass.Constexpr[int],
+                accumulate: cutlass.Constexpr[bool], has_bias: cutlass.Constexpr[bool]):
+    """Warp-reduce each row's partial sums; lane 0 writes (adds the bias, accumulates into a residual)."""
+    for r in cutlass.range_constexpr(per_tile):
+        row = tile * per_tile + r
+        for b in cutlass.range_constexpr(batch):
+            total = cute.arch.warp_reduction_sum(acc[r * batch + b])
+            if lane == 0 and row < rows:
+                if cutlass.const_expr(has_bias):
+                    total = total + bias[row]
+                if cutlass.const_expr(accumulate):
+                    out[b, row] = out[b, row] + total
+                else:
+                    out[b, row] = total
+
+
+def preload_groups(cols: int, unroll: int) -> int:
+    """K groups (32 lanes x 16 bytes) of a tile's first chunk that :func:`gemv_preload` holds in registers."""
+    return min(unroll, (cols // VEC + WARP - 1) // WARP)
+
+
+@cute.jit
+def gemv_preload(weight: cute.Tensor, pre: cute.Tensor, gwarp: Int32, lane: Int32,
+                 total_warps: cutlass.Constexpr[int], rows: cutlass.Constexpr[int], cols: cutlass.Constexpr[int],
+                 per_tile: cutlass.Constexpr[int], unroll: cutlass.Constexpr[int]):
+    """Load the first K chunk of this warp's first tile of a coming GEMV into registers ``pre``
+    (``per_tile * unroll`` 16-byte vectors, flat).
+
+    Weights do not depend on the stages before: issued before a grid barrier, these loads are in flight
+    during the wait and the next stage's staging, so the GEMV starts with data in hand
+    (:func:`gemv_rows_pre`). Indices are clamped: a warp without a tile loads a valid row it never uses.
+    """
+    tiles = (rows + per_tile - 1) // per_tile
+    kvecs = cols // VEC
+    tile = cutlass.min(gwarp, tiles - 1)
+    for r in cutlass.range_constexpr(per_tile):
+        row = cutlass.min(tile * per_tile + r, rows - 1)
+        for u in cutlass.range_constexpr(preload_groups(cols, unroll)):
+            kv = cutlass.min(u * WARP + lane, kvecs - 1)
+            cute.zipped_divide(pre, (VEC,))[(None, r * unroll + u)].store(
+                cute.zipped_divide(weight[row, None], (VEC,))[(None, kv)].load())
+
+
+@cute.jit
+def _gemv_chunk_pre(pre: cute.Tensor, s_vec: cute.Tensor, acc: cute.Tensor, u: cutlass.Constexpr[int], kv: Int32,
+                    batch: cutlass.Constexpr[int], per_tile: cutlass.Constexpr[int], unroll: cutlass.Constexpr[int]):
+    """:func:`_gemv_chunk` on preloaded weight vectors (same arithmetic, same order)."""
+    for r in cutlass.range_constexpr(per_tile):
+        w = cute.zipped_divide(pre, (VEC,))[(None, r * unroll + u)].load().to(Float32)
+        for b in cutlass.range_constexpr(batch):
+            xv = cute.zipped_divide(s_vec[b, None], (VEC,))[(None, kv)].load()
+            acc[r * batch + b] = acc[r * batch + b] + (w * xv).reduce(
+                cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
+
+
+@cute.jit
+def gemv_rows_pre(weight: cute.Tensor, pre: cute.Tensor, bias: cute.Tensor, s_vec: cute.Tensor, out: cute.Tensor,
+                  gwarp: Int32, lane: Int32, total_warps: cutlass.Constexpr[int], rows: cutlass.Constexpr[int],
+                  cols: cutlass.Constexpr[int], batch: cutlass.Constexpr[int], per_tile: cutlass.Constexpr[int],
+                  accumulate: cutlass.Constexpr[bool], unroll: cutlass.Constexpr[int],
+                  has_bias: cutlass.Constexpr[bool]):
+    """:func:`gemv_rows` (``bias`` used when ``has_bias``) whose first tile's first K chunk comes from the
+    registers :func:`gemv_preload` filled; every lane sums its vectors in the same order, so results are
+    bit-identical to :func:`gemv_rows`."""
+    tiles = (rows + per_tile - 1) // per_tile
+    kvecs = cols // VEC
+    chunk = WARP * unroll
+    full_chunks = kvecs // chunk
+    tail = kvecs - full_chunks * chunk
+    acc = cute.make_rmem_tensor(cute.make_layout(per_tile * batch), Float32)
+    if gwarp < tiles:
+        for i in cutlass.range_constexpr(per_tile * batch):
+            acc[i] = Float32(0.0)
+        for u in cutlass.range_constexpr(preload_groups(cols, unroll)):
+            kv = u * WARP + lane
+            if cutlass.const_expr((u + 1) * WARP <= kvecs):
+                _gemv_chunk_pre(pre, s_vec, acc, u, kv, batch, per_tile, unroll)
+            elif kv < kvecs:
+                _gemv_chunk_pre(pre, s_vec, acc, u, kv, batch, per_tile, unroll)
+        for c in range(1, full_chunks):
+            for u in cutlass.range_constexpr(unroll):
+                _gemv_chunk(weight, s_vec, acc, gwarp, c * chunk + u * WARP + lane, rows, batch, per_tile)
+        if cutlass.const_expr(tail > 0 and full_chunks > 0):
+            for u in cutlass.range_constexpr((tail + WARP - 1) // WARP):
+                kv = full_chunks * chunk + u * WARP + lane
+                if kv < kvecs:
+                    _gemv_chunk(weight, s_vec, acc, gwarp, kv, rows, batch, per_tile)
+        _gemv_write(acc, out, bias, gwarp, lane, rows, batch, per_tile, accumulate, has_bias)
+    _gemv_rows(weight, s_vec, out, bias, gwarp + total_warps, lane, total_warps, rows, cols, batch, per_tile,
+               accumulate, unroll, has_bias)  # the warp's later tiles, loaded as usual
+
+
+@cute.jit
+def _chunk_vector(weight: cute.Tensor, tile: Int32, kbase: Int32, lane: Int32, r: cutlass.Constexpr[int],
+                  u: cutlass.Constexpr[int], rows: cutlass.Constexpr[int], kvecs: cutlass.Constexpr[int],
+                  per_tile: cutlass.Constexpr[int], unroll: cutlass.Constexpr[int]):
+    """The 16-byte weight vector ``kbase + u*32 + lane`` of row ``r`` of ``tile``, as a view. Rows and
+    vectors past the end are clamped (read, never used), so no access needs a branch."""
+    row = cutlass.min(tile * per_tile + r, rows - 1)
+    kv = kbase + u * WARP + lane
+    if cutlass.const_expr(kvecs % (WARP * unroll) != 0):
+        kv = cutlass.min(kv, kvecs - 1)
+    return cute.zipped_divide(weight[row, None], (VEC,))[(None, kv)]
+
+
+@cute.jit
+def _load_chunk(weight: cute.Tensor, buf: cute.Tensor, tile: Int32, kbase: Int32, lane: Int32,
+                rows: cutlass.Constexpr[int], kvecs: cutlass.Constexpr[int], per_tile: cutlass.Constexpr[int],
+                unroll: cutlass.Constexpr[int]):
+    """Issue the 16-byte loads of one K chunk (:func:`_chunk_vector`) of ``tile`` into the registers ``buf``
+    (flat ``r * unroll + u``, the layout of :func:`gemv_preload`)."""
+    for r in cutlass.range_constexpr(per_tile):
+        for u in cutlass.range_constexpr(unroll):
+            cute.zipped_divide(buf, (VEC,))[(None, r * unroll + u)].store(
+                _chunk_vector(weight, tile, kbase, lane, r, u, rows, kvecs, per_tile, unroll).load())
+
+
+@cute.jit
+def gemv_rows_pipelined(weight: cute.Tensor, pre: cute.Tensor, bias: cute.Tensor, s_vec: cute.Tensor,
+                        out: cute.Tensor, gwarp: Int32, lane: Int32, total_warps: cutlass.Constexpr[int],
+                        rows: cutlass.Constexpr[int], cols: cutlass.Constexpr[int], batch: cutlass.Constexpr[int],
+                        per_tile: cutlass.Constexpr[int], accumulate: cutlass.Constexpr[bool],
+                        unroll: cutlass.Constexpr[int], has_bias: cutlass.Constexpr[bool],
+                        preloaded: cutlass.Constexpr[bool]):
+    """:func:`gemv_rows` with a software-pipelined K loop: the warp's (tile, chunk) steps run as one loop, and
+    each step issues the loads of the next step (the next tile's first chunk included) before it reduces the
+    chunk in hand, so two chunks per warp are in flight and no tile boundary drains the pipe.
+
+    When K is not a whole number of chunks, the last chunk of a tile is partial: its loads are clamped and
+    each lane adds only the vectors below K, as :func:`gemv_rows` does for its tail. With ``preloaded`` the
+    first chunk comes from the registers :func:`gemv_preload` filled before the barrier (``pre``; unused
+    otherwise). Every lane sums its vectors in the order :func:`gemv_rows` does, so results are
+    bit-identical to it.
+    """
+    tiles = (rows + per_tile - 1) // per_tile
+    chunk = WARP * unroll
+    kvecs = cols // VEC
+    chunks = (kvecs + chunk - 1) // chunk
+    width = VEC * per_tile * unroll
+    steps = (tiles - gwarp + total_warps - 1) // total_warps * chunks  # 0 for a warp without a tile
+    cur = cute.make_rmem_tensor(cute.make_layout(width), weight.element_type)
+    nxt = cute.make_rmem_tensor(cute.make_layout(width), weight.element_type)
+    acc = cute.make_rmem_tensor(cute.make_layout(per_tile * batch), Float32)
+    for i in cutlass.range_constexpr(per_tile * batch):
+        acc[i] = Float32(0.0)
+    if cutlass.const_expr(preloaded):
+        cur.store(pre.load())
+    elif gwarp < tiles:
+        _load_chunk(weight, cur, gwarp, 0, lane, rows, kvecs, per_tile, unroll)
+    for step in range(steps):
+        # The next step's loads go out before this step's arithmetic. The last step reloads its own chunk
+        # (an L2 hit) instead of branching: a conditional load would keep a third register tile live.
+        after = cutlass.min(step + 1, steps - 1)
+        _load_chunk(weight, nxt, gwarp + after // chunks * total_warps, after % chunks * chunk, lane, rows, kvecs,
+                    per_tile, unroll)
+        cute.arch.sync_warp()  # a scheduling fence: ptxas may otherwise sink these loads below the FFMAs
+        c = step % chunks
+        for u in cutlass.range_constexpr(unroll):
+            kv = c * chunk + u * WARP + lane
+            if cutlass.const_expr(kvecs % chunk == 0):
+                _gemv_chunk_pre(cur, s_vec, acc, u, kv, batch, per_tile, unroll)
+            elif kv < kvecs:  # the partial last chunk of a tile
+                _gemv_chunk_pre(cur, s_vec, acc, u, kv, batch, per_tile, unroll)
+        if c == chunks - 1:
+            _gemv_write(acc, out, bias, gwarp + step // chunks * total_warps, lane, rows, batch, per_tile,
+                        accumulate, has_bias)
+            for i in cutlass.range_constexpr(per_tile * batch):
+                acc[i] = Float32(0.0)
+        cur.store(nxt.load())
+
+
+@cute.jit
+def _copy_chunk(weight: cute.Tensor, ring: cute.Tensor, slot: Int32, tile: Int32, kbase: Int32, lane: Int32,
+                rows: cutlass.Constexpr[int], kvecs: cutlass.Constexpr[int], per_tile: cutlass.Constexpr[int],
+                unroll: cutlass.Constexpr[int]):
+    """cp.async the 16-byte vectors of one K chunk (:func:`_chunk_vector`) of ``tile`` into ring ``slot``:
+    vector ``r * unroll + u`` of each lane lands in ``ring[slot, r * unroll + u, lane, :]``."""
+    atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), weight.element_type,
+                               num_bits_per_copy=128)
+    for r in cutlass.range_constexpr(per_tile):
+        for u in cutlass.range_constexpr(unroll):
+            cute.copy(atom, _chunk_vector(weight, tile, kbase, lane, r, u, rows, kvecs, per_tile, unroll),
+                      cute.zipped_divide(ring[slot, r * unroll + u, lane, None], (VEC,))[(None, 0)])
+
+
+@cute.jit
+def _gemv_chunk_ring(ring: cute.Tensor, slot: Int32, s_vec: cute.Tensor, acc: cute.Tensor, u: cutlass.Constexpr[int],
+                     kv: Int32, lane: Int32, batch: cutlass.Constexpr[int], per_tile: cutlass.Constexpr[int],
+                     unroll: cutlass.Constexpr[int]):
+    """:func:`_gemv_chunk` on weight vectors from ring ``slot`` (same arithmetic, same order)."""
+    for r in cutlass.range_constexpr(per_tile):
+        w = cute.zipped_divide(ring[slot, r * unroll + u, lane, None], (VEC,))[(None, 0)].load().to(Float32)
+        for b in cutlass.range_constexpr(batch):
+            xv = cute.zipped_divide(s_vec[b, None], (VEC,))[(None, kv)].load()
+            acc[r * batch + b] = acc[r * batch + b] + (w * xv).reduce(
+                cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
+
+
+@cute.jit
+def _fill_ring(weight: cute.Tensor, ring: cute.Tensor, gwarp: Int32, lane: Int32, steps: Int32,
+               chunks: cutlass.Constexpr[int], total_warps: cutlass.Constexpr[int], rows: cutlass.Constexpr[int],
+               kvecs: cutlass.Constexpr[int], per_tile: cutlass.Constexpr[int], unroll: cutlass.Constexpr[int],
+               stages: cutlass.Constexpr[int]):
+    """Copy the first ``stages - 1`` steps' chunks into ring slots 0.. (one committed group per step, empty
+    past ``steps``)."""
+    for ahead in cutlass.range_constexpr(stages - 1):
+        if ahead < steps:
+            _copy_chunk(weight, ring, ahead, gwarp + ahead // chunks * total_warps, ahead % chunks * WARP * unroll,
+                        lane, rows, kvecs, per_tile, unroll)
+        cute.arch.cp_async_commit_group()
+
+
+@cute.jit
+def gemv_ring_prefill(weight: cute.Tensor, ring: cute.Tensor, gwarp: Int32, lane: Int32, active: Int32,
+                      total_warps: cutlass.Constexpr[int], rows: cutlass.Constexpr[int], cols: cutlass.Constexpr[int],
+                      per_tile: cutlass.Constexpr[int], unroll: cutlass.Constexpr[int],
+                      stages: cutlass.Constexpr[int]):
+    """Issued before a grid barrier: start copying the first ``stages - 1`` chunks of the coming streamed GEMV
+    into this warp's ring (weights do not depend on the stages before), so they land during the wait and the
+    next stage's staging. ``active`` 0 copies nothing (the last layer's down stage, whose "next" QKV GEMV
+    does not exist) but still commits the groups, which complete at once."""
+    tiles = (rows + per_tile - 1) // per_tile
+    chunks = (cols // VEC + WARP * unroll - 1) // (WARP * unroll)
+    steps = (tiles - gwarp + total_warps - 1) // total_warps * chunks * active
+    _fill_ring(weight, ring, gwarp, lane, steps, chunks, total_warps, rows, cols // VEC, per_tile, unroll, stages)
+
+
+@cute.jit
+def gemv_rows_streamed(weight: cute.Tensor, ring: cute.Tensor, bias: cute.Tensor, s_vec: cute.Tensor,
+                       out: cute.Tensor, gwarp: Int32, lane: Int32, total_warps: cutlass.Constexpr[int],
+                       rows: cutlass.Constexpr[int], cols: cutlass.Constexpr[int], batch: cutlass.Constexpr[int],
+                       per_tile: cutlass.Constexpr[int], accumulate: cutlass.Constexpr[bool],
+                       unroll: cutlass.Constexpr[int], has_bias: cutlass.Constexpr[bool],
+                       stages: cutlass.Constexpr[int], prefilled: cutlass.Constexpr[bool]):
+    """:func:`gemv_rows` streaming its weights through this warp's shared-memory ring ``ring`` ([stages,
+    vectors, 32 lanes, 8]): cp.async keeps ``stages - 1`` chunks (the next tiles' included) in flight while
+    the warp reduces the current one, without holding registers for them.
+
+    Every lane reads back only the vectors it copied itself, so ``cp.async.wait_group`` is the only
+    synchronisation: no barrier, no mbarrier. Each step commits one group (empty past the last step), so
+    ``wait_group(stages - 1)`` always means "this step's chunk has landed". The slot refilled at a step is
+    the one reduced at the step before, by the same lane. Partial last chunks, the order of the sums and
+    the writes are those of :func:`gemv_rows_pipelined`: results are bit-identical to :func:`gemv_rows`.
+    With ``prefilled``, :func:`gemv_ring_prefill` already copied (and committed) the first ``stages - 1``
+    chunks before the barrier that precedes this stage.
+    """
+    tiles = (rows + per_tile - 1) // per_tile
+    chunk = WARP * unroll
+    kvecs = cols // VEC
+    chunks = (kvecs + chunk - 1) // chunk
+    steps = (tiles - gwarp + total_warps - 1) // total_warps * chunks  # 0 for a warp without a tile
+    acc = cute.make_rmem_tensor(cute.make_layout(per_tile * batch), Float32)
+    for i in cutlass.range_constexpr(per_tile * batch):
+        acc[i] = Float32(0.0)
+    if cutlass.const_expr(not prefilled):
+        _fill_ring(weight, ring, gwarp, lane, steps, chunks, total_warps, rows, kvecs, per_tile, unroll, stages)
+    for step in range(steps):
+        ahead = step + stages - 1
+        if ahead < steps:
+            _copy_chunk(weight, ring, ahead % stages, gwarp + ahead // chunks * total_warps, ahead % chunks * chunk,
+                        lane, rows, kvecs, per_tile, unroll)
+        cute.arch.cp_async_commit_group()
+        cute.arch.cp_async_wait_group(stages - 1)
+        slot = step % stages
+        c = step % chunks
+        for u in cutlass.range_constexpr(unroll):
+            kv = c * chunk + u * WARP + lane
+            if cutlass.const_expr(kvecs % chunk == 0):
+                _gemv_chunk_ring(ring, slot, s_vec, acc, u, kv, lane, batch, per_tile, unroll)
+            elif kv < kvecs:  # the partial last chunk of a tile
+                _gemv_chunk_ring(ring, slot, s_vec, acc, u, kv, lane, batch, per_tile, unroll)
+        if c == chunks - 1:
+            _gemv_write(acc, out, bias, gwarp + step // chunks * total_warps, lane, rows, batch, per_tile,
+                        accumulate, has_bias)
+            for i in cutlass.range_constexpr(per_tile * batch):
+                acc[i] = Float32(0.0)
+    cute.arch.cp_async_wait_group(0)  # nothing in flight into the ring when the next GEMV stage refills it
+
+
+@cute.jit
+def gemv_rows(weight: cute.Tensor, s_vec: cute.Tensor, out: cute.Tensor, gwarp: Int32, lane: Int32,
+              total_warps: cutlass.Constexpr[int], rows: cutlass.Constexpr[int], cols: cutlass.Constexpr[int],
+              batch: cutlass.Constexpr[int], per_tile: cutlass.Constexpr[int],
+              accumulate: cutlass.Constexpr[bool], unroll: cutlass.Constexpr[int]):
+    """out[b, r] (+)= sum_k weight[r, k] * s_vec[b, k] over the rows this warp owns (see :func:`_gemv_rows`)."""
+    _gemv_rows(weight, s_vec, out, out, gwarp, lane, total_warps, rows, cols, batch, per_tile, accumulate, unroll,
+               False)
+
+
+@cute.jit
+def gemv_rows_bias(weight: cute.Tensor, bias: cute.Tensor, s_vec: cute.Tensor, out: cute.Tensor, gwarp: Int32,
+                   lane: Int32, total_warps: cutlass.Constexpr[int], rows: cutlass.Constexpr[int],
+                   cols: cutlass.Constexpr[int], batch: cutlass.Constexpr[int], per_tile: cutlass.Constexpr[int],
+                   accumulate: cutlass.Constexpr[bool], unroll: cutlass.Constexpr[int]):
+    """:func:`gemv_rows` plus a per-row fp32 bias (a linear layer with a bias, e.g. Qwen2's q/k/v)."""
+    _gemv_rows(weight, s_vec, out, bias, gwarp, lane, total_warps, rows, cols, batch, per_tile, accumulate, unroll,
+               True)

@@ -1,0 +1,281 @@
+"""Split-KV (flash) decode attention: cached keys split across CTAs, partial softmaxes merged exactly.
+
+Part of megabake/codegen/bodies (see its __init__ for the contract); code generation copies these
+routines into module.py in the order of ``megabake.codegen.bodies.BODY_FILES``."""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.cute.nvgpu.cpasync as cpasync
+from cutlass import Float32, Int32, Int64
+
+from .common import VEC, WARP
+
+
+# ------------------------------------------------------------------------------ split-KV (flash) decoding
+ATT_NEG = -1.0e30  # "no position yet": finite, so merging two empty partial softmaxes gives 0, never NaN
+
+
+@cute.jit
+def _rope_group(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Tensor, rope_sin: cute.Tensor,
+                k_cache: cute.Tensor, v_cache: cute.Tensor, s_q: cute.Tensor, s_inv: cute.Tensor, b: Int32,
+                kvh: Int32, pos: Int32, owns_new: Int32, tidx: Int32, n_heads: cutlass.Constexpr[int],
+                n_kv_heads: cutlass.Constexpr[int], head_dim: cutlass.Constexpr[int],
+                threads: cutlass.Constexpr[int], scale: cutlass.Constexpr[float],
+                has_qk_norm: cutlass.Constexpr[bool], eps: cutlass.Constexpr[float]):
+    """The group's roped queries (pre-scaled by ``scale``) into ``s_q`` [group * head_dim]; the CTA whose split
+    holds ``pos`` (``owns_new``) also ropes this step's key and appends it and the value to the cache.
+    With ``has_qk_norm`` (Qwen3) q and k are RMS-normalised per head first (one warp per head)."""
+    warps = threads // WARP
+    lane = tidx % WARP
+    warp = tidx // WARP
+    group = n_heads // n_kv_heads
+    half = head_dim // 2
+    q_rows = n_heads * head_dim
+    kv_rows = n_kv_heads * head_dim
+    if cutlass.const_expr(has_qk_norm):
+        for h in range(warp, group + 1, warps):
+            offset = q_rows + kvh * head_dim
+            if h < group:
+                offset = (kvh * group + h) * head_dim
+            total = Float32(0.0)
+            for i in cutlass.range_constexpr(head_dim // WARP):
+                value = qkv[b, offset + lane + i * WARP]
+                total = total + value * value
+            total = cute.arch.warp_reduction_sum(total)
+            if lane == 0:
+                s_inv[h] = cute.math.rsqrt(total * (1.0 / head_dim) + eps)
+        cute.arch.sync_threads()
+    for i in range(tidx, (group + 1) * head_dim, threads):
+        h = i // head_dim
+        d = i - h * head_dim
+        partner = d + half
+        sign = Float32(-1.0)
+        if d >= half:
+            partner = d - half
+            sign = Float32(1.0)
+        c = rope_cos[pos, d]
+        s = rope_sin[pos, d]
+        offset = q_rows + kvh * head_dim
+        if h < group:
+            offset = (kvh * group + h) * head_dim
+        x_d = qkv[b, offset + d]
+        x_p = qkv[b, offset + partner]
+        if cutlass.const_expr(has_qk_norm):
+            which = 1
+            if h < group:
+                which = 0
+            x_d = x_d * s_inv[h] * qk_norm[which, d]
+            x_p = x_p * s_inv[h] * qk_norm[which, partner]
+        roped = x_d * c + sign * x_p * s
+        if h < group:
+            s_q[i] = roped * scale
+        elif owns_new != 0:
+            k_cache[b, kvh, pos, d] = roped.to(k_cache.element_type)
+            v_cache[b, kvh, pos, d] = qkv[b, q_rows + kv_rows + kvh * head_dim + d].to(v_cache.element_type)
+    cute.arch.sync_threads()
+
+
+@cute.jit
+def _merge_into(m: cute.Tensor, l: cute.Tensor, acc: cute.Tensor, h: cutlass.Constexpr[int], m_o: Float32,
+                l_o: Float32, acc_o: cute.Tensor):
+    """Partial softmax (m, l, acc) of head ``h`` merged with (m_o, l_o, acc_o): exact, order of a tree."""
+    m_new = cute.arch.fmax(m[h], m_o)
+    ca = cute.math.exp(m[h] - m_new)
+    cb = cute.math.exp(m_o - m_new)
+    l[h] = l[h] * ca + l_o * cb
+    for e in cutlass.range_constexpr(VEC):
+        acc[h * VEC + e] = acc[h * VEC + e] * ca + acc_o[e] * cb
+    m[h] = m_new
+
+
+@cute.jit
+def _online_softmax_chunk(keys: cute.Tensor, values: cute.Tensor, s_q: cute.Tensor, m: cute.Tensor,
+                          l: cute.Tensor, acc: cute.Tensor, first: Int32, end: Int32, grp: Int32, sub: Int32,
+                          group: cutlass.Constexpr[int], lanes_per_pos: cutlass.Constexpr[int],
+                          stride: cutlass.Constexpr[int], unroll: cutlass.Constexpr[int]):
+    """Lane group ``grp`` of a warp takes positions first + grp, first + grp + stride, ... < end: ``unroll`` K and
+    V rows in flight, every query head of the group scored against each key row once loaded (GQA packing),
+    online softmax per head. The loop bounds depend on the warp only (``first``), never on the lane group:
+    every lane runs the same iterations, so the lane-group shuffles stay converged; positions past ``end``
+    load a clamped row and are masked out."""
+    kf = cute.make_rmem_tensor(cute.make_layout((VEC, unroll)), Float32)
+    vf = cute.make_rmem_tensor(cute.make_layout((VEC, unroll)), Float32)
+    scores = cute.make_rmem_tensor(cute.make_layout(unroll), Float32)
+    for base in range(first, end, stride * unroll):
+        for u in cutlass.range_constexpr(unroll):
+            t = cutlass.min(base + grp + u * stride, end - 1)
+            kf[(None, u)].store(cute.zipped_divide(keys[t, None], (VEC,))[(None, sub)].load().to(Float32))
+            vf[(None, u)].store(cute.zipped_divide(values[t, None], (VEC,))[(None, sub)].load().to(Float32))
+        for h in cutlass.range_constexpr(group):
+            qv = cute.zipped_divide(s_q, (VEC,))[(None, h * lanes_per_pos + sub)].load()
+            top = m[h]
+            for u in cutlass.range_constexpr(unroll):
+                part = Float32(0.0)
+                for e in cutlass.range_constexpr(VEC):
+                    part = part + qv[e] * kf[e, u]
+                offset = lanes_per_pos // 2
+                while cutlass.const_expr(offset > 0):
+                    part = part + cute.arch.shuffle_sync_bfly(part, offset)
+                    offset //= 2
+                score = Float32(ATT_NEG)
+                if base + grp + u * stride < end:
+                    score = part
+                scores[u] = score
+                top = cute.arch.fmax(top, score)
+            correction = cute.math.exp(m[h] - top)
+            total = l[h] * correction
+            for e in cutlass.range_constexpr(VEC):
+                acc[h * VEC + e] = acc[h * VEC + e] * correction
+            for u in cutlass.range_constexpr(unroll):
+                p = Float32(0.0)
+                if base + grp + u * stride < end:
+                    p = cute.math.exp(scores[u] - top)
+                total = total + p
+                for e in cutlass.range_constexpr(VEC):
+                    acc[h * VEC + e] = acc[h * VEC + e] + p * vf[e, u]
+            m[h] = top
+            l[h] = total
+
+
+@cute.jit
+def split_kv_attention(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Tensor, rope_sin: cute.Tensor,
+                       k_cache: cute.Tensor, v_cache: cute.Tensor, attn: cute.Tensor, part: cute.Tensor,
+                       counts: cute.Tensor, pos: Int32, s_att: cute.Tensor, cta: Int32, tidx: Int32,
+                       batch: cutlass.Constexpr[int], n_heads: cutlass.Constexpr[int],
+                       n_kv_heads: cutlass.Constexpr[int], head_dim: cutlass.Constexpr[int],
+                       ctas: cutlass.Constexpr[int], threads: cutlass.Constexpr[int],
+                       scale: cutlass.Constexpr[float], has_qk_norm: cutlass.Constexpr[bool],
+                       eps: cutlass.Constexpr[float], splits: cutlass.Constexpr[int],
+                       unroll: cutlass.Constexpr[int], min_chunk: cutlass.Constexpr[int]):
+    """Flash decoding: RoPE + KV append + attention over positions [0, pos], the cached keys split across CTAs.
+
+    Work items are (split, batch, KV head), split-major, dealt to CTAs. At this step the ``pos + 1`` positions
+    are cut into ``active`` chunks of ``chunk`` positions (a multiple of ``min_chunk``, which is the positions
+    one CTA pass covers x ``unroll``: short contexts stay in one split). An active item ropes its group's
+    queries, scores every cached key row once for all the group's query heads (GQA packing), keeps an online
+    softmax (max, sum, accumulator) per head and lane group, and merges them across lane groups (shuffles) and
+    warps (shared memory). With one active split it writes the normalised output; otherwise it stores its
+    partial (acc, max, sum) in ``part[b, head, split, :]``, and the last item of its group to arrive (an
+    acq_rel counter in ``counts``, reset by that item) merges every split's partial into ``attn``.
+
+    s_att layout (fp32): [0, G*D) roped q | 8 slots: per-head inverse RMS (Qwen3) | flag | then
+    (D + 2) x G x warps partial outputs (accumulator, max, sum).
+    """
+    warps = threads // WARP
+    lane = tidx % WARP
+    warp = tidx // WARP
+    group = n_heads // n_kv_heads
+    lanes_per_pos = head_dim // VEC
+    pos_per_warp = WARP // lanes_per_pos
+    grp = lane // lanes_per_pos
+    sub = lane - grp * lanes_per_pos
+    stride = warps * pos_per_warp
+    width = head_dim + 2
+    groups = batch * n_kv_heads
+    s_q = cute.make_tensor(s_att.iterator, cute.make_layout(group * head_dim))
+    s_inv = cute.make_tensor(s_att.iterator + group * head_dim, cute.make_layout(group + 1))
+    s_flag = cute.make_tensor(s_att.iterator + group * head_dim + 8 * ((group + 8) // 8), cute.make_layout(1))
+    s_part = cute.make_tensor(s_att.iterator + group * head_dim + 8 * ((group + 8) // 8) + 8,
+                              cute.make_layout((width, group, warps)))
+    n = pos + 1
+    chunk = (n + splits - 1) // splits
+    chunk = cutlass.max(((chunk + min_chunk - 1) // min_chunk) * min_chunk, min_chunk)
+    active = (n + chunk - 1) // chunk
+    m = cute.make_rmem_tensor(cute.make_layout(group), Float32)
+    l = cute.make_rmem_tensor(cute.make_layout(group), Float32)
+    acc = cute.make_rmem_tensor(cute.make_layout(group * VEC), Float32)
+    other = cute.make_rmem_tensor(cute.make_layout(VEC), Float32)
+    for item in range(cta, groups * splits, ctas):
+        split = item // groups
+        g = item - split * groups
+        if split < active:
+            b = g // n_kv_heads
+            kvh = g - b * n_kv_heads
+            start = split * chunk
+            end = cutlass.min(start + chunk, n)
+            owns_new = Int32(0)
+            if end == n:
+                owns_new = Int32(1)
+            _rope_group(qkv, qk_norm, rope_cos, rope_sin, k_cache, v_cache, s_q, s_inv, b, kvh, pos, owns_new,
+                        tidx, n_heads, n_kv_heads, head_dim, threads, scale, has_qk_norm, eps)
+            for h in cutlass.range_constexpr(group):
+                m[h] = Float32(ATT_NEG)
+                l[h] = Float32(0.0)
+            for e in cutlass.range_constexpr(group * VEC):
+                acc[e] = Float32(0.0)
+            _online_softmax_chunk(k_cache[b, kvh, None, None], v_cache[b, kvh, None, None], s_q, m, l, acc,
+                                  start + warp * pos_per_warp, end, grp, sub, group, lanes_per_pos, stride, unroll)
+            for h in cutlass.range_constexpr(group):  # lane groups of a warp: butterfly merge
+                offset = lanes_per_pos
+                while cutlass.const_expr(offset < WARP):
+                    m_o = cute.arch.shuffle_sync_bfly(m[h], offset)
+                    l_o = cute.arch.shuffle_sync_bfly(l[h], offset)
+                    for e in cutlass.range_constexpr(VEC):
+                        other[e] = cute.arch.shuffle_sync_bfly(acc[h * VEC + e], offset)
+                    _merge_into(m, l, acc, h, m_o, l_o, other)
+                    offset *= 2
+                if grp == 0:
+                    for e in cutlass.range_constexpr(VEC):
+                        s_part[sub * VEC + e, h, warp] = acc[h * VEC + e]
+                    if sub == 0:
+                        s_part[head_dim, h, warp] = m[h]
+                        s_part[head_dim + 1, h, warp] = l[h]
+            cute.arch.sync_threads()
+            for i in range(tidx, group * head_dim, threads):  # warps: merge, then output or partial
+                h = i // head_dim
+                d = i - h * head_dim
+                top = s_part[head_dim, h, 0]
+                for w in cutlass.range_constexpr(1, warps):
+                    top = cute.arch.fmax(top, s_part[head_dim, h, w])
+                total = Float32(0.0)
+                out = Float32(0.0)
+                for w in cutlass.range_constexpr(warps):
+                    weight = cute.math.exp(s_part[head_dim, h, w] - top)
+                    total = total + s_part[head_dim + 1, h, w] * weight
+                    out = out + s_part[d, h, w] * weight
+                head = kvh * group + h
+                if active == 1:
+                    attn[b, head * head_dim + d] = out / total
+                else:
+                    part[b, head, split, d] = out
+                    if d == 0:
+                        part[b, head, split, head_dim] = top
+                        part[b, head, split, head_dim + 1] = total
+            if active > 1:
+                _merge_splits(attn, part, counts, s_flag, b, kvh, g, active, tidx, group, head_dim, threads)
+            cute.arch.sync_threads()
+
+
+@cute.jit
+def _merge_splits(attn: cute.Tensor, part: cute.Tensor, counts: cute.Tensor, s_flag: cute.Tensor, b: Int32,
+                  kvh: Int32, g: Int32, active: Int32, tidx: Int32, group: cutlass.Constexpr[int],
+                  head_dim: cutlass.Constexpr[int], threads: cutlass.Constexpr[int]):
+    """Arrive at group ``g``'s counter (release: this CTA's partials first); the last of ``active`` arrivals
+    (acquire: everyone's partials visible) resets the counter and merges the partials into ``attn``."""
+    cute.arch.sync_threads()
+    if tidx == 0:
+        cute.arch.fence_acq_rel_gpu()
+        old = cute.arch.atomic_add((counts.iterator + g).llvm_ptr, Int32(1), sem="acq_rel", scope="gpu")
+        flag = Float32(0.0)
+        if old == active - 1:
+            flag = Float32(1.0)
+            counts[g] = Int32(0)
+        s_flag[0] = flag
+    cute.arch.sync_threads()
+    if s_flag[0] > 0.5:
+        for i in range(tidx, group * head_dim, threads):
+            h = i // head_dim
+            d = i - h * head_dim
+            head = kvh * group + h
+            top = part[b, head, 0, head_dim]
+            for s in range(1, active):
+                top = cute.arch.fmax(top, part[b, head, s, head_dim])
+            total = Float32(0.0)
+            out = Float32(0.0)
+            for s in range(active):
+                weight = cute.math.exp(part[b, head, s, head_dim] - top)
+                total = total + part[b, head, s, head_dim + 1] * weight
+                out = out + part[b, head, s, d] * weight
+            attn[b, head * head_dim + d] = out / total

@@ -1,0 +1,171 @@
+"""Embedding gather and vector staging: the fp32 rows a GEMV stage multiplies, staged in shared memory.
+
+Part of megabake/codegen/bodies (see its __init__ for the contract); code generation copies these
+routines into module.py in the order of ``megabake.codegen.bodies.BODY_FILES``."""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.cute.nvgpu.cpasync as cpasync
+from cutlass import Float32, Int32, Int64
+
+from .common import WARP
+
+
+# --------------------------------------------------------------------------------------- embedding
+@cute.jit
+def embed_gather(embed: cute.Tensor, tokens: cute.Tensor, x: cute.Tensor, cta: Int32, tidx: Int32,
+                 batch: cutlass.Constexpr[int], hidden: cutlass.Constexpr[int],
+                 ctas: cutlass.Constexpr[int], threads: cutlass.Constexpr[int]):
+    """x[b, :] = float(embed[tokens[b], :]) over all CTAs' threads."""
+    for i in range(cta * threads + tidx, batch * hidden, ctas * threads):
+        b = i // hidden
+        h = i - b * hidden
+        x[b, h] = embed[tokens[b], h].to(Float32)
+
+
+@cute.jit
+def embed_gather_scaled(embed: cute.Tensor, tokens: cute.Tensor, x: cute.Tensor, cta: Int32, tidx: Int32,
+                        batch: cutlass.Constexpr[int], hidden: cutlass.Constexpr[int],
+                        ctas: cutlass.Constexpr[int], threads: cutlass.Constexpr[int],
+                        scale: cutlass.Constexpr[float]):
+    """x[b, :] = float(embed[tokens[b], :]) * scale (Gemma's sqrt(hidden) normalizer) over all CTAs' threads."""
+    for i in range(cta * threads + tidx, batch * hidden, ctas * threads):
+        b = i // hidden
+        h = i - b * hidden
+        x[b, h] = embed[tokens[b], h].to(Float32) * scale
+
+
+# -------------------------------------------------------------------------------- vector staging
+# Staging reads fp32 activations that other CTAs just wrote (L2 hits, but ~0.5-1 us each round trip). Each
+# thread owns SLOTS = ceil(width / 4 / threads) 16-byte vectors and issues all of its loads before using
+# any of them (clamped indices keep the loads unconditional), so a staging costs one L2 latency, not SLOTS.
+F32_VEC = 4  # fp32 elements per 16-byte load
+
+
+@cute.jit
+def _f32_vec(t: cute.Tensor, idx: Int32):
+    """The idx-th 16-byte vector (4 x fp32) view of a contiguous fp32 row."""
+    return cute.zipped_divide(t, (F32_VEC,))[(None, idx)]
+
+
+@cute.jit
+def rmsnorm_to_smem(x: cute.Tensor, weight: cute.Tensor, s_vec: cute.Tensor, s_red: cute.Tensor, tidx: Int32,
+                    batch: cutlass.Constexpr[int], hidden: cutlass.Constexpr[int],
+                    threads: cutlass.Constexpr[int], eps: cutlass.Constexpr[float]):
+    """s_vec[b, :hidden] = x[b] * rsqrt(mean(x[b]^2) + eps) * weight (every CTA recomputes it)."""
+    warps = threads // WARP
+    lane = tidx % WARP
+    warp = tidx // WARP
+    nvec = hidden // F32_VEC
+    slots = (nvec + threads - 1) // threads
+    values = []
+    for b in cutlass.range_constexpr(batch):
+        row = []
+        for j in cutlass.range_constexpr(slots):
+            row.append(_f32_vec(x[b, None], cutlass.min(tidx + j * threads, nvec - 1)).load())
+        values.append(row)
+    scales = []
+    for j in cutlass.range_constexpr(slots):
+        scales.append(_f32_vec(weight, cutlass.min(tidx + j * threads, nvec - 1)).load())
+    for b in cutlass.range_constexpr(batch):
+        partial = Float32(0.0)
+        for j in cutlass.range_constexpr(slots):
+            square = (values[b][j] * values[b][j]).reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
+            if cutlass.const_expr((j + 1) * threads <= nvec):
+                partial = partial + square
+            elif tidx + j * threads < nvec:
+                partial = partial + square
+        partial = cute.arch.warp_reduction_sum(partial)
+        if lane == 0:
+            s_red[b * warps + warp] = partial
+    cute.arch.sync_threads()
+    for b in cutlass.range_constexpr(batch):
+        total = Float32(0.0)
+        for w in cutlass.range_constexpr(warps):
+            total = total + s_red[b * warps + w]
+        inv = cute.math.rsqrt(total * (1.0 / hidden) + eps)
+        for j in cutlass.range_constexpr(slots):
+            idx = tidx + j * threads
+            if cutlass.const_expr((j + 1) * threads <= nvec):
+                _f32_vec(s_vec[b, None], idx).store(values[b][j] * inv * scales[j])
+            elif idx < nvec:
+                _f32_vec(s_vec[b, None], idx).store(values[b][j] * inv * scales[j])
+    cute.arch.sync_threads()
+
+
+@cute.jit
+def copy_to_smem(src: cute.Tensor, s_vec: cute.Tensor, tidx: Int32, batch: cutlass.Constexpr[int],
+                 width: cutlass.Constexpr[int], threads: cutlass.Constexpr[int]):
+    """s_vec[b, :width] = src[b, :width]."""
+    nvec = width // F32_VEC
+    slots = (nvec + threads - 1) // threads
+    for b in cutlass.range_constexpr(batch):
+        values = []
+        for j in cutlass.range_constexpr(slots):
+            values.append(_f32_vec(src[b, None], cutlass.min(tidx + j * threads, nvec - 1)).load())
+        for j in cutlass.range_constexpr(slots):
+            idx = tidx + j * threads
+            if cutlass.const_expr((j + 1) * threads <= nvec):
+                _f32_vec(s_vec[b, None], idx).store(values[j])
+            elif idx < nvec:
+                _f32_vec(s_vec[b, None], idx).store(values[j])
+    cute.arch.sync_threads()
+
+
+@cute.jit
+def silu_mul_to_smem(gate_up: cute.Tensor, s_vec: cute.Tensor, tidx: Int32, batch: cutlass.Constexpr[int],
+                     inter: cutlass.Constexpr[int], threads: cutlass.Constexpr[int]):
+    """s_vec[b, i] = silu(gate_up[b, i]) * gate_up[b, inter + i]."""
+    nvec = inter // F32_VEC
+    slots = (nvec + threads - 1) // threads
+    for b in cutlass.range_constexpr(batch):
+        gates = []
+        ups = []
+        for j in cutlass.range_constexpr(slots):
+            idx = cutlass.min(tidx + j * threads, nvec - 1)
+            gates.append(_f32_vec(gate_up[b, None], idx).load())
+            ups.append(_f32_vec(gate_up[b, None], idx + nvec).load())
+        for j in cutlass.range_constexpr(slots):
+            idx = tidx + j * threads
+            g = gates[j]
+            act = g / (1.0 + cute.math.exp(-g)) * ups[j]
+            if cutlass.const_expr((j + 1) * threads <= nvec):
+                _f32_vec(s_vec[b, None], idx).store(act)
+            elif idx < nvec:
+                _f32_vec(s_vec[b, None], idx).store(act)
+    cute.arch.sync_threads()
+
+
+GELU_TANH_C = 0.7978845608028654  # sqrt(2 / pi)
+INV_SQRT2 = 0.7071067811865476
+
+
+@cute.jit
+def gelu_mul_to_smem(gate_up: cute.Tensor, s_vec: cute.Tensor, tidx: Int32, batch: cutlass.Constexpr[int],
+                     inter: cutlass.Constexpr[int], threads: cutlass.Constexpr[int],
+                     approximate: cutlass.Constexpr[bool]):
+    """s_vec[b, i] = gelu(gate_up[b, i]) * gate_up[b, inter + i]; ``approximate``: the tanh form (Gemma's
+    gelu_pytorch_tanh), else the erf form."""
+    nvec = inter // F32_VEC
+    slots = (nvec + threads - 1) // threads
+    for b in cutlass.range_constexpr(batch):
+        gates = []
+        ups = []
+        for j in cutlass.range_constexpr(slots):
+            idx = cutlass.min(tidx + j * threads, nvec - 1)
+            gates.append(_f32_vec(gate_up[b, None], idx).load())
+            ups.append(_f32_vec(gate_up[b, None], idx + nvec).load())
+        for j in cutlass.range_constexpr(slots):
+            idx = tidx + j * threads
+            g = gates[j]
+            if cutlass.const_expr(approximate):
+                act = 0.5 * g * (1.0 + cute.math.tanh(GELU_TANH_C * (g + 0.044715 * g * g * g))) * ups[j]
+            else:
+                act = 0.5 * g * (1.0 + cute.math.erf(g * INV_SQRT2)) * ups[j]
+            if cutlass.const_expr((j + 1) * threads <= nvec):
+                _f32_vec(s_vec[b, None], idx).store(act)
+            elif idx < nvec:
+                _f32_vec(s_vec[b, None], idx).store(act)
+    cute.arch.sync_threads()

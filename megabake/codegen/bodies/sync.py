@@ -1,0 +1,56 @@
+"""Grid barrier and L2 prefetch: how the persistent kernel's CTAs meet between stages.
+
+Part of megabake/codegen/bodies (see its __init__ for the contract); code generation copies these
+routines into module.py in the order of ``megabake.codegen.bodies.BODY_FILES``."""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.cute.nvgpu.cpasync as cpasync
+from cutlass import Float32, Int32, Int64
+
+from .common import WARP
+
+
+# ----------------------------------------------------------------------------------------- barrier
+@cute.jit
+def grid_barrier(barrier: cute.Tensor, tidx: Int32, ctas: cutlass.Constexpr[int]):
+    """Counting grid barrier with an epoch: never reset, survives CUDA-graph replay.
+
+    The counter only grows (64-bit: no wrap in practice). The old value returned by this CTA's release
+    arrival says which generation it is in, so it waits (acquire loads) for the next multiple of ``ctas``.
+    ``bar.sync`` before the arrival orders the CTA's writes before thread 0's release (cumulativity);
+    ``bar.sync`` after the acquire makes everyone's writes visible to the whole CTA.
+    """
+    cute.arch.sync_threads()
+    if tidx == 0:
+        ptr = barrier.iterator.llvm_ptr
+        old = cute.arch.atomic_add(ptr, Int64(1), sem="release", scope="gpu")
+        target = (old // ctas + 1) * ctas
+        current = cute.arch.load(ptr, Int64, sem="acquire", scope="gpu")
+        while current < target:
+            current = cute.arch.load(ptr, Int64, sem="acquire", scope="gpu")
+    cute.arch.sync_threads()
+
+
+@cute.jit
+def prefetch_rows(weight: cute.Tensor, gwarp: Int32, lane: Int32, total_warps: cutlass.Constexpr[int],
+                  rows: cutlass.Constexpr[int], cols: cutlass.Constexpr[int], per_tile: cutlass.Constexpr[int],
+                  max_tiles: cutlass.Constexpr[int]):
+    """Ask L2 for the first ``max_tiles`` weight tiles this warp owns in the next GEMV stage.
+
+    Issued just before a grid barrier: weights do not depend on the barrier, so their DRAM latency and
+    bandwidth overlap the wait. One ``prefetch.global.L2`` per 128-byte line, spread over the lanes.
+    """
+    lines_per_row = (cols * 2 + 127) // 128
+    tiles = (rows + per_tile - 1) // per_tile
+    if cutlass.const_expr(max_tiles > 0):
+        for i in cutlass.range_constexpr(max_tiles):
+            tile = gwarp + i * total_warps
+            if tile < tiles:
+                for r in cutlass.range_constexpr(per_tile):
+                    row = cutlass.min(tile * per_tile + r, rows - 1)
+                    for line in range(lane, lines_per_row, WARP):
+                        ptr = weight[row, None].iterator + line * 64
+                        cute.arch.prefetch(ptr.llvm_ptr, cache_level="L2")

@@ -1,0 +1,139 @@
+"""Model families beyond Llama on the CPU: plan recognition, the reference executor against eager fp32 over
+advancing steps (split-KV boundaries included), and the CuTe DSL compile of the generated module for sm_90a.
+
+Gemma (tiny-gemma, gemma-2b shapes): GeGLU with tanh GELU, embedding scaled by sqrt(hidden) as the model
+rounds it, RMSNorm with (1 + weight), head_dim 256 and a single KV head.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import StaticCache
+
+from megabake.plan.reference import reference_executor_for
+from tests.compiler_fixtures import compile_preset
+
+
+def _assert_matches_eager(model, executor, steps: int, tol: float = 1e-5) -> list[float]:
+    plan = executor.plan
+    cache = StaticCache(config=model.config, max_cache_len=plan.capacity)
+    tokens = torch.randint(1, plan.dims.vocab, (steps,), generator=torch.Generator().manual_seed(3))
+    errors = []
+    with torch.no_grad():
+        for pos in range(steps):
+            want = model(tokens[pos:pos + 1][None], past_key_values=cache, use_cache=True,
+                         cache_position=torch.tensor([pos])).logits[0, -1]
+            got = executor.step(tokens[pos:pos + 1], pos)[0]
+            errors.append(float((got - want).norm() / want.norm()))
+            assert errors[-1] < tol, f"step {pos}: rel-L2 {errors[-1]:.2e}"
+    keys = torch.stack([layer.keys for layer in cache.layers])
+    assert torch.allclose(executor.buffers["k_cache"], keys, atol=1e-5)
+    return errors
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma():
+    return compile_preset("tiny-gemma", capacity=160)
+
+
+def test_gemma_plan_records_its_features(tiny_gemma):
+    dims = tiny_gemma.plan.dims
+    assert dims.act == "gelu_tanh" and dims.norm_offset == 1.0 and dims.n_kv_heads == 1
+    assert dims.embed_scale == torch.tensor(math.sqrt(256.0)).item() == 16.0
+    assert '"embed_scale": 16.0' in tiny_gemma.plan.to_json()
+    source = tiny_gemma.generated.source
+    assert "EMBED_SCALE = 16.0" in source and "bodies.embed_gather_scaled(" in source
+    assert "bodies.gelu_mul_to_smem(gate_up, s_vec, tidx, BATCH, INTER, THREADS, approximate=True)" in source
+    assert "bodies.silu_mul_to_smem(" not in source.split("# ====")[0]
+
+
+def test_llama_plan_json_has_no_embed_scale():
+    """Models without an embedding scale keep their plan bytes (and hash) from before the field existed."""
+    plan = compile_preset("tiny-llama", capacity=32).plan
+    assert plan.dims.embed_scale == 1.0 and "embed_scale" not in plan.to_json()
+    assert type(plan).from_json(plan.to_json()).hash == plan.hash
+
+
+def test_gemma_reference_executor_matches_eager_fp32_past_a_kv_split_boundary(tiny_gemma):
+    """140 advancing steps: attention splits the cache in chunks of 128 positions, so the last steps merge two
+    partial softmaxes; the scaled embedding, GeGLU and (1 + w) norms all enter every step."""
+    errors = _assert_matches_eager(tiny_gemma.model, reference_executor_for(tiny_gemma.plan, tiny_gemma.model),
+                                   steps=140)
+    assert max(errors) < 1e-5
+
+
+@pytest.mark.parametrize("preset", ["tiny-gemma", "gemma-2b"])
+def test_gemma_shapes_compile_for_sm90a(preset, tmp_path):
+    """gemma-2b's shape (two layers: depth is a loop bound): head_dim 256, 8 query heads on one KV head, a
+    16384-wide GeGLU; its shared memory leaves room for a 2-stage ring."""
+    from megabake.runtime.compile import compile_check, load_module
+
+    compiled = compile_preset(preset, layers=2, capacity=128)
+    result = compile_check(compiled.plan, load_module(compiled.generated.source), dump_dir=str(tmp_path))
+    assert result.ok, result.error
+    ptx = next(tmp_path.glob("*.ptx")).read_text()
+    assert ptx.count("cp.async.cg.shared.global") >= 5 * 2 and "cp.async.wait_group" in ptx
+
+
+def tiny_phi3(head_dim: int = 64, capacity_positions: int = 4096):
+    """A 2-layer Phi-3 over 4 heads of ``head_dim`` (96 is Phi-3-mini's): fused qkv_proj and gate_up_proj."""
+    import transformers
+
+    config = transformers.Phi3Config(hidden_size=4 * head_dim, intermediate_size=512, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, vocab_size=512, pad_token_id=0,
+                                     bos_token_id=1, eos_token_id=1, max_position_embeddings=capacity_positions,
+                                     original_max_position_embeddings=capacity_positions, rope_scaling=None)
+    torch.manual_seed(0)
+    model = transformers.Phi3ForCausalLM(config).eval()
+    from megabake.presets import _randomize_norm_weights
+
+    _randomize_norm_weights(model, 0)
+    return model
+
+
+def test_phi3_fused_projections_pack_rows_of_one_weight_and_match_eager_fp32():
+    """Phi-3's qkv_proj and gate_up_proj are sliced in the graph: the plan packs row ranges of the fused weights
+    (q | k | v and gate | up, as Llama's separate projections) and the step matches eager fp32 past a KV split."""
+    from tests.compiler_fixtures import compile_model
+
+    model = tiny_phi3()
+    compiled = compile_model(model, capacity=160)
+    plan = compiled.plan
+    assert plan.dims.head_dim == 64 and plan.dims.q_rows == 256 and plan.dims.kv_rows == 128
+    fused = "model.layers.0.self_attn.qkv_proj.weight"
+    assert plan.packed[1].sources[0] == [(fused, 0, 256), (fused, 256, 384), (fused, 384, 512)]
+    gate_up = next(p for p in plan.packed if p.buffer == "w_gate_up").sources[1]
+    assert gate_up == [("model.layers.1.mlp.gate_up_proj.weight", 0, 512),
+                       ("model.layers.1.mlp.gate_up_proj.weight", 512, 1024)]
+    assert type(plan).from_json(plan.to_json()).packed == plan.packed
+    _assert_matches_eager(model, reference_executor_for(plan, model), steps=140)
+
+
+def test_head_dim_96_is_refused_naming_the_limit():
+    """Phi-3-mini's head_dim 96 gave wrong attention on the H200 (12-lane groups; session 7 log in
+    benchmarks/results/2026-12-01-h200-session7/gemma): the plan refuses it instead of baking a wrong kernel."""
+    from megabake.errors import PlanError
+    from tests.compiler_fixtures import compile_model
+
+    with pytest.raises(PlanError, match=r"head_dim 96 .* supported: 32, 64, 128, 256"):
+        compile_model(tiny_phi3(head_dim=96), capacity=64)
+
+
+def test_qwen3_5_hybrid_layers_are_refused_by_their_layer_type():
+    """Qwen3.5's Gated DeltaNet layers keep a recurrent state beside the KV cache: refused at capture, naming the
+    layer types, instead of an AttributeError from deep inside the export."""
+    import transformers
+
+    from megabake.compiler import compile_step
+    from megabake.errors import UnsupportedGraphError
+
+    config = transformers.Qwen3_5TextConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                                            num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                                            vocab_size=512)
+    model = transformers.Qwen3_5ForCausalLM(config).eval()
+    with pytest.raises(UnsupportedGraphError, match=r"'linear_attention' layers \(full_attention x1, "
+                                                    r"linear_attention x3\).*recurrent state"):
+        compile_step(model, capacity=32)
