@@ -230,6 +230,58 @@ PRESETS: dict[str, Preset] = {
                 tie_word_embeddings=True,
             ),
         ),
+        Preset(
+            name="tiny-gemma2",
+            model_id="megabake/tiny-gemma2",
+            architecture="Gemma2ForCausalLM",
+            description="2-layer Gemma 2 (hidden 256, 4/2 heads x 64): norms before and after attention and MLP, "
+                        "final logit soft-capping, GeGLU tanh, scaled embedding",
+            config=dict(
+                hidden_activation="gelu_pytorch_tanh",
+                rms_norm_eps=1e-6,
+                hidden_size=256,
+                intermediate_size=512,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=64,
+                vocab_size=1024,
+                max_position_embeddings=4096,
+                sliding_window=4096,
+                query_pre_attn_scalar=64,
+                final_logit_softcapping=3.0,
+                rope_theta=10000.0,
+                attention_bias=False,
+                tie_word_embeddings=True,
+            ),
+        ),
+        Preset(
+            name="gemma-2-2b",
+            model_id="google/gemma-2-2b",
+            architecture="Gemma2ForCausalLM",
+            description="gemma-2-2b shape: hidden 2304, 26 layers, 8/4 heads x 256, intermediate 9216 (GeGLU tanh), "
+                        "vocab 256000, pre/post norms, final logit soft-capping 30, sliding window 4096 (buckets up "
+                        "to 4096 are exact), tied",
+            config=dict(
+                hidden_activation="gelu_pytorch_tanh",
+                rms_norm_eps=1e-6,
+                hidden_size=2304,
+                intermediate_size=9216,
+                num_hidden_layers=26,
+                num_attention_heads=8,
+                num_key_value_heads=4,
+                head_dim=256,
+                vocab_size=256000,
+                max_position_embeddings=8192,
+                sliding_window=4096,
+                query_pre_attn_scalar=256,
+                final_logit_softcapping=30.0,
+                attn_logit_softcapping=50.0,
+                rope_theta=10000.0,
+                attention_bias=False,
+                tie_word_embeddings=True,
+            ),
+        ),
     ]
 }
 

@@ -137,3 +137,104 @@ def test_qwen3_5_hybrid_layers_are_refused_by_their_layer_type():
     with pytest.raises(UnsupportedGraphError, match=r"'linear_attention' layers \(full_attention x1, "
                                                     r"linear_attention x3\).*recurrent state"):
         compile_step(model, capacity=32)
+
+
+# ------------------------------------------------------------------------------------------- Gemma 2
+@pytest.fixture(scope="module")
+def tiny_gemma2():
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MEGABAKE_EXPERIMENTAL_LAYOUTS", "sandwich")
+        return compile_preset("tiny-gemma2", capacity=160)
+
+
+@pytest.fixture
+def sandwich_enabled(monkeypatch):
+    monkeypatch.setenv("MEGABAKE_EXPERIMENTAL_LAYOUTS", "sandwich")
+
+
+def test_gemma2_is_refused_until_its_layout_is_enabled(monkeypatch):
+    """The sandwich layout has not run on a GPU yet: without the opt-in the plan refuses it, naming the variable."""
+    from megabake.errors import PlanError
+
+    monkeypatch.delenv("MEGABAKE_EXPERIMENTAL_LAYOUTS", raising=False)
+    with pytest.raises(PlanError, match=r"'sandwich' decoder layout .* MEGABAKE_EXPERIMENTAL_LAYOUTS=sandwich"):
+        compile_preset("tiny-gemma2", capacity=32)
+
+
+def test_gemma2_plan_uses_the_sandwich_layout(tiny_gemma2):
+    """Norms before and after attention and the MLP: the o and down GEMVs write their own rows and the next
+    stage's staging adds their normalised output to the residual (no extra grid barrier)."""
+    plan = tiny_gemma2.plan
+    assert plan.layout == "sandwich" and plan.dims.final_softcap == 3.0
+    assert plan.barriers_per_step == 1 + 5 * plan.dims.layers
+    assert plan.buffer("norms").shape == [2, 4, 256]
+    assert plan.layers[1].params["post_ffn_norm"] == "model.layers.1.post_feedforward_layernorm.weight"
+    o_stage = next(s for s in plan.stages if s.name == "o_residual")
+    assert o_stage.writes == ["o_out"] and "x" not in o_stage.writes
+    source = tiny_gemma2.generated.source
+    assert "bodies.residual_norm_to_smem(x_mid, down_out, norms[cutlass.max(layer - 1, 0), 3, None]" in source
+    assert "bodies.softcap_rows(logits," in source and "FINAL_SOFTCAP = 3.0" in source
+    again = type(plan).from_json(plan.to_json())
+    assert again.layout == "sandwich" and again.hash == plan.hash and '"layout": "sandwich"' in plan.to_json()
+
+
+def test_pre_norm_plans_do_not_name_a_layout_or_softcap():
+    plan = compile_preset("tiny-llama", capacity=32).plan
+    text = plan.to_json()
+    assert plan.layout == "pre_norm" and '"layout"' not in text and "final_softcap" not in text
+
+
+def test_gemma2_reference_executor_matches_eager_fp32_past_a_kv_split_boundary(tiny_gemma2):
+    """140 steps with pre/post norms, the residual adds folded into the next stage, and soft-capped logits
+    (cap 3: the tanh bends every logit)."""
+    errors = _assert_matches_eager(tiny_gemma2.model, reference_executor_for(tiny_gemma2.plan, tiny_gemma2.model),
+                                   steps=140)
+    assert max(errors) < 1e-5
+
+
+@pytest.mark.parametrize("preset", ["tiny-gemma2", "gemma-2-2b"])
+def test_gemma2_shapes_compile_for_sm90a(preset, tmp_path, sandwich_enabled):
+    from megabake.runtime.compile import compile_check, load_module
+
+    compiled = compile_preset(preset, layers=2, capacity=128)
+    result = compile_check(compiled.plan, load_module(compiled.generated.source), dump_dir=str(tmp_path))
+    assert result.ok, result.error
+
+
+def test_gemma2_beyond_its_sliding_window_is_refused_in_words(sandwich_enabled):
+    """gemma-2-2b's local layers see 4096 positions: a larger bucket is refused, naming the feature."""
+    from megabake.errors import UnsupportedGraphError
+    import dataclasses
+
+    from megabake.presets import get_preset
+
+    preset = get_preset("tiny-gemma2")
+    small = dataclasses.replace(preset, config=dict(preset.config, sliding_window=64))
+    with pytest.raises(UnsupportedGraphError, match="sliding-window attention"):
+        compile_preset_model(small, capacity=128)
+
+
+def compile_preset_model(preset, **kwargs):
+    from tests.compiler_fixtures import compile_model
+
+    return compile_model(preset.build_model(), **kwargs)
+
+
+def test_gemma3_text_layers_bake_with_the_sandwich_layout_and_head_norms(sandwich_enabled):
+    """Gemma 3's layer (sandwich norms, per-head q/k RMSNorm with 1 + w, scaled embedding) in a config whose
+    layers are all local with a window covering the bucket; real Gemma 3 (5 local : 1 global, two RoPE tables) is
+    refused by the IR."""
+    import transformers
+
+    from megabake.presets import _randomize_norm_weights
+    from tests.compiler_fixtures import compile_model
+
+    config = transformers.Gemma3TextConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                           num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                                           vocab_size=512, sliding_window=4096, max_position_embeddings=4096)
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForCausalLM(config).eval()
+    _randomize_norm_weights(model, 0)
+    plan = compile_model(model, capacity=64).plan
+    assert plan.layout == "sandwich" and plan.has_head_norms and plan.dims.norm_offset == 1.0
+    _assert_matches_eager(model, reference_executor_for(plan, model), steps=24)

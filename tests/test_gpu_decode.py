@@ -167,6 +167,28 @@ def test_gemma_kernel_matches_reference_executor_at_long_context(batch):
     _assert_steps_match(decoder, reference, tokens, positions)
 
 
+@pytest.mark.parametrize("batch", [1, 2])
+def test_gemma2_sandwich_kernel_matches_reference_executor_at_long_context(batch, monkeypatch):
+    """Gemma 2's layout: norms after attention and the MLP folded into the next stage's staging (two residual
+    buffers), final logit soft-capping; over a random 1024-slot cache, near 0, at split boundaries, capacity - 1."""
+    from megabake.runtime import MegakernelDecoder, gpu_info
+    from tests.compiler_fixtures import compile_preset
+
+    monkeypatch.setenv("MEGABAKE_EXPERIMENTAL_LAYOUTS", "sandwich")  # not yet in GPU_VERIFIED_LAYOUTS
+    compiled = compile_preset("tiny-gemma2", batch=batch, capacity=1024, ctas=gpu_info().sm_count)
+    assert compiled.plan.layout == "sandwich"
+    decoder = MegakernelDecoder(compiled.plan, compiled.generated.source, compiled.model, device="cuda")
+    reference = _reference_for(compiled, decoder)
+    generator = torch.Generator().manual_seed(12)
+    for name in ("k_cache", "v_cache"):
+        cache = torch.randn(reference.buffers[name].shape, generator=generator).to(reference.buffers[name].dtype)
+        reference.buffers[name].copy_(cache)
+        decoder.buffers[name].copy_(cache.to(decoder.buffers[name].device))
+    positions = [0, 1, 2, 127, 128, 129, 700, 1023]
+    tokens = torch.randint(1, compiled.plan.dims.vocab, (batch, len(positions)), generator=generator)
+    _assert_steps_match(decoder, reference, tokens, positions)
+
+
 def test_phi3_kernel_matches_reference_executor_at_long_context():
     """Phi-3's fused qkv / gate-up projections packed as row ranges (head_dim 64: 96, Phi-3-mini's, is refused),
     over a random 1024-slot cache: near 0, at the split boundary and at capacity - 1."""

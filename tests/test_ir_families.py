@@ -257,11 +257,16 @@ def test_a_sliding_window_covering_the_whole_cache_is_the_causal_mask():
         assert [op.kind for op in windowed.ops] == [op.kind for op in plain.ops]
 
 
-def test_gemma2_final_logit_soft_capping_is_named():
+def test_gemma2_final_logit_soft_capping_lowers_to_one_softcap_op():
+    from megabake.ir import Softcap
+
     config = dict(GEMMA, sliding_window=4096)
-    message = _refusal(_build("Gemma2ForCausalLM", **config))
-    assert "final logit soft-capping (final_logit_softcapping=30.0)" in message
+    ir = _lower(_build("Gemma2ForCausalLM", **config))
+    (cap,) = ir.of_kind(Softcap)
+    assert cap.cap == 30.0 and cap.out == ir.output and len(cap.fx_nodes) == 3  # div, tanh, mul
+    assert ir.producer()[cap.inp].hf_module == "lm_head"
     ir = _lower(_build("Gemma2ForCausalLM", **config, final_logit_softcapping=None))
+    assert not ir.of_kind(Softcap)
     assert {a.act for a in ir.of_kind(GatedAct)} == {"gelu_tanh"} and ir.of_kind(Embedding)[0].scale != 1.0
 
 

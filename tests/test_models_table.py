@@ -382,9 +382,10 @@ def test_checked_in_models_table_is_current():
     assert not re.search(r"0x[0-9a-f]{6,}", text) and str(REPO) not in text
 
 
-def test_checked_in_models_table_matches_the_compiler_today():
+def test_checked_in_models_table_matches_the_compiler_today(monkeypatch):
     """The CPU tries too: a compiler change that moves a family (bakes <-> refused, or another refusal text) must
-    come with a regenerated docs/MODELS.md (`megabake registry models`)."""
-    result = CliRunner().invoke(registry, ["models", "--packages", str(REPO / "packages"),
-                                           "--out", str(REPO / "docs" / "MODELS.md"), "--check"])
+    come with a regenerated docs/MODELS.md (`megabake registry models`, run from the repository root)."""
+    monkeypatch.chdir(REPO)
+    monkeypatch.delenv("MEGABAKE_EXPERIMENTAL_LAYOUTS", raising=False)
+    result = CliRunner().invoke(registry, ["models", "--check"])
     assert result.exit_code == 0, result.output

@@ -42,7 +42,7 @@ KERNEL_ARGUMENTS = [
 def kernel_arguments(plan: Plan) -> list[str]:
     """Kernel parameter order: the fixed buffers, then the bias and per-head-norm buffers this plan has
     (none for Llama)."""
-    optional = list(STAGE_BIAS.values()) + [HEAD_NORMS, ATTN_PART, ATTN_COUNT]
+    optional = list(STAGE_BIAS.values()) + [HEAD_NORMS, ATTN_PART, ATTN_COUNT, "x_mid", "o_out", "down_out"]
     return KERNEL_ARGUMENTS + [name for name in optional if any(b.name == name for b in plan.buffers)]
 
 
@@ -203,6 +203,8 @@ def _header(w: _Writer, plan: Plan, plan_hash: str, arguments: list[str], self_c
     w(f"ATTN_SCALE = {d.attn_scale!r}")
     if d.embed_scale != 1.0:
         w(f"EMBED_SCALE = {d.embed_scale!r}  # x = embedding(ids) * EMBED_SCALE")
+    if d.final_softcap:
+        w(f"FINAL_SOFTCAP = {d.final_softcap!r}  # logits = FINAL_SOFTCAP * tanh(logits / FINAL_SOFTCAP)")
     w(f"ROWS_PER_TILE = {{{', '.join(repr(s.name) + ': ' + str(s.tiling.per_tile) for s in plan.stages if s.tiling.kind == 'rows')}}}")
     w(f"GEMV_UNROLL = {{{', '.join(repr(s.name) + ': ' + str(s.tiling.unroll) for s in plan.stages if s.tiling.kind == 'rows')}}}  # 16-byte loads in flight per lane and row")
     w("GRID = (CTAS, 1, 1)")
@@ -264,9 +266,9 @@ PREFETCH_BUDGET_BYTES = 16 << 20  # per barrier wait; L2 is 50-60 MB on H100/H20
 _LAYER_INDEX = {"first": "0", "same": "layer", "next": "cutlass.min(layer + 1, LAYERS - 1)"}
 
 
-def _next_gemv(stage: Stage) -> tuple[str, str] | None:
+def _next_gemv(plan: Plan, stage: Stage) -> tuple[str, str] | None:
     """The next GEMV after the barrier that ends ``stage`` (stage table): (its weight expression, its stage name)."""
-    found = next_gemv(stage.name)
+    found = next_gemv(stage.name, plan)
     if found is None:
         return None
     spec, relation = found
@@ -283,7 +285,7 @@ def _preload_registers(plan: Plan) -> list[str]:
         if stage.tiling.kind == "rows" and stage.tiling.preload and not stage.tiling.stages:
             width = stage.tiling.per_tile * stage.tiling.unroll
             lines.append(f"pre_{stage.name} = cute.make_rmem_tensor(cute.make_layout(8 * {width}), "
-                         f"{spec_of(stage).gemv.weight}.element_type)  # first K chunk, loaded before the barrier")
+                         f"{spec_of(stage, plan).gemv.weight}.element_type)  # first K chunk, loaded before the barrier")
     return lines
 
 
@@ -303,12 +305,12 @@ def _before_barrier_calls(plan: Plan, stage: Stage) -> list[str]:
     if prefetch is None:
         return calls
     calls.append(prefetch)
-    weight, next_name = _next_gemv(stage)
+    weight, next_name = _next_gemv(plan, stage)
     next_stage = next(s for s in plan.stages if s.name == next_name)
     if next_stage.tiling.preload and next_stage.tiling.stages:
         rows, cols = _gemv_shape(plan, next_name)
         # after the last layer's last GEMV comes the LM head, not the next layer's first GEMV: copy nothing there
-        active = "cutlass.min(LAYERS - 1 - layer, 1)" if next_gemv(stage.name)[1] == "next" else "1"
+        active = "cutlass.min(LAYERS - 1 - layer, 1)" if next_gemv(stage.name, plan)[1] == "next" else "1"
         calls.append(f"bodies.gemv_ring_prefill({weight}, {_RING}, {_warp_index(next_stage)}, lane, {active}, "
                      f"TOTAL_WARPS, {rows}, {cols}, {next_stage.tiling.per_tile}, {next_stage.tiling.unroll}, "
                      f"{next_stage.tiling.stages})")
@@ -320,13 +322,13 @@ def _before_barrier_calls(plan: Plan, stage: Stage) -> list[str]:
 
 
 def _gemv_shape(plan: Plan, stage_name: str) -> tuple[int, int]:
-    gemv = next(spec_of(s) for s in plan.stages if s.name == stage_name).gemv
+    gemv = next(spec_of(s, plan) for s in plan.stages if s.name == stage_name).gemv
     return getattr(plan.dims, gemv.rows), getattr(plan.dims, gemv.cols)
 
 
 def _prefetch_call(plan: Plan, stage: Stage) -> str | None:
     """L2 prefetch of the next GEMV's first tiles, issued before waiting at the barrier."""
-    found = _next_gemv(stage)
+    found = _next_gemv(plan, stage)
     if found is None:
         return None
     weight, next_name = found
@@ -385,8 +387,11 @@ def _gemv_label(plan: Plan, stage: Stage) -> str:
 def _vector_call(plan: Plan, spec: StageSpec) -> tuple[str, str]:
     """The body call that stages a GEMV stage's fp32 input row(s) in ``s_vec``."""
     vector, width = spec.vector, DIMENSION_CONSTANTS[spec.vector.width]
+    if vector.kind == "residual_norm":
+        return "residual_norm_to_smem", _residual_norm_call(plan, vector, width)
     if vector.kind == "rmsnorm":
-        weight = "final_norm" if vector.norm_role == "final_norm" else f"norms[layer, {norm_slot(vector.norm_role)}, None]"
+        slot = "final_norm" if vector.norm_role == "final_norm" else norm_slot(vector.norm_role, plan)
+        weight = "final_norm" if slot == "final_norm" else f"norms[layer, {slot}, None]"
         return ("rmsnorm_to_smem",
                 f"bodies.rmsnorm_to_smem({vector.source}, {weight}, s_vec, s_red, tidx, BATCH, {width}, THREADS, EPS)")
     if vector.kind == "copy":
@@ -398,22 +403,46 @@ def _vector_call(plan: Plan, spec: StageSpec) -> tuple[str, str]:
     return body, f"bodies.{body}({vector.source}, s_vec, tidx, BATCH, {width}, THREADS, approximate={tanh})"
 
 
+_DELTA_LAYER = {"same": "layer", "previous": "cutlass.max(layer - 1, 0)", "last": "LAYERS - 1"}
+
+
+def _residual_norm_call(plan: Plan, vector, width: str) -> str:
+    """Post-norm layouts: stage norm(source + post_norm(delta)); one CTA stores the new residual."""
+    post = f"norms[{_DELTA_LAYER[vector.delta_layer]}, {norm_slot(vector.delta_norm_role, plan)}, None]"
+    pre = "final_norm" if vector.norm_role == "final_norm" else f"norms[layer, {norm_slot(vector.norm_role, plan)}, None]"
+    out = vector.write_back or vector.source  # source: an unused stand-in when nothing is stored
+    return (f"bodies.residual_norm_to_smem({vector.source}, {vector.delta}, {post}, {pre}, {out}, s_vec, s_red, cta, "
+            f"tidx, BATCH, {width}, THREADS, EPS, {bool(vector.write_back)})")
+
+
 def _gemv_stage_calls(plan: Plan, stage: Stage) -> list[tuple[str, str]]:
-    spec = spec_of(stage)
+    spec = spec_of(stage, plan)
     gemv = spec.gemv
     weight = f"{gemv.weight}[layer, None, None]" if spec.per_layer else gemv.weight
     rows, cols = DIMENSION_CONSTANTS[gemv.rows], DIMENSION_CONSTANTS[gemv.cols]
     bias = plan.bias_of(stage.name) if spec.per_layer else None
-    return [_vector_call(plan, spec),
-            (_gemv_label(plan, stage), _gemv(weight, gemv.out, rows, cols, stage, gemv.accumulate, bias))]
+    calls = [_vector_call(plan, spec),
+             (_gemv_label(plan, stage), _gemv(weight, gemv.out, rows, cols, stage, gemv.accumulate, bias))]
+    if spec.scope == "epilogue" and plan.dims.final_softcap:
+        calls.append(("softcap_rows", f"bodies.softcap_rows({gemv.out}, {_warp_index(stage)}, lane, TOTAL_WARPS, "
+                                      f"{rows}, BATCH, ROWS_PER_TILE[{stage.name!r}], FINAL_SOFTCAP)"))
+    return calls
 
 
 def _body_calls(plan: Plan, stage: Stage) -> list[tuple[str, str]]:
     """(body name, call text) of one stage, from the stage table."""
-    if spec_of(stage).gemv is not None:
+    spec = spec_of(stage, plan)
+    if spec.gemv is not None:
         return _gemv_stage_calls(plan, stage)
     if stage.kind == "attention":
         return [_attention_call(plan)]
+    if spec.writes != ("x",):  # post-norm layouts: the residual starts in x_mid, the pending MLP output is zero
+        target, pending = spec.writes
+        scaled = "_scaled" if plan.dims.embed_scale != 1.0 else ""
+        scale = ", EMBED_SCALE" if scaled else ""
+        return [(f"embed_gather{scaled}", f"bodies.embed_gather{scaled}(embed, tokens, {target}, cta, tidx, BATCH, HIDDEN, "
+                                          f"CTAS, THREADS{scale})"),
+                ("zero_rows", f"bodies.zero_rows({pending}, cta, tidx, BATCH, HIDDEN, CTAS, THREADS)")]
     if plan.dims.embed_scale != 1.0:
         return [("embed_gather_scaled", "bodies.embed_gather_scaled(embed, tokens, x, cta, tidx, BATCH, HIDDEN, CTAS, "
                                         "THREADS, EMBED_SCALE)")]

@@ -16,6 +16,7 @@ Fields beyond the Llama basics (all defaulted, so a Llama-family IR is unchanged
   with ``scale = c``; the mul joins its ``fx_nodes`` and its ``out`` is the mul's output. ``c`` is the exact
   value the model multiplies by, read from the captured constant after the graph's own casts (a bf16 model
   multiplies by the bf16-rounded sqrt(hidden)). A non-scalar or non-constant factor is refused.
+* ``Softcap``: ``cap * tanh(x / cap)`` (div, tanh, mul by the same scalar; Gemma 2's final logit soft-capping).
 * ``GatedAct.act``: ``"silu"`` (aten.silu), ``"gelu_tanh"`` (aten.gelu, approximate='tanh') or ``"gelu"``
   (aten.gelu, approximate='none'), each as ``act(gate) * up``.
 * ``Linear.weight_rows`` (None = the whole weight): a fused projection (Phi-3's ``qkv_proj`` sliced into q/k/v,
@@ -132,6 +133,14 @@ class GatedAct(Op):
     gate: str = ""
     up: str = ""
     act: str = "silu"
+
+
+@dataclass
+class Softcap(Op):
+    """``cap * tanh(x / cap)`` (Gemma 2's final logit soft-capping)."""
+
+    inp: str = ""
+    cap: float = 0.0
 
 
 @dataclass
@@ -905,6 +914,10 @@ def _cat(lw: _Lowering, node, args):
 def _mul(lw: _Lowering, node, args):
     a, b = args[0], args[1]
     for x, y in ((a, b), (b, a)):
+        capped = _softcap(lw, node, x, y)
+        if capped is not None:
+            return capped
+    for x, y in ((a, b), (b, a)):
         if isinstance(x, Act) and isinstance(y, Partial) and y.kind == "inv_rms" and y.args[0] == x.name:
             return Partial("normed", (x.name, y.args[1] + [node.name], y.args[2]))
         if isinstance(x, Partial) and x.kind == "normed" and isinstance(y, (Param, Partial)):
@@ -928,6 +941,29 @@ def _mul(lw: _Lowering, node, args):
     for x, y in ((a, b), (b, a)):
         if isinstance(x, Act) and x.name in lw.embeddings and not isinstance(y, (Partial, Rotary)):
             return lw.embedding_scale(node, x, y)
+    return None
+
+
+def _div(lw: _Lowering, node, args):
+    """``x / cap`` with a scalar cap: the first node of a soft-capping ``cap * tanh(x / cap)``."""
+    x, cap = _finish(args[0]), args[1]
+    if isinstance(x, Act) and isinstance(cap, (int, float)) and not isinstance(cap, bool) and cap > 0:
+        return Partial("capped_div", (x.name, float(cap), [node.name]))
+    return None
+
+
+def _tanh(lw: _Lowering, node, args):
+    x = args[0]
+    if isinstance(x, Partial) and x.kind == "capped_div":
+        return Partial("capped_tanh", (x.args[0], x.args[1], x.args[2] + [node.name]))
+    return None
+
+
+def _softcap(lw: _Lowering, node, x, y):
+    """The last node of ``cap * tanh(x / cap)``: one Softcap op (the caps must be the same number)."""
+    if isinstance(x, Partial) and x.kind == "capped_tanh" and isinstance(y, (int, float)) and float(y) == x.args[1]:
+        lw.emit(Softcap, node, x.args[2] + [node.name], inp=x.args[0], cap=x.args[1])
+        return Act(node.name)
     return None
 
 
@@ -962,6 +998,8 @@ _ELEMENTWISE = {
     aten.silu.default: _activation("silu"),
     aten.gelu.default: _gelu,
     aten.narrow.default: _narrow,
+    aten.div.Tensor: _div,
+    aten.tanh.default: _tanh,
 }
 
 

@@ -19,10 +19,16 @@ as ``qk_norms`` for the attention stage.
 Layout of the package: ``model`` (the data classes), ``recognise`` (IR -> blocks), ``stages`` (the stage
 table), ``attention`` (split-KV tiling), ``memory`` (shared memory), ``tuning`` (GEMV tilings and the default
 choice), ``packing`` / ``rotary`` / ``reference`` (weights, RoPE tables and the CPU executor of a plan).
+
+Layouts (``megabake.plan.stages.LAYOUTS``): ``pre_norm`` (Llama and most families) and ``sandwich`` (Gemma 2:
+RMSNorm before and after attention and the MLP, the residual adds of the normalised outputs folded into the next
+stage's staging). A layout not yet verified on a GPU is baked only when ``MEGABAKE_EXPERIMENTAL_LAYOUTS`` names
+it (:func:`check_layout_enabled`).
 """
 
 from __future__ import annotations
 
+import os
 
 from ..errors import PlanError
 from ..ir import Embedding, IRGraph, Linear, RMSNorm, RotaryTable
@@ -31,9 +37,9 @@ from .attention import (ATTN_COUNT, ATTN_PART, SPLIT_KV_MIN_CHUNK, SPLIT_KV_UNRO
 from .memory import check_shared_memory, smem_bytes, smem_floats  # noqa: F401
 from .model import (PLAN_VERSION, WARP, Buffer, LayerBinding, ModelDims, PackedWeight, Plan,  # noqa: F401
                     Rotary, Stage, Tiling, plan_from_dict)
-from .recognise import Block, model_dims, recognise
-from .stages import (GEMV_STAGES, HEAD_NORMS, LAYER_GEMVS, LAYER_NORM_ROLES, STAGE_BIAS, STAGE_TABLE,  # noqa: F401
-                     WORKSPACES, StageSpec)
+from .recognise import Block, model_dims, recognise_decoder
+from .stages import (GEMV_STAGES, HEAD_NORMS, LAYER_GEMVS, LAYER_NORM_ROLES, LAYOUTS, STAGE_BIAS,  # noqa: F401
+                     STAGE_TABLE, WORKSPACES, Layout, StageSpec)
 from .tuning import (DEFAULT_TUNING, HOPPER_SMEM_PER_BLOCK, PIPELINE_MAX_THREADS,  # noqa: F401
                      PIPELINE_MAX_VECTORS, RING_VECTOR_BYTES, STREAMING_DEFAULT, GemvTuning, check_pipeline,
                      check_ring, default_tuning, ring_bytes, ring_shape, streaming_tuning)
@@ -64,8 +70,11 @@ def build_plan(ir: IRGraph, *, ctas: int = 132, threads: int = 256, weight_dtype
         raise PlanError(f"tuning names unknown GEMV stage(s) {unknown}; known: {list(GEMV_STAGES)}")
     if split_kv is None:
         split_kv = not attention_preload
-    embed, blocks, final_norm, lm_head = recognise(ir)
-    dims = model_dims(embed, blocks, final_norm, lm_head)
+    decoder = recognise_decoder(ir)
+    embed, blocks, final_norm, lm_head = decoder.embed, decoder.blocks, decoder.final_norm, decoder.lm_head
+    layout = LAYOUTS[decoder.layout]
+    check_layout_enabled(layout.name)
+    dims = model_dims(embed, blocks, final_norm, lm_head, decoder.softcap)
     batch, capacity = ir.batch, ir.capacity
     if tuning is None:
         tuning = default_tuning(threads, smem_bytes(dims, batch, capacity, threads, split_kv))
@@ -76,22 +85,40 @@ def build_plan(ir: IRGraph, *, ctas: int = 132, threads: int = 256, weight_dtype
     tied = lm_head.weight == embed.table
     biased = _biased_stages(blocks)
     head_norms = _has_head_norms(blocks)
-    stages = _stages(dims, batch, tuning, attention_tiling(dims, batch, ctas, threads, split_kv), biased,
+    stages = _stages(layout, dims, batch, tuning, attention_tiling(dims, batch, ctas, threads, split_kv), biased,
                      head_norms, attention_preload)
     return Plan(
         version=PLAN_VERSION, dims=dims, batch=batch, capacity=capacity, ctas=ctas, threads=threads,
         smem_bytes=smem_bytes(dims, batch, capacity, threads, split_kv) + ring, weight_dtype=weight_dtype,
-        buffers=_buffers(dims, batch, capacity, weight_dtype, tied) + _bias_buffers(dims, biased)
+        buffers=_buffers(layout, dims, batch, capacity, weight_dtype, tied) + _bias_buffers(dims, biased)
         + _head_norm_buffers(dims, head_norms) + split_kv_buffers(dims, batch, stages),
-        packed=_packing(blocks, embed, final_norm, lm_head, tied) + _bias_packing(blocks, biased)
+        packed=_packing(layout, blocks, embed, final_norm, lm_head, tied) + _bias_packing(blocks, biased)
         + _head_norm_packing(blocks, head_norms),
-        stages=stages, layers=[_bind_layer(block) for block in blocks],
+        stages=stages, layers=[_bind_layer(layout, block) for block in blocks],
         rotary=Rotary(inv_freq_buffer=inv_freq_buffer, attention_scaling=rotary_scaling, head_dim=dims.head_dim,
                       ops=[op.id for op in ir.of_kind(RotaryTable)]),
         globals={"embed": _provenance([embed]), "final_norm": _provenance([final_norm]),
                  "lm_head": _provenance([lm_head])},
-        tied_lm_head=tied,
+        tied_lm_head=tied, layout=layout.name,
     )
+
+
+EXPERIMENTAL_LAYOUTS_ENV = "MEGABAKE_EXPERIMENTAL_LAYOUTS"
+GPU_VERIFIED_LAYOUTS = ("pre_norm",)  # layouts whose kernels passed `pytest -m gpu` on an H200
+
+
+def check_layout_enabled(name: str) -> None:
+    """A layout whose kernel has not yet run on a GPU is baked only when ``MEGABAKE_EXPERIMENTAL_LAYOUTS``
+    names it (comma- or space-separated): the sandwich layout (Gemma 2) is CPU-checked only."""
+    if name in GPU_VERIFIED_LAYOUTS:
+        return
+    if name in os.environ.get(EXPERIMENTAL_LAYOUTS_ENV, "").replace(",", " ").split():
+        return
+    raise PlanError(f"this model has the {name!r} decoder layout (RMSNorm after attention and the MLP as well as "
+                    "before: Gemma 2), whose kernel matches eager fp32 on the CPU (reference executor) and compiles "
+                    "for sm_90a but has not run on a GPU yet; to bake it anyway set "
+                    f"{EXPERIMENTAL_LAYOUTS_ENV}={name} (a bake on a Hopper GPU and `megabake verify` still check "
+                    "its numerics against PyTorch)")
 
 
 def _check_options(dims: ModelDims, tuning: dict[str, GemvTuning], threads: int, lm_head: Linear, split_kv: bool,
@@ -123,10 +150,11 @@ def _layer_roles(spec: StageSpec) -> list[str]:
     return list(spec.optional_roles) + list(spec.roles)
 
 
-def _bind_layer(block: Block) -> LayerBinding:
+def _bind_layer(layout: Layout, block: Block) -> LayerBinding:
     ops = block.ops
-    by_stage = {spec.name: [ops[r] for r in _layer_roles(spec) if r in ops] for spec in STAGE_TABLE if spec.per_layer}
-    params = {role: op.weight for spec in STAGE_TABLE if spec.per_layer for role in _layer_roles(spec)
+    layer_specs = [spec for spec in layout.stages if spec.per_layer]
+    by_stage = {spec.name: [ops[r] for r in _layer_roles(spec) if r in ops] for spec in layer_specs}
+    params = {role: op.weight for spec in layer_specs for role in _layer_roles(spec)
               if (op := ops.get(role)) is not None and isinstance(op, (RMSNorm, Linear))}
     return LayerBinding(
         index=block.index, params=params,
@@ -148,10 +176,10 @@ def _stage_tiling(spec: StageSpec, dims: ModelDims, batch: int, tuning: dict[str
     return Tiling("chunks", elements, 256, -(-elements // 256))
 
 
-def _stages(dims: ModelDims, batch: int, tuning: dict[str, GemvTuning], attention: Tiling, biased: list[str],
-            head_norms: bool, attention_preload: bool) -> list[Stage]:
+def _stages(layout: Layout, dims: ModelDims, batch: int, tuning: dict[str, GemvTuning], attention: Tiling,
+            biased: list[str], head_norms: bool, attention_preload: bool) -> list[Stage]:
     stages = []
-    for index, spec in enumerate(STAGE_TABLE):
+    for index, spec in enumerate(layout.stages):
         tiling = _stage_tiling(spec, dims, batch, tuning, attention)
         if spec.kind == "attention":
             tiling.preload = attention_preload
@@ -166,12 +194,12 @@ def _stages(dims: ModelDims, batch: int, tuning: dict[str, GemvTuning], attentio
     return stages
 
 
-def _buffers(dims: ModelDims, batch: int, capacity: int, wdt: str, tied: bool) -> list[Buffer]:
+def _buffers(layout: Layout, dims: ModelDims, batch: int, capacity: int, wdt: str, tied: bool) -> list[Buffer]:
     L, H = dims.layers, dims.hidden
     buffers = [Buffer("embed", "weight", wdt, [dims.vocab, H])]
     buffers += [Buffer(spec.gemv.weight, "weight", wdt, [L, getattr(dims, spec.gemv.rows), getattr(dims, spec.gemv.cols)])
-                for spec in LAYER_GEMVS]
-    buffers += [Buffer("norms", "weight", "float32", [L, len(LAYER_NORM_ROLES), H]),
+                for spec in layout.layer_gemvs]
+    buffers += [Buffer("norms", "weight", "float32", [L, len(layout.norm_roles), H]),
                 Buffer("final_norm", "weight", "float32", [H])]
     if not tied:
         buffers.append(Buffer("lm_head", "weight", wdt, [dims.vocab, H]))
@@ -183,19 +211,20 @@ def _buffers(dims: ModelDims, batch: int, capacity: int, wdt: str, tied: bool) -
         Buffer("tokens", "input", "int32", [batch]),
         Buffer("position", "input", "int32", [1]),
     ]
-    buffers += [Buffer(name, "workspace", "float32", [batch, getattr(dims, width)]) for name, width in WORKSPACES.items()]
+    buffers += [Buffer(name, "workspace", "float32", [batch, getattr(dims, width)])
+                for name, width in layout.workspaces.items()]
     buffers += [Buffer("logits", "output", "float32", [batch, dims.vocab]), Buffer("barrier", "sync", "int64", [1])]
     return buffers
 
 
-def _packing(blocks: list[Block], embed: Embedding, final_norm: RMSNorm, lm_head: Linear,
+def _packing(layout: Layout, blocks: list[Block], embed: Embedding, final_norm: RMSNorm, lm_head: Linear,
              tied: bool) -> list[PackedWeight]:
     def per_layer(roles):
         return [[_weight_source(block.ops[role]) for role in roles] for block in blocks]
 
     packs = [PackedWeight("embed", False, [[(embed.table, 0)]])]
-    packs += [PackedWeight(spec.gemv.weight, True, per_layer(spec.gemv.roles)) for spec in LAYER_GEMVS]
-    packs += [PackedWeight("norms", True, per_layer(LAYER_NORM_ROLES)),
+    packs += [PackedWeight(spec.gemv.weight, True, per_layer(spec.gemv.roles)) for spec in layout.layer_gemvs]
+    packs += [PackedWeight("norms", True, per_layer(layout.norm_roles)),
               PackedWeight("final_norm", False, [[(final_norm.weight, 0)]])]
     if not tied:
         packs.append(PackedWeight("lm_head", False, [[(lm_head.weight, 0)]]))

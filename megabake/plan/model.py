@@ -33,6 +33,7 @@ class ModelDims:
     attn_scale: float
     act: str  # the gated MLP's activation: one of megabake.plan.stages.ACTIVATIONS
     embed_scale: float = 1.0  # x = embedding(ids) * embed_scale (Gemma: sqrt(hidden) as the model rounds it)
+    final_softcap: float = 0.0  # logits = c * tanh(logits / c) when c > 0 (Gemma 2's final_logit_softcapping)
 
     @property
     def q_rows(self) -> int:
@@ -144,6 +145,7 @@ class Plan:
     rotary: Rotary
     globals: dict[str, dict[str, list[str]]]  # embed / final_norm / lm_head: ops, fx_nodes, hf_modules
     tied_lm_head: bool
+    layout: str = "pre_norm"  # megabake.plan.stages.LAYOUTS: pre_norm (Llama) | sandwich (Gemma 2)
 
     # -- identity -----------------------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -154,6 +156,10 @@ class Plan:
                     stage["tiling"].pop(flag, None)
         if data["dims"]["embed_scale"] == 1.0:  # recorded only where it scales: older plans keep their hash
             data["dims"].pop("embed_scale")
+        if not data["dims"]["final_softcap"]:
+            data["dims"].pop("final_softcap")
+        if data["layout"] == "pre_norm":  # likewise: the layout is named only when it is not the first one
+            data.pop("layout")
         return data
 
     def to_json(self) -> str:

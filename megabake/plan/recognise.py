@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import PlanError
-from ..ir import Add, DecodeAttention, Embedding, GatedAct, IRGraph, KVAppend, Linear, RMSNorm, RoPE
+from ..ir import Add, DecodeAttention, Embedding, GatedAct, IRGraph, KVAppend, Linear, RMSNorm, RoPE, Softcap
 from .model import WARP, ModelDims
 from .stages import ACTIVATIONS
 
@@ -47,6 +47,8 @@ def _inputs(op) -> list[str]:
         return [op.gate, op.up]
     if isinstance(op, Add):
         return [op.a, op.b]
+    if isinstance(op, Softcap):
+        return [op.inp]
     return []
 
 
@@ -68,6 +70,34 @@ def _only(items: list, what: str, where: str):
     return items[0]
 
 
+@dataclass
+class Decoder:
+    """The recognised decoder: embedding, identical blocks, final norm, LM head (and its soft-capping), and the
+    layout of its blocks (``pre_norm``: Llama; ``sandwich``: norms before and after attention and MLP)."""
+
+    embed: Embedding
+    blocks: list[Block]
+    final_norm: RMSNorm
+    lm_head: Linear
+    softcap: Softcap | None
+    layout: str
+
+
+def recognise_decoder(ir: IRGraph) -> Decoder:
+    embed, blocks, final_norm, lm_head = recognise(ir)
+    users = _consumers(ir)
+    softcap = None
+    if lm_head.out != ir.output:
+        softcap = _only([u for u in users.get(lm_head.out, []) if isinstance(u, Softcap)], "soft-capping",
+                        lm_head.hf_module)
+        if softcap.out != ir.output:
+            raise PlanError(f"the soft-capped LM head ({softcap.hf_module}) does not produce the step's output")
+    layouts = {"sandwich" if "post_attn_norm" in block.ops else "pre_norm" for block in blocks}
+    if len(layouts) > 1:
+        raise PlanError("some layers normalise the attention output and some do not; layers must be identical")
+    return Decoder(embed, blocks, final_norm, lm_head, softcap, layouts.pop())
+
+
 def recognise(ir: IRGraph) -> tuple[Embedding, list[Block], RMSNorm, Linear]:
     users = _consumers(ir)
     producer = ir.producer()
@@ -79,7 +109,8 @@ def recognise(ir: IRGraph) -> tuple[Embedding, list[Block], RMSNorm, Linear]:
         linears = [u for u in users.get(norm.out, []) if isinstance(u, Linear)]
         if len(linears) == 1:  # final norm -> LM head
             lm_head = linears[0]
-            if lm_head.out != ir.output:
+            capped = [u for u in users.get(lm_head.out, []) if isinstance(u, Softcap)]
+            if lm_head.out != ir.output and not (capped and capped[0].out == ir.output):
                 raise PlanError(f"the last linear ({lm_head.hf_module}) does not produce the step's output")
             break
         block = _recognise_block(len(blocks), residual, norm, linears, users, producer)
@@ -118,7 +149,8 @@ def _recognise_block(index, residual, norm, linears, users, producer) -> Block:
                         "on q and k and a static-cache attention")
     ops["attention"] = attn
     o_proj = _only([u for u in users.get(attn.out, []) if isinstance(u, Linear)], "o-projection", attn.hf_module)
-    add1 = _only([u for u in users.get(o_proj.out, []) if isinstance(u, Add)], "residual add", o_proj.hf_module)
+    attn_out = _post_norm(o_proj, users, ops, "post_attn_norm")
+    add1 = _only([u for u in users.get(attn_out, []) if isinstance(u, Add)], "residual add", o_proj.hf_module)
     if residual not in (add1.a, add1.b):
         raise PlanError(f"layer {index}: the attention residual add does not add the layer input")
     norm2 = _only([u for u in users.get(add1.out, []) if isinstance(u, RMSNorm)], "post-attention RMSNorm",
@@ -134,17 +166,32 @@ def _recognise_block(index, residual, norm, linears, users, producer) -> Block:
     gate = next(lin for lin in mlp_in if lin.out == act.gate)
     up = next(lin for lin in mlp_in if lin.out == act.up)
     down = _only([u for u in users.get(act.out, []) if isinstance(u, Linear)], "down projection", act.hf_module)
-    add2 = _only([u for u in users.get(down.out, []) if isinstance(u, Add)], "MLP residual add", down.hf_module)
+    mlp_out = _post_norm(down, users, ops, "post_ffn_norm")
+    if ("post_attn_norm" in ops) != ("post_ffn_norm" in ops):
+        raise PlanError(f"layer {index}: a norm after only one of attention and the MLP is not supported (the "
+                        "sandwich layout normalises both outputs before their residual adds)")
+    add2 = _only([u for u in users.get(mlp_out, []) if isinstance(u, Add)], "MLP residual add", down.hf_module)
     if add1.out not in (add2.a, add2.b):
         raise PlanError(f"layer {index}: the MLP residual add does not add the attention residual")
     ops.update(o=o_proj, attn_add=add1, post_norm=norm2, gate=gate, up=up, act=act, down=down, mlp_add=add2)
     return Block(index, ops)
 
 
+def _post_norm(projection: Linear, users: dict, ops: dict, role: str) -> str:
+    """The value a projection adds to the residual: its output, or an RMSNorm of it (Gemma 2's post-attention
+    and post-feed-forward norms, recorded as ``role``)."""
+    norms = [u for u in users.get(projection.out, []) if isinstance(u, RMSNorm)]
+    if len(norms) == 1 and len(users.get(projection.out, [])) == 1:
+        ops[role] = norms[0]
+        return norms[0].out
+    return projection.out
+
+
 SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)  # head_dim / 8 lanes per cached row must divide the 32 lanes of a warp
 
 
-def model_dims(embed: Embedding, blocks: list[Block], final_norm: RMSNorm, lm_head: Linear) -> ModelDims:
+def model_dims(embed: Embedding, blocks: list[Block], final_norm: RMSNorm, lm_head: Linear,
+               softcap: Softcap | None = None) -> ModelDims:
     first = blocks[0].ops
     attn: DecodeAttention = first["attention"]
     norm: RMSNorm = first["input_norm"]
@@ -153,6 +200,7 @@ def model_dims(embed: Embedding, blocks: list[Block], final_norm: RMSNorm, lm_he
         head_dim=attn.head_dim, intermediate=first["gate"].out_features, vocab=lm_head.out_features,
         layers=len(blocks), eps=norm.eps, norm_offset=norm.weight_offset, attn_scale=attn.scale,
         act=first["act"].act, embed_scale=float(getattr(embed, "scale", 1.0)),
+        final_softcap=float(softcap.cap) if softcap is not None else 0.0,
     )
     for block in blocks:
         _check_block_shape(block, dims)
@@ -173,11 +221,11 @@ def _check_block_shape(block: Block, dims: ModelDims) -> None:
         if (lin.out_features, lin.in_features) != shape:
             raise PlanError(f"layer {block.index} {role} ({lin.hf_module}) has shape "
                             f"{(lin.out_features, lin.in_features)}, expected {shape}: layers must be identical")
-    for role in ("q_norm", "k_norm"):
+    for role in ("q_norm", "k_norm", "post_norm", "post_attn_norm", "post_ffn_norm"):
         norm = ops.get(role)
         if norm is not None and (norm.eps != dims.eps or norm.weight_offset != dims.norm_offset):
-            raise PlanError(f"{norm.hf_module}: a per-head norm whose eps or weight offset differs from the layer "
-                            "norms is not supported")
+            raise PlanError(f"{norm.hf_module}: a norm whose eps or weight offset differs from the input norm "
+                            "is not supported")
     head_dim = ops["attention"].head_dim
     if head_dim not in SUPPORTED_HEAD_DIMS:
         raise PlanError(f"head_dim {head_dim} ({ops['attention'].hf_module}) is not supported: decode attention "

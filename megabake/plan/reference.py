@@ -50,7 +50,7 @@ class ReferenceExecutor:
         return self.buffers["logits"].clone()
 
     def _run(self, stage: Stage, layer, tokens, position):
-        if spec_of(stage).gemv is not None:
+        if spec_of(stage, self.plan).gemv is not None:
             return self._stage_gemv(stage, layer)
         getattr(self, f"_stage_{stage.kind}")(stage, layer, tokens, position)
 
@@ -98,8 +98,10 @@ class ReferenceExecutor:
         vocab = self.plan.dims.vocab
         if int(tokens.max()) >= vocab or int(tokens.min()) < 0:
             raise IndexError(f"token id out of range [0, {vocab})")
-        x = self.buffers["x"]
-        flat = x.view(-1)
+        target, *pending = spec_of(stage, self.plan).writes  # post-norm layouts: x_mid, and down_out zeroed
+        for name in pending:
+            self.buffers[name].zero_()
+        flat = self.buffers[target].view(-1)
         hidden = self.plan.dims.hidden
         for tile in range(stage.tiling.tiles):
             first = tile * stage.tiling.per_tile
@@ -110,22 +112,37 @@ class ReferenceExecutor:
     def _vector(self, vector: VectorInput, layer: int | None) -> torch.Tensor:
         """A GEMV stage's input rows, as the kernel stages them in shared memory (fp32)."""
         source = self.buffers[vector.source]
-        if vector.kind == "rmsnorm":
+        if vector.kind in ("rmsnorm", "residual_norm"):
             weight = (self.w["final_norm"] if vector.norm_role == "final_norm"
-                      else self.w["norms"][layer, norm_slot(vector.norm_role)])
+                      else self.w["norms"][layer, norm_slot(vector.norm_role, self.plan)])
+            if vector.kind == "residual_norm":
+                source = self._residual(vector, layer)
             return self._rmsnorm(source, weight)
         if vector.kind == "copy":
             return source.clone()
         inter = self.plan.dims.intermediate
         return _ACTIVATIONS[self.plan.dims.act](source[:, :inter]) * source[:, inter:]
 
+    def _residual(self, vector: VectorInput, layer: int | None) -> torch.Tensor:
+        """source + rmsnorm(delta) by the post-norm weight of the same, previous (clamped at 0: delta is zero
+        there) or last layer; stored into ``write_back`` when the layout keeps it."""
+        index = {"same": layer, "previous": max((layer or 0) - 1, 0), "last": self.plan.dims.layers - 1}
+        post = self.w["norms"][index[vector.delta_layer], norm_slot(vector.delta_norm_role, self.plan)]
+        residual = self.buffers[vector.source] + self._rmsnorm(self.buffers[vector.delta], post)
+        if vector.write_back:
+            self.buffers[vector.write_back].copy_(residual)
+        return residual
+
     def _stage_gemv(self, stage: Stage, layer: int | None):
-        spec = spec_of(stage)
+        spec = spec_of(stage, self.plan)
         gemv = spec.gemv
         weight = self.w[self.lm_head if gemv.weight == "lm_head" else gemv.weight]
         weight = weight[layer] if spec.per_layer else weight
         self._gemv(stage, weight, self._vector(spec.vector, layer), self.buffers[gemv.out], gemv.accumulate,
                    layer=layer)
+        cap = self.plan.dims.final_softcap
+        if spec.scope == "epilogue" and cap:
+            self.buffers[gemv.out].copy_(cap * torch.tanh(self.buffers[gemv.out] / cap))
 
     def _stage_attention(self, stage, layer, tokens, position):
         if not 0 <= position < self.plan.capacity:

@@ -1,10 +1,13 @@
 """Stage table: every barrier interval of the megakernel's decode step, described once.
 
-Contract: ``STAGE_TABLE`` lists one :class:`StageSpec` per stage, in execution order (prologue, the layer loop,
-epilogue). A spec says which IR roles the stage implements, what it reads and writes, and for a GEMV stage how
-its input row is staged in shared memory (:class:`VectorInput`) and which packed weight it multiplies by
-(:class:`Gemv`: the projection roles packed along its rows, their shape as ``ModelDims`` attribute names, the
-output buffer, whether it accumulates into it, and its optional fp32 bias buffer). The plan
+Contract: a :class:`Layout` lists one :class:`StageSpec` per stage, in execution order (prologue, the layer loop,
+epilogue), with its per-layer norm slots and workspaces; ``LAYOUTS`` holds ``pre_norm`` (``STAGE_TABLE``: Llama
+and most families) and ``sandwich`` (``SANDWICH_TABLE``: Gemma 2's norms before and after attention and the MLP),
+and ``layout_of(plan)`` / ``spec_of(stage, plan)`` find a plan's entries. A spec says which IR roles the stage
+implements, what it reads and writes, and for a GEMV stage how its input row is staged in shared memory
+(:class:`VectorInput`) and which packed weight it multiplies by (:class:`Gemv`: the projection roles packed
+along its rows, their shape as ``ModelDims`` attribute names, the output buffer, whether it accumulates into
+it, and its optional fp32 bias buffer). The plan
 (``megabake.plan.build_plan``) builds its stages, weight buffers, packing and bias buffers from this table; the
 code generator (``megabake.codegen``) emits each stage's body calls, its L2 prefetch and ring/register preload
 of the next GEMV from it; the reference executor (``megabake.plan.reference``) runs it. Adding a stage kind
@@ -27,13 +30,20 @@ class VectorInput:
     """How a GEMV stage stages its fp32 input row(s) in shared memory before multiplying.
 
     ``kind``: ``rmsnorm`` (RMSNorm of ``source`` by the norm weight ``norm_role``, recomputed by every CTA),
-    ``copy`` (``source`` as is) or ``gated_act`` (``act(gate) * up`` of ``source`` = [gate | up], the model's
-    activation)."""
+    ``copy`` (``source`` as is), ``gated_act`` (``act(gate) * up`` of ``source`` = [gate | up], the model's
+    activation) or ``residual_norm`` (post-norm layouts, below)."""
 
     kind: str
     source: str
     width: str  # ModelDims attribute: the row length
     norm_role: str = ""  # rmsnorm: the norm weight's role (input_norm / post_norm: per-layer; final_norm: global)
+    # residual_norm (post-norm layouts): the staged row is norm_role(source + delta_norm_role(delta)), the pending
+    # residual add of a normalised projection output; delta_layer: whose norm weights (same | previous | last
+    # layer); write_back: the buffer one CTA stores ``source + norm(delta)`` into (the next residual)
+    delta: str = ""
+    delta_norm_role: str = ""
+    delta_layer: str = "same"
+    write_back: str = ""
 
 
 @dataclass(frozen=True)
@@ -99,16 +109,73 @@ STAGE_TABLE: tuple[StageSpec, ...] = (
               gemv=Gemv("lm_head", ("lm_head",), "vocab", "hidden", "logits", False), barrier_after=False),
 )
 
-STAGES_BY_NAME = {spec.name: spec for spec in STAGE_TABLE}
-GEMV_STAGES = tuple(spec.name for spec in STAGE_TABLE if spec.gemv is not None)
-LAYER_GEMVS = tuple(spec for spec in STAGE_TABLE if spec.per_layer and spec.gemv is not None)
-# Per-layer RMSNorm weights, packed as slots of the ``norms`` buffer [layers, slots, hidden] in this order.
-LAYER_NORM_ROLES = tuple(spec.vector.norm_role for spec in STAGE_TABLE
-                         if spec.per_layer and spec.vector is not None and spec.vector.kind == "rmsnorm")
-# Linear biases (Qwen2's q/k/v; Llama's attention_bias / mlp_bias): GEMV stage -> its fp32 bias buffer
+# Sandwich layout (Gemma 2): RMSNorm before and after attention and before and after the MLP. The o and down
+# GEMVs write their own rows (``o_out``, ``down_out``); the residual add of their normalised output is folded into
+# the next stage's staging, every CTA recomputing ``x' = x + norm(out)`` and one CTA storing it in the other
+# residual buffer (``x`` <-> ``x_mid``), so the layout has as many grid barriers as the pre-norm one. The embedding
+# writes ``x_mid`` and zeroes ``down_out``, so layer 0's staging (the "previous layer's" MLP output) adds nothing.
+SANDWICH_TABLE: tuple[StageSpec, ...] = (
+    StageSpec("embed", "prologue", "embed", ("embed",), ("tokens", "embed"), ("x_mid", "down_out")),
+    StageSpec("norm_qkv", "layer", "residual_norm_gemv", ("input_norm", "q", "k", "v"),
+              ("x_mid", "down_out", "norms", "w_qkv"), ("x", "qkv"),
+              vector=VectorInput("residual_norm", "x_mid", "hidden", norm_role="input_norm", delta="down_out",
+                                 delta_norm_role="post_ffn_norm", delta_layer="previous", write_back="x"),
+              gemv=Gemv("w_qkv", ("q", "k", "v"), "qkv_rows", "hidden", "qkv", False, bias="bias_qkv")),
+    STAGE_TABLE[2],  # attention
+    StageSpec("o_residual", "layer", "gemv", ("o",), ("attn", "w_o"), ("o_out",),
+              vector=VectorInput("copy", "attn", "q_rows"),
+              gemv=Gemv("w_o", ("o",), "hidden", "q_rows", "o_out", False, bias="bias_o")),
+    StageSpec("norm_gate_up", "layer", "residual_norm_gemv", ("post_attn_norm", "attn_add", "post_norm", "gate", "up"),
+              ("x", "o_out", "norms", "w_gate_up"), ("x_mid", "gate_up"),
+              vector=VectorInput("residual_norm", "x", "hidden", norm_role="post_norm", delta="o_out",
+                                 delta_norm_role="post_attn_norm", delta_layer="same", write_back="x_mid"),
+              gemv=Gemv("w_gate_up", ("gate", "up"), "gate_up_rows", "hidden", "gate_up", False,
+                        bias="bias_gate_up")),
+    StageSpec("down_residual", "layer", "act_gemv", ("act", "down", "post_ffn_norm", "mlp_add"), ("gate_up", "w_down"),
+              ("down_out",), vector=VectorInput("gated_act", "gate_up", "intermediate"),
+              gemv=Gemv("w_down", ("down",), "hidden", "intermediate", "down_out", False, bias="bias_down")),
+    StageSpec("norm_lm_head", "epilogue", "residual_norm_gemv_out", ("final_norm", "lm_head"),
+              ("x_mid", "down_out", "norms", "final_norm", "embed"), ("logits",),
+              vector=VectorInput("residual_norm", "x_mid", "hidden", norm_role="final_norm", delta="down_out",
+                                 delta_norm_role="post_ffn_norm", delta_layer="last"),
+              gemv=Gemv("lm_head", ("lm_head",), "vocab", "hidden", "logits", False), barrier_after=False),
+)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One decoder layout: its stages and what follows from them."""
+
+    name: str
+    stages: tuple[StageSpec, ...]
+    norm_roles: tuple[str, ...]  # per-layer RMSNorm weights, the slots of ``norms`` [layers, slots, hidden]
+    workspaces: dict  # workspace buffer -> its width (a ModelDims attribute), in buffer order
+
+    @property
+    def by_name(self) -> dict[str, StageSpec]:
+        return {spec.name: spec for spec in self.stages}
+
+    @property
+    def layer_gemvs(self) -> tuple[StageSpec, ...]:
+        return tuple(spec for spec in self.stages if spec.per_layer and spec.gemv is not None)
+
+
+LAYOUTS = {
+    "pre_norm": Layout("pre_norm", STAGE_TABLE, ("input_norm", "post_norm"),
+                       {"x": "hidden", "qkv": "qkv_rows", "attn": "q_rows", "gate_up": "gate_up_rows"}),
+    "sandwich": Layout("sandwich", SANDWICH_TABLE, ("input_norm", "post_attn_norm", "post_norm", "post_ffn_norm"),
+                       {"x": "hidden", "qkv": "qkv_rows", "attn": "q_rows", "gate_up": "gate_up_rows",
+                        "x_mid": "hidden", "o_out": "hidden", "down_out": "hidden"}),
+}
+PRE_NORM = LAYOUTS["pre_norm"]
+STAGES_BY_NAME = PRE_NORM.by_name
+GEMV_STAGES = tuple(spec.name for spec in STAGE_TABLE if spec.gemv is not None)  # the same in every layout
+LAYER_GEMVS = PRE_NORM.layer_gemvs
+LAYER_NORM_ROLES = PRE_NORM.norm_roles
+# Linear biases (Qwen2's q/k/v; Llama's attention_bias / mlp_bias): GEMV stage -> its fp32 bias buffer (every
+# layout names the same ones)
 STAGE_BIAS = {spec.name: spec.gemv.bias for spec in LAYER_GEMVS if spec.gemv.bias}
-# Workspace rows between stages: buffer -> its width (a ModelDims attribute), in buffer order.
-WORKSPACES = {"x": "hidden", "qkv": "qkv_rows", "attn": "q_rows", "gate_up": "gate_up_rows"}
+WORKSPACES = PRE_NORM.workspaces
 # ModelDims attribute -> the generated module's constant expression.
 DIMENSION_CONSTANTS = {"hidden": "HIDDEN", "q_rows": "Q_ROWS", "qkv_rows": "QKV_ROWS", "intermediate": "INTER",
                        "gate_up_rows": "2 * INTER", "vocab": "VOCAB"}
@@ -118,26 +185,33 @@ DIMENSION_CONSTANTS = {"hidden": "HIDDEN", "q_rows": "Q_ROWS", "qkv_rows": "QKV_
 ACTIVATIONS = {"silu": "silu_mul_to_smem", "gelu_tanh": "gelu_mul_to_smem", "gelu": "gelu_mul_to_smem"}
 
 
-def spec_of(stage) -> StageSpec:
-    """The table entry of a plan stage (by name)."""
-    return STAGES_BY_NAME[stage.name]
+def layout_of(plan) -> Layout:
+    """The layout a plan was built for (``plan.layout``; plans made before layouts existed are pre-norm)."""
+    return LAYOUTS[getattr(plan, "layout", "pre_norm")]
 
 
-def norm_slot(role: str) -> int:
+def spec_of(stage, plan=None) -> StageSpec:
+    """The table entry of a plan stage (by name, in the plan's layout)."""
+    return (layout_of(plan) if plan is not None else PRE_NORM).by_name[stage.name]
+
+
+def norm_slot(role: str, plan=None) -> int:
     """The slot of a per-layer norm role in the ``norms`` buffer."""
-    return LAYER_NORM_ROLES.index(role)
+    return (layout_of(plan) if plan is not None else PRE_NORM).norm_roles.index(role)
 
 
-def next_gemv(stage_name: str) -> tuple[StageSpec, str] | None:
+def next_gemv(stage_name: str, plan=None) -> tuple[StageSpec, str] | None:
     """The GEMV stage that runs next after the barrier ending ``stage_name`` (wrapping to the next layer's first
     GEMV), and how its layer index relates: ``first`` (layer 0, from the prologue), ``same`` or ``next``.
     None for a stage that does not prefetch (attention, the epilogue)."""
-    spec = STAGES_BY_NAME[stage_name]
+    layout = layout_of(plan) if plan is not None else PRE_NORM
+    spec = layout.by_name[stage_name]
     if not spec.prefetches_next_gemv:
         return None
+    gemvs = layout.layer_gemvs
     if spec.scope == "prologue":
-        return LAYER_GEMVS[0], "first"
-    position = LAYER_GEMVS.index(spec)
-    if position + 1 < len(LAYER_GEMVS):
-        return LAYER_GEMVS[position + 1], "same"
-    return LAYER_GEMVS[0], "next"
+        return gemvs[0], "first"
+    position = gemvs.index(spec)
+    if position + 1 < len(gemvs):
+        return gemvs[position + 1], "same"
+    return gemvs[0], "next"

@@ -130,14 +130,14 @@ FAMILIES: tuple[Family, ...] = (
 
 # What the refused families need, in the order that unlocks the most (written down, not generated).
 NEXT_STEPS = (
-    "**Post-norm residuals (OLMo-2; with pre-norms too: Gemma 2, Gemma 3).** A projection whose output is "
-    "normalised before the residual add cannot accumulate into `x` as its GEMV writes. Plan: the GEMV writes its "
-    "own workspace; the next stage's input staging computes `x' = x + norm(out)` (every CTA, like the pre-norm "
-    "today; then the pre-norm if the model has one) and one CTA stores `x'` into a second residual buffer, the two "
-    "alternating within a layer, so no grid barrier is added. OLMo-2 also normalises q and k over the whole "
-    "projection (not per head) before RoPE: the attention CTAs recompute that row's RMS.",
-    "**Soft-capping (Gemma 2).** Final logits `tanh(z / c) * c` fold into the LM-head GEMV's write; attention "
-    "soft-capping is left out of transformers' SDPA graph, so the exported model does not compute it.",
+    "**OLMo-2 (post-norms without pre-norms).** Gemma 2's sandwich layout (`megabake.plan.stages.SANDWICH_TABLE`: "
+    "the o and down GEMVs write their own rows, the next stage's staging adds their normalised output to the "
+    "residual, two residual buffers, no extra barrier) covers the post-norms; OLMo-2 also needs the layout without "
+    "the pre-norms and q/k RMSNorm over the whole projection (not per head) before RoPE: the attention CTAs "
+    "recompute that row's RMS.",
+    "**Attention soft-capping (Gemma 2).** transformers' SDPA path leaves `attn_logit_softcapping` out of the "
+    "exported graph, so neither the HF model as exported nor the megakernel applies it (final logit soft-capping "
+    "is baked); eager-attention Gemma 2 is refused (eager attention).",
     "**Sliding windows (Mistral, Gemma 2/3 local layers).** Split-KV attention starts each sequence's range at "
     "`max(0, position - window + 1)`; a model mixing local and global layers (Gemma 3 5:1, each with its own RoPE "
     "base) needs a per-layer window and rotary table in the layer loop.",
@@ -233,6 +233,8 @@ def _quiet():
     except ImportError:  # pragma: no cover - transformers is a dependency
         hf_logging = None
     level = hf_logging.get_verbosity() if hf_logging else None
+    # the table states the default behaviour: an opt-in to unverified layouts in this shell does not count
+    opt_in = os.environ.pop("MEGABAKE_EXPERIMENTAL_LAYOUTS", None)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if hf_logging:
@@ -242,6 +244,8 @@ def _quiet():
         finally:
             if hf_logging:
                 hf_logging.set_verbosity(level)
+            if opt_in is not None:
+                os.environ["MEGABAKE_EXPERIMENTAL_LAYOUTS"] = opt_in
 
 
 def try_family(family: Family) -> ModelRow:

@@ -359,3 +359,19 @@ def gemv_rows_bias(weight: cute.Tensor, bias: cute.Tensor, s_vec: cute.Tensor, o
     """:func:`gemv_rows` plus a per-row fp32 bias (a linear layer with a bias, e.g. Qwen2's q/k/v)."""
     _gemv_rows(weight, s_vec, out, bias, gwarp, lane, total_warps, rows, cols, batch, per_tile, accumulate, unroll,
                True)
+
+
+@cute.jit
+def softcap_rows(out: cute.Tensor, gwarp: Int32, lane: Int32, total_warps: cutlass.Constexpr[int],
+                 rows: cutlass.Constexpr[int], batch: cutlass.Constexpr[int], per_tile: cutlass.Constexpr[int],
+                 cap: cutlass.Constexpr[float]):
+    """out[b, row] = cap * tanh(out[b, row] / cap) for the rows this warp's GEMV tiles wrote (same tile order):
+    lane 0 wrote them and lane 0 rewrites them, so no synchronisation is needed (Gemma 2's final soft-capping)."""
+    tiles = (rows + per_tile - 1) // per_tile
+    if lane == 0:
+        for tile in range(gwarp, tiles, total_warps):
+            for r in cutlass.range_constexpr(per_tile):
+                row = tile * per_tile + r
+                if row < rows:
+                    for b in cutlass.range_constexpr(batch):
+                        out[b, row] = cap * cute.math.tanh(out[b, row] * (1.0 / cap))
