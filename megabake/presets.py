@@ -143,6 +143,26 @@ PRESETS: dict[str, Preset] = {
             ),
         ),
         Preset(
+            name="smollm-1.7b",
+            model_id="HuggingFaceTB/SmolLM-1.7B",
+            architecture="LlamaForCausalLM",
+            description="SmolLM-1.7B shape: hidden 2048, 24 layers, 32/32 heads x 64, intermediate 8192, vocab 49152, "
+                        "tied (a larger Llama without GQA)",
+            config=dict(
+                _LLAMA_COMMON,
+                hidden_size=2048,
+                intermediate_size=8192,
+                num_hidden_layers=24,
+                num_attention_heads=32,
+                num_key_value_heads=32,
+                head_dim=64,
+                vocab_size=49152,
+                max_position_embeddings=2048,
+                rope_theta=10000.0,
+                tie_word_embeddings=True,
+            ),
+        ),
+        Preset(
             name="qwen2.5-0.5b",
             model_id="Qwen/Qwen2.5-0.5B",
             architecture="Qwen2ForCausalLM",

@@ -379,7 +379,7 @@ def test_plan_refuses_buckets_that_do_not_fit_shared_memory():
         _check_shared_memory(dims, batch=8, capacity=60000, threads=256)
 
 
-@pytest.mark.parametrize("preset", ["smollm-135m", "llama-3.2-1b", "qwen2.5-0.5b", "qwen3-0.6b"])
+@pytest.mark.parametrize("preset", ["smollm-135m", "llama-3.2-1b", "qwen2.5-0.5b", "qwen3-0.6b", "smollm-1.7b"])
 def test_real_shapes_compile_for_sm90a(preset, tmp_path):
     """The real models' shapes (two layers each: the layer loop makes depth irrelevant to codegen)."""
     from megabake.runtime.compile import compile_check, load_module
