@@ -238,3 +238,25 @@ def test_gemma3_text_layers_bake_with_the_sandwich_layout_and_head_norms(sandwic
     plan = compile_model(model, capacity=64).plan
     assert plan.layout == "sandwich" and plan.has_head_norms and plan.dims.norm_offset == 1.0
     _assert_matches_eager(model, reference_executor_for(plan, model), steps=24)
+
+
+def test_a_division_by_a_scalar_outside_soft_capping_is_refused_saying_so():
+    """The div of a soft-capping is accepted only when tanh and the same * cap follow: any other ``x / c`` is refused
+    at its consumer, which names the division."""
+    from megabake.compiler import compile_step
+    from megabake.errors import UnsupportedGraphError
+    from megabake.presets import get_preset
+
+    class Halve(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return self.inner(x) / 2.0
+
+    model = get_preset("tiny-llama").build_model()
+    model.model.layers[0].self_attn.o_proj = Halve(model.model.layers[0].self_attn.o_proj)
+    with pytest.raises(UnsupportedGraphError, match=r"linear_3 / 2 \(a division by a scalar lowers only as part "
+                                                    r"of soft-capping"):
+        compile_step(model, capacity=32)

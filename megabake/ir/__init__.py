@@ -717,6 +717,10 @@ def _describe(value) -> str:
         return f"parameter {value.fqn}"
     if isinstance(value, Cache):
         return f"KV cache {value.which}[{value.layer}]"
+    if isinstance(value, Partial) and value.kind in ("capped_div", "capped_tanh"):
+        step = "/" if value.kind == "capped_div" else "tanh of /"
+        return (f"activation {value.args[0]} {step} {value.args[1]:g} (a division by a scalar lowers only as part "
+                "of soft-capping c * tanh(x / c))")
     if isinstance(value, Partial):
         return f"partial {value.kind}"
     if isinstance(value, Position):
