@@ -24,3 +24,26 @@ def compile_preset(name: str, *, layers: int | None = None, **kwargs) -> Compile
     config = dict(preset.config, num_hidden_layers=layers)
     small = dataclasses.replace(preset, config=config)
     return compile_model(small.build_model(), **kwargs)
+
+
+def assert_matches_eager(model, executor, steps: int, tol: float = 1e-5) -> list[float]:
+    """Advance ``steps`` decode steps (seeded random tokens) through the HF model (static cache) and the plan's
+    reference executor: logits rel-L2 below ``tol`` at every step, the same K cache at the end. The per-step
+    errors."""
+    import torch
+    from transformers import StaticCache
+
+    plan = executor.plan
+    cache = StaticCache(config=model.config, max_cache_len=plan.capacity)
+    tokens = torch.randint(1, plan.dims.vocab, (steps,), generator=torch.Generator().manual_seed(3))
+    errors = []
+    with torch.no_grad():
+        for pos in range(steps):
+            want = model(tokens[pos:pos + 1][None], past_key_values=cache, use_cache=True,
+                         cache_position=torch.tensor([pos])).logits[0, -1]
+            got = executor.step(tokens[pos:pos + 1], pos)[0]
+            errors.append(float((got - want).norm() / want.norm()))
+            assert errors[-1] < tol, f"step {pos}: rel-L2 {errors[-1]:.2e}"
+    keys = torch.stack([layer.keys for layer in cache.layers])
+    assert torch.allclose(executor.buffers["k_cache"], keys, atol=1e-5)
+    return errors

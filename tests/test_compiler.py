@@ -7,14 +7,13 @@ import json
 
 import pytest
 import torch
-from transformers import StaticCache
 
 from megabake.errors import InputError, PlanError, UnsupportedGraphError
 from megabake.ir import DecodeAttention, Linear, RMSNorm
 from megabake.plan import Plan
 from megabake.plan.reference import reference_executor_for
 from megabake.presets import get_preset
-from tests.compiler_fixtures import compile_model, compile_preset
+from tests.compiler_fixtures import assert_matches_eager, compile_model, compile_preset
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +63,7 @@ def test_ir_matches_semantics_not_module_names():
     assert len(norms) == 5
     assert any(n.weight.endswith("post_attention_layernorm.scale_vector") for n in norms)
     executor = reference_executor_for(compiled.plan, model)
-    _assert_matches_eager(model, executor, steps=3)
+    assert_matches_eager(model, executor, steps=3)
 
 
 def test_unsupported_node_names_node_target_module_and_source():
@@ -119,7 +118,7 @@ def test_linear_biases_are_packed_per_stage_with_zeros_where_absent():
 def test_reference_executor_with_linear_biases_matches_eager_fp32(arch, extra):
     model = _randomise_biases(_small(arch, **extra))
     compiled = compile_model(model)
-    _assert_matches_eager(model, reference_executor_for(compiled.plan, model), steps=4)
+    assert_matches_eager(model, reference_executor_for(compiled.plan, model), steps=4)
 
 
 def test_biased_module_compiles_for_sm90a_and_llama_modules_stay_bias_free(tiny):
@@ -140,27 +139,16 @@ def test_biased_module_compiles_for_sm90a_and_llama_modules_stay_bias_free(tiny)
 
 
 @torch.no_grad()
-def _assert_matches_eager(model, executor, steps: int, tol: float = 1e-5):
-    plan = executor.plan
-    cache = StaticCache(config=model.config, max_cache_len=plan.capacity)
-    tokens = torch.randint(1, plan.dims.vocab, (steps,), generator=torch.Generator().manual_seed(3))
-    for pos in range(steps):
-        want = model(tokens[pos:pos + 1][None], past_key_values=cache, use_cache=True,
-                     cache_position=torch.tensor([pos])).logits[0, -1]
-        got = executor.step(tokens[pos:pos + 1], pos)[0]
-        assert float((got - want).norm() / want.norm()) < tol, f"step {pos}"
-    keys = torch.stack([layer.keys for layer in cache.layers])
-    assert torch.allclose(executor.buffers["k_cache"], keys, atol=1e-5)
 
 
 def test_reference_executor_matches_eager_fp32_tiny(tiny):
-    _assert_matches_eager(tiny.model, reference_executor_for(tiny.plan, tiny.model), steps=10)
+    assert_matches_eager(tiny.model, reference_executor_for(tiny.plan, tiny.model), steps=10)
 
 
 def test_reference_executor_matches_eager_fp32_smollm_shaped_stack():
     compiled = compile_preset("smollm-135m", layers=4, capacity=16)
     assert compiled.plan.dims.hidden == 576 and compiled.plan.dims.n_heads == 9
-    _assert_matches_eager(compiled.model, reference_executor_for(compiled.plan, compiled.model), steps=5)
+    assert_matches_eager(compiled.model, reference_executor_for(compiled.plan, compiled.model), steps=5)
 
 
 def test_reference_executor_checks_tile_ownership(tiny):
@@ -316,7 +304,7 @@ def test_other_architectures_with_llama_semantics_bake():
     model = _small("MistralForCausalLM", sliding_window=None)
     compiled = compile_model(model)
     assert not compiled.plan.tied_lm_head and compiled.plan.buffer("lm_head").shape == [1024, 256]
-    _assert_matches_eager(model, reference_executor_for(compiled.plan, model), steps=4)
+    assert_matches_eager(model, reference_executor_for(compiled.plan, model), steps=4)
 
 
 @pytest.mark.parametrize("arch, error, where", [
@@ -346,7 +334,7 @@ def test_qwen3_head_norms_are_recognised_and_match_eager_fp32():
     assert layer.params["q_norm"] == "model.layers.1.self_attn.q_norm.weight"
     assert "model.layers.1.self_attn.q_norm" in layer.hf_modules["attention"]
     assert "bodies.split_kv_attention(qkv, qk_norms[layer, None, None]" in compiled.generated.source
-    _assert_matches_eager(model, reference_executor_for(plan, model), steps=4)
+    assert_matches_eager(model, reference_executor_for(plan, model), steps=4)
 
 
 def test_qwen3_module_compiles_for_sm90a_and_llama_attention_is_unchanged(tiny):

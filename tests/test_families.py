@@ -11,27 +11,9 @@ import math
 
 import pytest
 import torch
-from transformers import StaticCache
 
 from megabake.plan.reference import reference_executor_for
-from tests.compiler_fixtures import compile_preset
-
-
-def _assert_matches_eager(model, executor, steps: int, tol: float = 1e-5) -> list[float]:
-    plan = executor.plan
-    cache = StaticCache(config=model.config, max_cache_len=plan.capacity)
-    tokens = torch.randint(1, plan.dims.vocab, (steps,), generator=torch.Generator().manual_seed(3))
-    errors = []
-    with torch.no_grad():
-        for pos in range(steps):
-            want = model(tokens[pos:pos + 1][None], past_key_values=cache, use_cache=True,
-                         cache_position=torch.tensor([pos])).logits[0, -1]
-            got = executor.step(tokens[pos:pos + 1], pos)[0]
-            errors.append(float((got - want).norm() / want.norm()))
-            assert errors[-1] < tol, f"step {pos}: rel-L2 {errors[-1]:.2e}"
-    keys = torch.stack([layer.keys for layer in cache.layers])
-    assert torch.allclose(executor.buffers["k_cache"], keys, atol=1e-5)
-    return errors
+from tests.compiler_fixtures import assert_matches_eager, compile_preset
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +42,7 @@ def test_llama_plan_json_has_no_embed_scale():
 def test_gemma_reference_executor_matches_eager_fp32_past_a_kv_split_boundary(tiny_gemma):
     """140 advancing steps: attention splits the cache in chunks of 128 positions, so the last steps merge two
     partial softmaxes; the scaled embedding, GeGLU and (1 + w) norms all enter every step."""
-    errors = _assert_matches_eager(tiny_gemma.model, reference_executor_for(tiny_gemma.plan, tiny_gemma.model),
+    errors = assert_matches_eager(tiny_gemma.model, reference_executor_for(tiny_gemma.plan, tiny_gemma.model),
                                    steps=140)
     assert max(errors) < 1e-5
 
@@ -109,7 +91,7 @@ def test_phi3_fused_projections_pack_rows_of_one_weight_and_match_eager_fp32():
     assert gate_up == [("model.layers.1.mlp.gate_up_proj.weight", 0, 512),
                        ("model.layers.1.mlp.gate_up_proj.weight", 512, 1024)]
     assert type(plan).from_json(plan.to_json()).packed == plan.packed
-    _assert_matches_eager(model, reference_executor_for(plan, model), steps=140)
+    assert_matches_eager(model, reference_executor_for(plan, model), steps=140)
 
 
 def test_head_dim_96_is_refused_naming_the_limit():
@@ -187,7 +169,7 @@ def test_pre_norm_plans_do_not_name_a_layout_or_softcap():
 def test_gemma2_reference_executor_matches_eager_fp32_past_a_kv_split_boundary(tiny_gemma2):
     """140 steps with pre/post norms, the residual adds folded into the next stage, and soft-capped logits
     (cap 3: the tanh bends every logit)."""
-    errors = _assert_matches_eager(tiny_gemma2.model, reference_executor_for(tiny_gemma2.plan, tiny_gemma2.model),
+    errors = assert_matches_eager(tiny_gemma2.model, reference_executor_for(tiny_gemma2.plan, tiny_gemma2.model),
                                    steps=140)
     assert max(errors) < 1e-5
 
@@ -237,7 +219,7 @@ def test_gemma3_text_layers_bake_with_the_sandwich_layout_and_head_norms(sandwic
     _randomize_norm_weights(model, 0)
     plan = compile_model(model, capacity=64).plan
     assert plan.layout == "sandwich" and plan.has_head_norms and plan.dims.norm_offset == 1.0
-    _assert_matches_eager(model, reference_executor_for(plan, model), steps=24)
+    assert_matches_eager(model, reference_executor_for(plan, model), steps=24)
 
 
 def test_a_division_by_a_scalar_outside_soft_capping_is_refused_saying_so():

@@ -31,6 +31,25 @@ def _reference_for(compiled, decoder):
                              decoder.buffers["rope_sin"].cpu())
 
 
+def _assert_random_cache_steps_match(compiled, model, *, seed: int,
+                                     positions=(0, 1, 2, 127, 128, 129, 700, 1023)):
+    """Kernel vs reference executor from the same random KV cache (every slot filled), one step at each of
+    ``positions`` (near 0, around the split boundary of 128, capacity - 1) for the bucket's batch; the decoder."""
+    from megabake.runtime import MegakernelDecoder
+
+    decoder = MegakernelDecoder(compiled.plan, compiled.generated.source, model, device="cuda")
+    reference = _reference_for(compiled, decoder)
+    generator = torch.Generator().manual_seed(seed)
+    for name in ("k_cache", "v_cache"):
+        cache = torch.randn(reference.buffers[name].shape, generator=generator).to(reference.buffers[name].dtype)
+        reference.buffers[name].copy_(cache)
+        decoder.buffers[name].copy_(cache.to(decoder.buffers[name].device))
+    positions = list(positions)
+    tokens = torch.randint(1, compiled.plan.dims.vocab, (compiled.plan.batch, len(positions)), generator=generator)
+    _assert_steps_match(decoder, reference, tokens, positions)
+    return decoder
+
+
 def _assert_steps_match(decoder, reference, tokens, positions, tol: float = 2e-3):
     """tokens [B, T]: step t at positions[t] on both; poisoned logits; rel-L2 per step below tol."""
     for t, pos in enumerate(positions):
@@ -148,66 +167,38 @@ def test_gemma_kernel_matches_reference_executor_at_long_context(batch):
     import dataclasses
 
     from megabake.presets import get_preset
-    from megabake.runtime import MegakernelDecoder, gpu_info
+    from megabake.runtime import gpu_info
     from tests.compiler_fixtures import compile_model
 
     preset = get_preset("tiny-gemma")
     model = dataclasses.replace(preset, config=dict(preset.config, num_attention_heads=8, head_dim=256)).build_model()
     compiled = compile_model(model, batch=batch, capacity=1024, ctas=gpu_info().sm_count)
     assert compiled.plan.dims.embed_scale == 16.0 and compiled.plan.dims.act == "gelu_tanh"
-    decoder = MegakernelDecoder(compiled.plan, compiled.generated.source, model, device="cuda")
-    reference = _reference_for(compiled, decoder)
-    generator = torch.Generator().manual_seed(10)
-    for name in ("k_cache", "v_cache"):
-        cache = torch.randn(reference.buffers[name].shape, generator=generator).to(reference.buffers[name].dtype)
-        reference.buffers[name].copy_(cache)
-        decoder.buffers[name].copy_(cache.to(decoder.buffers[name].device))
-    positions = [0, 1, 2, 127, 128, 129, 700, 1023]
-    tokens = torch.randint(1, compiled.plan.dims.vocab, (batch, len(positions)), generator=generator)
-    _assert_steps_match(decoder, reference, tokens, positions)
+    _assert_random_cache_steps_match(compiled, model, seed=10)
 
 
 @pytest.mark.parametrize("batch", [1, 2])
 def test_gemma2_sandwich_kernel_matches_reference_executor_at_long_context(batch, monkeypatch):
     """Gemma 2's layout: norms after attention and the MLP folded into the next stage's staging (two residual
     buffers), final logit soft-capping; over a random 1024-slot cache, near 0, at split boundaries, capacity - 1."""
-    from megabake.runtime import MegakernelDecoder, gpu_info
-    from tests.compiler_fixtures import compile_preset
+    from megabake.runtime import gpu_info
 
     monkeypatch.setenv("MEGABAKE_EXPERIMENTAL_LAYOUTS", "sandwich")  # not yet in GPU_VERIFIED_LAYOUTS
     compiled = compile_preset("tiny-gemma2", batch=batch, capacity=1024, ctas=gpu_info().sm_count)
     assert compiled.plan.layout == "sandwich"
-    decoder = MegakernelDecoder(compiled.plan, compiled.generated.source, compiled.model, device="cuda")
-    reference = _reference_for(compiled, decoder)
-    generator = torch.Generator().manual_seed(12)
-    for name in ("k_cache", "v_cache"):
-        cache = torch.randn(reference.buffers[name].shape, generator=generator).to(reference.buffers[name].dtype)
-        reference.buffers[name].copy_(cache)
-        decoder.buffers[name].copy_(cache.to(decoder.buffers[name].device))
-    positions = [0, 1, 2, 127, 128, 129, 700, 1023]
-    tokens = torch.randint(1, compiled.plan.dims.vocab, (batch, len(positions)), generator=generator)
-    _assert_steps_match(decoder, reference, tokens, positions)
+    _assert_random_cache_steps_match(compiled, compiled.model, seed=12)
 
 
 def test_phi3_kernel_matches_reference_executor_at_long_context():
     """Phi-3's fused qkv / gate-up projections packed as row ranges (head_dim 64: 96, Phi-3-mini's, is refused),
     over a random 1024-slot cache: near 0, at the split boundary and at capacity - 1."""
-    from megabake.runtime import MegakernelDecoder, gpu_info
+    from megabake.runtime import gpu_info
     from tests.compiler_fixtures import compile_model
     from tests.test_families import tiny_phi3
 
     model = tiny_phi3(head_dim=64)
     compiled = compile_model(model, capacity=1024, ctas=gpu_info().sm_count)
-    decoder = MegakernelDecoder(compiled.plan, compiled.generated.source, model, device="cuda")
-    reference = _reference_for(compiled, decoder)
-    generator = torch.Generator().manual_seed(11)
-    for name in ("k_cache", "v_cache"):
-        cache = torch.randn(reference.buffers[name].shape, generator=generator).to(reference.buffers[name].dtype)
-        reference.buffers[name].copy_(cache)
-        decoder.buffers[name].copy_(cache.to(decoder.buffers[name].device))
-    positions = [0, 1, 2, 127, 128, 129, 700, 1023]
-    tokens = torch.randint(1, compiled.plan.dims.vocab, (1, len(positions)), generator=generator)
-    _assert_steps_match(decoder, reference, tokens, positions)
+    _assert_random_cache_steps_match(compiled, model, seed=11)
 
 
 def test_batched_bucket_matches_reference_executor():
@@ -226,20 +217,12 @@ def test_batched_bucket_matches_reference_executor():
 def test_long_context_attention_matches_reference_executor(batch):
     """Split-KV attention over a random 1024-slot cache: positions near 0 (one split, no merge), at the split
     boundary (chunks of 128: 127 | 128 | 129, the first merges), mid-way and at capacity - 1, batch 1 and 4."""
-    from megabake.runtime import MegakernelDecoder, gpu_info
+    from megabake.runtime import gpu_info
 
     compiled = compile_preset("tiny-llama", batch=batch, capacity=1024, ctas=gpu_info().sm_count)
     assert next(s for s in compiled.plan.stages if s.kind == "attention").tiling.kind == "kv_splits"
-    decoder = MegakernelDecoder(compiled.plan, compiled.generated.source, compiled.model, device="cuda")
-    reference = _reference_for(compiled, decoder)
-    generator = torch.Generator().manual_seed(9)
-    for name in ("k_cache", "v_cache"):
-        cache = torch.randn(reference.buffers[name].shape, generator=generator).to(reference.buffers[name].dtype)
-        reference.buffers[name].copy_(cache)
-        decoder.buffers[name].copy_(cache.to(decoder.buffers[name].device))
-    positions = [0, 1, 127, 128, 129, 600, 1000, 1023]
-    tokens = torch.randint(1, compiled.plan.dims.vocab, (batch, len(positions)), generator=generator)
-    _assert_steps_match(decoder, reference, tokens, positions)
+    decoder = _assert_random_cache_steps_match(compiled, compiled.model, seed=9,
+                                               positions=[0, 1, 127, 128, 129, 600, 1000, 1023])
     assert int(decoder.buffers["attn_count"].abs().sum()) == 0  # every split counter was reset by its last CTA
 
 

@@ -21,6 +21,7 @@ Dimension names (``Gemv.rows`` / ``Gemv.cols``, ``VectorInput.width``) are ``Mod
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 HEAD_NORMS = "qk_norms"  # [L, 2, head_dim] fp32: Qwen3's q_norm and k_norm weights, applied before RoPE
 
@@ -151,11 +152,11 @@ class Layout:
     norm_roles: tuple[str, ...]  # per-layer RMSNorm weights, the slots of ``norms`` [layers, slots, hidden]
     workspaces: dict  # workspace buffer -> its width (a ModelDims attribute), in buffer order
 
-    @property
+    @cached_property  # looked up per stage and layer by the reference executor
     def by_name(self) -> dict[str, StageSpec]:
         return {spec.name: spec for spec in self.stages}
 
-    @property
+    @cached_property
     def layer_gemvs(self) -> tuple[StageSpec, ...]:
         return tuple(spec for spec in self.stages if spec.per_layer and spec.gemv is not None)
 
