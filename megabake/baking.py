@@ -209,15 +209,14 @@ def _json(obj) -> str:
 @torch.no_grad()
 def reference_check(plan, model, *, steps: int = 4, seed: int = 0) -> dict:
     """Run the plan's reference executor and the eager fp32 HF model on the same random tokens."""
-    from transformers import StaticCache
-
+    from .capture import full_length_static_cache
     from .plan.reference import reference_executor_for
 
     from .rope import cast_model
 
     fp32 = cast_model(model, dtype=torch.float32)
     executor = reference_executor_for(plan, fp32, dtype=torch.float32)
-    cache = StaticCache(config=fp32.config, max_cache_len=plan.capacity)
+    cache = full_length_static_cache(fp32.config, plan.capacity)
     generator = torch.Generator().manual_seed(seed)
     steps = min(steps, plan.capacity)
     tokens = torch.randint(0, plan.dims.vocab, (plan.batch, steps), generator=generator)

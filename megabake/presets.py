@@ -251,6 +251,48 @@ PRESETS: dict[str, Preset] = {
             ),
         ),
         Preset(
+            name="tiny-mistral",
+            model_id="megabake/tiny-mistral",
+            architecture="MistralForCausalLM",
+            description="2-layer Mistral (hidden 256, 4/2 heads x 64) with a 96-token sliding window: smaller than "
+                        "the default 128-slot bucket, so every bake of it runs sliding-window attention",
+            config=dict(
+                _LLAMA_COMMON,
+                hidden_size=256,
+                intermediate_size=512,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=64,
+                vocab_size=1024,
+                max_position_embeddings=4096,
+                sliding_window=96,
+                rope_theta=10000.0,
+                tie_word_embeddings=False,
+            ),
+        ),
+        Preset(
+            name="mistral-7b",
+            model_id="mistralai/Mistral-7B-v0.1",
+            architecture="MistralForCausalLM",
+            description="Mistral-7B-v0.1 shape: hidden 4096, 32 layers, 32/8 heads x 128, intermediate 14336, vocab "
+                        "32000, sliding window 4096 (a bucket above 4096 positions attends over the window)",
+            config=dict(
+                _LLAMA_COMMON,
+                hidden_size=4096,
+                intermediate_size=14336,
+                num_hidden_layers=32,
+                num_attention_heads=32,
+                num_key_value_heads=8,
+                head_dim=128,
+                vocab_size=32000,
+                max_position_embeddings=32768,
+                sliding_window=4096,
+                rope_theta=10000.0,
+                tie_word_embeddings=False,
+            ),
+        ),
+        Preset(
             name="tiny-gemma2",
             model_id="megabake/tiny-gemma2",
             architecture="Gemma2ForCausalLM",
@@ -280,8 +322,8 @@ PRESETS: dict[str, Preset] = {
             model_id="google/gemma-2-2b",
             architecture="Gemma2ForCausalLM",
             description="gemma-2-2b shape: hidden 2304, 26 layers, 8/4 heads x 256, intermediate 9216 (GeGLU tanh), "
-                        "vocab 256000, pre/post norms, final logit soft-capping 30, sliding window 4096 (buckets up "
-                        "to 4096 are exact), tied",
+                        "vocab 256000, pre/post norms, final logit soft-capping 30, sliding window 4096 on every other "
+                        "layer, tied",
             config=dict(
                 hidden_activation="gelu_pytorch_tanh",
                 rms_norm_eps=1e-6,

@@ -31,10 +31,11 @@ def assert_matches_eager(model, executor, steps: int, tol: float = 1e-5) -> list
     reference executor: logits rel-L2 below ``tol`` at every step, the same K cache at the end. The per-step
     errors."""
     import torch
-    from transformers import StaticCache
+
+    from megabake.capture import full_length_static_cache
 
     plan = executor.plan
-    cache = StaticCache(config=model.config, max_cache_len=plan.capacity)
+    cache = full_length_static_cache(model.config, plan.capacity)
     tokens = torch.randint(1, plan.dims.vocab, (steps,), generator=torch.Generator().manual_seed(3))
     errors = []
     with torch.no_grad():

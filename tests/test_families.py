@@ -181,17 +181,16 @@ def test_gemma2_shapes_compile_for_sm90a(preset, tmp_path):
     assert result.ok, result.error
 
 
-def test_gemma2_beyond_its_sliding_window_is_refused_in_words():
-    """gemma-2-2b's local layers see 4096 positions: a larger bucket is refused, naming the feature."""
-    from megabake.errors import UnsupportedGraphError
+def test_gemma2_beyond_its_sliding_window_windows_its_local_layers():
+    """A bucket larger than Gemma 2's sliding window: the local (even) layers attend over the window, the global
+    ones over every cached key (tests/test_sliding_window.py checks the numbers past the window)."""
     import dataclasses
 
     from megabake.presets import get_preset
 
     preset = get_preset("tiny-gemma2")
     small = dataclasses.replace(preset, config=dict(preset.config, sliding_window=64))
-    with pytest.raises(UnsupportedGraphError, match="sliding-window attention"):
-        compile_preset_model(small, capacity=128)
+    assert compile_preset_model(small, capacity=128).plan.windows == [64, 0]
 
 
 def compile_preset_model(preset, **kwargs):

@@ -64,8 +64,10 @@ def _assert_steps_match(decoder, reference, tokens, positions, tol: float = 2e-3
 # gemma-2b's random-weight logits are flat over 256000 tokens (6 of 64 steps decisive): over 64 steps the raw
 # top-1 rule is a coin toss (H200: 60/64 vs eager bf16's 63/64, while rel-L2 to fp32 was half of bf16's); over
 # 240 steps it measures (227/240 vs bf16's 219/240, seed 0; benchmarks/results/2026-12-01-h200-session7/gemma).
+# tiny-mistral: window 96, so 16 + 240 positions run mostly past it (H200, session 8: pass, rel-L2 to fp32 0.0043
+# vs eager bf16 0.0087, fp32 top-1 99.6% vs 97.5%; benchmarks/results/2026-12-01-h200-session8/mistral-numerics.txt)
 _NUMERICS = {"smollm-135m": (128, 64), "llama-3.2-1b": (128, 64), "gemma-2b": (512, 240),
-             "gemma-2-2b": (512, 240)}  # capacity, steps
+             "gemma-2-2b": (512, 240), "tiny-mistral": (320, 240)}  # capacity, steps
 
 
 @pytest.fixture(scope="module", params=list(_NUMERICS))
@@ -187,6 +189,25 @@ def test_gemma2_sandwich_kernel_matches_reference_executor_at_long_context(batch
     compiled = compile_preset("tiny-gemma2", batch=batch, capacity=1024, ctas=gpu_info().sm_count)
     assert compiled.plan.layout == "sandwich"
     _assert_random_cache_steps_match(compiled, compiled.model, seed=12)
+
+
+@pytest.mark.parametrize("preset,batch", [("tiny-mistral", 2), ("tiny-gemma2", 1)])
+def test_sliding_window_kernel_matches_reference_executor_at_long_context(preset, batch):
+    """Window 300 over a random 1024-slot cache (every slot filled, so a key read outside the window moves the
+    logits): Mistral (every layer windowed) and Gemma 2 (even layers windowed), near 0, at the split boundary,
+    around the window's edge (299, 300, 301), past it and at capacity - 1."""
+    import dataclasses
+
+    from megabake.presets import get_preset
+    from megabake.runtime import gpu_info
+    from tests.compiler_fixtures import compile_model
+
+    base = get_preset(preset)
+    model = dataclasses.replace(base, config=dict(base.config, sliding_window=300)).build_model()
+    compiled = compile_model(model, batch=batch, capacity=1024, ctas=gpu_info().sm_count)
+    assert compiled.plan.windows[0] == 300
+    _assert_random_cache_steps_match(compiled, model, seed=14,
+                                     positions=(0, 1, 2, 127, 128, 129, 299, 300, 301, 428, 700, 1023))
 
 
 def test_phi3_kernel_matches_reference_executor_at_long_context():

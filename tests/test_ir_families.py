@@ -243,10 +243,14 @@ def test_gpt_neox_gets_past_its_dropout():
 # ---------------------------------------------------------------------------------------- worded refusals
 
 
-def test_mistral_sliding_window_smaller_than_the_capacity_is_refused_in_words():
-    message = _refusal(_build("MistralForCausalLM", **MISTRAL, sliding_window=32))
-    assert "sliding-window attention (sliding_window=32 is smaller than the KV capacity 64)" in message
-    assert "masking_utils.py" in message
+def test_mistral_sliding_window_smaller_than_the_capacity_becomes_the_attention_window():
+    """The mask's ``q - window`` node carries the window into each layer's DecodeAttention; nothing else of the
+    mask survives (same ops as Llama)."""
+    from megabake.ir import DecodeAttention
+
+    windowed = _lower(_build("MistralForCausalLM", **MISTRAL, sliding_window=32))
+    assert windowed.summary() == LLAMA_COUNTS
+    assert [op.window for op in windowed.ops if isinstance(op, DecodeAttention)] == [32] * MISTRAL["num_hidden_layers"]
 
 
 def test_a_sliding_window_covering_the_whole_cache_is_the_causal_mask():
@@ -255,6 +259,7 @@ def test_a_sliding_window_covering_the_whole_cache_is_the_causal_mask():
         windowed = _lower(_build("MistralForCausalLM", **MISTRAL, sliding_window=window))
         assert windowed.summary() == plain.summary() == LLAMA_COUNTS
         assert [op.kind for op in windowed.ops] == [op.kind for op in plain.ops]
+        assert all(getattr(op, "window", 0) == 0 for op in windowed.ops)
 
 
 def test_gemma2_final_logit_soft_capping_lowers_to_one_softcap_op():

@@ -71,6 +71,20 @@ def source_line(node) -> str:
     return f"{path.rsplit('site-packages/', 1)[-1]}:{line} in {func}"
 
 
+def full_length_static_cache(config, capacity: int):
+    """A transformers ``StaticCache`` whose every layer holds ``capacity`` positions, the layout of the captured
+    step and of the megakernel's cache: a sliding-window layer keeps each key at its position and the model's
+    sliding-window mask limits what attention sees (transformers' own StaticCache would make such a layer a
+    window-long ring, whose slots are not positions)."""
+    from transformers import StaticCache
+    from transformers.cache_utils import StaticLayer
+
+    cache = StaticCache(config=config, max_cache_len=capacity)
+    cache.layers = [layer if type(layer) is StaticLayer else StaticLayer(max_cache_len=capacity)
+                    for layer in cache.layers]
+    return cache
+
+
 def _static_cache_generation_config(model, batch: int, capacity: int, device: str):
     from transformers import GenerationConfig
 

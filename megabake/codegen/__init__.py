@@ -30,7 +30,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..plan import ATTN_COUNT, ATTN_PART, HEAD_NORMS, STAGE_BIAS, Plan, Stage, kv_splits, ring_shape, smem_floats
+from ..plan import ATTN_COUNT, ATTN_PART, ATTN_WINDOW, HEAD_NORMS, STAGE_BIAS, Plan, Stage, kv_splits, ring_shape, smem_floats
 from ..plan.stages import ACTIVATIONS, DIMENSION_CONSTANTS, StageSpec, next_gemv, norm_slot, spec_of
 
 KERNEL_ARGUMENTS = [
@@ -40,9 +40,10 @@ KERNEL_ARGUMENTS = [
 
 
 def kernel_arguments(plan: Plan) -> list[str]:
-    """Kernel parameter order: the fixed buffers, then the bias and per-head-norm buffers this plan has
-    (none for Llama)."""
-    optional = list(STAGE_BIAS.values()) + [HEAD_NORMS, ATTN_PART, ATTN_COUNT, "x_mid", "o_out", "down_out"]
+    """Kernel parameter order: the fixed buffers, then the optional ones this plan has (biases, per-head norms,
+    split-KV workspace, the sandwich layout's residual buffers, per-layer sliding windows; none for Llama)."""
+    optional = list(STAGE_BIAS.values()) + [HEAD_NORMS, ATTN_PART, ATTN_COUNT, "x_mid", "o_out", "down_out",
+                                            ATTN_WINDOW]
     return KERNEL_ARGUMENTS + [name for name in optional if any(b.name == name for b in plan.buffers)]
 
 
@@ -353,7 +354,8 @@ def _attention_call(plan: Plan) -> tuple[str, str]:
         norms = "qk_norms[layer, None, None]" if plan.has_head_norms else "qkv"
         return ("split_kv_attention",
                 f"bodies.split_kv_attention(qkv, {norms}, rope_cos, rope_sin, k_cache[layer, None, None, None, None], "
-                f"v_cache[layer, None, None, None, None], attn, {ATTN_PART}, {ATTN_COUNT}, pos, s_att, cta, tidx, "
+                f"v_cache[layer, None, None, None, None], attn, {ATTN_PART}, {ATTN_COUNT}, pos, {_first_key(plan)}, "
+                "s_att, cta, tidx, "
                 f"BATCH, N_HEADS, N_KV_HEADS, HEAD_DIM, CTAS, THREADS, ATTN_SCALE, {plan.has_head_norms}, EPS, "
                 "KV_SPLITS, ATT_UNROLL, MIN_CHUNK)")
     caches = ("rope_cos, rope_sin, k_cache[layer, None, None, None, None], v_cache[layer, None, None, None, None], "
@@ -367,6 +369,11 @@ def _attention_call(plan: Plan) -> tuple[str, str]:
     if plan.has_head_norms:
         return "decode_attention_qk_norm", f"bodies.decode_attention_qk_norm(qkv, qk_norms[layer, None, None], {caches}, EPS)"
     return "decode_attention", f"bodies.decode_attention(qkv, {caches})"
+
+
+def _first_key(plan: Plan) -> str:
+    """The first cached position attention sees: 0, or the start of the layer's sliding window."""
+    return f"cutlass.max(pos + 1 - {ATTN_WINDOW}[layer], 0)" if plan.has_windows else "0"
 
 
 def _ring_stages(plan: Plan) -> tuple[int, int]:

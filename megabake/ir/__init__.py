@@ -32,8 +32,11 @@ Inference no-ops lower to nothing (the value passes through unchanged): layout a
 reshape, transpose, permute, expand, to/_to_copy, type_as, clone, contiguous, alias, detach, lift_fresh_copy),
 a full-range slice, a zero-width slice concatenated onto a value (Phi-3's ``q_pass`` when the rotary covers the
 whole head), and dropout in eval mode (``train=False`` or ``p=0``; dropout with ``train=True, p>0`` is
-refused). Masks built from positions only are folded; a sliding-window mask is folded only when the window is
-at least the KV capacity (then it equals the causal mask); a smaller window is refused.
+refused). Masks built from positions only are folded. A sliding-window mask (transformers' ``sliding_window``
+mask builders: key ``k`` is visible from query ``q`` when ``q - window < k <= q``) is folded into the
+attention that reads it: ``DecodeAttention.window`` is the window when it is smaller than the KV capacity, else 0
+(the mask then equals the causal one). Only the nodes that depend on the window constant carry it (a
+:class:`WindowMask` value); a model mixing sliding and full layers (Gemma 2) gets a window on its sliding ones.
 """
 
 from __future__ import annotations
@@ -126,6 +129,7 @@ class DecodeAttention(Op):
     n_heads: int = 0
     n_kv_heads: int = 0
     head_dim: int = 0
+    window: int = 0  # sliding window: keys (position - window, position] are visible; 0 = every cached key
 
 
 @dataclass
@@ -195,6 +199,13 @@ class Param:
 @dataclass(frozen=True)
 class Position:
     """Anything computed from the cache position / token index only (positions, causal masks)."""
+
+
+@dataclass(frozen=True)
+class WindowMask:
+    """A causal mask limited to the last ``window`` positions (computed from positions and the window only)."""
+
+    window: int
 
 
 @dataclass(frozen=True)
@@ -471,6 +482,9 @@ class _Lowering:
         mask = self.mask_region(node, values)
         if mask is not None:
             return mask
+        windowed = self.windowed(node, args, values)
+        if windowed is not None:
+            return windowed
         tensor_args = [a for a in args if a is not None and not isinstance(a, (int, float, bool, list, tuple))]
         if all(isinstance(a, (Position, Const)) for a in tensor_args) and target in _POSITION_OPS:
             return Position()
@@ -515,17 +529,35 @@ class _Lowering:
         return Const(result, origin)
 
     def mask_region(self, node, values):
-        """Nodes of a sliding-window mask: folded when the window covers the whole cache, refused otherwise."""
+        """Nodes of a sliding-window mask. When the window covers the whole cache the mask is causal (Position);
+        otherwise the node that subtracts the window (``q - window``) and everything computed from it is a
+        :class:`WindowMask`, and the rest of the region (positions, the causal part) stays Position."""
         if not _in_mask(node, "sliding_window"):
             return None
         window = self.sliding_window()
-        if window is None or window < self.captured.capacity:
+        if window is None:
             self.fail(node, "the attention mask is not the plain causal mask over the KV cache, and the "
                       "megakernel's decode attention is causal over every cache slot up to the position")
-        if all(isinstance(a, (Position, Const)) for a in values) and \
-                (node.target in _POSITION_OPS or node.target in _MASK_OPS):
-            return Position()  # window >= capacity: kv > q - window holds for every slot, the mask is causal
-        return None
+        if not all(isinstance(a, (Position, Const, WindowMask)) for a in values) or \
+                not (node.target in _POSITION_OPS or node.target in _MASK_OPS or node.target in _LAYOUT_OPS):
+            return None
+        if window >= self.captured.capacity:
+            return Position()  # kv > q - window holds for every slot: the mask is causal
+        subtracts_window = node.target in (aten.sub.Tensor, aten.add.Tensor) and \
+            any(isinstance(a, int) and not isinstance(a, bool) and abs(a) == window for a in node.args)
+        if any(isinstance(a, WindowMask) for a in values) or subtracts_window:
+            return WindowMask(window)
+        return Position()
+
+    def windowed(self, node, args, values):
+        """A sliding-window mask passed on outside its builder (sliced, viewed, cast): still the same mask."""
+        masks = {a for a in values if isinstance(a, WindowMask)}
+        if not masks:
+            return None
+        if len(masks) == 1 and all(isinstance(a, (Position, Const, WindowMask)) for a in values) and \
+                (node.target in _POSITION_OPS or node.target in _MASK_OPS or node.target in _LAYOUT_OPS):
+            return masks.pop()
+        self.fail(node, "a sliding-window mask used other than as scaled_dot_product_attention's attn_mask")
 
     def dropout(self, node, args):
         p = args[1] if len(args) > 1 else node.kwargs.get("p", 0.5)
@@ -683,7 +715,7 @@ class _Lowering:
             q = Act(q.args[0])
         ok = (isinstance(q, Act) and isinstance(k, Cache) and isinstance(v, Cache) and k.which == "k"
               and v.which == "v" and k.layer == v.layer and k.append_op and v.append_op
-              and (mask is None or isinstance(mask, Position)))
+              and (mask is None or isinstance(mask, (Position, WindowMask))))
         if not ok or node.kwargs.get("is_causal") or (len(args) > 5 and args[5]):
             self.fail(node, "attention that is not over this layer's freshly appended static KV cache")
         q_shape = self.shape(node.args[0])
@@ -691,8 +723,10 @@ class _Lowering:
         kv_heads = int(self.captured.model.config.num_key_value_heads)
         scale = node.kwargs.get("scale")
         scale = float(scale) if scale is not None else head_dim ** -0.5
+        window = mask.window if isinstance(mask, WindowMask) else 0
         self.emit(DecodeAttention, node, [node.name], layer=k.layer, q=q.name, k_append=k.append_op,
-                  v_append=v.append_op, scale=scale, n_heads=n_heads, n_kv_heads=kv_heads, head_dim=head_dim)
+                  v_append=v.append_op, scale=scale, n_heads=n_heads, n_kv_heads=kv_heads, head_dim=head_dim,
+                  window=window)
         return Act(node.name)
 
     def drop_fused(self) -> None:
@@ -771,7 +805,7 @@ def _tensor_or_none(get) -> torch.Tensor | None:
     return value if isinstance(value, torch.Tensor) else None
 
 
-_VALUES = (Act, Param, Position, Cache, Rotary, Partial, Const)
+_VALUES = (Act, Param, Position, Cache, Rotary, Partial, Const, WindowMask)
 
 
 # ---------------------------------------------------------------------- elementwise pattern rules

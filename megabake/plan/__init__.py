@@ -38,7 +38,7 @@ from .memory import check_shared_memory, smem_bytes, smem_floats  # noqa: F401
 from .model import (PLAN_VERSION, WARP, Buffer, LayerBinding, ModelDims, PackedWeight, Plan,  # noqa: F401
                     Rotary, Stage, Tiling, plan_from_dict)
 from .recognise import Block, model_dims, recognise_decoder
-from .stages import (GEMV_STAGES, HEAD_NORMS, LAYER_GEMVS, LAYER_NORM_ROLES, LAYOUTS, STAGE_BIAS,  # noqa: F401
+from .stages import (ATTN_WINDOW, GEMV_STAGES, HEAD_NORMS, LAYER_GEMVS, LAYER_NORM_ROLES, LAYOUTS, STAGE_BIAS,  # noqa: F401
                      STAGE_TABLE, WORKSPACES, Layout, StageSpec)
 from .tuning import (DEFAULT_TUNING, HOPPER_SMEM_PER_BLOCK, PIPELINE_MAX_THREADS,  # noqa: F401
                      PIPELINE_MAX_VECTORS, RING_VECTOR_BYTES, STREAMING_DEFAULT, GemvTuning, check_pipeline,
@@ -80,6 +80,8 @@ def build_plan(ir: IRGraph, *, ctas: int = 132, threads: int = 256, weight_dtype
         tuning = default_tuning(threads, smem_bytes(dims, batch, capacity, threads, split_kv))
     tuning = {**DEFAULT_TUNING, **tuning}
     _check_options(dims, tuning, threads, lm_head, split_kv, attention_preload, batch, ctas)
+    windows = [block.ops["attention"].window for block in blocks]
+    _check_windows(windows, split_kv)
     check_shared_memory(dims, batch, capacity, threads, split_kv)
     ring = check_ring(tuning, threads, smem_bytes(dims, batch, capacity, threads, split_kv))
     tied = lm_head.weight == embed.table
@@ -91,10 +93,10 @@ def build_plan(ir: IRGraph, *, ctas: int = 132, threads: int = 256, weight_dtype
         version=PLAN_VERSION, dims=dims, batch=batch, capacity=capacity, ctas=ctas, threads=threads,
         smem_bytes=smem_bytes(dims, batch, capacity, threads, split_kv) + ring, weight_dtype=weight_dtype,
         buffers=_buffers(layout, dims, batch, capacity, weight_dtype, tied) + _bias_buffers(dims, biased)
-        + _head_norm_buffers(dims, head_norms) + split_kv_buffers(dims, batch, stages),
+        + _head_norm_buffers(dims, head_norms) + split_kv_buffers(dims, batch, stages) + _window_buffers(dims, windows),
         packed=_packing(layout, blocks, embed, final_norm, lm_head, tied) + _bias_packing(blocks, biased)
         + _head_norm_packing(blocks, head_norms),
-        stages=stages, layers=[_bind_layer(layout, block) for block in blocks],
+        stages=stages, layers=[_bind_layer(layout, block, window) for block, window in zip(blocks, windows)],
         rotary=Rotary(inv_freq_buffer=inv_freq_buffer, attention_scaling=rotary_scaling, head_dim=dims.head_dim,
                       ops=[op.id for op in ir.of_kind(RotaryTable)]),
         globals={"embed": _provenance([embed]), "final_norm": _provenance([final_norm]),
@@ -149,7 +151,19 @@ def _layer_roles(spec: StageSpec) -> list[str]:
     return list(spec.optional_roles) + list(spec.roles)
 
 
-def _bind_layer(layout: Layout, block: Block) -> LayerBinding:
+def _check_windows(windows: list[int], split_kv: bool) -> None:
+    if any(windows) and not split_kv:
+        raise PlanError(f"sliding-window attention (window {max(windows)}) is baked into the split-KV attention "
+                        "only; bake without --attention-preload (and without split_kv=False)")
+
+
+def _window_buffers(dims: ModelDims, windows: list[int]) -> list[Buffer]:
+    """``attn_window`` [layers] int32 when some layer attends over a sliding window (values:
+    :meth:`Plan.attn_window_table`); none otherwise, so such plans and kernels are unchanged."""
+    return [Buffer(ATTN_WINDOW, "table", "int32", [dims.layers])] if any(windows) else []
+
+
+def _bind_layer(layout: Layout, block: Block, window: int = 0) -> LayerBinding:
     ops = block.ops
     layer_specs = [spec for spec in layout.stages if spec.per_layer]
     by_stage = {spec.name: [ops[r] for r in _layer_roles(spec) if r in ops] for spec in layer_specs}
@@ -160,6 +174,7 @@ def _bind_layer(layout: Layout, block: Block) -> LayerBinding:
         ops={s: [op.id for op in v] for s, v in by_stage.items()},
         fx_nodes={s: [n for op in v for n in op.fx_nodes] for s, v in by_stage.items()},
         hf_modules={s: sorted({op.hf_module for op in v if op.hf_module}) for s, v in by_stage.items()},
+        window=window,
     )
 
 

@@ -13,7 +13,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 
-from .stages import HEAD_NORMS, STAGE_BIAS
+from .stages import ATTN_WINDOW, HEAD_NORMS, STAGE_BIAS
 
 PLAN_VERSION = 1
 WARP = 32
@@ -61,6 +61,7 @@ class LayerBinding:
     ops: dict[str, list[str]]  # stage role -> IR op ids
     fx_nodes: dict[str, list[str]]  # stage role -> FX node names
     hf_modules: dict[str, list[str]]  # stage role -> HF module paths
+    window: int = 0  # sliding-window attention: keys (position - window, position]; 0 = every cached key
 
 
 @dataclass
@@ -160,6 +161,9 @@ class Plan:
             data["dims"].pop("final_softcap")
         if data["layout"] == "pre_norm":  # likewise: the layout is named only when it is not the first one
             data.pop("layout")
+        for layer in data["layers"]:  # and a layer's window only when it has one
+            if not layer["window"]:
+                layer.pop("window")
         return data
 
     def to_json(self) -> str:
@@ -191,6 +195,21 @@ class Plan:
         """The fp32 bias buffer a GEMV stage adds to its outputs, or None (no projection in it has a bias)."""
         name = STAGE_BIAS.get(stage_name)
         return name if name and any(b.name == name for b in self.buffers) else None
+
+    @property
+    def windows(self) -> list[int]:
+        """Per layer: the sliding window, or 0 where attention reads every cached key."""
+        return [layer.window for layer in self.layers]
+
+    @property
+    def has_windows(self) -> bool:
+        """Some layer attends over a sliding window: the kernel reads ``attn_window`` [layers] (int32)."""
+        return any(b.name == ATTN_WINDOW for b in self.buffers)
+
+    def attn_window_table(self) -> list[int]:
+        """``attn_window``'s values: the window of each layer, the KV capacity where a layer has none (so the
+        first visible key, ``max(position + 1 - window, 0)``, is 0 there)."""
+        return [layer.window or self.capacity for layer in self.layers]
 
     @property
     def has_head_norms(self) -> bool:

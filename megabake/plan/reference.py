@@ -200,14 +200,16 @@ class ReferenceExecutor:
 
     def _split_kv_attention(self, stage, layer, position):
         """Mirror of ``bodies.split_kv_attention``: (split, batch, KV head) items over CTAs, each a partial softmax
-        (max, sum, accumulator) over its chunk for every query head of the group, merged exactly."""
+        (max, sum, accumulator) over its chunk for every query head of the group, merged exactly. The chunks cover
+        the visible keys: [0, position], or the layer's sliding window (position - window, position]."""
         d, plan = self.plan.dims, self.plan
         groups, splits = stage.tiling.units, stage.tiling.tiles // stage.tiling.units
         group = d.n_heads // d.n_kv_heads
         n = position + 1
+        first_key = max(n - plan.attn_window_table()[layer], 0) if plan.has_windows else 0  # sliding window
         minimum = stage.tiling.per_tile
-        chunk = max(_ceil_div(_ceil_div(n, splits), minimum) * minimum, minimum)
-        active = _ceil_div(n, chunk)
+        chunk = max(_ceil_div(_ceil_div(n - first_key, splits), minimum) * minimum, minimum)
+        active = _ceil_div(n - first_key, chunk)
         owners, partials = {}, {}
         for item in range(groups * splits):
             split, g = divmod(item, groups)
@@ -215,7 +217,8 @@ class ReferenceExecutor:
             if split >= active:
                 continue
             b, kvh = divmod(g, d.n_kv_heads)
-            start, end = split * chunk, min(split * chunk + chunk, n)
+            start = first_key + split * chunk
+            end = min(start + chunk, n)
             queries, k_new, v_new = self._roped_group(layer, b, kvh, position)
             kc, vc = self.buffers["k_cache"][layer, b, kvh], self.buffers["v_cache"][layer, b, kvh]
             if end == n:  # the split holding `position` appends this step's key and value

@@ -110,8 +110,8 @@ FAMILIES: tuple[Family, ...] = (
            note="per-head q/k RMSNorm"),
     Family("gemma", "Gemma", "GemmaForCausalLM",
            dict(_TINY, num_key_value_heads=1, hidden_activation="gelu_pytorch_tanh"), note="GELU-tanh MLP"),
-    Family("gemma2", "Gemma 2", "Gemma2ForCausalLM", dict(_TINY, sliding_window=4096),
-           note="soft-capping, pre/post norms, sliding window 4096 > KV"),
+    Family("gemma2", "Gemma 2", "Gemma2ForCausalLM", dict(_TINY, sliding_window=64),
+           note="soft-capping, pre/post norms, sliding window 64 < KV on even layers"),
     Family("gemma3-text", "Gemma 3 (text)", "Gemma3ForCausalLM", dict(_TINY, sliding_window=4096),
            note="q/k norm, local/global RoPE, sliding window 4096 > KV"),
     Family("phi3", "Phi-3", "Phi3ForCausalLM",
@@ -138,9 +138,10 @@ NEXT_STEPS = (
     "**Attention soft-capping (Gemma 2).** transformers' SDPA path leaves `attn_logit_softcapping` out of the "
     "exported graph, so neither the HF model as exported nor the megakernel applies it (final logit soft-capping "
     "is baked); eager-attention Gemma 2 is refused (eager attention).",
-    "**Sliding windows (Mistral, Gemma 2/3 local layers).** Split-KV attention starts each sequence's range at "
-    "`max(0, position - window + 1)`; a model mixing local and global layers (Gemma 3 5:1, each with its own RoPE "
-    "base) needs a per-layer window and rotary table in the layer loop.",
+    "**Gemma 3 (5:1 local/global layers).** Sliding windows are baked per layer (`attn_window`, split-KV "
+    "attention from `max(0, position + 1 - window)`; Mistral and Gemma 2 verified on the H200 past the window); "
+    "Gemma 3's global layers also rotate with their own RoPE base, so the rotary tables need a per-layer index "
+    "(two tables, the layer's `layer_types` entry picks one) before Gemma 3 with global layers bakes.",
     "**Phi-3-mini / Phi-4-mini.** Phi-3's fused projections bake (row ranges of one weight); head_dim 96 (12-lane "
     "groups in attention) computed wrong results on the H200 and is refused; Phi-4-mini adds partial rotary (75% "
     "of head_dim) and long-RoPE factors.",

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from ..errors import DeviceError, InputError, MegaBakeError
-from ..plan import Plan
+from ..plan import ATTN_WINDOW, Plan
 from ..plan.packing import pack_weights, rotary_tables, torch_dtype
 from ..plan.reference import ReferenceExecutor
 from ..rope import cast_model, exact_inv_freq, exact_rotary_buffers, restore_rotary_buffers
@@ -162,6 +162,8 @@ class MegakernelDecoder:
         cos, sin = rotary_tables(plan, self.inv_freq_fp32, device=device)
         self.buffers: dict[str, torch.Tensor] = dict(weights)
         self.buffers["rope_cos"], self.buffers["rope_sin"] = cos, sin
+        if plan.has_windows:
+            self.buffers[ATTN_WINDOW] = torch.tensor(plan.attn_window_table(), dtype=torch.int32, device=device)
         # tokens and position share one int32 buffer so a step uploads them with a single copy, no kernel
         self._inputs = torch.zeros(plan.batch + 1, dtype=torch.int32, device=device)
         self.buffers["tokens"], self.buffers["position"] = self._inputs[:plan.batch], self._inputs[plan.batch:]
@@ -370,7 +372,7 @@ class MegakernelDecoder:
     @torch.no_grad()
     def prefill(self, prompt_ids) -> torch.Tensor:
         """Eager HF forward over the prompt; its KV cache becomes the decoder's. Returns last logits [B, V]."""
-        from transformers import StaticCache
+        from ..capture import full_length_static_cache
 
         prompt = torch.as_tensor(prompt_ids)
         if prompt.ndim == 1:
@@ -385,7 +387,7 @@ class MegakernelDecoder:
         if prompt.shape[0] != self.batch:
             raise InputError(f"prefill needs exactly {self.batch} sequences (the bucket's batch), got {prompt.shape[0]}")
         device = next(self.model.parameters()).device
-        cache = StaticCache(config=self.model.config, max_cache_len=self.capacity)
+        cache = full_length_static_cache(self.model.config, self.capacity)
         out = self.model(prompt.to(device), past_key_values=cache, use_cache=True,
                          cache_position=torch.arange(length, device=device))
         self.reset()

@@ -21,9 +21,9 @@ import torch
 
 
 def new_static_cache(model, capacity: int):
-    from transformers import StaticCache
+    from ..capture import full_length_static_cache
 
-    return StaticCache(config=model.config, max_cache_len=capacity)
+    return full_length_static_cache(model.config, capacity)
 
 
 def _set_length(cache, position) -> None:

@@ -142,17 +142,18 @@ def _online_softmax_chunk(keys: cute.Tensor, values: cute.Tensor, s_q: cute.Tens
 @cute.jit
 def split_kv_attention(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Tensor, rope_sin: cute.Tensor,
                        k_cache: cute.Tensor, v_cache: cute.Tensor, attn: cute.Tensor, part: cute.Tensor,
-                       counts: cute.Tensor, pos: Int32, s_att: cute.Tensor, cta: Int32, tidx: Int32,
+                       counts: cute.Tensor, pos: Int32, first_key: Int32, s_att: cute.Tensor, cta: Int32, tidx: Int32,
                        batch: cutlass.Constexpr[int], n_heads: cutlass.Constexpr[int],
                        n_kv_heads: cutlass.Constexpr[int], head_dim: cutlass.Constexpr[int],
                        ctas: cutlass.Constexpr[int], threads: cutlass.Constexpr[int],
                        scale: cutlass.Constexpr[float], has_qk_norm: cutlass.Constexpr[bool],
                        eps: cutlass.Constexpr[float], splits: cutlass.Constexpr[int],
                        unroll: cutlass.Constexpr[int], min_chunk: cutlass.Constexpr[int]):
-    """Flash decoding: RoPE + KV append + attention over positions [0, pos], the cached keys split across CTAs.
+    """Flash decoding: RoPE + KV append + attention over positions [first_key, pos], the cached keys split across
+    CTAs (``first_key`` is 0, or where the layer's sliding window starts).
 
-    Work items are (split, batch, KV head), split-major, dealt to CTAs. At this step the ``pos + 1`` positions
-    are cut into ``active`` chunks of ``chunk`` positions (a multiple of ``min_chunk``, which is the positions
+    Work items are (split, batch, KV head), split-major, dealt to CTAs. At this step the ``pos + 1 - first_key``
+    visible positions are cut into ``active`` chunks of ``chunk`` positions (a multiple of ``min_chunk``, which is the positions
     one CTA pass covers x ``unroll``: short contexts stay in one split). An active item ropes its group's
     queries, scores every cached key row once for all the group's query heads (GQA packing), keeps an online
     softmax (max, sum, accumulator) per head and lane group, and merges them across lane groups (shuffles) and
@@ -180,9 +181,10 @@ def split_kv_attention(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Te
     s_part = cute.make_tensor(s_att.iterator + group * head_dim + 8 * ((group + 8) // 8) + 8,
                               cute.make_layout((width, group, warps)))
     n = pos + 1
-    chunk = (n + splits - 1) // splits
+    visible = n - first_key
+    chunk = (visible + splits - 1) // splits
     chunk = cutlass.max(((chunk + min_chunk - 1) // min_chunk) * min_chunk, min_chunk)
-    active = (n + chunk - 1) // chunk
+    active = (visible + chunk - 1) // chunk
     m = cute.make_rmem_tensor(cute.make_layout(group), Float32)
     l = cute.make_rmem_tensor(cute.make_layout(group), Float32)
     acc = cute.make_rmem_tensor(cute.make_layout(group * VEC), Float32)
@@ -193,7 +195,7 @@ def split_kv_attention(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Te
         if split < active:
             b = g // n_kv_heads
             kvh = g - b * n_kv_heads
-            start = split * chunk
+            start = first_key + split * chunk
             end = cutlass.min(start + chunk, n)
             owns_new = Int32(0)
             if end == n:
