@@ -19,7 +19,7 @@ from .capture import CapturedStep, capture_decode_step
 from .codegen import GeneratedModule, generate
 from .ir import IRGraph, lower
 from .plan import Plan, build_plan
-from .plan.rotary import recover_rotary
+from .plan.rotary import recover_rotary_tables
 
 
 @dataclass(frozen=True)
@@ -58,10 +58,12 @@ def compile_step(model, *, batch: int = 1, capacity: int = 128, ctas: int = 132,
         captured = capture_decode_step(model, batch=batch, capacity=capacity)
     with clock("lower to IR"):
         ir = lower(captured, strict=strict)
-    inv_freq, scaling = recover_rotary(captured, ir)
+    tables = recover_rotary_tables(captured, ir)
+    (inv_freq, scaling), several = tables[0], tables if len(tables) > 1 else None
     with clock("plan stages, tiles, buffers"):
         plan = build_plan(ir, ctas=ctas, threads=threads, inv_freq_buffer=inv_freq, rotary_scaling=scaling,
-                          tuning=tuning, attention_preload=attention_preload, split_kv=split_kv)
+                          tuning=tuning, attention_preload=attention_preload, split_kv=split_kv,
+                          rotary_tables=several)
     with clock("generate module.py"):
         generated = generate(plan)
     return CompiledStep(model, captured, ir, plan, generated, ctas, threads, inv_freq, scaling)

@@ -26,6 +26,7 @@ class Preset:
     architecture: str
     config: dict[str, Any] = field(hash=False)
     description: str = ""
+    experimental: str = ""  # the MEGABAKE_EXPERIMENTAL_LAYOUTS name it needs until its kernel is GPU-verified
 
     def make_config(self):
         import transformers
@@ -74,6 +75,10 @@ def config_hash(config) -> str:
 
 
 _LLAMA_COMMON = dict(hidden_act="silu", rms_norm_eps=1e-5, attention_bias=False, mlp_bias=False)
+_GEMMA3 = dict(hidden_activation="gelu_pytorch_tanh", rms_norm_eps=1e-6, query_pre_attn_scalar=256, sliding_window=512,
+               max_position_embeddings=32768, attention_bias=False, tie_word_embeddings=True,
+               rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+                                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
 
 PRESETS: dict[str, Preset] = {
     p.name: p
@@ -316,6 +321,48 @@ PRESETS: dict[str, Preset] = {
                 attention_bias=False,
                 tie_word_embeddings=True,
             ),
+        ),
+        Preset(
+            name="tiny-gemma3",
+            experimental="rope_tables",
+            model_id="megabake/tiny-gemma3",
+            architecture="Gemma3ForCausalLM",
+            description="6-layer Gemma 3 text (hidden 256, 4/2 heads x 64): 5 local layers (sliding window 48, RoPE "
+                        "base 10k) and 1 global (base 1M), q/k norms, pre/post norms; experimental (rope_tables)",
+            config=dict(
+                _GEMMA3,
+                hidden_size=256,
+                intermediate_size=512,
+                num_hidden_layers=6,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=64,
+                vocab_size=1024,
+                query_pre_attn_scalar=64,
+                sliding_window=48,
+            ),
+        ),
+        Preset(
+            name="gemma-3-270m",
+            experimental="rope_tables",
+            model_id="google/gemma-3-270m",
+            architecture="Gemma3ForCausalLM",
+            description="gemma-3-270m shape: hidden 640, 18 layers (5 local : 1 global), 4/1 heads x 256, "
+                        "intermediate 2048, vocab 262144, sliding window 512, RoPE base 10k local / 1M global, tied; "
+                        "experimental (rope_tables)",
+            config=dict(_GEMMA3, hidden_size=640, intermediate_size=2048, num_hidden_layers=18, num_attention_heads=4,
+                        num_key_value_heads=1, head_dim=256, vocab_size=262144),
+        ),
+        Preset(
+            name="gemma-3-1b",
+            experimental="rope_tables",
+            model_id="google/gemma-3-1b-pt",
+            architecture="Gemma3ForCausalLM",
+            description="gemma-3-1b shape: hidden 1152, 26 layers (5 local : 1 global), 4/1 heads x 256, "
+                        "intermediate 6912, vocab 262144, sliding window 512, RoPE base 10k local / 1M global, tied; "
+                        "experimental (rope_tables)",
+            config=dict(_GEMMA3, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4,
+                        num_key_value_heads=1, head_dim=256, vocab_size=262144),
         ),
         Preset(
             name="gemma-2-2b",

@@ -17,9 +17,18 @@ fp32 frequencies are also what a user's eager bf16 model computes with.
 
 from __future__ import annotations
 
+import re
+
 import torch
 
-ROTARY_BUFFERS = ("inv_freq", "original_inv_freq")
+ROTARY_BUFFERS = ("inv_freq", "original_inv_freq")  # also "<layer type>_inv_freq" (Gemma 3: one table per type)
+_ROTARY_LEAF = re.compile(r"(?:(\w+?)_)??(?:original_)?inv_freq")
+
+
+def _rotary_leaf(leaf: str) -> tuple[bool, str | None]:
+    """Whether a buffer name is a rotary frequency table, and the layer type it belongs to (None: the model's)."""
+    match = _ROTARY_LEAF.fullmatch(leaf)
+    return (True, match.group(1)) if match else (False, None)
 
 
 def exact_inv_freq(model, fqn: str) -> torch.Tensor:
@@ -28,7 +37,7 @@ def exact_inv_freq(model, fqn: str) -> torch.Tensor:
     if buffer.dtype == torch.float32:
         return buffer.cpu().clone()
     owner = model.get_submodule(fqn.rpartition(".")[0]) if "." in fqn else model
-    recomputed = _recompute_inv_freq(owner)
+    recomputed = _recompute_inv_freq(owner, _rotary_leaf(fqn.rpartition(".")[2])[1])
     if recomputed is not None and recomputed.shape == buffer.shape and torch.equal(
             recomputed.to(buffer.dtype), buffer.cpu()):
         return recomputed
@@ -39,7 +48,7 @@ def exact_rotary_buffers(model) -> dict[str, torch.Tensor]:
     """Every rotary frequency buffer of ``model`` (names in :data:`ROTARY_BUFFERS`) as exact fp32, on the CPU."""
     exact = {}
     for fqn, _ in model.named_buffers():
-        if fqn.rpartition(".")[2] in ROTARY_BUFFERS:
+        if _rotary_leaf(fqn.rpartition(".")[2])[0]:
             exact[fqn] = exact_inv_freq(model, fqn)
     return exact
 
@@ -61,11 +70,14 @@ def cast_model(model, *, dtype: torch.dtype | None = None, device=None):
     return model
 
 
-def _recompute_inv_freq(rotary_module) -> torch.Tensor | None:
+def _recompute_inv_freq(rotary_module, layer_type: str | None = None) -> torch.Tensor | None:
     config = getattr(rotary_module, "config", None)
     rope_type = getattr(rotary_module, "rope_type", None)
+    if isinstance(rope_type, dict):  # one table per layer type (Gemma 3): rope_type[layer type]
+        rope_type = rope_type.get(layer_type)
     if config is None or rope_type is None:
         return None
+    options = {"layer_type": layer_type} if layer_type else {}
     try:
         if rope_type == "default":
             init = rotary_module.compute_default_rope_parameters
@@ -73,7 +85,7 @@ def _recompute_inv_freq(rotary_module) -> torch.Tensor | None:
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
             init = ROPE_INIT_FUNCTIONS[rope_type]
-        inv_freq, _ = init(config, "cpu")
+        inv_freq, _ = init(config, "cpu", **options)
     except Exception:  # an init we cannot call the standard way: fall back to the buffer
         return None
     return inv_freq.detach().float().cpu()

@@ -26,7 +26,7 @@ def compile_preset(name: str, *, layers: int | None = None, **kwargs) -> Compile
     return compile_model(small.build_model(), **kwargs)
 
 
-def assert_matches_eager(model, executor, steps: int, tol: float = 1e-5) -> list[float]:
+def assert_matches_eager(model, executor, steps: int, tol: float = 1e-5, cache_atol: float = 1e-5) -> list[float]:
     """Advance ``steps`` decode steps (seeded random tokens) through the HF model (static cache) and the plan's
     reference executor: logits rel-L2 below ``tol`` at every step, the same K cache at the end. The per-step
     errors."""
@@ -46,5 +46,21 @@ def assert_matches_eager(model, executor, steps: int, tol: float = 1e-5) -> list
             errors.append(float((got - want).norm() / want.norm()))
             assert errors[-1] < tol, f"step {pos}: rel-L2 {errors[-1]:.2e}"
     keys = torch.stack([layer.keys for layer in cache.layers])
-    assert torch.allclose(executor.buffers["k_cache"], keys, atol=1e-5)
+    assert torch.allclose(executor.buffers["k_cache"], keys, atol=cache_atol)
     return errors
+
+
+def body_calls(source: str, body: str) -> list[dict[str, str]]:
+    """The keyword arguments (name -> source text) of every ``bodies.<body>(...)`` call in a generated kernel, in
+    source order."""
+    import ast
+
+    kernel = source.split("\n# ====")[0]
+    calls = []
+    nodes = sorted(ast.walk(ast.parse(kernel)), key=lambda n: (getattr(n, "lineno", 0), getattr(n, "col_offset", 0)))
+    for node in nodes:
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == body \
+                and isinstance(node.func.value, ast.Name) and node.func.value.id == "bodies":
+            assert not node.args, f"bodies.{body} called with positional arguments"
+            calls.append({k.arg: ast.unparse(k.value) for k in node.keywords})
+    return calls

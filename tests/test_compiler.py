@@ -13,7 +13,7 @@ from megabake.ir import DecodeAttention, Linear, RMSNorm
 from megabake.plan import Plan
 from megabake.plan.reference import reference_executor_for
 from megabake.presets import get_preset
-from tests.compiler_fixtures import assert_matches_eager, compile_model, compile_preset
+from tests.compiler_fixtures import assert_matches_eager, body_calls, compile_model, compile_preset
 
 
 @pytest.fixture(scope="module")
@@ -129,8 +129,9 @@ def test_biased_module_compiles_for_sm90a_and_llama_modules_stay_bias_free(tiny)
     module = load_module(qwen.generated.source)
     assert module.ARGUMENTS == KERNEL_ARGUMENTS + ["bias_qkv", "attn_part", "attn_count"]
     # the default streaming tiling passes the bias to the QKV GEMV (the plain tiling calls gemv_rows_bias)
-    assert "w_qkv[layer, None, None], s_ring[tidx // 32, None, None, None, None], bias_qkv[layer, None], s_vec, qkv" \
-        in qwen.generated.source
+    qkv_call = body_calls(qwen.generated.source, "gemv_rows_streamed")[0]
+    assert (qkv_call["weight"], qkv_call["bias"], qkv_call["out"], qkv_call["has_bias"]) == (
+        "w_qkv[layer, None, None]", "bias_qkv[layer, None]", "qkv", "True")
     result = compile_check(qwen.plan, module)
     assert result.ok, result.error
     # a model without biases gets exactly the kernel it had before biases existed
@@ -333,7 +334,8 @@ def test_qwen3_head_norms_are_recognised_and_match_eager_fp32():
     layer = plan.layers[1]
     assert layer.params["q_norm"] == "model.layers.1.self_attn.q_norm.weight"
     assert "model.layers.1.self_attn.q_norm" in layer.hf_modules["attention"]
-    assert "bodies.split_kv_attention(qkv, qk_norms[layer, None, None]" in compiled.generated.source
+    (call,) = body_calls(compiled.generated.source, "split_kv_attention")
+    assert call["qk_norm"] == "qk_norms[layer, None, None]" and call["has_qk_norm"] == "True"
     assert_matches_eager(model, reference_executor_for(plan, model), steps=4)
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megabake.plan.reference import reference_executor_for
-from tests.compiler_fixtures import assert_matches_eager, compile_preset
+from tests.compiler_fixtures import assert_matches_eager, body_calls, compile_preset
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +28,8 @@ def test_gemma_plan_records_its_features(tiny_gemma):
     assert '"embed_scale": 16.0' in tiny_gemma.plan.to_json()
     source = tiny_gemma.generated.source
     assert "EMBED_SCALE = 16.0" in source and "bodies.embed_gather_scaled(" in source
-    assert "bodies.gelu_mul_to_smem(gate_up, s_vec, tidx, BATCH, INTER, THREADS, approximate=True)" in source
+    assert body_calls(source, "gelu_mul_to_smem") == [dict(gate_up="gate_up", s_vec="s_vec", tidx="tidx", batch="BATCH",
+                                                          inter="INTER", threads="THREADS", approximate="True")]
     assert "bodies.silu_mul_to_smem(" not in source.split("# ====")[0]
 
 
@@ -152,8 +153,10 @@ def test_gemma2_plan_uses_the_sandwich_layout(tiny_gemma2):
     o_stage = next(s for s in plan.stages if s.name == "o_residual")
     assert o_stage.writes == ["o_out"] and "x" not in o_stage.writes
     source = tiny_gemma2.generated.source
-    assert "bodies.residual_norm_to_smem(x_mid, down_out, norms[cutlass.max(layer - 1, 0), 3, None]" in source
-    assert "bodies.softcap_rows(logits," in source and "FINAL_SOFTCAP = 3.0" in source
+    assert any(call["x"] == "x_mid" and call["delta"] == "down_out"
+               and call["post_weight"] == "norms[cutlass.max(layer - 1, 0), 3, None]"
+               for call in body_calls(source, "residual_norm_to_smem"))
+    assert body_calls(source, "softcap_rows")[0]["out"] == "logits" and "FINAL_SOFTCAP = 3.0" in source
     again = type(plan).from_json(plan.to_json())
     assert again.layout == "sandwich" and again.hash == plan.hash and '"layout": "sandwich"' in plan.to_json()
 

@@ -210,6 +210,26 @@ def test_sliding_window_kernel_matches_reference_executor_at_long_context(preset
                                      positions=(0, 1, 2, 127, 128, 129, 299, 300, 301, 428, 700, 1023))
 
 
+@pytest.mark.parametrize("batch", [1, 2])
+def test_gemma3_rope_tables_kernel_matches_reference_executor_at_long_context(batch, monkeypatch):
+    """Gemma 3: five local layers (window 300, RoPE base 10k) and a global one (base 1M) slice their own rotary
+    table (rope_cos[rope_table[layer]]); random 1024-slot cache, around the split boundary, the window's edge and
+    capacity - 1. Passing this lifts the rope_tables opt-in (plan.GPU_VERIFIED_FEATURES)."""
+    import dataclasses
+
+    from megabake.presets import get_preset
+    from megabake.runtime import gpu_info
+    from tests.compiler_fixtures import compile_model
+
+    monkeypatch.setenv("MEGABAKE_EXPERIMENTAL_LAYOUTS", "rope_tables")  # not yet in GPU_VERIFIED_FEATURES
+    base = get_preset("tiny-gemma3")
+    model = dataclasses.replace(base, config=dict(base.config, sliding_window=300)).build_model()
+    compiled = compile_model(model, batch=batch, capacity=1024, ctas=gpu_info().sm_count)
+    assert compiled.plan.has_rope_tables and compiled.plan.windows == [300] * 5 + [0]
+    _assert_random_cache_steps_match(compiled, model, seed=16,
+                                     positions=(0, 1, 2, 127, 128, 129, 299, 300, 301, 428, 700, 1023))
+
+
 def test_phi3_kernel_matches_reference_executor_at_long_context():
     """Phi-3's fused qkv / gate-up projections packed as row ranges (head_dim 64: 96, Phi-3-mini's, is refused),
     over a random 1024-slot cache: near 0, at the split boundary and at capacity - 1."""

@@ -280,7 +280,12 @@ def test_partial_rotary_embedding_is_named():
     assert "partial rotary embedding (rotary_dim=32 of head_dim=64" in message
 
 
-def test_gemma3_with_sliding_and_full_layers_names_its_two_rotary_tables():
-    model = _build("Gemma3ForCausalLM", **dict(GEMMA, num_hidden_layers=6, sliding_window=4096))
-    message = _refusal(model)
-    assert "per-layer-type rotary embeddings (2 inv_freq tables" in message
+def test_gemma3_with_sliding_and_full_layers_lowers_one_rotary_table_per_layer_type():
+    """One rotary region, two inv_freq buffers: a RotaryTable each; the global layer's RoPE uses the second."""
+    from megabake.ir import RoPE, RotaryTable
+
+    ir = _lower(_build("Gemma3ForCausalLM", **dict(GEMMA, num_hidden_layers=6, sliding_window=4096)))
+    tables = ir.of_kind(RotaryTable)
+    assert [(t.slot, t.inv_freq.rsplit("rotary_emb_", 1)[1]) for t in tables] == [
+        (0, "sliding_attention_inv_freq"), (1, "full_attention_inv_freq")]
+    assert [op.table for op in ir.of_kind(RoPE)] == [tables[0].id] * 10 + [tables[1].id] * 2

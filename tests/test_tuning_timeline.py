@@ -12,7 +12,7 @@ from megabake.plan import DEFAULT_TUNING, GEMV_STAGES, GemvTuning, Plan, build_p
 from megabake.plan.reference import reference_executor_for
 from megabake.plan.rotary import exact_inv_freq, recover_rotary
 from megabake.runtime.compile import load_module
-from tests.compiler_fixtures import compile_preset
+from tests.compiler_fixtures import body_calls, compile_preset
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +128,9 @@ def test_spread_tiling_deals_tiles_cta_major_with_the_same_numerics(tiny):
     assert all(s.tiling.spread for s in spread.stages if s.tiling.kind == "rows")
     assert '"spread": true' in spread.to_json() and '"spread"' not in tiny.plan.to_json()  # old plans keep their hash
     source = generate(spread).source
-    assert "swarp = (tidx // 32) * CTAS + cta" in source and "bodies.gemv_rows(w_qkv[layer, None, None], s_vec, qkv, swarp" in source
+    assert "swarp = (tidx // 32) * CTAS + cta" in source
+    assert any(call["weight"] == "w_qkv[layer, None, None]" and call["gwarp"] == "swarp"
+               for call in body_calls(source, "gemv_rows"))
     assert "swarp" not in tiny.generated.kernel_source
     executor = reference_executor_for(spread, tiny.model)
     default = reference_executor_for(tiny.plan, tiny.model)
@@ -196,11 +198,11 @@ def test_pipelined_gemv_plans_generates_and_compiles_with_the_same_numerics(tiny
     assert all(s.tiling.pipeline for s in plan.stages if s.tiling.kind == "rows")
     assert '"pipeline": true' in plan.to_json() and '"pipeline"' not in tiny.plan.to_json()  # old hashes hold
     source = generate(plan).source
-    calls = [line.strip() for line in source.splitlines() if "bodies.gemv_rows" in line]
-    assert len(calls) == 5 and all(call.startswith("bodies.gemv_rows_pipelined(") for call in calls), calls
-    assert sum(("pre_o_residual" in call or "pre_norm_gate_up" in call) and call.endswith("False, True)")
-               for call in calls) == 2  # preloaded
-    assert sum(call.endswith("False, False)") for call in calls) == 3
+    calls = body_calls(source, "gemv_rows_pipelined")
+    assert len(calls) == 5 and not body_calls(source, "gemv_rows") and not body_calls(source, "gemv_rows_pre")
+    assert sum(call["pre"] in ("pre_o_residual", "pre_norm_gate_up") and call["has_bias"] == "False"
+               and call["preloaded"] == "True" for call in calls) == 2  # preloaded
+    assert sum(call["has_bias"] == "False" and call["preloaded"] == "False" for call in calls) == 3
     assert "gemv_rows_pipelined" not in tiny.generated.kernel_source
     executor, default = reference_executor_for(plan, tiny.model), reference_executor_for(tiny.plan, tiny.model)
     for position, token in enumerate([3, 17, 5]):
@@ -381,15 +383,17 @@ def test_streamed_gemv_with_preload_fills_its_ring_before_the_barrier(tiny):
     tuning = {name: GemvTuning(2, 1, spread=True, preload=True, stages=3) for name in GEMV_STAGES}
     tuning["norm_lm_head"] = GemvTuning(2, 1, stages=3)  # the LM head never preloads
     plan = _plan(tiny, tuning)
-    lines = generate(plan).source.splitlines()
+    source = generate(plan).source
+    lines = source.splitlines()
     prefills = [i for i, line in enumerate(lines) if "bodies.gemv_ring_prefill(" in line]
     barriers = [i for i, line in enumerate(lines) if "bodies.grid_barrier(" in line]
     assert len(prefills) == 5  # after embed, and before each barrier whose next stage is a layer GEMV
     assert all(any(b > p and not any(p < q < b for q in prefills if q != p) for b in barriers) for p in prefills)
-    down_prefill = next(lines[i] for i in prefills if "w_qkv[cutlass.min(layer + 1" in lines[i])
-    assert "cutlass.min(LAYERS - 1 - layer, 1)" in down_prefill  # no copies after the last layer
-    streamed = [line.strip() for line in lines if "bodies.gemv_rows_streamed(" in line]
-    assert sum(line.endswith("3, True)") for line in streamed) == 4 and streamed[-1].endswith("3, False)")
+    down_prefill = next(c for c in body_calls(source, "gemv_ring_prefill") if "w_qkv[cutlass.min(layer + 1" in c["weight"])
+    assert down_prefill["active"] == "cutlass.min(LAYERS - 1 - layer, 1)"  # no copies after the last layer
+    streamed = body_calls(source, "gemv_rows_streamed")
+    assert sum(c["stages"] == "3" and c["prefilled"] == "True" for c in streamed) == 4
+    assert (streamed[-1]["stages"], streamed[-1]["prefilled"]) == ("3", "False")
     assert not any("pre_norm_qkv = cute.make_rmem_tensor" in line for line in lines)  # no register tile
     result = compile_check(plan, load_module("\n".join(lines) + "\n"))
     assert result.ok, result.error

@@ -30,7 +30,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..plan import ATTN_COUNT, ATTN_PART, ATTN_WINDOW, HEAD_NORMS, STAGE_BIAS, Plan, Stage, kv_splits, ring_shape, smem_floats
+from ..plan import (ATTN_COUNT, ATTN_PART, ATTN_WINDOW, HEAD_NORMS, ROPE_TABLE, STAGE_BIAS, Plan, Stage, kv_splits,
+                   ring_shape, smem_floats)
 from ..plan.stages import ACTIVATIONS, DIMENSION_CONSTANTS, StageSpec, next_gemv, norm_slot, spec_of
 
 KERNEL_ARGUMENTS = [
@@ -43,7 +44,7 @@ def kernel_arguments(plan: Plan) -> list[str]:
     """Kernel parameter order: the fixed buffers, then the optional ones this plan has (biases, per-head norms,
     split-KV workspace, the sandwich layout's residual buffers, per-layer sliding windows; none for Llama)."""
     optional = list(STAGE_BIAS.values()) + [HEAD_NORMS, ATTN_PART, ATTN_COUNT, "x_mid", "o_out", "down_out",
-                                            ATTN_WINDOW]
+                                            ATTN_WINDOW, ROPE_TABLE]
     return KERNEL_ARGUMENTS + [name for name in optional if any(b.name == name for b in plan.buffers)]
 
 
@@ -60,17 +61,27 @@ class GeneratedModule:
         return head + "\n" if banner else self.source
 
 
-class _Writer:
-    """Collects lines and remembers which line ranges implement which plan entries."""
+LINE_WIDTH = 120  # generated kernel lines are wrapped to this width
 
-    def __init__(self):
+
+class _Writer:
+    """Collects lines and remembers which line ranges implement which plan entries. With ``keyword_calls``
+    (the kernel body), every ``bodies.<name>(...)`` call is written with keyword arguments, wrapped to
+    :data:`LINE_WIDTH` (:func:`keyword_call_lines`)."""
+
+    def __init__(self, keyword_calls: bool = False):
         self.lines: list[str] = []
         self.entries: list[dict] = []
         self._open: list[tuple[int, dict]] = []
+        self._keyword_calls = keyword_calls
 
     def __call__(self, text: str = "", indent: int = 0):
         for line in text.splitlines() or [""]:
-            self.lines.append(("    " * indent + line) if line else "")
+            line = ("    " * indent + line) if line else ""
+            if self._keyword_calls and line.lstrip().startswith("bodies."):
+                self.lines.extend(keyword_call_lines(line))
+            else:
+                self.lines.append(line)
 
     def begin(self, entry: dict):
         self._open.append((len(self.lines) + 1, entry))
@@ -83,6 +94,39 @@ class _Writer:
     @property
     def text(self) -> str:
         return "\n".join(self.lines) + "\n"
+
+
+def body_parameters() -> dict[str, list[str]]:
+    """Parameter names of every device routine in megabake/codegen/bodies, read from its source text."""
+    tree = ast.parse(bodies_source())
+    return {f.name: [a.arg for a in f.args.args] for f in tree.body if isinstance(f, ast.FunctionDef)}
+
+
+def keyword_call_lines(line: str, parameters: dict[str, list[str]] | None = None) -> list[str]:
+    """``bodies.f(a, b, c=1)`` as ``bodies.f(x=a, y=b, c=1)`` (names from ``f``'s signature), on one line when it
+    fits :data:`LINE_WIDTH`, else the arguments packed onto continuation lines indented one level further.
+    The call compiles to the same PTX (CuTe DSL binds routine arguments by name either way)."""
+    stripped = line.lstrip()
+    indent = line[:len(line) - len(stripped)]
+    call = ast.parse(stripped).body[0].value
+    name = call.func.attr
+    names = (parameters or body_parameters())[name]
+    if len(call.args) > len(names):
+        raise ValueError(f"bodies.{name} takes {len(names)} arguments, the generated call passes {len(call.args)}")
+    arguments = [f"{n}={ast.unparse(a)}" for n, a in zip(names, call.args)]
+    arguments += [f"{k.arg}={ast.unparse(k.value)}" for k in call.keywords]
+    single = f"{indent}bodies.{name}({', '.join(arguments)})"
+    if len(single) <= LINE_WIDTH:
+        return [single]
+    lines, current = [f"{indent}bodies.{name}("], ""
+    for i, argument in enumerate(arguments):
+        piece = argument + ("," if i < len(arguments) - 1 else ")")
+        if current and len(indent) + 4 + len(current) + 1 + len(piece) > LINE_WIDTH:
+            lines.append(f"{indent}    {current}")
+            current = ""
+        current = f"{current} {piece}" if current else piece
+    lines.append(f"{indent}    {current}")
+    return lines
 
 
 def timeline_labels(plan: Plan) -> list[str]:
@@ -103,7 +147,7 @@ def _timeline_store(w: _Writer, indent: int, enabled: bool, slot: str) -> None:
 def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool = False,
              self_contained: bool = True) -> GeneratedModule:
     plan_hash = plan_hash or plan.hash
-    w = _Writer()
+    w = _Writer(keyword_calls=True)
     _header(w, plan, plan_hash, kernel_arguments(plan), self_contained)
     prologue = [s for s in plan.stages if s.scope == "prologue"]
     per_layer = [s for s in plan.stages if s.scope == "layer"]
@@ -113,7 +157,10 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool = False
         w("")
     arguments = kernel_arguments(plan)
     w("@cute.kernel")
-    w("def megakernel(" + ", ".join(f"{a}: cute.Tensor" for a in arguments) + "):")
+    w("def megakernel(")
+    for line in _packed([f"{a}: cute.Tensor" for a in arguments], indent=1):
+        w(line)
+    w("):")
     w('"""One decode step: embedding, every layer, final norm, LM head, in-place KV append."""', 1)
     w("tidx, _, _ = cute.arch.thread_idx()", 1)
     w("cta, _, _ = cute.arch.block_idx()", 1)
@@ -122,13 +169,17 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool = False
     if any(st.tiling.kind == "rows" and st.tiling.spread for st in plan.stages):
         w("swarp = (tidx // 32) * CTAS + cta  # CTA-major tile order of spread GEMV stages", 1)
     w("smem = cutlass.memory.SmemAllocator()", 1)
-    w("s_vec = smem.allocate_tensor(Float32, cute.make_layout((BATCH, VEC_WIDTH), stride=(VEC_WIDTH, 1)), byte_alignment=16)", 1)
+    w("s_vec = smem.allocate_tensor(", 1)
+    w("Float32, cute.make_layout((BATCH, VEC_WIDTH), stride=(VEC_WIDTH, 1)), byte_alignment=16)", 2)
     w("s_red = smem.allocate_tensor(Float32, cute.make_layout(RED_SCRATCH), byte_alignment=16)", 1)
     w("s_att = smem.allocate_tensor(Float32, cute.make_layout(ATT_SCRATCH), byte_alignment=16)", 1)
     if _ring_stages(plan)[0]:
-        w("s_ring = smem.allocate_tensor(w_qkv.element_type, cute.make_layout((WARPS, RING_STAGES, RING_VECTORS, 32, 8), "
-          "stride=(RING_STAGES * RING_VECTORS * 256, RING_VECTORS * 256, 256, 8, 1)), byte_alignment=16)"
-          "  # per-warp cp.async rings of the streamed GEMV stages", 1)
+        w("# per-warp cp.async rings of the streamed GEMV stages", 1)
+        w("s_ring = smem.allocate_tensor(", 1)
+        w("w_qkv.element_type,", 2)
+        w("cute.make_layout((WARPS, RING_STAGES, RING_VECTORS, 32, 8),", 2)
+        w("stride=(RING_STAGES * RING_VECTORS * 256, RING_VECTORS * 256, 256, 8, 1)),", 3)
+        w("byte_alignment=16)", 2)
     for line in _preload_registers(plan):
         w(line, 1)
     if _attention_preloads(plan):
@@ -160,6 +211,17 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool = False
     return GeneratedModule(source=w.text, source_map=source_map, arguments=arguments)
 
 
+def _packed(items: list[str], indent: int) -> list[str]:
+    """``items`` joined by ", " onto lines of at most :data:`LINE_WIDTH` at ``indent`` levels (trailing commas)."""
+    prefix, lines, current = "    " * indent, [], ""
+    for item in items:
+        if current and len(prefix) + len(current) + len(item) + 2 > LINE_WIDTH:
+            lines.append(prefix + current.rstrip())
+            current = ""
+        current += item + ", "
+    return lines + [prefix + current.rstrip()]
+
+
 def _header(w: _Writer, plan: Plan, plan_hash: str, arguments: list[str], self_contained: bool) -> None:
     d = plan.dims
     w(f'"""Generated by MegaBake from plan {plan_hash[:16]}. Do not edit: re-bake instead.')
@@ -182,7 +244,10 @@ def _header(w: _Writer, plan: Plan, plan_hash: str, arguments: list[str], self_c
         w("from megabake.codegen import bodies")
         w("")
     w(f'PLAN_HASH = "{plan_hash}"')
-    w(f"ARGUMENTS = {arguments!r}")
+    w("ARGUMENTS = [")
+    for line in _packed([repr(a) for a in arguments], indent=1):
+        w(line)
+    w("]")
     consts = {
         "BATCH": plan.batch, "CAPACITY": plan.capacity, "HIDDEN": d.hidden, "LAYERS": d.layers,
         "N_HEADS": d.n_heads, "N_KV_HEADS": d.n_kv_heads, "HEAD_DIM": d.head_dim, "Q_ROWS": d.q_rows,
@@ -207,7 +272,9 @@ def _header(w: _Writer, plan: Plan, plan_hash: str, arguments: list[str], self_c
     if d.final_softcap:
         w(f"FINAL_SOFTCAP = {d.final_softcap!r}  # logits = FINAL_SOFTCAP * tanh(logits / FINAL_SOFTCAP)")
     w(f"ROWS_PER_TILE = {{{', '.join(repr(s.name) + ': ' + str(s.tiling.per_tile) for s in plan.stages if s.tiling.kind == 'rows')}}}")
-    w(f"GEMV_UNROLL = {{{', '.join(repr(s.name) + ': ' + str(s.tiling.unroll) for s in plan.stages if s.tiling.kind == 'rows')}}}  # 16-byte loads in flight per lane and row")
+    w("# 16-byte loads in flight per lane and row")
+    unrolls = ", ".join(f"{s.name!r}: {s.tiling.unroll}" for s in plan.stages if s.tiling.kind == "rows")
+    w(f"GEMV_UNROLL = {{{unrolls}}}")
     w("GRID = (CTAS, 1, 1)")
     w("BLOCK = (THREADS, 1, 1)")
     w(f"SMEM_BYTES = {plan.smem_bytes}  # 4 * (BATCH * VEC_WIDTH + RED_SCRATCH + ATT_SCRATCH) + alignment")
@@ -353,12 +420,14 @@ def _attention_call(plan: Plan) -> tuple[str, str]:
     if kv_splits(plan):
         norms = "qk_norms[layer, None, None]" if plan.has_head_norms else "qkv"
         return ("split_kv_attention",
-                f"bodies.split_kv_attention(qkv, {norms}, rope_cos, rope_sin, k_cache[layer, None, None, None, None], "
+                f"bodies.split_kv_attention(qkv, {norms}, {_rope_arguments(plan)}, "
+                "k_cache[layer, None, None, None, None], "
                 f"v_cache[layer, None, None, None, None], attn, {ATTN_PART}, {ATTN_COUNT}, pos, {_first_key(plan)}, "
                 "s_att, cta, tidx, "
                 f"BATCH, N_HEADS, N_KV_HEADS, HEAD_DIM, CTAS, THREADS, ATTN_SCALE, {plan.has_head_norms}, EPS, "
                 "KV_SPLITS, ATT_UNROLL, MIN_CHUNK)")
-    caches = ("rope_cos, rope_sin, k_cache[layer, None, None, None, None], v_cache[layer, None, None, None, None], "
+    caches = (f"{_rope_arguments(plan)}, k_cache[layer, None, None, None, None], "
+              "v_cache[layer, None, None, None, None], "
               "attn, pos, s_att, s_red, cta, tidx, BATCH, N_HEADS, N_KV_HEADS, HEAD_DIM, CAPACITY, CTAS, THREADS, "
               "ATTN_SCALE")
     if _attention_preloads(plan):
@@ -369,6 +438,13 @@ def _attention_call(plan: Plan) -> tuple[str, str]:
     if plan.has_head_norms:
         return "decode_attention_qk_norm", f"bodies.decode_attention_qk_norm(qkv, qk_norms[layer, None, None], {caches}, EPS)"
     return "decode_attention", f"bodies.decode_attention(qkv, {caches})"
+
+
+def _rope_arguments(plan: Plan) -> str:
+    """The layer's cos, sin tables: the one pair, or the layer's own of several (``rope_table[layer]``)."""
+    if plan.has_rope_tables:
+        return f"rope_cos[{ROPE_TABLE}[layer], None, None], rope_sin[{ROPE_TABLE}[layer], None, None]"
+    return "rope_cos, rope_sin"
 
 
 def _first_key(plan: Plan) -> str:
@@ -458,10 +534,15 @@ def _body_calls(plan: Plan, stage: Stage) -> list[tuple[str, str]]:
 
 def _launcher(w: _Writer, arguments: list[str]) -> None:
     w("@cute.jit")
-    w("def launch(" + ", ".join(f"{a}: cute.Tensor" for a in arguments) + ", stream: cuda.CUstream):")
+    w("def launch(")
+    for line in _packed([f"{a}: cute.Tensor" for a in arguments] + ["stream: cuda.CUstream"], indent=1):
+        w(line)
+    w("):")
     w('"""Host side: one cooperative launch of the persistent megakernel."""', 1)
-    w("megakernel(" + ", ".join(arguments) + ").launch(", 1)
-    w("grid=GRID, block=BLOCK, smem=SMEM_BYTES, stream=stream, cooperative=True)", 2)
+    w("megakernel(", 1)
+    for line in _packed(list(arguments), indent=2):
+        w(line)
+    w(").launch(grid=GRID, block=BLOCK, smem=SMEM_BYTES, stream=stream, cooperative=True)", 1)
 
 
 # ------------------------------------------------------------------------------ self-contained module.py

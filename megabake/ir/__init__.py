@@ -6,7 +6,7 @@ ATen nodes compute (``x * rsqrt(mean(x^2) + eps) * w`` is an RMSNorm whatever it
 by module names. View/layout/dtype nodes are transparent; nodes that only compute positions or the causal
 mask are folded into the ops that consume them. In strict mode any other node raises
 :class:`UnsupportedGraphError` naming the feature in words where one is recognisable (sliding-window attention,
-logit soft-capping, partial rotary embedding, per-layer-type rotary tables, LayerNorm, eager attention, ...), then
+logit soft-capping, partial rotary embedding, LayerNorm, eager attention, ...), then
 the FX node, its target, the HF module path and the source line.
 
 Fields beyond the Llama basics (all defaulted, so a Llama-family IR is unchanged by them):
@@ -16,6 +16,9 @@ Fields beyond the Llama basics (all defaulted, so a Llama-family IR is unchanged
   with ``scale = c``; the mul joins its ``fx_nodes`` and its ``out`` is the mul's output. ``c`` is the exact
   value the model multiplies by, read from the captured constant after the graph's own casts (a bf16 model
   multiplies by the bf16-rounded sqrt(hidden)). A non-scalar or non-constant factor is refused.
+* ``RotaryTable.slot`` / ``region_inputs``: a rotary region computing several tables from several inv_freq buffers
+  (Gemma 3: one per layer type) gives one RotaryTable per buffer; each RoPE op names the table it uses.
+* ``DecodeAttention.window``: see the masks below.
 * ``Softcap``: ``cap * tanh(x / cap)`` (div, tanh, mul by the same scalar; Gemma 2's final logit soft-capping).
 * ``GatedAct.act``: ``"silu"`` (aten.silu), ``"gelu_tanh"`` (aten.gelu, approximate='tanh') or ``"gelu"``
   (aten.gelu, approximate='none'), each as ``act(gate) * up``.
@@ -109,6 +112,8 @@ class RotaryTable(Op):
     submodule: str = ""
     inv_freq: str = ""  # buffer placeholder
     head_dim: int = 0
+    slot: int = 0  # outputs (2 * slot, 2 * slot + 1) of its region are this table's cos and sin
+    region_inputs: list[str] = field(default_factory=list)  # the region's operands: placeholders, "" = positions
 
 
 @dataclass
@@ -199,6 +204,14 @@ class Param:
 @dataclass(frozen=True)
 class Position:
     """Anything computed from the cache position / token index only (positions, causal masks)."""
+
+
+@dataclass(frozen=True)
+class RotaryRegion:
+    """A rotary region computing several tables (Gemma 3: one per layer type): item k is table k // 2's cos
+    (k even) or sin (k odd)."""
+
+    tables: tuple[str, ...]  # RotaryTable op ids, in output order
 
 
 @dataclass(frozen=True)
@@ -576,22 +589,30 @@ class _Lowering:
 
     # -- pattern pieces -------------------------------------------------------------------------
     def rotary(self, node, args):
-        if len(args) != 4:
+        """A grad-mode region of positions and inv_freq buffers: one RotaryTable per buffer (cos, sin outputs in
+        buffer order; Gemma 3 has one per layer type)."""
+        submod, operands = args[1], args[2:]
+        tables = [i for i, a in enumerate(operands) if isinstance(a, Param)]
+        positions = [a for a in operands if isinstance(a, Position)]
+        if not (isinstance(submod, Partial) and tables and len(tables) + len(positions) == len(operands)):
             self.fail(node, "a grad-mode region with operands "
-                      f"{', '.join(_describe(a) for a in args[1:])} (one inv_freq and the positions expected)")
-        _, submod, inv_freq, positions = args
-        if not (isinstance(submod, Partial) and isinstance(inv_freq, Param) and isinstance(positions, Position)):
-            self.fail(node, "a grad-mode region that is not a function of positions only")
+                      f"{', '.join(_describe(a) for a in operands)} (inv_freq buffers and the positions expected)")
         values = node.meta.get("val")
-        dim = int(values[0].shape[-1]) if isinstance(values, (tuple, list)) else 0
-        placeholder = node.args[2].name
-        op = self.emit(RotaryTable, node, [node.name], submodule=submod.args[0], inv_freq=placeholder, head_dim=dim)
-        return Rotary(op.id)
+        if not isinstance(values, (tuple, list)) or len(values) != 2 * len(tables):
+            self.fail(node, f"a rotary region of {len(tables)} inv_freq table(s) without a cos and sin for each")
+        dim = int(values[0].shape[-1])
+        inputs = [a.name if isinstance(operands[i], Param) else "" for i, a in enumerate(node.args[2:])]
+        ops = [self.emit(RotaryTable, node, [node.name], submodule=submod.args[0], inv_freq=node.args[2 + i].name,
+                         head_dim=dim, slot=slot, region_inputs=inputs)
+               for slot, i in enumerate(tables)]
+        return Rotary(ops[0].id) if len(ops) == 1 else RotaryRegion(tuple(op.id for op in ops))
 
     def getitem(self, node, args):
         source, index = args
         if isinstance(source, Rotary) and index in (0, 1):
             return Rotary(source.table, "cos" if index == 0 else "sin")
+        if isinstance(source, RotaryRegion) and isinstance(index, int) and 0 <= index < 2 * len(source.tables):
+            return Rotary(source.tables[index // 2], "cos" if index % 2 == 0 else "sin")
         if isinstance(source, Partial) and source.kind == "split" and isinstance(index, int):
             value, bounds, split_node = source.args
             if -len(bounds) <= index < len(bounds):
@@ -805,7 +826,7 @@ def _tensor_or_none(get) -> torch.Tensor | None:
     return value if isinstance(value, torch.Tensor) else None
 
 
-_VALUES = (Act, Param, Position, Cache, Rotary, Partial, Const, WindowMask)
+_VALUES = (Act, Param, Position, Cache, Rotary, RotaryRegion, Partial, Const, WindowMask)
 
 
 # ---------------------------------------------------------------------- elementwise pattern rules

@@ -38,8 +38,8 @@ from .memory import check_shared_memory, smem_bytes, smem_floats  # noqa: F401
 from .model import (PLAN_VERSION, WARP, Buffer, LayerBinding, ModelDims, PackedWeight, Plan,  # noqa: F401
                     Rotary, Stage, Tiling, plan_from_dict)
 from .recognise import Block, model_dims, recognise_decoder
-from .stages import (ATTN_WINDOW, GEMV_STAGES, HEAD_NORMS, LAYER_GEMVS, LAYER_NORM_ROLES, LAYOUTS, STAGE_BIAS,  # noqa: F401
-                     STAGE_TABLE, WORKSPACES, Layout, StageSpec)
+from .stages import (ATTN_WINDOW, GEMV_STAGES, HEAD_NORMS, LAYER_GEMVS, LAYER_NORM_ROLES, LAYOUTS,  # noqa: F401
+                     ROPE_TABLE, STAGE_BIAS, STAGE_TABLE, WORKSPACES, Layout, StageSpec)
 from .tuning import (DEFAULT_TUNING, HOPPER_SMEM_PER_BLOCK, PIPELINE_MAX_THREADS,  # noqa: F401
                      PIPELINE_MAX_VECTORS, RING_VECTOR_BYTES, STREAMING_DEFAULT, GemvTuning, check_pipeline,
                      check_ring, default_tuning, ring_bytes, ring_shape, streaming_tuning)
@@ -51,8 +51,12 @@ _smem_bytes = smem_bytes
 def build_plan(ir: IRGraph, *, ctas: int = 132, threads: int = 256, weight_dtype: str = "bfloat16",
                rotary_scaling: float = 1.0, inv_freq_buffer: str = "",
                tuning: dict[str, GemvTuning] | None = None, attention_preload: bool = False,
-               split_kv: bool | None = None) -> Plan:
+               split_kv: bool | None = None, rotary_tables: list[tuple[str, float]] | None = None) -> Plan:
     """Turn recognised IR into a plan for a grid of ``ctas`` CTAs of ``threads`` threads.
+
+    ``rotary_tables`` (``recover_rotary_tables``: (inv_freq fqn, scaling) per RotaryTable op) is needed when the
+    model rotates with several tables (Gemma 3's per-layer-type RoPE); one table is ``inv_freq_buffer`` and
+    ``rotary_scaling``.
 
     ``split_kv`` (default: on unless ``attention_preload``) splits decode attention's cached keys across CTAs
     (flash decoding, ``bodies.split_kv_attention``); off, one CTA reads a (batch, head)'s whole cache (the
@@ -82,6 +86,10 @@ def build_plan(ir: IRGraph, *, ctas: int = 132, threads: int = 256, weight_dtype
     _check_options(dims, tuning, threads, lm_head, split_kv, attention_preload, batch, ctas)
     windows = [block.ops["attention"].window for block in blocks]
     _check_windows(windows, split_kv)
+    rope_tables, layer_tables = _rope_tables(ir, blocks, rotary_tables, dims.head_dim)
+    if len(rope_tables) == 1:  # several tables computed, one used (Gemma 3 with only local layers)
+        inv_freq_buffer, rotary_scaling = rope_tables[0].inv_freq_buffer, rope_tables[0].attention_scaling
+        rope_tables = []
     check_shared_memory(dims, batch, capacity, threads, split_kv)
     ring = check_ring(tuning, threads, smem_bytes(dims, batch, capacity, threads, split_kv))
     tied = lm_head.weight == embed.table
@@ -92,16 +100,19 @@ def build_plan(ir: IRGraph, *, ctas: int = 132, threads: int = 256, weight_dtype
     return Plan(
         version=PLAN_VERSION, dims=dims, batch=batch, capacity=capacity, ctas=ctas, threads=threads,
         smem_bytes=smem_bytes(dims, batch, capacity, threads, split_kv) + ring, weight_dtype=weight_dtype,
-        buffers=_buffers(layout, dims, batch, capacity, weight_dtype, tied) + _bias_buffers(dims, biased)
-        + _head_norm_buffers(dims, head_norms) + split_kv_buffers(dims, batch, stages) + _window_buffers(dims, windows),
+        buffers=_buffers(layout, dims, batch, capacity, weight_dtype, tied, max(1, len(rope_tables)))
+        + _bias_buffers(dims, biased)
+        + _head_norm_buffers(dims, head_norms) + split_kv_buffers(dims, batch, stages) + _window_buffers(dims, windows)
+        + _rope_table_buffers(dims, rope_tables),
         packed=_packing(layout, blocks, embed, final_norm, lm_head, tied) + _bias_packing(blocks, biased)
         + _head_norm_packing(blocks, head_norms),
-        stages=stages, layers=[_bind_layer(layout, block, window) for block, window in zip(blocks, windows)],
+        stages=stages, layers=[_bind_layer(layout, block, window, table)
+                               for block, window, table in zip(blocks, windows, layer_tables)],
         rotary=Rotary(inv_freq_buffer=inv_freq_buffer, attention_scaling=rotary_scaling, head_dim=dims.head_dim,
                       ops=[op.id for op in ir.of_kind(RotaryTable)]),
         globals={"embed": _provenance([embed]), "final_norm": _provenance([final_norm]),
                  "lm_head": _provenance([lm_head])},
-        tied_lm_head=tied, layout=layout.name,
+        tied_lm_head=tied, layout=layout.name, rope_tables=rope_tables,
     )
 
 
@@ -109,15 +120,21 @@ EXPERIMENTAL_LAYOUTS_ENV = "MEGABAKE_EXPERIMENTAL_LAYOUTS"
 GPU_VERIFIED_LAYOUTS = ("pre_norm", "sandwich")  # layouts whose kernels passed `pytest -m gpu` on an H200
 
 
-def check_layout_enabled(name: str) -> None:
-    """A layout whose kernel has not yet run on a GPU is baked only when ``MEGABAKE_EXPERIMENTAL_LAYOUTS``
-    names it (comma- or space-separated). Every layout in ``LAYOUTS`` today has passed; the gate is for the next."""
-    if name in GPU_VERIFIED_LAYOUTS:
+GPU_VERIFIED_FEATURES = ()  # kernel features (beyond layouts) that passed `pytest -m gpu` on an H200
+EXPERIMENTAL_FEATURES = {"rope_tables": "per-layer rotary tables (Gemma 3: one RoPE base per layer type)"}
+
+
+def check_layout_enabled(name: str, what: str | None = None) -> None:
+    """A layout (or, with ``what`` describing it, a kernel feature such as ``rope_tables``) whose kernel has not
+    yet run on a GPU is baked only when ``MEGABAKE_EXPERIMENTAL_LAYOUTS`` names it (comma- or space-separated).
+    Every layout in ``LAYOUTS`` today has passed; ``rope_tables`` has not."""
+    if name in GPU_VERIFIED_LAYOUTS or name in GPU_VERIFIED_FEATURES:
         return
     if name in os.environ.get(EXPERIMENTAL_LAYOUTS_ENV, "").replace(",", " ").split():
         return
-    raise PlanError(f"this model has the {name!r} decoder layout, whose kernel matches eager fp32 on the CPU "
-                    "(reference executor) and compiles for sm_90a but has not run on a GPU yet; to bake it anyway set "
+    subject = f"{what} ({name!r})" if what else f"the {name!r} decoder layout"
+    raise PlanError(f"this model has {subject}, whose kernel matches eager fp32 on the CPU (reference executor) and "
+                    "compiles for sm_90a but has not run on a GPU yet; to bake it anyway set "
                     f"{EXPERIMENTAL_LAYOUTS_ENV}={name} (a bake on a Hopper GPU and `megabake verify` still check "
                     "its numerics against PyTorch)")
 
@@ -157,13 +174,43 @@ def _check_windows(windows: list[int], split_kv: bool) -> None:
                         "only; bake without --attention-preload (and without split_kv=False)")
 
 
+def _rope_tables(ir: IRGraph, blocks: list[Block], recovered: list[tuple[str, float]] | None,
+                 head_dim: int) -> tuple[list[Rotary], list[int]]:
+    """The rotary tables the layers use (Gemma 3: one per layer type) and each layer's index among them:
+    ([], zeros) for a model with one table; one Rotary when several are computed but one is used."""
+    tables = ir.of_kind(RotaryTable)
+    if len(tables) <= 1:
+        return [], [0] * len(blocks)
+    if recovered is None or len(recovered) != len(tables):
+        raise PlanError(f"this model computes {len(tables)} rotary tables; pass "
+                        "rotary_tables=megabake.plan.rotary.recover_rotary_tables(captured, ir) (compile_step does)")
+    by_id = {table.id: (table, source) for table, source in zip(tables, recovered)}
+    used: list[str] = []
+    for block in blocks:
+        q_table, k_table = block.ops["q_rope"].table, block.ops["k_rope"].table
+        if q_table != k_table:
+            raise PlanError(f"layer {block.index} rotates q and k with different tables ({q_table}, {k_table})")
+        if q_table not in used:
+            used.append(q_table)
+    used.sort(key=lambda op_id: tables.index(by_id[op_id][0]))
+    if len(used) > 1:
+        check_layout_enabled("rope_tables", EXPERIMENTAL_FEATURES["rope_tables"])
+    rotaries = [Rotary(inv_freq_buffer=by_id[op_id][1][0], attention_scaling=by_id[op_id][1][1], head_dim=head_dim,
+                       ops=[op_id]) for op_id in used]
+    return rotaries, [used.index(block.ops["q_rope"].table) for block in blocks]
+
+
+def _rope_table_buffers(dims: ModelDims, rope_tables: list[Rotary]) -> list[Buffer]:
+    return [Buffer(ROPE_TABLE, "table", "int32", [dims.layers])] if len(rope_tables) > 1 else []
+
+
 def _window_buffers(dims: ModelDims, windows: list[int]) -> list[Buffer]:
     """``attn_window`` [layers] int32 when some layer attends over a sliding window (values:
     :meth:`Plan.attn_window_table`); none otherwise, so such plans and kernels are unchanged."""
     return [Buffer(ATTN_WINDOW, "table", "int32", [dims.layers])] if any(windows) else []
 
 
-def _bind_layer(layout: Layout, block: Block, window: int = 0) -> LayerBinding:
+def _bind_layer(layout: Layout, block: Block, window: int = 0, rope_table: int = 0) -> LayerBinding:
     ops = block.ops
     layer_specs = [spec for spec in layout.stages if spec.per_layer]
     by_stage = {spec.name: [ops[r] for r in _layer_roles(spec) if r in ops] for spec in layer_specs}
@@ -174,7 +221,7 @@ def _bind_layer(layout: Layout, block: Block, window: int = 0) -> LayerBinding:
         ops={s: [op.id for op in v] for s, v in by_stage.items()},
         fx_nodes={s: [n for op in v for n in op.fx_nodes] for s, v in by_stage.items()},
         hf_modules={s: sorted({op.hf_module for op in v if op.hf_module}) for s, v in by_stage.items()},
-        window=window,
+        window=window, rope_table=rope_table,
     )
 
 
@@ -208,9 +255,11 @@ def _stages(layout: Layout, dims: ModelDims, batch: int, tuning: dict[str, GemvT
     return stages
 
 
-def _buffers(layout: Layout, dims: ModelDims, batch: int, capacity: int, wdt: str, tied: bool) -> list[Buffer]:
+def _buffers(layout: Layout, dims: ModelDims, batch: int, capacity: int, wdt: str, tied: bool,
+             rope_tables: int = 1) -> list[Buffer]:
     L, H = dims.layers, dims.hidden
     buffers = [Buffer("embed", "weight", wdt, [dims.vocab, H])]
+    rope_shape = [capacity, dims.head_dim] if rope_tables == 1 else [rope_tables, capacity, dims.head_dim]
     buffers += [Buffer(spec.gemv.weight, "weight", wdt, [L, getattr(dims, spec.gemv.rows), getattr(dims, spec.gemv.cols)])
                 for spec in layout.layer_gemvs]
     buffers += [Buffer("norms", "weight", "float32", [L, len(layout.norm_roles), H]),
@@ -218,8 +267,8 @@ def _buffers(layout: Layout, dims: ModelDims, batch: int, capacity: int, wdt: st
     if not tied:
         buffers.append(Buffer("lm_head", "weight", wdt, [dims.vocab, H]))
     buffers += [
-        Buffer("rope_cos", "table", "float32", [capacity, dims.head_dim]),
-        Buffer("rope_sin", "table", "float32", [capacity, dims.head_dim]),
+        Buffer("rope_cos", "table", "float32", rope_shape),
+        Buffer("rope_sin", "table", "float32", rope_shape),
         Buffer("k_cache", "state", wdt, [L, batch, dims.n_kv_heads, capacity, dims.head_dim]),
         Buffer("v_cache", "state", wdt, [L, batch, dims.n_kv_heads, capacity, dims.head_dim]),
         Buffer("tokens", "input", "int32", [batch]),

@@ -62,6 +62,7 @@ class LayerBinding:
     fx_nodes: dict[str, list[str]]  # stage role -> FX node names
     hf_modules: dict[str, list[str]]  # stage role -> HF module paths
     window: int = 0  # sliding-window attention: keys (position - window, position]; 0 = every cached key
+    rope_table: int = 0  # which of the plan's rotary tables this layer rotates with (Gemma 3: per layer type)
 
 
 @dataclass
@@ -147,6 +148,7 @@ class Plan:
     globals: dict[str, dict[str, list[str]]]  # embed / final_norm / lm_head: ops, fx_nodes, hf_modules
     tied_lm_head: bool
     layout: str = "pre_norm"  # megabake.plan.stages.LAYOUTS: pre_norm (Llama) | sandwich (Gemma 2)
+    rope_tables: list[Rotary] = field(default_factory=list)  # several tables (Gemma 3); [] = the one ``rotary``
 
     # -- identity -----------------------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -161,9 +163,12 @@ class Plan:
             data["dims"].pop("final_softcap")
         if data["layout"] == "pre_norm":  # likewise: the layout is named only when it is not the first one
             data.pop("layout")
-        for layer in data["layers"]:  # and a layer's window only when it has one
-            if not layer["window"]:
-                layer.pop("window")
+        for layer in data["layers"]:  # and a layer's window and rotary table only when it has them
+            for key in ("window", "rope_table"):
+                if not layer[key]:
+                    layer.pop(key)
+        if not data["rope_tables"]:
+            data.pop("rope_tables")
         return data
 
     def to_json(self) -> str:
@@ -212,6 +217,17 @@ class Plan:
         return [layer.window or self.capacity for layer in self.layers]
 
     @property
+    def rotaries(self) -> list[Rotary]:
+        """Every rotary table the kernel rotates with: ``rope_tables``, or the one ``rotary``."""
+        return self.rope_tables or [self.rotary]
+
+    @property
+    def has_rope_tables(self) -> bool:
+        """Several rotary tables: ``rope_cos``/``rope_sin`` are [tables, capacity, head_dim] and ``rope_table``
+        [layers] (int32) says which one each layer uses."""
+        return len(self.rope_tables) > 1
+
+    @property
     def has_head_norms(self) -> bool:
         """Per-head RMSNorm of q and k before RoPE (Qwen3): weights in the ``qk_norms`` buffer."""
         return any(b.name == HEAD_NORMS for b in self.buffers)
@@ -252,4 +268,5 @@ def plan_from_dict(data: dict) -> Plan:
     data["stages"] = [Stage(**{**s, "tiling": Tiling(**s["tiling"])}) for s in data["stages"]]
     data["layers"] = [LayerBinding(**layer) for layer in data["layers"]]
     data["rotary"] = Rotary(**data["rotary"])
+    data["rope_tables"] = [Rotary(**r) for r in data.get("rope_tables", [])]
     return Plan(**data)

@@ -53,10 +53,25 @@ def _source_rows(lookup: Callable[[str], torch.Tensor], source) -> torch.Tensor:
     return tensor[source[1]:source[2]] if len(source) == 3 else tensor
 
 
-def rotary_tables(plan: Plan, inv_freq: torch.Tensor, *, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [capacity, head_dim] in fp32: halves duplicated, times the attention scaling."""
+def rotary_tables(plan: Plan, inv_freq, *, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [capacity, head_dim] in fp32: halves duplicated, times the attention scaling. ``inv_freq``: one
+    tensor, or one per table of ``plan.rotaries`` (:func:`plan_inv_freqs`); a plan with several tables
+    (``has_rope_tables``) gets [tables, capacity, head_dim]."""
+    freqs_per_table = inv_freq if isinstance(inv_freq, (list, tuple)) else [inv_freq]
     positions = torch.arange(plan.capacity, dtype=torch.float32, device=device)
-    freqs = positions[:, None] * inv_freq.to(device=device, dtype=torch.float32)[None, :]
-    emb = torch.cat([freqs, freqs], dim=-1)
-    scale = plan.rotary.attention_scaling
-    return (emb.cos() * scale).contiguous(), (emb.sin() * scale).contiguous()
+    cos, sin = [], []
+    for table, rotary in zip(freqs_per_table, plan.rotaries):
+        freqs = positions[:, None] * table.to(device=device, dtype=torch.float32)[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        cos.append(emb.cos() * rotary.attention_scaling)
+        sin.append(emb.sin() * rotary.attention_scaling)
+    if plan.has_rope_tables:
+        return torch.stack(cos).contiguous(), torch.stack(sin).contiguous()
+    return cos[0].contiguous(), sin[0].contiguous()
+
+
+def plan_inv_freqs(plan: Plan, model) -> list[torch.Tensor]:
+    """The exact fp32 inverse frequencies of each of the plan's rotary tables, from ``model``'s buffers."""
+    from ..rope import exact_inv_freq
+
+    return [exact_inv_freq(model, rotary.inv_freq_buffer) for rotary in plan.rotaries]

@@ -153,7 +153,7 @@ class ReferenceExecutor:
         qkv, attn = self.buffers["qkv"], self.buffers["attn"]
         kc, vc = self.buffers["k_cache"][layer], self.buffers["v_cache"][layer]
         group = d.n_heads // d.n_kv_heads
-        cos, sin = self.cos[position], self.sin[position]
+        cos, sin = self._rope_rows(layer, position)
         owners = {}
         for tile in range(stage.tiling.tiles):
             cta = tile % self.plan.ctas
@@ -181,11 +181,18 @@ class ReferenceExecutor:
         self.tile_owners[stage.name] = owners
 
 
+    def _rope_rows(self, layer, position):
+        """cos, sin of ``position`` in the rotary table ``layer`` uses."""
+        if self.cos.ndim == 3:  # several tables (Gemma 3): the layer's own
+            table = self.plan.layers[layer].rope_table
+            return self.cos[table, position], self.sin[table, position]
+        return self.cos[position], self.sin[position]
+
     def _roped_group(self, layer, b, kvh, position):
         """The group's roped queries [G, D] (scaled by attn_scale, as the kernel folds it) and the new k, v."""
         d, qkv = self.plan.dims, self.buffers["qkv"]
         group = d.n_heads // d.n_kv_heads
-        cos, sin = self.cos[position], self.sin[position]
+        cos, sin = self._rope_rows(layer, position)
         queries = []
         for h in range(group):
             q = qkv[b, (kvh * group + h) * d.head_dim:(kvh * group + h + 1) * d.head_dim]
@@ -259,12 +266,10 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 def reference_executor_for(plan: Plan, model, *, dtype=torch.float32) -> ReferenceExecutor:
     """Build a reference executor bound to an HF model's parameters (packed in ``dtype``)."""
-    from .packing import pack_weights, rotary_tables
-    from .rotary import exact_inv_freq
+    from .packing import pack_weights, plan_inv_freqs, rotary_tables
 
     weights = pack_weights(plan, model.get_parameter, dtype=dtype)
-    inv_freq = exact_inv_freq(model, plan.rotary.inv_freq_buffer)
-    cos, sin = rotary_tables(plan, inv_freq)
+    cos, sin = rotary_tables(plan, plan_inv_freqs(plan, model))
     return ReferenceExecutor(plan, weights, cos, sin)
 
 

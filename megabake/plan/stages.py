@@ -25,6 +25,7 @@ from functools import cached_property
 
 HEAD_NORMS = "qk_norms"  # [L, 2, head_dim] fp32: Qwen3's q_norm and k_norm weights, applied before RoPE
 ATTN_WINDOW = "attn_window"  # [L] int32: each layer's sliding window (the KV capacity where it has none)
+ROPE_TABLE = "rope_table"  # [L] int32: each layer's rotary table, when the model has several (Gemma 3)
 
 
 @dataclass(frozen=True)

@@ -112,8 +112,8 @@ FAMILIES: tuple[Family, ...] = (
            dict(_TINY, num_key_value_heads=1, hidden_activation="gelu_pytorch_tanh"), note="GELU-tanh MLP"),
     Family("gemma2", "Gemma 2", "Gemma2ForCausalLM", dict(_TINY, sliding_window=64),
            note="soft-capping, pre/post norms, sliding window 64 < KV on even layers"),
-    Family("gemma3-text", "Gemma 3 (text)", "Gemma3ForCausalLM", dict(_TINY, sliding_window=4096),
-           note="q/k norm, local/global RoPE, sliding window 4096 > KV"),
+    Family("gemma3-text", "Gemma 3 (text)", "Gemma3ForCausalLM", dict(_TINY, num_hidden_layers=6, sliding_window=64),
+           note="q/k norm, 5 local : 1 global layers (RoPE base 10k / 1M), sliding window 64 < KV"),
     Family("phi3", "Phi-3", "Phi3ForCausalLM",
            dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=4, vocab_size=512, pad_token_id=0, bos_token_id=1, eos_token_id=2),
@@ -138,10 +138,11 @@ NEXT_STEPS = (
     "**Attention soft-capping (Gemma 2).** transformers' SDPA path leaves `attn_logit_softcapping` out of the "
     "exported graph, so neither the HF model as exported nor the megakernel applies it (final logit soft-capping "
     "is baked); eager-attention Gemma 2 is refused (eager attention).",
-    "**Gemma 3 (5:1 local/global layers).** Sliding windows are baked per layer (`attn_window`, split-KV "
-    "attention from `max(0, position + 1 - window)`; Mistral and Gemma 2 verified on the H200 past the window); "
-    "Gemma 3's global layers also rotate with their own RoPE base, so the rotary tables need a per-layer index "
-    "(two tables, the layer's `layer_types` entry picks one) before Gemma 3 with global layers bakes.",
+    "**Gemma 3 (5:1 local/global layers).** Sliding windows are baked per layer (`attn_window`; Mistral and Gemma 2 "
+    "verified on the H200 past the window) and each layer rotates with its own table (`rope_cos[rope_table[layer]]`, "
+    "one table per layer type). The reference executor matches eager fp32 past the window and the gemma-3-270m "
+    "shape compiles for sm_90a; the per-layer tables wait for their H200 run "
+    "(`pytest -m gpu tests/test_gpu_decode.py -k gemma3`), until then `MEGABAKE_EXPERIMENTAL_LAYOUTS=rope_tables`.",
     "**Phi-3-mini / Phi-4-mini.** Phi-3's fused projections bake (row ranges of one weight); head_dim 96 (12-lane "
     "groups in attention) computed wrong results on the H200 and is refused; Phi-4-mini adds partial rotary (75% "
     "of head_dim) and long-RoPE factors.",
@@ -247,6 +248,13 @@ def _quiet():
                 hf_logging.set_verbosity(level)
             if opt_in is not None:
                 os.environ["MEGABAKE_EXPERIMENTAL_LAYOUTS"] = opt_in
+
+
+def _no_package_yet(preset: Preset) -> str:
+    if preset.experimental:
+        return (f"no package of this preset yet: `MEGABAKE_EXPERIMENTAL_LAYOUTS={preset.experimental} megabake bake "
+                f"--model {preset.name}` bakes one (its kernel has not run on a GPU yet)")
+    return f"no package of this preset yet: `megabake bake --model {preset.name}` bakes one"
 
 
 def try_family(family: Family) -> ModelRow:
@@ -377,8 +385,7 @@ def preset_rows(packages_root: str | Path, table_dir: str | Path, families: Iter
         else:
             rows.append(ModelRow(family=family[1], family_key=family[0], architecture=preset.architecture,
                                  preset=name, source="none", status="no-package", label="no package",
-                                 details=f"no package of this preset yet: `megabake bake --model {name}` "
-                                         "bakes one",
+                                 details=_no_package_yet(preset),
                                  bucket="", evidence=""))
     return rows
 

@@ -29,10 +29,10 @@ from pathlib import Path
 import torch
 
 from ..errors import DeviceError, InputError, MegaBakeError
-from ..plan import ATTN_WINDOW, Plan
-from ..plan.packing import pack_weights, rotary_tables, torch_dtype
+from ..plan import ATTN_WINDOW, ROPE_TABLE, Plan
+from ..plan.packing import pack_weights, plan_inv_freqs, rotary_tables, torch_dtype
 from ..plan.reference import ReferenceExecutor
-from ..rope import cast_model, exact_inv_freq, exact_rotary_buffers, restore_rotary_buffers
+from ..rope import cast_model, exact_rotary_buffers, restore_rotary_buffers
 
 
 LOG = logging.getLogger(__name__)
@@ -138,7 +138,7 @@ class MegakernelDecoder:
         self._use_graph = use_graph
         # One source of RoPE frequencies (megabake.rope): the kernel's tables, the prefill that writes the
         # prompt's keys and every reference use the exact fp32 inverse frequencies, whatever the weights' dtype.
-        self.inv_freq_fp32 = exact_inv_freq(model, plan.rotary.inv_freq_buffer)
+        self.inv_freq_fp32 = plan_inv_freqs(plan, model)  # one tensor per rotary table
         if self.backend == "cuda":
             self.gpu = require_hopper(device)
             check_admission(plan, self.gpu)
@@ -164,6 +164,9 @@ class MegakernelDecoder:
         self.buffers["rope_cos"], self.buffers["rope_sin"] = cos, sin
         if plan.has_windows:
             self.buffers[ATTN_WINDOW] = torch.tensor(plan.attn_window_table(), dtype=torch.int32, device=device)
+        if plan.has_rope_tables:
+            self.buffers[ROPE_TABLE] = torch.tensor([layer.rope_table for layer in plan.layers], dtype=torch.int32,
+                                                    device=device)
         # tokens and position share one int32 buffer so a step uploads them with a single copy, no kernel
         self._inputs = torch.zeros(plan.batch + 1, dtype=torch.int32, device=device)
         self.buffers["tokens"], self.buffers["position"] = self._inputs[:plan.batch], self._inputs[plan.batch:]

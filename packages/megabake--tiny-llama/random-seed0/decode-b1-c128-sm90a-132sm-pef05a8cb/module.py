@@ -12,7 +12,11 @@ import cuda.bindings.driver as cuda
 from cutlass import Float32
 
 PLAN_HASH = "ef05a8cbd28d15b605f2c2b022016bcf67045585ac9fc1245c82e5f978380564"
-ARGUMENTS = ['embed', 'w_qkv', 'w_o', 'w_gate_up', 'w_down', 'norms', 'final_norm', 'lm_head', 'rope_cos', 'rope_sin', 'k_cache', 'v_cache', 'tokens', 'position', 'x', 'qkv', 'attn', 'gate_up', 'logits', 'barrier', 'attn_part', 'attn_count']
+ARGUMENTS = [
+    'embed', 'w_qkv', 'w_o', 'w_gate_up', 'w_down', 'norms', 'final_norm', 'lm_head', 'rope_cos', 'rope_sin',
+    'k_cache', 'v_cache', 'tokens', 'position', 'x', 'qkv', 'attn', 'gate_up', 'logits', 'barrier', 'attn_part',
+    'attn_count',
+]
 BATCH = 1
 CAPACITY = 128
 HIDDEN = 256
@@ -39,14 +43,21 @@ RING_VECTORS = 8
 EPS = 1e-05
 ATTN_SCALE = 0.125
 ROWS_PER_TILE = {'norm_qkv': 2, 'o_residual': 2, 'norm_gate_up': 2, 'down_residual': 2, 'norm_lm_head': 2}
-GEMV_UNROLL = {'norm_qkv': 4, 'o_residual': 4, 'norm_gate_up': 4, 'down_residual': 4, 'norm_lm_head': 4}  # 16-byte loads in flight per lane and row
+# 16-byte loads in flight per lane and row
+GEMV_UNROLL = {'norm_qkv': 4, 'o_residual': 4, 'norm_gate_up': 4, 'down_residual': 4, 'norm_lm_head': 4}
 GRID = (CTAS, 1, 1)
 BLOCK = (THREADS, 1, 1)
 SMEM_BYTES = 138016  # 4 * (BATCH * VEC_WIDTH + RED_SCRATCH + ATT_SCRATCH) + alignment
 
 
 @cute.kernel
-def megakernel(embed: cute.Tensor, w_qkv: cute.Tensor, w_o: cute.Tensor, w_gate_up: cute.Tensor, w_down: cute.Tensor, norms: cute.Tensor, final_norm: cute.Tensor, lm_head: cute.Tensor, rope_cos: cute.Tensor, rope_sin: cute.Tensor, k_cache: cute.Tensor, v_cache: cute.Tensor, tokens: cute.Tensor, position: cute.Tensor, x: cute.Tensor, qkv: cute.Tensor, attn: cute.Tensor, gate_up: cute.Tensor, logits: cute.Tensor, barrier: cute.Tensor, attn_part: cute.Tensor, attn_count: cute.Tensor):
+def megakernel(
+    embed: cute.Tensor, w_qkv: cute.Tensor, w_o: cute.Tensor, w_gate_up: cute.Tensor, w_down: cute.Tensor,
+    norms: cute.Tensor, final_norm: cute.Tensor, lm_head: cute.Tensor, rope_cos: cute.Tensor, rope_sin: cute.Tensor,
+    k_cache: cute.Tensor, v_cache: cute.Tensor, tokens: cute.Tensor, position: cute.Tensor, x: cute.Tensor,
+    qkv: cute.Tensor, attn: cute.Tensor, gate_up: cute.Tensor, logits: cute.Tensor, barrier: cute.Tensor,
+    attn_part: cute.Tensor, attn_count: cute.Tensor,
+):
     """One decode step: embedding, every layer, final norm, LM head, in-place KV append."""
     tidx, _, _ = cute.arch.thread_idx()
     cta, _, _ = cute.arch.block_idx()
@@ -54,53 +65,121 @@ def megakernel(embed: cute.Tensor, w_qkv: cute.Tensor, w_o: cute.Tensor, w_gate_
     gwarp = cta * WARPS + tidx // 32
     swarp = (tidx // 32) * CTAS + cta  # CTA-major tile order of spread GEMV stages
     smem = cutlass.memory.SmemAllocator()
-    s_vec = smem.allocate_tensor(Float32, cute.make_layout((BATCH, VEC_WIDTH), stride=(VEC_WIDTH, 1)), byte_alignment=16)
+    s_vec = smem.allocate_tensor(
+        Float32, cute.make_layout((BATCH, VEC_WIDTH), stride=(VEC_WIDTH, 1)), byte_alignment=16)
     s_red = smem.allocate_tensor(Float32, cute.make_layout(RED_SCRATCH), byte_alignment=16)
     s_att = smem.allocate_tensor(Float32, cute.make_layout(ATT_SCRATCH), byte_alignment=16)
-    s_ring = smem.allocate_tensor(w_qkv.element_type, cute.make_layout((WARPS, RING_STAGES, RING_VECTORS, 32, 8), stride=(RING_STAGES * RING_VECTORS * 256, RING_VECTORS * 256, 256, 8, 1)), byte_alignment=16)  # per-warp cp.async rings of the streamed GEMV stages
+    # per-warp cp.async rings of the streamed GEMV stages
+    s_ring = smem.allocate_tensor(
+        w_qkv.element_type,
+        cute.make_layout((WARPS, RING_STAGES, RING_VECTORS, 32, 8),
+            stride=(RING_STAGES * RING_VECTORS * 256, RING_VECTORS * 256, 256, 8, 1)),
+        byte_alignment=16)
     pos = position[0]
     # ---- stage 0: embed (prologue) ----
-    bodies.embed_gather(embed, tokens, x, cta, tidx, BATCH, HIDDEN, CTAS, THREADS)
-    bodies.prefetch_rows(w_qkv[0, None, None], swarp, lane, TOTAL_WARPS, 512, 256, 2, 1)
-    bodies.gemv_ring_prefill(w_qkv[0, None, None], s_ring[tidx // 32, None, None, None, None], swarp, lane, 1, TOTAL_WARPS, 512, 256, 2, 4, 4)
-    bodies.grid_barrier(barrier, tidx, CTAS)
+    bodies.embed_gather(
+        embed=embed, tokens=tokens, x=x, cta=cta, tidx=tidx, batch=BATCH, hidden=HIDDEN, ctas=CTAS, threads=THREADS)
+    bodies.prefetch_rows(
+        weight=w_qkv[0, None, None], gwarp=swarp, lane=lane, total_warps=TOTAL_WARPS, rows=512, cols=256, per_tile=2,
+        max_tiles=1)
+    bodies.gemv_ring_prefill(
+        weight=w_qkv[0, None, None], ring=s_ring[tidx // 32, None, None, None, None], gwarp=swarp, lane=lane, active=1,
+        total_warps=TOTAL_WARPS, rows=512, cols=256, per_tile=2, unroll=4, stages=4)
+    bodies.grid_barrier(barrier=barrier, tidx=tidx, ctas=CTAS)
     for layer in range(LAYERS):
         # ---- stage 1: norm_qkv (layer) ----
-        bodies.rmsnorm_to_smem(x, norms[layer, 0, None], s_vec, s_red, tidx, BATCH, HIDDEN, THREADS, EPS)
-        bodies.gemv_rows_streamed(w_qkv[layer, None, None], s_ring[tidx // 32, None, None, None, None], qkv, s_vec, qkv, swarp, lane, TOTAL_WARPS, QKV_ROWS, HIDDEN, BATCH, ROWS_PER_TILE['norm_qkv'], False, GEMV_UNROLL['norm_qkv'], False, 4, True)
-        bodies.prefetch_rows(w_o[layer, None, None], swarp, lane, TOTAL_WARPS, 256, 256, 2, 1)
-        bodies.gemv_ring_prefill(w_o[layer, None, None], s_ring[tidx // 32, None, None, None, None], swarp, lane, 1, TOTAL_WARPS, 256, 256, 2, 4, 4)
-        bodies.grid_barrier(barrier, tidx, CTAS)
+        bodies.rmsnorm_to_smem(
+            x=x, weight=norms[layer, 0, None], s_vec=s_vec, s_red=s_red, tidx=tidx, batch=BATCH, hidden=HIDDEN,
+            threads=THREADS, eps=EPS)
+        bodies.gemv_rows_streamed(
+            weight=w_qkv[layer, None, None], ring=s_ring[tidx // 32, None, None, None, None], bias=qkv, s_vec=s_vec,
+            out=qkv, gwarp=swarp, lane=lane, total_warps=TOTAL_WARPS, rows=QKV_ROWS, cols=HIDDEN, batch=BATCH,
+            per_tile=ROWS_PER_TILE['norm_qkv'], accumulate=False, unroll=GEMV_UNROLL['norm_qkv'], has_bias=False,
+            stages=4, prefilled=True)
+        bodies.prefetch_rows(
+            weight=w_o[layer, None, None], gwarp=swarp, lane=lane, total_warps=TOTAL_WARPS, rows=256, cols=256,
+            per_tile=2, max_tiles=1)
+        bodies.gemv_ring_prefill(
+            weight=w_o[layer, None, None], ring=s_ring[tidx // 32, None, None, None, None], gwarp=swarp, lane=lane,
+            active=1, total_warps=TOTAL_WARPS, rows=256, cols=256, per_tile=2, unroll=4, stages=4)
+        bodies.grid_barrier(barrier=barrier, tidx=tidx, ctas=CTAS)
         # ---- stage 2: attention (layer) ----
-        bodies.split_kv_attention(qkv, qkv, rope_cos, rope_sin, k_cache[layer, None, None, None, None], v_cache[layer, None, None, None, None], attn, attn_part, attn_count, pos, 0, s_att, cta, tidx, BATCH, N_HEADS, N_KV_HEADS, HEAD_DIM, CTAS, THREADS, ATTN_SCALE, False, EPS, KV_SPLITS, ATT_UNROLL, MIN_CHUNK)
-        bodies.grid_barrier(barrier, tidx, CTAS)
+        bodies.split_kv_attention(
+            qkv=qkv, qk_norm=qkv, rope_cos=rope_cos, rope_sin=rope_sin, k_cache=k_cache[layer, None, None, None, None],
+            v_cache=v_cache[layer, None, None, None, None], attn=attn, part=attn_part, counts=attn_count, pos=pos,
+            first_key=0, s_att=s_att, cta=cta, tidx=tidx, batch=BATCH, n_heads=N_HEADS, n_kv_heads=N_KV_HEADS,
+            head_dim=HEAD_DIM, ctas=CTAS, threads=THREADS, scale=ATTN_SCALE, has_qk_norm=False, eps=EPS,
+            splits=KV_SPLITS, unroll=ATT_UNROLL, min_chunk=MIN_CHUNK)
+        bodies.grid_barrier(barrier=barrier, tidx=tidx, ctas=CTAS)
         # ---- stage 3: o_residual (layer) ----
-        bodies.copy_to_smem(attn, s_vec, tidx, BATCH, Q_ROWS, THREADS)
-        bodies.gemv_rows_streamed(w_o[layer, None, None], s_ring[tidx // 32, None, None, None, None], x, s_vec, x, swarp, lane, TOTAL_WARPS, HIDDEN, Q_ROWS, BATCH, ROWS_PER_TILE['o_residual'], True, GEMV_UNROLL['o_residual'], False, 4, True)
-        bodies.prefetch_rows(w_gate_up[layer, None, None], swarp, lane, TOTAL_WARPS, 1024, 256, 2, 1)
-        bodies.gemv_ring_prefill(w_gate_up[layer, None, None], s_ring[tidx // 32, None, None, None, None], swarp, lane, 1, TOTAL_WARPS, 1024, 256, 2, 4, 4)
-        bodies.grid_barrier(barrier, tidx, CTAS)
+        bodies.copy_to_smem(src=attn, s_vec=s_vec, tidx=tidx, batch=BATCH, width=Q_ROWS, threads=THREADS)
+        bodies.gemv_rows_streamed(
+            weight=w_o[layer, None, None], ring=s_ring[tidx // 32, None, None, None, None], bias=x, s_vec=s_vec, out=x,
+            gwarp=swarp, lane=lane, total_warps=TOTAL_WARPS, rows=HIDDEN, cols=Q_ROWS, batch=BATCH,
+            per_tile=ROWS_PER_TILE['o_residual'], accumulate=True, unroll=GEMV_UNROLL['o_residual'], has_bias=False,
+            stages=4, prefilled=True)
+        bodies.prefetch_rows(
+            weight=w_gate_up[layer, None, None], gwarp=swarp, lane=lane, total_warps=TOTAL_WARPS, rows=1024, cols=256,
+            per_tile=2, max_tiles=1)
+        bodies.gemv_ring_prefill(
+            weight=w_gate_up[layer, None, None], ring=s_ring[tidx // 32, None, None, None, None], gwarp=swarp,
+            lane=lane, active=1, total_warps=TOTAL_WARPS, rows=1024, cols=256, per_tile=2, unroll=4, stages=4)
+        bodies.grid_barrier(barrier=barrier, tidx=tidx, ctas=CTAS)
         # ---- stage 4: norm_gate_up (layer) ----
-        bodies.rmsnorm_to_smem(x, norms[layer, 1, None], s_vec, s_red, tidx, BATCH, HIDDEN, THREADS, EPS)
-        bodies.gemv_rows_streamed(w_gate_up[layer, None, None], s_ring[tidx // 32, None, None, None, None], gate_up, s_vec, gate_up, swarp, lane, TOTAL_WARPS, 2 * INTER, HIDDEN, BATCH, ROWS_PER_TILE['norm_gate_up'], False, GEMV_UNROLL['norm_gate_up'], False, 4, True)
-        bodies.prefetch_rows(w_down[layer, None, None], swarp, lane, TOTAL_WARPS, 256, 512, 2, 1)
-        bodies.gemv_ring_prefill(w_down[layer, None, None], s_ring[tidx // 32, None, None, None, None], swarp, lane, 1, TOTAL_WARPS, 256, 512, 2, 4, 4)
-        bodies.grid_barrier(barrier, tidx, CTAS)
+        bodies.rmsnorm_to_smem(
+            x=x, weight=norms[layer, 1, None], s_vec=s_vec, s_red=s_red, tidx=tidx, batch=BATCH, hidden=HIDDEN,
+            threads=THREADS, eps=EPS)
+        bodies.gemv_rows_streamed(
+            weight=w_gate_up[layer, None, None], ring=s_ring[tidx // 32, None, None, None, None], bias=gate_up,
+            s_vec=s_vec, out=gate_up, gwarp=swarp, lane=lane, total_warps=TOTAL_WARPS, rows=2 * INTER, cols=HIDDEN,
+            batch=BATCH, per_tile=ROWS_PER_TILE['norm_gate_up'], accumulate=False, unroll=GEMV_UNROLL['norm_gate_up'],
+            has_bias=False, stages=4, prefilled=True)
+        bodies.prefetch_rows(
+            weight=w_down[layer, None, None], gwarp=swarp, lane=lane, total_warps=TOTAL_WARPS, rows=256, cols=512,
+            per_tile=2, max_tiles=1)
+        bodies.gemv_ring_prefill(
+            weight=w_down[layer, None, None], ring=s_ring[tidx // 32, None, None, None, None], gwarp=swarp, lane=lane,
+            active=1, total_warps=TOTAL_WARPS, rows=256, cols=512, per_tile=2, unroll=4, stages=4)
+        bodies.grid_barrier(barrier=barrier, tidx=tidx, ctas=CTAS)
         # ---- stage 5: down_residual (layer) ----
-        bodies.silu_mul_to_smem(gate_up, s_vec, tidx, BATCH, INTER, THREADS)
-        bodies.gemv_rows_streamed(w_down[layer, None, None], s_ring[tidx // 32, None, None, None, None], x, s_vec, x, swarp, lane, TOTAL_WARPS, HIDDEN, INTER, BATCH, ROWS_PER_TILE['down_residual'], True, GEMV_UNROLL['down_residual'], False, 4, True)
-        bodies.prefetch_rows(w_qkv[cutlass.min(layer + 1, LAYERS - 1), None, None], swarp, lane, TOTAL_WARPS, 512, 256, 2, 1)
-        bodies.gemv_ring_prefill(w_qkv[cutlass.min(layer + 1, LAYERS - 1), None, None], s_ring[tidx // 32, None, None, None, None], swarp, lane, cutlass.min(LAYERS - 1 - layer, 1), TOTAL_WARPS, 512, 256, 2, 4, 4)
-        bodies.grid_barrier(barrier, tidx, CTAS)
+        bodies.silu_mul_to_smem(gate_up=gate_up, s_vec=s_vec, tidx=tidx, batch=BATCH, inter=INTER, threads=THREADS)
+        bodies.gemv_rows_streamed(
+            weight=w_down[layer, None, None], ring=s_ring[tidx // 32, None, None, None, None], bias=x, s_vec=s_vec,
+            out=x, gwarp=swarp, lane=lane, total_warps=TOTAL_WARPS, rows=HIDDEN, cols=INTER, batch=BATCH,
+            per_tile=ROWS_PER_TILE['down_residual'], accumulate=True, unroll=GEMV_UNROLL['down_residual'],
+            has_bias=False, stages=4, prefilled=True)
+        bodies.prefetch_rows(
+            weight=w_qkv[cutlass.min(layer + 1, LAYERS - 1), None, None], gwarp=swarp, lane=lane,
+            total_warps=TOTAL_WARPS, rows=512, cols=256, per_tile=2, max_tiles=1)
+        bodies.gemv_ring_prefill(
+            weight=w_qkv[cutlass.min(layer + 1, LAYERS - 1), None, None],
+            ring=s_ring[tidx // 32, None, None, None, None], gwarp=swarp, lane=lane,
+            active=cutlass.min(LAYERS - 1 - layer, 1), total_warps=TOTAL_WARPS, rows=512, cols=256, per_tile=2,
+            unroll=4, stages=4)
+        bodies.grid_barrier(barrier=barrier, tidx=tidx, ctas=CTAS)
     # ---- stage 6: norm_lm_head (epilogue) ----
-    bodies.rmsnorm_to_smem(x, final_norm, s_vec, s_red, tidx, BATCH, HIDDEN, THREADS, EPS)
-    bodies.gemv_rows_streamed(lm_head, s_ring[tidx // 32, None, None, None, None], logits, s_vec, logits, swarp, lane, TOTAL_WARPS, VOCAB, HIDDEN, BATCH, ROWS_PER_TILE['norm_lm_head'], False, GEMV_UNROLL['norm_lm_head'], False, 4, False)
+    bodies.rmsnorm_to_smem(
+        x=x, weight=final_norm, s_vec=s_vec, s_red=s_red, tidx=tidx, batch=BATCH, hidden=HIDDEN, threads=THREADS,
+        eps=EPS)
+    bodies.gemv_rows_streamed(
+        weight=lm_head, ring=s_ring[tidx // 32, None, None, None, None], bias=logits, s_vec=s_vec, out=logits,
+        gwarp=swarp, lane=lane, total_warps=TOTAL_WARPS, rows=VOCAB, cols=HIDDEN, batch=BATCH,
+        per_tile=ROWS_PER_TILE['norm_lm_head'], accumulate=False, unroll=GEMV_UNROLL['norm_lm_head'], has_bias=False,
+        stages=4, prefilled=False)
 
 @cute.jit
-def launch(embed: cute.Tensor, w_qkv: cute.Tensor, w_o: cute.Tensor, w_gate_up: cute.Tensor, w_down: cute.Tensor, norms: cute.Tensor, final_norm: cute.Tensor, lm_head: cute.Tensor, rope_cos: cute.Tensor, rope_sin: cute.Tensor, k_cache: cute.Tensor, v_cache: cute.Tensor, tokens: cute.Tensor, position: cute.Tensor, x: cute.Tensor, qkv: cute.Tensor, attn: cute.Tensor, gate_up: cute.Tensor, logits: cute.Tensor, barrier: cute.Tensor, attn_part: cute.Tensor, attn_count: cute.Tensor, stream: cuda.CUstream):
+def launch(
+    embed: cute.Tensor, w_qkv: cute.Tensor, w_o: cute.Tensor, w_gate_up: cute.Tensor, w_down: cute.Tensor,
+    norms: cute.Tensor, final_norm: cute.Tensor, lm_head: cute.Tensor, rope_cos: cute.Tensor, rope_sin: cute.Tensor,
+    k_cache: cute.Tensor, v_cache: cute.Tensor, tokens: cute.Tensor, position: cute.Tensor, x: cute.Tensor,
+    qkv: cute.Tensor, attn: cute.Tensor, gate_up: cute.Tensor, logits: cute.Tensor, barrier: cute.Tensor,
+    attn_part: cute.Tensor, attn_count: cute.Tensor, stream: cuda.CUstream,
+):
     """Host side: one cooperative launch of the persistent megakernel."""
-    megakernel(embed, w_qkv, w_o, w_gate_up, w_down, norms, final_norm, lm_head, rope_cos, rope_sin, k_cache, v_cache, tokens, position, x, qkv, attn, gate_up, logits, barrier, attn_part, attn_count).launch(
-        grid=GRID, block=BLOCK, smem=SMEM_BYTES, stream=stream, cooperative=True)
+    megakernel(
+        embed, w_qkv, w_o, w_gate_up, w_down, norms, final_norm, lm_head, rope_cos, rope_sin, k_cache, v_cache, tokens,
+        position, x, qkv, attn, gate_up, logits, barrier, attn_part, attn_count,
+    ).launch(grid=GRID, block=BLOCK, smem=SMEM_BYTES, stream=stream, cooperative=True)
 
 
 # ============================================================================================================
