@@ -73,13 +73,13 @@ class _Writer:
         self.lines: list[str] = []
         self.entries: list[dict] = []
         self._open: list[tuple[int, dict]] = []
-        self._keyword_calls = keyword_calls
+        self._parameters = body_parameters() if keyword_calls else None
 
     def __call__(self, text: str = "", indent: int = 0):
         for line in text.splitlines() or [""]:
             line = ("    " * indent + line) if line else ""
-            if self._keyword_calls and line.lstrip().startswith("bodies."):
-                self.lines.extend(keyword_call_lines(line))
+            if self._parameters is not None and line.lstrip().startswith("bodies."):
+                self.lines.extend(keyword_call_lines(line, self._parameters))
             else:
                 self.lines.append(line)
 
