@@ -14,7 +14,8 @@ from megabake.errors import PlanError
 from megabake.ir import RoPE, RotaryTable
 from megabake.plan.reference import reference_executor_for
 from megabake.presets import get_preset
-from tests.compiler_fixtures import assert_matches_eager, body_calls, compile_model, compile_preset
+from tests.compiler_fixtures import (assert_matches_eager, assert_prefill_then_decode_matches_full_forward, body_calls,
+                                     compile_model, compile_preset)
 
 
 @pytest.fixture
@@ -94,19 +95,8 @@ def test_bf16_cast_keeps_each_layer_types_exact_frequencies():
 
 
 def test_prefill_past_the_window_then_decode_matches_a_full_forward(rope_tables_enabled):
-    from megabake.runtime import MegakernelDecoder
-
     compiled = compile_preset("tiny-gemma3", capacity=128, ctas=4)
-    model = compiled.model
-    decoder = MegakernelDecoder(compiled.plan, compiled.generated.source, model, backend="reference")
-    ids = torch.randint(1, 1024, (1, 100), generator=torch.Generator().manual_seed(4))
-    with torch.no_grad():
-        full = model(ids, use_cache=False).logits[0].float()
-    last = decoder.prefill(ids[:, :90])
-    assert float((last[0] - full[89]).norm() / full[89].norm()) < 1e-5
-    for pos in range(90, 100):
-        got = decoder.step(ids[:, pos], pos)[0]
-        assert float((got - full[pos]).norm() / full[pos].norm()) < 1e-4, pos
+    assert_prefill_then_decode_matches_full_forward(compiled, prompt=90, total=100, seed=4)
 
 
 @pytest.mark.parametrize("preset,kwargs", [("tiny-gemma3", dict(capacity=160)),

@@ -13,7 +13,8 @@ from megabake.errors import PlanError
 from megabake.ir import DecodeAttention
 from megabake.plan.reference import reference_executor_for
 from megabake.presets import get_preset
-from tests.compiler_fixtures import assert_matches_eager, body_calls, compile_model, compile_preset
+from tests.compiler_fixtures import (assert_matches_eager, assert_prefill_then_decode_matches_full_forward, body_calls,
+                                     compile_model, compile_preset)
 
 
 def _model(preset: str, **config):
@@ -99,19 +100,8 @@ def test_prefill_past_the_window_then_decode_matches_a_full_forward():
     """The runtime's prefill keeps every position of a sliding layer (transformers' StaticCache would keep a
     window-long ring): a 120-token prompt over window 96, then 8 megakernel (reference backend) steps, against
     the eager model's full-sequence logits."""
-    from megabake.runtime import MegakernelDecoder
-
     compiled = compile_preset("tiny-mistral", capacity=160, ctas=4)
-    model = compiled.model
-    decoder = MegakernelDecoder(compiled.plan, compiled.generated.source, model, backend="reference")
-    ids = torch.randint(1, 1024, (1, 128), generator=torch.Generator().manual_seed(9))
-    with torch.no_grad():
-        full = model(ids, use_cache=False).logits[0].float()
-    last = decoder.prefill(ids[:, :120])
-    assert float((last[0] - full[119]).norm() / full[119].norm()) < 1e-5
-    for pos in range(120, 128):
-        got = decoder.step(ids[:, pos], pos)[0]
-        assert float((got - full[pos]).norm() / full[pos].norm()) < 1e-4, pos
+    assert_prefill_then_decode_matches_full_forward(compiled, prompt=120, total=128, seed=9)
 
 
 def test_window_needs_the_split_kv_attention():
