@@ -80,6 +80,16 @@ _GEMMA3 = dict(hidden_activation="gelu_pytorch_tanh", rms_norm_eps=1e-6, query_p
                rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
                                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
 
+def _long_rope(head_dim: int, partial: float, original: int, positions: int) -> dict:
+    """transformers' ``longrope`` parameters with one short and one long factor per rotated frequency (a smooth
+    placeholder ramp: random-weight presets need the shape, not the published values)."""
+    pairs = int(head_dim * partial) // 2
+    return {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": partial,
+            "original_max_position_embeddings": original, "factor": positions / original,
+            "short_factor": [round(1.0 + 2.0 * i / pairs, 4) for i in range(pairs)],
+            "long_factor": [round(1.0 + 40.0 * (i / pairs) ** 2, 4) for i in range(pairs)]}
+
+
 PRESETS: dict[str, Preset] = {
     p.name: p
     for p in [
@@ -298,6 +308,53 @@ PRESETS: dict[str, Preset] = {
             ),
         ),
         Preset(
+            name="tiny-phi3",
+            model_id="megabake/tiny-phi3",
+            architecture="Phi3ForCausalLM",
+            description="2-layer Phi-3 (hidden 384, 4/2 heads x 96 as Phi-3-mini's, fused qkv and gate-up "
+                        "projections, sliding window 96)",
+            config=dict(hidden_size=384, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, vocab_size=1024, max_position_embeddings=4096,
+                        original_max_position_embeddings=4096, sliding_window=96, rms_norm_eps=1e-5,
+                        pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False),
+        ),
+        Preset(
+            name="phi-3-mini",
+            model_id="microsoft/Phi-3-mini-4k-instruct",
+            architecture="Phi3ForCausalLM",
+            description="Phi-3-mini-4k shape: hidden 3072, 32 layers, 32/32 heads x 96, fused qkv and gate-up "
+                        "projections, intermediate 8192, vocab 32064, sliding window 2047, 4096 positions",
+            config=dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=32, num_attention_heads=32,
+                        num_key_value_heads=32, vocab_size=32064, max_position_embeddings=4096,
+                        original_max_position_embeddings=4096, sliding_window=2047, rms_norm_eps=1e-5,
+                        pad_token_id=32000, bos_token_id=1, eos_token_id=32000, tie_word_embeddings=False),
+        ),
+        Preset(
+            name="tiny-phi4",
+            model_id="megabake/tiny-phi4",
+            architecture="Phi3ForCausalLM",
+            description="2-layer Phi-4-mini-like decoder (hidden 256, 4/2 heads x 64): partial rotary (48 of 64 "
+                        "features) and long-RoPE factors (original range 1024 positions)",
+            config=dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, vocab_size=1024, max_position_embeddings=8192,
+                        original_max_position_embeddings=1024, rms_norm_eps=1e-5, pad_token_id=0, bos_token_id=1,
+                        eos_token_id=2, tie_word_embeddings=True,
+                        rope_parameters=_long_rope(head_dim=64, partial=0.75, original=1024, positions=8192)),
+        ),
+        Preset(
+            name="phi-4-mini",
+            model_id="microsoft/Phi-4-mini-instruct",
+            architecture="Phi3ForCausalLM",
+            description="Phi-4-mini shape: hidden 3072, 32 layers, 24/8 heads x 128, partial rotary (96 of 128), "
+                        "long-RoPE (original range 4096; factor values are a placeholder ramp), intermediate "
+                        "8192, vocab 200064, tied",
+            config=dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=32, num_attention_heads=24,
+                        num_key_value_heads=8, vocab_size=200064, max_position_embeddings=131072,
+                        original_max_position_embeddings=4096, sliding_window=262144, rms_norm_eps=1e-5,
+                        pad_token_id=199999, bos_token_id=199999, eos_token_id=199999, tie_word_embeddings=True,
+                        rope_parameters=_long_rope(head_dim=128, partial=0.75, original=4096, positions=131072)),
+        ),
+        Preset(
             name="tiny-gemma2",
             model_id="megabake/tiny-gemma2",
             architecture="Gemma2ForCausalLM",
@@ -324,11 +381,10 @@ PRESETS: dict[str, Preset] = {
         ),
         Preset(
             name="tiny-gemma3",
-            experimental="rope_tables",
             model_id="megabake/tiny-gemma3",
             architecture="Gemma3ForCausalLM",
             description="6-layer Gemma 3 text (hidden 256, 4/2 heads x 64): 5 local layers (sliding window 48, RoPE "
-                        "base 10k) and 1 global (base 1M), q/k norms, pre/post norms; experimental (rope_tables)",
+                        "base 10k) and 1 global (base 1M), q/k norms, pre/post norms",
             config=dict(
                 _GEMMA3,
                 hidden_size=256,
@@ -344,23 +400,19 @@ PRESETS: dict[str, Preset] = {
         ),
         Preset(
             name="gemma-3-270m",
-            experimental="rope_tables",
             model_id="google/gemma-3-270m",
             architecture="Gemma3ForCausalLM",
             description="gemma-3-270m shape: hidden 640, 18 layers (5 local : 1 global), 4/1 heads x 256, "
-                        "intermediate 2048, vocab 262144, sliding window 512, RoPE base 10k local / 1M global, tied; "
-                        "experimental (rope_tables)",
+                        "intermediate 2048, vocab 262144, sliding window 512, RoPE base 10k local / 1M global, tied",
             config=dict(_GEMMA3, hidden_size=640, intermediate_size=2048, num_hidden_layers=18, num_attention_heads=4,
                         num_key_value_heads=1, head_dim=256, vocab_size=262144),
         ),
         Preset(
             name="gemma-3-1b",
-            experimental="rope_tables",
             model_id="google/gemma-3-1b-pt",
             architecture="Gemma3ForCausalLM",
             description="gemma-3-1b shape: hidden 1152, 26 layers (5 local : 1 global), 4/1 heads x 256, "
-                        "intermediate 6912, vocab 262144, sliding window 512, RoPE base 10k local / 1M global, tied; "
-                        "experimental (rope_tables)",
+                        "intermediate 6912, vocab 262144, sliding window 512, RoPE base 10k local / 1M global, tied",
             config=dict(_GEMMA3, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4,
                         num_key_value_heads=1, head_dim=256, vocab_size=262144),
         ),

@@ -7,13 +7,15 @@ rounds it, RMSNorm with (1 + weight), head_dim 256 and a single KV head.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
 from megabake.plan.reference import reference_executor_for
-from tests.compiler_fixtures import assert_matches_eager, body_calls, compile_preset
+from megabake.presets import get_preset
+from tests.compiler_fixtures import assert_matches_eager, body_calls, compile_model, compile_preset
 
 
 @pytest.fixture(scope="module")
@@ -95,14 +97,115 @@ def test_phi3_fused_projections_pack_rows_of_one_weight_and_match_eager_fp32():
     assert_matches_eager(model, reference_executor_for(plan, model), steps=140)
 
 
-def test_head_dim_96_is_refused_naming_the_limit():
-    """Phi-3-mini's head_dim 96 gave wrong attention on the H200 (12-lane groups; session 7 log in
-    benchmarks/results/2026-12-01-h200-session7/gemma): the plan refuses it instead of baking a wrong kernel."""
-    from megabake.errors import PlanError
-    from tests.compiler_fixtures import compile_model
+@pytest.fixture(scope="module")
+def tiny_phi3_96():
+    return compile_preset("tiny-phi3", capacity=160, ctas=4)
 
-    with pytest.raises(PlanError, match=r"head_dim 96 .* supported: 32, 64, 128, 256"):
-        compile_model(tiny_phi3(head_dim=96), capacity=64)
+
+def test_head_dim_96_plans_lane_groups_padded_to_16_and_matches_eager_fp32(tiny_phi3_96):
+    """Phi-3-mini's head_dim 96 reads a cached row with 12 lanes; the split-KV attention pads a lane group to 16
+    (session 7's wrong H200 result: 12-lane groups shuffled as if a power of two). Two positions per warp pass,
+    so a split is a multiple of 8 warps x 2 x unroll 4; the reference executor matches eager fp32 past a KV split
+    and past the 96-position window (the lanes themselves are checked on the H200: test_gpu_decode -k phi3)."""
+    plan, model = tiny_phi3_96.plan, tiny_phi3_96.model
+    attention = next(s.tiling for s in plan.stages if s.kind == "attention")
+    assert plan.dims.head_dim == 96 and plan.windows == [96, 96] and attention.per_tile == 128
+    assert_matches_eager(model, reference_executor_for(plan, model), steps=140)
+
+
+def test_head_dims_outside_the_lane_layout_are_refused_naming_the_limit():
+    from megabake.compiler import compile_step
+    from megabake.errors import PlanError
+
+    with pytest.raises(PlanError, match=r"head_dim 96 is baked into the split-KV attention only .* 32, 64, 128, 256"):
+        compile_step(tiny_phi3(head_dim=96), capacity=64, split_kv=False)
+    with pytest.raises(PlanError, match=r"head_dim 36 .* multiples of 8 from 32 to 256"):
+        compile_model(tiny_phi3(head_dim=36), capacity=64)
+
+
+@pytest.mark.parametrize("preset,capacity", [("tiny-phi3", 160), ("phi-3-mini", 4096)])
+def test_phi3_shapes_compile_for_sm90a(preset, capacity, tmp_path):
+    """head_dim 96 (padded lane groups) through CuTe DSL to sm_90a; phi-3-mini with two layers and the vocabulary
+    cut to 4096 rows (depth is a loop bound, the vocabulary only the LM head's row count)."""
+    from megabake.runtime.compile import compile_check, load_module
+
+    base = get_preset(preset)
+    small = dataclasses.replace(base, config=dict(base.config, num_hidden_layers=2, vocab_size=4096, pad_token_id=0,
+                                                  eos_token_id=2))
+    compiled = compile_model(small.build_model(), capacity=capacity)  # past the window (96, 2047)
+    assert compiled.plan.dims.head_dim == 96 and compiled.plan.has_windows
+    result = compile_check(compiled.plan, load_module(compiled.generated.source), dump_dir=str(tmp_path))
+    assert result.ok, result.error
+
+
+@pytest.fixture(scope="module")
+def tiny_phi4():
+    return compile_preset("tiny-phi4", capacity=160, ctas=4)
+
+
+def test_partial_rotary_is_one_rope_op_over_the_whole_head(tiny_phi4):
+    """``cat([rope(q[..., :48]), q[..., 48:]])`` lowers to one RoPE op with rotary_dim 48 over the 64-wide head;
+    the plan records it (a plan without partial rotary does not name it) and module.py passes ROTARY_DIM."""
+    from megabake.ir import RoPE
+
+    ropes = tiny_phi4.ir.of_kind(RoPE)
+    assert len(ropes) == 4 and {(op.head_dim, op.rotary_dim) for op in ropes} == {(64, 48)}
+    assert tiny_phi4.plan.dims.rotary_dim == 48 and tiny_phi4.plan.to_dict()["dims"]["rotary_dim"] == 48
+    assert "rotary_dim" not in compile_preset("tiny-llama").plan.to_dict()["dims"]
+    call = body_calls(tiny_phi4.generated.source, "split_kv_attention")[0]
+    assert call["rotary_dim"] == "ROTARY_DIM" and "ROTARY_DIM = 48" in tiny_phi4.generated.source
+
+
+def test_partial_rotary_with_long_rope_matches_eager_fp32(tiny_phi4):
+    """48 of 64 features rotate with the short long-RoPE factors and its attention scaling (1.14); the other 16
+    pass through (tables hold cos 1, sin 0 there). 140 steps over a KV split."""
+    plan, model = tiny_phi4.plan, tiny_phi4.model
+    assert model.model.rotary_emb.rope_type == "longrope" and plan.rotary.attention_scaling == pytest.approx(1.1402, abs=1e-4)
+    assert_matches_eager(model, reference_executor_for(plan, model), steps=140)
+
+
+def test_rotating_the_whole_head_would_be_caught(tiny_phi4):
+    """The same plan read as a full rotation (pairs d, d + 32 instead of d, d + 24) does not match eager."""
+    from megabake.plan.packing import rotary_tables
+
+    plan, model = tiny_phi4.plan, tiny_phi4.model
+    whole = dataclasses.replace(plan, dims=dataclasses.replace(plan.dims, rotary_dim=0))
+    executor = reference_executor_for(plan, model)
+    full_cos, full_sin = rotary_tables(whole, model.model.rotary_emb.original_inv_freq.repeat(2)[:32])
+    executor.plan, executor.cos, executor.sin = whole, full_cos, full_sin
+    with pytest.raises(AssertionError, match="step"):
+        assert_matches_eager(model, executor, steps=8)
+
+
+def test_long_rope_past_its_original_range_is_refused_naming_the_bucket():
+    from megabake.errors import UnsupportedGraphError
+
+    with pytest.raises(UnsupportedGraphError, match=r"long-RoPE .* original_max_position_embeddings=1024 .*"
+                                                    r"--capacity 1024"):
+        compile_preset("tiny-phi4", capacity=2048)
+
+
+def test_partial_rotary_is_baked_into_the_split_kv_attention_only():
+    from megabake.compiler import compile_step
+    from megabake.errors import PlanError
+
+    with pytest.raises(PlanError, match=r"partial rotary \(rotary_dim 48 of head_dim 64\) is baked into the split-KV"):
+        compile_step(get_preset("tiny-phi4").build_model(), capacity=64, split_kv=False)
+
+
+@pytest.mark.parametrize("preset", ["tiny-phi4", "phi-4-mini"])
+def test_phi4_shapes_compile_for_sm90a(preset, tmp_path):
+    """Partial rotary through CuTe DSL; phi-4-mini with two layers and a 4096-row vocabulary (24/8 heads x 128,
+    96 rotated features, bucket 4096 = its original long-RoPE range)."""
+    from megabake.runtime.compile import compile_check, load_module
+
+    base = get_preset(preset)
+    small = dataclasses.replace(base, config=dict(base.config, num_hidden_layers=2, vocab_size=4096, pad_token_id=0,
+                                                  bos_token_id=1, eos_token_id=2))
+    compiled = compile_model(small.build_model(), capacity=min(4096, base.config["original_max_position_embeddings"]))
+    assert compiled.plan.dims.rotary_dim == compiled.plan.dims.head_dim * 3 // 4
+    result = compile_check(compiled.plan, load_module(compiled.generated.source), dump_dir=str(tmp_path))
+    assert result.ok, result.error
 
 
 def test_qwen3_5_hybrid_layers_are_refused_by_their_layer_type():

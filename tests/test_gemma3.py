@@ -1,7 +1,7 @@
 """Gemma 3 text: 5 local layers (sliding window, RoPE base 10k) to 1 global (base 1M) rotate with two rotary
 tables from one region. The IR emits a RotaryTable per inv_freq buffer, the plan records each layer's table
 (``rope_cos``/``rope_sin`` [tables, capacity, head_dim], ``rope_table`` [layers]) and the kernel slices the
-layer's own; behind ``MEGABAKE_EXPERIMENTAL_LAYOUTS=rope_tables`` until an H200 run passes."""
+layer's own (verified on the H200 in session 9: ``tests/test_gpu_decode.py -k gemma3``)."""
 
 from __future__ import annotations
 
@@ -18,16 +18,9 @@ from tests.compiler_fixtures import (assert_matches_eager, assert_prefill_then_d
                                      compile_model, compile_preset)
 
 
-@pytest.fixture
-def rope_tables_enabled(monkeypatch):
-    monkeypatch.setenv("MEGABAKE_EXPERIMENTAL_LAYOUTS", "rope_tables")
-
-
 @pytest.fixture(scope="module")
 def tiny_gemma3():
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("MEGABAKE_EXPERIMENTAL_LAYOUTS", "rope_tables")
-        return compile_preset("tiny-gemma3", capacity=160, ctas=4)
+    return compile_preset("tiny-gemma3", capacity=160, ctas=4)
 
 
 def test_one_region_gives_a_rotary_table_per_layer_type(tiny_gemma3):
@@ -72,10 +65,17 @@ def test_rotating_the_global_layer_with_the_local_table_would_be_caught(tiny_gem
         assert_matches_eager(tiny_gemma3.model, reference_executor_for(plan, tiny_gemma3.model), steps=8)
 
 
-def test_several_rotary_tables_wait_for_the_opt_in(monkeypatch):
+def test_a_kernel_feature_not_yet_verified_on_a_gpu_is_refused_until_enabled(monkeypatch):
+    """The gate a new kernel feature lands behind (here rope_tables, as it was before session 9's H200 run):
+    refused naming the feature and the opt-in variable, baked once the variable names it."""
+    import megabake.plan
+
+    monkeypatch.setattr(megabake.plan, "GPU_VERIFIED_FEATURES", ())
     monkeypatch.delenv("MEGABAKE_EXPERIMENTAL_LAYOUTS", raising=False)
     with pytest.raises(PlanError, match=r"per-layer rotary tables.*'rope_tables'.*MEGABAKE_EXPERIMENTAL_LAYOUTS=rope_tables"):
         compile_preset("tiny-gemma3", capacity=32)
+    monkeypatch.setenv("MEGABAKE_EXPERIMENTAL_LAYOUTS", "rope_tables")
+    assert compile_preset("tiny-gemma3", capacity=32).plan.has_rope_tables
 
 
 def test_bf16_cast_keeps_each_layer_types_exact_frequencies():
@@ -94,14 +94,14 @@ def test_bf16_cast_keeps_each_layer_types_exact_frequencies():
     assert all(torch.equal(model.get_buffer(fqn), values) for fqn, values in exact.items())
 
 
-def test_prefill_past_the_window_then_decode_matches_a_full_forward(rope_tables_enabled):
+def test_prefill_past_the_window_then_decode_matches_a_full_forward():
     compiled = compile_preset("tiny-gemma3", capacity=128, ctas=4)
     assert_prefill_then_decode_matches_full_forward(compiled, prompt=90, total=100, seed=4)
 
 
 @pytest.mark.parametrize("preset,kwargs", [("tiny-gemma3", dict(capacity=160)),
                                            ("gemma-3-270m", dict(capacity=1024, layers=6))])
-def test_gemma3_modules_compile_for_sm90a(preset, kwargs, tmp_path, rope_tables_enabled):
+def test_gemma3_modules_compile_for_sm90a(preset, kwargs, tmp_path):
     """The real attention shape (4/1 heads x 256, window 512 < 1024, two tables); the vocabulary is cut to 4096
     rows (only the LM head's row count depends on it) to keep the suite's memory down."""
     pytest.importorskip("cutlass")
@@ -117,7 +117,7 @@ def test_gemma3_modules_compile_for_sm90a(preset, kwargs, tmp_path, rope_tables_
     assert result.ok, result.error
 
 
-def test_gemma3_1b_shape_plans(rope_tables_enabled):
+def test_gemma3_1b_shape_plans():
     """The real 26-layer shape (two layers built, the plan's shape checks are per layer)."""
     preset = get_preset("gemma-3-1b")
     small = dataclasses.replace(preset, config=dict(preset.config, num_hidden_layers=6, vocab_size=4096))

@@ -67,7 +67,8 @@ def _assert_steps_match(decoder, reference, tokens, positions, tol: float = 2e-3
 # tiny-mistral: window 96, so 16 + 240 positions run mostly past it (H200, session 8: pass, rel-L2 to fp32 0.0043
 # vs eager bf16 0.0087, fp32 top-1 99.6% vs 97.5%; benchmarks/results/2026-12-01-h200-session8/mistral-numerics.txt)
 _NUMERICS = {"smollm-135m": (128, 64), "llama-3.2-1b": (128, 64), "gemma-2b": (512, 240),
-             "gemma-2-2b": (512, 240), "tiny-mistral": (320, 240)}  # capacity, steps
+             "gemma-2-2b": (512, 240), "tiny-mistral": (320, 240), "gemma-3-270m": (640, 560),
+             "tiny-phi3": (320, 240), "tiny-phi4": (320, 240)}  # capacity, steps
 
 
 @pytest.fixture(scope="module", params=list(_NUMERICS))
@@ -211,17 +212,16 @@ def test_sliding_window_kernel_matches_reference_executor_at_long_context(preset
 
 
 @pytest.mark.parametrize("batch", [1, 2])
-def test_gemma3_rope_tables_kernel_matches_reference_executor_at_long_context(batch, monkeypatch):
+def test_gemma3_rope_tables_kernel_matches_reference_executor_at_long_context(batch):
     """Gemma 3: five local layers (window 300, RoPE base 10k) and a global one (base 1M) slice their own rotary
     table (rope_cos[rope_table[layer]]); random 1024-slot cache, around the split boundary, the window's edge and
-    capacity - 1. Passing this lifts the rope_tables opt-in (plan.GPU_VERIFIED_FEATURES)."""
+    capacity - 1. Passed on the H200 in session 9 (rope_tables is in plan.GPU_VERIFIED_FEATURES)."""
     import dataclasses
 
     from megabake.presets import get_preset
     from megabake.runtime import gpu_info
     from tests.compiler_fixtures import compile_model
 
-    monkeypatch.setenv("MEGABAKE_EXPERIMENTAL_LAYOUTS", "rope_tables")  # not yet in GPU_VERIFIED_FEATURES
     base = get_preset("tiny-gemma3")
     model = dataclasses.replace(base, config=dict(base.config, sliding_window=300)).build_model()
     compiled = compile_model(model, batch=batch, capacity=1024, ctas=gpu_info().sm_count)
@@ -230,16 +230,30 @@ def test_gemma3_rope_tables_kernel_matches_reference_executor_at_long_context(ba
                                      positions=(0, 1, 2, 127, 128, 129, 299, 300, 301, 428, 700, 1023))
 
 
-def test_phi3_kernel_matches_reference_executor_at_long_context():
-    """Phi-3's fused qkv / gate-up projections packed as row ranges (head_dim 64: 96, Phi-3-mini's, is refused),
-    over a random 1024-slot cache: near 0, at the split boundary and at capacity - 1."""
+@pytest.mark.parametrize("head_dim", [64, 96])
+def test_phi3_kernel_matches_reference_executor_at_long_context(head_dim):
+    """Phi-3's fused qkv / gate-up projections packed as row ranges, over a random 1024-slot cache: near 0, at
+    the split boundary and at capacity - 1. head_dim 96 (Phi-3-mini's) reads a cached row with 12 lanes of a
+    16-lane group."""
     from megabake.runtime import gpu_info
     from tests.compiler_fixtures import compile_model
     from tests.test_families import tiny_phi3
 
-    model = tiny_phi3(head_dim=64)
+    model = tiny_phi3(head_dim=head_dim)
     compiled = compile_model(model, capacity=1024, ctas=gpu_info().sm_count)
     _assert_random_cache_steps_match(compiled, model, seed=11)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_partial_rotary_long_rope_kernel_matches_reference_executor_at_long_context(batch):
+    """Phi-4-mini's attention features: 48 of 64 features rotate (long-RoPE short factors, scaling 1.14), 16
+    pass; random 1024-slot cache (the preset's whole original long-RoPE range), around the split boundary and at
+    capacity - 1."""
+    from megabake.runtime import gpu_info
+
+    compiled = compile_preset("tiny-phi4", batch=batch, capacity=1024, ctas=gpu_info().sm_count)
+    assert compiled.plan.dims.rotary_dim == 48
+    _assert_random_cache_steps_match(compiled, compiled.model, seed=17)
 
 
 def test_batched_bucket_matches_reference_executor():

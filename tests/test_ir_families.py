@@ -275,9 +275,14 @@ def test_gemma2_final_logit_soft_capping_lowers_to_one_softcap_op():
     assert {a.act for a in ir.of_kind(GatedAct)} == {"gelu_tanh"} and ir.of_kind(Embedding)[0].scale != 1.0
 
 
-def test_partial_rotary_embedding_is_named():
-    message = _refusal(_build("Phi3ForCausalLM", **PHI3, partial_rotary_factor=0.5))
-    assert "partial rotary embedding (rotary_dim=32 of head_dim=64" in message
+def test_partial_rotary_lowers_to_one_rope_op_per_projection():
+    """Phi-3 with partial_rotary_factor 0.5: q and k of each layer are one RoPE op over the whole head that
+    rotates its first 32 features (the slices and the cat are covered by it)."""
+    from megabake.ir import RoPE
+
+    ropes = _lower(_build("Phi3ForCausalLM", **PHI3, partial_rotary_factor=0.5)).of_kind(RoPE)
+    assert ropes and {(op.head_dim, op.rotary_dim) for op in ropes} == {(64, 32)}
+    assert all(sum(n.startswith("cat") for n in op.fx_nodes) == 2 for op in ropes)  # rotate-half's and the join
 
 
 def test_gemma3_with_sliding_and_full_layers_lowers_one_rotary_table_per_layer_type():

@@ -9,6 +9,7 @@ We use the library path that exists: ``transformers.integrations.executorch``'s 
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 import warnings
@@ -115,7 +116,7 @@ def capture_decode_step(model, *, batch: int = 1, capacity: int = 128) -> Captur
     exportable = TorchExportableModuleForDecoderOnlyLM(model, batch_size=batch, max_cache_len=capacity)
     input_ids = torch.full((batch, 1), 1, dtype=torch.long, device=device)
     cache_position = torch.tensor([min(3, capacity - 1)], dtype=torch.long, device=device)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _long_rope_within_its_original_range(model, capacity):
         warnings.simplefilter("ignore")
         try:
             program = exportable.export(input_ids=input_ids, cache_position=cache_position)
@@ -129,6 +130,31 @@ def capture_decode_step(model, *, batch: int = 1, capacity: int = 128) -> Captur
     _classify_placeholders(step)
     step.seconds = time.perf_counter() - started
     return step
+
+
+@contextlib.contextmanager
+def _long_rope_within_its_original_range(model, capacity: int):
+    """transformers' long-RoPE (Phi-3-128k, Phi-4-mini) rotates with short or long frequency factors chosen by the
+    largest position (a data-dependent branch torch.export cannot trace): a bucket within
+    ``original_max_position_embeddings`` only ever uses the short ones (``original_inv_freq``), so the step is
+    exported as plain RoPE over them (the model's ``inv_freq`` is set to them, as transformers' own update
+    does at such positions). A longer bucket is refused."""
+    rotaries = [m for m in model.modules() if getattr(m, "rope_type", None) == "longrope"]
+    for rotary in rotaries:
+        original = (getattr(rotary.config, "rope_parameters", None) or {}).get("original_max_position_embeddings")
+        if original is None or capacity > int(original):
+            raise UnsupportedGraphError(
+                f"long-RoPE scaling ({type(rotary).__name__}): positions past original_max_position_embeddings="
+                f"{original} rotate every key and query with the long frequency factors, switched by a "
+                f"data-dependent branch the megakernel does not bake; bake a bucket of at most {original} "
+                f"positions (--capacity {original})")
+        rotary.register_buffer("inv_freq", rotary.original_inv_freq.clone(), persistent=False)
+        rotary.rope_type = "default"
+    try:
+        yield
+    finally:
+        for rotary in rotaries:
+            rotary.rope_type = "longrope"
 
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")  # layers with a KV cache (the IR judges windows)

@@ -269,6 +269,8 @@ def _header(w: _Writer, plan: Plan, plan_hash: str, arguments: list[str], self_c
     w(f"ATTN_SCALE = {d.attn_scale!r}")
     if d.embed_scale != 1.0:
         w(f"EMBED_SCALE = {d.embed_scale!r}  # x = embedding(ids) * EMBED_SCALE")
+    if d.rotary_dim:
+        w(f"ROTARY_DIM = {d.rotary_dim}  # partial rotary: features [0, ROTARY_DIM) of a head rotate, the rest pass")
     if d.final_softcap:
         w(f"FINAL_SOFTCAP = {d.final_softcap!r}  # logits = FINAL_SOFTCAP * tanh(logits / FINAL_SOFTCAP)")
     w(f"ROWS_PER_TILE = {{{', '.join(repr(s.name) + ': ' + str(s.tiling.per_tile) for s in plan.stages if s.tiling.kind == 'rows')}}}")
@@ -425,7 +427,7 @@ def _attention_call(plan: Plan) -> tuple[str, str]:
                 f"v_cache[layer, None, None, None, None], attn, {ATTN_PART}, {ATTN_COUNT}, pos, {_first_key(plan)}, "
                 "s_att, cta, tidx, "
                 f"BATCH, N_HEADS, N_KV_HEADS, HEAD_DIM, CTAS, THREADS, ATTN_SCALE, {plan.has_head_norms}, EPS, "
-                "KV_SPLITS, ATT_UNROLL, MIN_CHUNK)")
+                f"KV_SPLITS, ATT_UNROLL, MIN_CHUNK, {'ROTARY_DIM' if plan.dims.rotary_dim else 'HEAD_DIM'})")
     caches = (f"{_rope_arguments(plan)}, k_cache[layer, None, None, None, None], "
               "v_cache[layer, None, None, None, None], "
               "attn, pos, s_att, s_red, cta, tidx, BATCH, N_HEADS, N_KV_HEADS, HEAD_DIM, CAPACITY, CTAS, THREADS, "

@@ -103,6 +103,7 @@ class RoPE(Op):
     inp: str = ""
     head_dim: int = 0
     table: str = ""  # id of the RotaryTable op that provides cos/sin
+    rotary_dim: int = 0  # partial rotary (Phi-4-mini): the first rotary_dim features rotate, the rest pass; 0 = all
 
 
 @dataclass
@@ -294,6 +295,7 @@ class _Lowering:
         self.linears: dict[str, Linear] = {}  # value name -> the Linear op producing it
         self.fused: dict[str, Linear] = {}  # id -> a Linear whose output was sliced into row-range Linears
         self.sliced: set[str] = set()  # FX nodes lowered into row-range Linears (slice / split / narrow)
+        self.rotary_parts: dict[str, tuple[str, int]] = {}  # partial rotary: x[..., :rotary_dim] -> (x, rotary_dim)
 
     # -- helpers --------------------------------------------------------------------------------
     def fail(self, node, why: str):
@@ -411,7 +413,19 @@ class _Lowering:
             return "attention logit soft-capping" + (f" (attn_logit_softcapping={cap})" if cap else "")
         return "attention/final logit soft-capping"
 
-    def partial_rotary(self) -> str | None:
+    def rotary_dim(self) -> int | None:
+        """Partial rotary (``partial_rotary_factor`` < 1): the number of leading head features that rotate."""
+        factor = self._partial_rotary_factor()
+        if factor is None:
+            return None
+        return int(self._head_dim() * factor)
+
+    def _head_dim(self) -> int:
+        config = self.captured.config
+        heads = getattr(config, "num_attention_heads", 0) or 0
+        return getattr(config, "head_dim", None) or (int(config.hidden_size) // heads if heads else 0)
+
+    def _partial_rotary_factor(self) -> float | None:
         config = self.captured.config
         factor = getattr(config, "partial_rotary_factor", None)
         if factor is None:
@@ -421,8 +435,13 @@ class _Lowering:
                 if isinstance(getattr(config, "rope_parameters", None), dict) else None
         if factor is None or float(factor) >= 1.0:
             return None
-        heads = getattr(config, "num_attention_heads", 0) or 0
-        head_dim = getattr(config, "head_dim", None) or (int(config.hidden_size) // heads if heads else 0)
+        return float(factor)
+
+    def partial_rotary(self) -> str | None:
+        factor = self._partial_rotary_factor()
+        if factor is None:
+            return None
+        head_dim = self._head_dim()
         return (f"partial rotary embedding (rotary_dim={int(head_dim * float(factor))} of head_dim={head_dim}, "
                 f"partial_rotary_factor={factor})")
 
@@ -914,7 +933,24 @@ def _slice(lw: _Lowering, node, args):
             return lw.row_linear(node, fused, lo, hi, [node.name])
         if lo >= hi:
             return Partial("empty", (x.name, node.name))  # Phi-3's q[..., rotary_dim:] when rotary_dim == head_dim
+        part = _rotary_part_slice(lw, node, x, dim, step, lo, hi, size)
+        if part is not None:
+            return part
     return _rotate_half_slice(lw, node, x, dim, start, end)
+
+
+def _rotary_part_slice(lw: _Lowering, node, x: Act, dim, step, lo: int, hi: int, size: int):
+    """Partial rotary: ``x[..., :rotary_dim]`` (rotated: a value of its own, remembered in ``rotary_parts``) and
+    ``x[..., rotary_dim:]`` (passed through) of a head tensor; :func:`_cat` joins them into one RoPE op."""
+    rotary_dim = lw.rotary_dim()
+    if not rotary_dim or step != 1 or dim not in (-1, len(lw.shape(node.args[0])) - 1) or x.name in lw.rotary_parts:
+        return None
+    if lo == 0 and hi == rotary_dim < size:
+        lw.rotary_parts[node.name] = (x.name, rotary_dim)
+        return Act(node.name)
+    if lo == rotary_dim and hi == size:
+        return Partial("rotary_pass", (x.name, rotary_dim, [node.name]))
+    return None
 
 
 def _narrow(lw: _Lowering, node, args):
@@ -963,11 +999,31 @@ def _cat(lw: _Lowering, node, args):
     if dim not in (-1, len(lw.shape(node)) - 1):  # rotate-half concatenates along the head dimension only
         return None
     parts = [lw.val(p) if hasattr(p, "name") else p for p in node.args[0]]
+    joined = _join_partial_rotary(lw, node, parts)
+    if joined is not None:
+        return joined
     if len(parts) == 2 and isinstance(parts[0], Partial) and isinstance(parts[1], Partial):
         neg, lo = parts
         if neg.kind == "neg_hi" and lo.kind == "half" and lo.args[1] == "lo" and neg.args[0] == lo.args[0]:
             return Partial("rotate_half", (neg.args[0], neg.args[1] + lo.args[2] + [node.name]))
     return None
+
+
+def _join_partial_rotary(lw: _Lowering, node, parts):
+    """``cat([rope(x[..., :r]), x[..., r:]], -1)``: the RoPE op of the rotated part becomes one RoPE of ``x``
+    with ``rotary_dim = r`` (its output is the cat)."""
+    if len(parts) != 2 or not all(isinstance(p, Partial) for p in parts):
+        return None
+    done, passed = parts
+    if done.kind != "rope_done" or passed.kind != "rotary_pass":
+        return None
+    rope = next((op for op in lw.ops if isinstance(op, RoPE) and op.out == done.args[0]), None)
+    if rope is None or lw.rotary_parts.get(rope.inp) != (passed.args[0], passed.args[1]):
+        return None
+    rope.fx_nodes += [rope.inp] + list(passed.args[2]) + [node.name]
+    rope.inp, rope.rotary_dim, rope.out = passed.args[0], passed.args[1], node.name
+    rope.head_dim = int(lw.shape(node)[-1])
+    return Partial("rope_done", (node.name,))
 
 
 def _mul(lw: _Lowering, node, args):

@@ -37,7 +37,7 @@ from .attention import (ATTN_COUNT, ATTN_PART, SPLIT_KV_MIN_CHUNK, SPLIT_KV_UNRO
 from .memory import check_shared_memory, smem_bytes, smem_floats  # noqa: F401
 from .model import (PLAN_VERSION, WARP, Buffer, LayerBinding, ModelDims, PackedWeight, Plan,  # noqa: F401
                     Rotary, Stage, Tiling, plan_from_dict)
-from .recognise import Block, model_dims, recognise_decoder
+from .recognise import POWER_OF_TWO_HEAD_DIMS, Block, model_dims, recognise_decoder
 from .stages import (ATTN_WINDOW, GEMV_STAGES, HEAD_NORMS, LAYER_GEMVS, LAYER_NORM_ROLES, LAYOUTS,  # noqa: F401
                      ROPE_TABLE, STAGE_BIAS, STAGE_TABLE, WORKSPACES, Layout, StageSpec)
 from .tuning import (DEFAULT_TUNING, HOPPER_SMEM_PER_BLOCK, PIPELINE_MAX_THREADS,  # noqa: F401
@@ -120,14 +120,14 @@ EXPERIMENTAL_LAYOUTS_ENV = "MEGABAKE_EXPERIMENTAL_LAYOUTS"
 GPU_VERIFIED_LAYOUTS = ("pre_norm", "sandwich")  # layouts whose kernels passed `pytest -m gpu` on an H200
 
 
-GPU_VERIFIED_FEATURES = ()  # kernel features (beyond layouts) that passed `pytest -m gpu` on an H200
+GPU_VERIFIED_FEATURES = ("rope_tables",)  # kernel features (beyond layouts) that passed `pytest -m gpu` on an H200
 EXPERIMENTAL_FEATURES = {"rope_tables": "per-layer rotary tables (Gemma 3: one RoPE base per layer type)"}
 
 
 def check_layout_enabled(name: str, what: str | None = None) -> None:
     """A layout (or, with ``what`` describing it, a kernel feature such as ``rope_tables``) whose kernel has not
     yet run on a GPU is baked only when ``MEGABAKE_EXPERIMENTAL_LAYOUTS`` names it (comma- or space-separated).
-    Every layout in ``LAYOUTS`` today has passed; ``rope_tables`` has not."""
+    Every layout in ``LAYOUTS`` and every feature in ``EXPERIMENTAL_FEATURES`` today has passed."""
     if name in GPU_VERIFIED_LAYOUTS or name in GPU_VERIFIED_FEATURES:
         return
     if name in os.environ.get(EXPERIMENTAL_LAYOUTS_ENV, "").replace(",", " ").split():
@@ -152,6 +152,14 @@ def _check_options(dims: ModelDims, tuning: dict[str, GemvTuning], threads: int,
             raise PlanError(f"a GEMV reduction length of {k} is not a multiple of 8 (16-byte bf16 vectors)")
     if split_kv and attention_preload:
         raise PlanError("attention preload applies to the unsplit attention: pass split_kv=False with it")
+    if dims.rotary_dim and (dims.rotary_dim % 2 or not split_kv):
+        raise PlanError(f"partial rotary (rotary_dim {dims.rotary_dim} of head_dim {dims.head_dim}) is baked into "
+                        "the split-KV attention only, with an even rotary_dim; bake without --attention-preload "
+                        "(and without split_kv=False)")
+    if not split_kv and dims.head_dim not in POWER_OF_TWO_HEAD_DIMS:
+        raise PlanError(f"head_dim {dims.head_dim} is baked into the split-KV attention only (the unsplit attention "
+                        f"needs head_dim in {', '.join(map(str, POWER_OF_TWO_HEAD_DIMS))}); bake without "
+                        "--attention-preload (and without split_kv=False)")
     if attention_preload:
         check_attention_preload(dims, batch, ctas)
 

@@ -24,7 +24,8 @@ def attention_tiling(dims: ModelDims, batch: int, ctas: int, threads: int, split
         return Tiling("heads", batch * dims.n_heads, 1, batch * dims.n_heads)
     groups = batch * dims.n_kv_heads
     splits = max(1, ctas // groups)
-    stride = (threads // WARP) * (WARP // (dims.head_dim // 8))  # positions one CTA pass covers
+    lane_slots = 1 << (dims.head_dim // 8 - 1).bit_length()  # lanes per cached row, padded to a power of two
+    stride = (threads // WARP) * (WARP // lane_slots)  # positions one CTA pass covers
     step = stride * SPLIT_KV_UNROLL
     min_chunk = -(-SPLIT_KV_MIN_CHUNK // step) * step
     return Tiling("kv_splits", groups, min_chunk, groups * splits, unroll=SPLIT_KV_UNROLL)

@@ -34,6 +34,12 @@ class ModelDims:
     act: str  # the gated MLP's activation: one of megabake.plan.stages.ACTIVATIONS
     embed_scale: float = 1.0  # x = embedding(ids) * embed_scale (Gemma: sqrt(hidden) as the model rounds it)
     final_softcap: float = 0.0  # logits = c * tanh(logits / c) when c > 0 (Gemma 2's final_logit_softcapping)
+    rotary_dim: int = 0  # partial rotary: the first rotary_dim features of a head rotate, the rest pass; 0 = all
+
+    @property
+    def rotated(self) -> int:
+        """Features of a head that RoPE rotates (pairs i, i + rotated / 2)."""
+        return self.rotary_dim or self.head_dim
 
     @property
     def q_rows(self) -> int:
@@ -161,6 +167,8 @@ class Plan:
             data["dims"].pop("embed_scale")
         if not data["dims"]["final_softcap"]:
             data["dims"].pop("final_softcap")
+        if not data["dims"]["rotary_dim"]:
+            data["dims"].pop("rotary_dim")
         if data["layout"] == "pre_norm":  # likewise: the layout is named only when it is not the first one
             data.pop("layout")
         for layer in data["layers"]:  # and a layer's window and rotary table only when it has them

@@ -56,15 +56,21 @@ def _source_rows(lookup: Callable[[str], torch.Tensor], source) -> torch.Tensor:
 def rotary_tables(plan: Plan, inv_freq, *, device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin [capacity, head_dim] in fp32: halves duplicated, times the attention scaling. ``inv_freq``: one
     tensor, or one per table of ``plan.rotaries`` (:func:`plan_inv_freqs`); a plan with several tables
-    (``has_rope_tables``) gets [tables, capacity, head_dim]."""
+    (``has_rope_tables``) gets [tables, capacity, head_dim]. With partial rotary the features past
+    ``dims.rotated`` get cos 1 and sin 0 (they pass through the kernel's rotation unchanged)."""
     freqs_per_table = inv_freq if isinstance(inv_freq, (list, tuple)) else [inv_freq]
     positions = torch.arange(plan.capacity, dtype=torch.float32, device=device)
+    passed = plan.dims.head_dim - plan.dims.rotated
     cos, sin = [], []
     for table, rotary in zip(freqs_per_table, plan.rotaries):
         freqs = positions[:, None] * table.to(device=device, dtype=torch.float32)[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
-        cos.append(emb.cos() * rotary.attention_scaling)
-        sin.append(emb.sin() * rotary.attention_scaling)
+        if emb.shape[-1] != plan.dims.rotated:
+            raise ValueError(f"rotary table {rotary.inv_freq_buffer} has {table.numel()} frequencies; the plan "
+                             f"rotates {plan.dims.rotated} features (rotary_dim / 2 frequencies expected)")
+        ones, zeros = emb.new_ones(plan.capacity, passed), emb.new_zeros(plan.capacity, passed)
+        cos.append(torch.cat([emb.cos() * rotary.attention_scaling, ones], dim=-1))
+        sin.append(torch.cat([emb.sin() * rotary.attention_scaling, zeros], dim=-1))
     if plan.has_rope_tables:
         return torch.stack(cos).contiguous(), torch.stack(sin).contiguous()
     return cos[0].contiguous(), sin[0].contiguous()

@@ -187,7 +187,8 @@ def _post_norm(projection: Linear, users: dict, ops: dict, role: str) -> str:
     return projection.out
 
 
-SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)  # head_dim / 8 lanes per cached row must divide the 32 lanes of a warp
+POWER_OF_TWO_HEAD_DIMS = (32, 64, 128, 256)  # the unsplit attention: head_dim / 8 lanes must divide a warp
+MAX_HEAD_DIM = 256  # split-KV attention: head_dim / 8 lanes (padded to a power of two) per cached row, <= a warp
 
 
 def model_dims(embed: Embedding, blocks: list[Block], final_norm: RMSNorm, lm_head: Linear,
@@ -200,7 +201,7 @@ def model_dims(embed: Embedding, blocks: list[Block], final_norm: RMSNorm, lm_he
         head_dim=attn.head_dim, intermediate=first["gate"].out_features, vocab=lm_head.out_features,
         layers=len(blocks), eps=norm.eps, norm_offset=norm.weight_offset, attn_scale=attn.scale,
         act=first["act"].act, embed_scale=float(getattr(embed, "scale", 1.0)),
-        final_softcap=float(softcap.cap) if softcap is not None else 0.0,
+        final_softcap=float(softcap.cap) if softcap is not None else 0.0, rotary_dim=first["q_rope"].rotary_dim,
     )
     for block in blocks:
         _check_block_shape(block, dims)
@@ -226,12 +227,18 @@ def _check_block_shape(block: Block, dims: ModelDims) -> None:
         if norm is not None and (norm.eps != dims.eps or norm.weight_offset != dims.norm_offset):
             raise PlanError(f"{norm.hf_module}: a norm whose eps or weight offset differs from the input norm "
                             "is not supported")
+    for role in ("q_rope", "k_rope"):
+        if ops[role].rotary_dim != dims.rotary_dim:
+            raise PlanError(f"layer {block.index} {role} rotates {ops[role].rotary_dim or dims.head_dim} features of "
+                            f"a head, layer 0 {dims.rotated}: layers must be identical")
     head_dim = ops["attention"].head_dim
-    if head_dim not in SUPPORTED_HEAD_DIMS:
+    if head_dim % 8 or not 32 <= head_dim <= MAX_HEAD_DIM:
         raise PlanError(f"head_dim {head_dim} ({ops['attention'].hf_module}) is not supported: decode attention "
-                        f"reads each cached row with head_dim / 8 lanes, which must divide a warp; supported: "
-                        f"{', '.join(map(str, SUPPORTED_HEAD_DIMS))} (head_dim 96, as Phi-3-mini's, computed wrong "
-                        "results on the H200 and is refused until the attention handles partial lane groups)")
+                        f"reads each cached row with head_dim / 8 lanes (16-byte loads) of one warp; supported: "
+                        f"multiples of 8 from 32 to {MAX_HEAD_DIM}")
+    if "q_norm" in ops and head_dim % 32:
+        raise PlanError(f"head_dim {head_dim} with per-head q/k norms ({ops['q_norm'].hf_module}) is not supported: "
+                        "one warp reduces a head in steps of 32; supported: multiples of 32")
     if block.ops["act"].act != dims.act:
         raise PlanError(f"layer {block.index} uses activation {block.ops['act'].act!r}, layer 0 {dims.act!r}: "
                         "layers must be identical")

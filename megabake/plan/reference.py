@@ -167,8 +167,8 @@ class ReferenceExecutor:
             if self.plan.has_head_norms:  # Qwen3: RMSNorm over each head's q and k, then RoPE
                 q_raw = self._rmsnorm(q_raw, self.w["qk_norms"][layer, 0])
                 k_raw = self._rmsnorm(k_raw, self.w["qk_norms"][layer, 1])
-            q = _rope(q_raw, cos, sin)
-            k_new = _rope(k_raw, cos, sin).to(self.cache_dtype)
+            q = _rope(q_raw, cos, sin, d.rotated)
+            k_new = _rope(k_raw, cos, sin, d.rotated).to(self.cache_dtype)
             v_new = qkv[b, v_off:v_off + d.head_dim].to(self.cache_dtype)
             # every CTA of a KV group writes the same bytes into slot `position` (as the kernel does)
             kc[b, kv_head, position] = k_new
@@ -198,12 +198,12 @@ class ReferenceExecutor:
             q = qkv[b, (kvh * group + h) * d.head_dim:(kvh * group + h + 1) * d.head_dim]
             if self.plan.has_head_norms:
                 q = self._rmsnorm(q, self.w["qk_norms"][layer, 0])
-            queries.append(_rope(q, cos, sin) * d.attn_scale)
+            queries.append(_rope(q, cos, sin, d.rotated) * d.attn_scale)
         k_off, v_off = d.q_rows + kvh * d.head_dim, d.q_rows + d.kv_rows + kvh * d.head_dim
         k = qkv[b, k_off:k_off + d.head_dim]
         if self.plan.has_head_norms:
             k = self._rmsnorm(k, self.w["qk_norms"][layer, 1])
-        return torch.stack(queries), _rope(k, cos, sin), qkv[b, v_off:v_off + d.head_dim]
+        return torch.stack(queries), _rope(k, cos, sin, d.rotated), qkv[b, v_off:v_off + d.head_dim]
 
     def _split_kv_attention(self, stage, layer, position):
         """Mirror of ``bodies.split_kv_attention``: (split, batch, KV head) items over CTAs, each a partial softmax
@@ -258,10 +258,12 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[half:], x[:half]])
-    return x * cos + rotated * sin
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotated: int) -> torch.Tensor:
+    """As the kernel: feature d pairs with d +- rotated / 2; past ``rotated`` (partial rotary) the table holds
+    cos 1, sin 0, so those features pass unchanged."""
+    half = rotated // 2
+    partners = torch.cat([-x[half:2 * half], x[:x.shape[-1] - half]])
+    return x * cos + partners * sin
 
 
 def reference_executor_for(plan: Plan, model, *, dtype=torch.float32) -> ReferenceExecutor:

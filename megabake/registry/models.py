@@ -94,6 +94,13 @@ def _mistral(sliding: bool) -> Callable[[Preset], bool]:
     return lambda p: p.architecture == "MistralForCausalLM" and bool(p.config.get("sliding_window")) is sliding
 
 
+def _partial_rotary(partial: bool) -> Callable[[Preset], bool]:
+    def claims(p: Preset) -> bool:
+        factor = (p.config.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0)
+        return p.architecture == "Phi3ForCausalLM" and (factor < 1.0) is partial
+    return claims
+
+
 FAMILIES: tuple[Family, ...] = (
     Family("llama", "Llama", "LlamaForCausalLM", dict(_TINY, hidden_act="silu", rms_norm_eps=1e-5)),
     Family("smollm", "SmolLM (Llama shape)", "LlamaForCausalLM",
@@ -115,9 +122,18 @@ FAMILIES: tuple[Family, ...] = (
     Family("gemma3-text", "Gemma 3 (text)", "Gemma3ForCausalLM", dict(_TINY, num_hidden_layers=6, sliding_window=64),
            note="q/k norm, 5 local : 1 global layers (RoPE base 10k / 1M), sliding window 64 < KV"),
     Family("phi3", "Phi-3", "Phi3ForCausalLM",
-           dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+           dict(hidden_size=384, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=4, vocab_size=512, pad_token_id=0, bos_token_id=1, eos_token_id=2),
-           note="fused qkv and gate/up"),
+           note="fused qkv and gate/up, head_dim 96", claims=_partial_rotary(False)),
+    Family("phi4-mini", "Phi-4-mini", "Phi3ForCausalLM",
+           dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=512, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                max_position_embeddings=1024, original_max_position_embeddings=128,
+                rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                                 "original_max_position_embeddings": 128, "factor": 8.0,
+                                 "short_factor": [1.0 + i / 12 for i in range(24)],
+                                 "long_factor": [1.0 + i for i in range(24)]}),
+           note="fused projections, partial rotary (48 of 64), long-RoPE", claims=_partial_rotary(True)),
     Family("olmo2", "OLMo-2", "Olmo2ForCausalLM",
            dict(_TINY, pad_token_id=0, bos_token_id=1, eos_token_id=2), note="post-norms, q/k RMSNorm"),
     Family("gpt-neox", "GPT-NeoX", "GPTNeoXForCausalLM",
@@ -138,14 +154,11 @@ NEXT_STEPS = (
     "**Attention soft-capping (Gemma 2).** transformers' SDPA path leaves `attn_logit_softcapping` out of the "
     "exported graph, so neither the HF model as exported nor the megakernel applies it (final logit soft-capping "
     "is baked); eager-attention Gemma 2 is refused (eager attention).",
-    "**Gemma 3 (5:1 local/global layers).** Sliding windows are baked per layer (`attn_window`; Mistral and Gemma 2 "
-    "verified on the H200 past the window) and each layer rotates with its own table (`rope_cos[rope_table[layer]]`, "
-    "one table per layer type). The reference executor matches eager fp32 past the window and the gemma-3-270m "
-    "shape compiles for sm_90a; the per-layer tables wait for their H200 run "
-    "(`pytest -m gpu tests/test_gpu_decode.py -k gemma3`), until then `MEGABAKE_EXPERIMENTAL_LAYOUTS=rope_tables`.",
-    "**Phi-3-mini / Phi-4-mini.** Phi-3's fused projections bake (row ranges of one weight); head_dim 96 (12-lane "
-    "groups in attention) computed wrong results on the H200 and is refused; Phi-4-mini adds partial rotary (75% "
-    "of head_dim) and long-RoPE factors.",
+    "**Long-RoPE past its original range (Phi-3-128k, Phi-4-mini).** Buckets up to "
+    "`original_max_position_embeddings` (4096) bake with the short factors; past it transformers rotates the new "
+    "keys and the queries with the long factors (a data-dependent branch on the position). Baking it needs a second "
+    "rotary table chosen by the step's position (the `rope_table` mechanism, indexed by position instead of "
+    "layer); until then such buckets are refused naming the largest bucket that bakes.",
     "**Qwen3.5 / Qwen3-Next (hybrid).** Three of every four layers are Gated DeltaNet linear attention with a "
     "per-sequence recurrent state [heads, d_k, d_v] and a short causal convolution state beside the KV cache: a "
     "decode step updates the state with a rank-1 delta rule (gated decay, beta) and reads it with the query. In "

@@ -23,15 +23,17 @@ def _rope_group(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Tensor, r
                 kvh: Int32, pos: Int32, owns_new: Int32, tidx: Int32, n_heads: cutlass.Constexpr[int],
                 n_kv_heads: cutlass.Constexpr[int], head_dim: cutlass.Constexpr[int],
                 threads: cutlass.Constexpr[int], scale: cutlass.Constexpr[float],
-                has_qk_norm: cutlass.Constexpr[bool], eps: cutlass.Constexpr[float]):
+                has_qk_norm: cutlass.Constexpr[bool], eps: cutlass.Constexpr[float],
+                rotary_dim: cutlass.Constexpr[int]):
     """The group's roped queries (pre-scaled by ``scale``) into ``s_q`` [group * head_dim]; the CTA whose split
     holds ``pos`` (``owns_new``) also ropes this step's key and appends it and the value to the cache.
-    With ``has_qk_norm`` (Qwen3) q and k are RMS-normalised per head first (one warp per head)."""
+    With ``has_qk_norm`` (Qwen3) q and k are RMS-normalised per head first (one warp per head). Feature d pairs
+    with d +- rotary_dim / 2; past ``rotary_dim`` (partial rotary) the tables hold cos 1 and sin 0."""
     warps = threads // WARP
     lane = tidx % WARP
     warp = tidx // WARP
     group = n_heads // n_kv_heads
-    half = head_dim // 2
+    half = rotary_dim // 2
     q_rows = n_heads * head_dim
     kv_rows = n_kv_heads * head_dim
     if cutlass.const_expr(has_qk_norm):
@@ -99,23 +101,33 @@ def _online_softmax_chunk(keys: cute.Tensor, values: cute.Tensor, s_q: cute.Tens
     V rows in flight, every query head of the group scored against each key row once loaded (GQA packing),
     online softmax per head. The loop bounds depend on the warp only (``first``), never on the lane group:
     every lane runs the same iterations, so the lane-group shuffles stay converged; positions past ``end``
-    load a clamped row and are masked out."""
+    load a clamped row and are masked out. When ``lanes_per_pos`` is not a power of two (head_dim 96: 12) a lane
+    group spans the next power of two and its spare lanes load a clamped slice and score 0."""
+    lane_slots = 1 << (lanes_per_pos - 1).bit_length()
+    row_slice = sub
+    live = Float32(1.0)
+    if cutlass.const_expr(lane_slots != lanes_per_pos):
+        row_slice = cutlass.min(sub, lanes_per_pos - 1)
+        if sub >= lanes_per_pos:
+            live = Float32(0.0)
     kf = cute.make_rmem_tensor(cute.make_layout((VEC, unroll)), Float32)
     vf = cute.make_rmem_tensor(cute.make_layout((VEC, unroll)), Float32)
     scores = cute.make_rmem_tensor(cute.make_layout(unroll), Float32)
     for base in range(first, end, stride * unroll):
         for u in cutlass.range_constexpr(unroll):
             t = cutlass.min(base + grp + u * stride, end - 1)
-            kf[(None, u)].store(cute.zipped_divide(keys[t, None], (VEC,))[(None, sub)].load().to(Float32))
-            vf[(None, u)].store(cute.zipped_divide(values[t, None], (VEC,))[(None, sub)].load().to(Float32))
+            kf[(None, u)].store(cute.zipped_divide(keys[t, None], (VEC,))[(None, row_slice)].load().to(Float32))
+            vf[(None, u)].store(cute.zipped_divide(values[t, None], (VEC,))[(None, row_slice)].load().to(Float32))
         for h in cutlass.range_constexpr(group):
-            qv = cute.zipped_divide(s_q, (VEC,))[(None, h * lanes_per_pos + sub)].load()
+            qv = cute.zipped_divide(s_q, (VEC,))[(None, h * lanes_per_pos + row_slice)].load()
             top = m[h]
             for u in cutlass.range_constexpr(unroll):
                 part = Float32(0.0)
                 for e in cutlass.range_constexpr(VEC):
                     part = part + qv[e] * kf[e, u]
-                offset = lanes_per_pos // 2
+                if cutlass.const_expr(lane_slots != lanes_per_pos):
+                    part = part * live
+                offset = lane_slots // 2
                 while cutlass.const_expr(offset > 0):
                     part = part + cute.arch.shuffle_sync_bfly(part, offset)
                     offset //= 2
@@ -148,7 +160,8 @@ def split_kv_attention(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Te
                        ctas: cutlass.Constexpr[int], threads: cutlass.Constexpr[int],
                        scale: cutlass.Constexpr[float], has_qk_norm: cutlass.Constexpr[bool],
                        eps: cutlass.Constexpr[float], splits: cutlass.Constexpr[int],
-                       unroll: cutlass.Constexpr[int], min_chunk: cutlass.Constexpr[int]):
+                       unroll: cutlass.Constexpr[int], min_chunk: cutlass.Constexpr[int],
+                       rotary_dim: cutlass.Constexpr[int]):
     """Flash decoding: RoPE + KV append + attention over positions [first_key, pos], the cached keys split across
     CTAs (``first_key`` is 0, or where the layer's sliding window starts).
 
@@ -169,10 +182,15 @@ def split_kv_attention(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Te
     warp = tidx // WARP
     group = n_heads // n_kv_heads
     lanes_per_pos = head_dim // VEC
-    pos_per_warp = WARP // lanes_per_pos
-    grp = lane // lanes_per_pos
-    sub = lane - grp * lanes_per_pos
+    lane_slots = 1 << (lanes_per_pos - 1).bit_length()  # a lane group: lanes_per_pos padded to a power of two
+    pos_per_warp = WARP // lane_slots
+    grp = lane // lane_slots
+    sub = lane - grp * lane_slots
     stride = warps * pos_per_warp
+    writer = grp  # lane group 0 writes the warp's merged partial (not its spare lanes, if any)
+    if cutlass.const_expr(lane_slots != lanes_per_pos):
+        if sub >= lanes_per_pos:
+            writer = Int32(1)
     width = head_dim + 2
     groups = batch * n_kv_heads
     s_q = cute.make_tensor(s_att.iterator, cute.make_layout(group * head_dim))
@@ -201,7 +219,7 @@ def split_kv_attention(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Te
             if end == n:
                 owns_new = Int32(1)
             _rope_group(qkv, qk_norm, rope_cos, rope_sin, k_cache, v_cache, s_q, s_inv, b, kvh, pos, owns_new,
-                        tidx, n_heads, n_kv_heads, head_dim, threads, scale, has_qk_norm, eps)
+                        tidx, n_heads, n_kv_heads, head_dim, threads, scale, has_qk_norm, eps, rotary_dim)
             for h in cutlass.range_constexpr(group):
                 m[h] = Float32(ATT_NEG)
                 l[h] = Float32(0.0)
@@ -210,7 +228,7 @@ def split_kv_attention(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Te
             _online_softmax_chunk(k_cache[b, kvh, None, None], v_cache[b, kvh, None, None], s_q, m, l, acc,
                                   start + warp * pos_per_warp, end, grp, sub, group, lanes_per_pos, stride, unroll)
             for h in cutlass.range_constexpr(group):  # lane groups of a warp: butterfly merge
-                offset = lanes_per_pos
+                offset = lane_slots
                 while cutlass.const_expr(offset < WARP):
                     m_o = cute.arch.shuffle_sync_bfly(m[h], offset)
                     l_o = cute.arch.shuffle_sync_bfly(l[h], offset)
@@ -218,7 +236,7 @@ def split_kv_attention(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Te
                         other[e] = cute.arch.shuffle_sync_bfly(acc[h * VEC + e], offset)
                     _merge_into(m, l, acc, h, m_o, l_o, other)
                     offset *= 2
-                if grp == 0:
+                if writer == 0:
                     for e in cutlass.range_constexpr(VEC):
                         s_part[sub * VEC + e, h, warp] = acc[h * VEC + e]
                     if sub == 0:
