@@ -355,6 +355,28 @@ PRESETS: dict[str, Preset] = {
                         rope_parameters=_long_rope(head_dim=128, partial=0.75, original=4096, positions=131072)),
         ),
         Preset(
+            name="tiny-olmo2",
+            model_id="megabake/tiny-olmo2",
+            architecture="Olmo2ForCausalLM",
+            description="2-layer OLMo-2 (hidden 256, 4/2 heads x 64): norms after attention and the MLP only, q/k "
+                        "RMSNorm over the whole projection",
+            config=dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, vocab_size=1024, max_position_embeddings=4096, rms_norm_eps=1e-6,
+                        rope_theta=500000.0, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                        tie_word_embeddings=False),
+        ),
+        Preset(
+            name="olmo-2-1b",
+            model_id="allenai/OLMo-2-0425-1B",
+            architecture="Olmo2ForCausalLM",
+            description="OLMo-2-1B shape: hidden 2048, 16 layers, 16/16 heads x 128, intermediate 8192, vocab 100352, "
+                        "post-norms, whole-projection q/k norms",
+            config=dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=16,
+                        num_key_value_heads=16, vocab_size=100352, max_position_embeddings=4096, rms_norm_eps=1e-6,
+                        rope_theta=500000.0, pad_token_id=100277, bos_token_id=None, eos_token_id=100257,
+                        tie_word_embeddings=False),
+        ),
+        Preset(
             name="tiny-gemma2",
             model_id="megabake/tiny-gemma2",
             architecture="Gemma2ForCausalLM",

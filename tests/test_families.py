@@ -208,6 +208,60 @@ def test_phi4_shapes_compile_for_sm90a(preset, tmp_path):
     assert result.ok, result.error
 
 
+# ------------------------------------------------------------------------------------------- OLMo-2
+@pytest.fixture(scope="module")
+def tiny_olmo2():
+    return compile_preset("tiny-olmo2", capacity=160, ctas=4)
+
+
+def test_olmo2_plans_the_post_norm_layout_with_whole_projection_qk_norms(tiny_olmo2):
+    """No norm before attention or the MLP: q/k/v and gate/up read the residual stream (the staged row is the
+    new residual, ``residual_norm_to_smem(..., normalize=False)``); q/k RMSNorm spans the whole projection, its
+    weights packed [layers, q_rows + kv_rows] at the qkv row's offsets."""
+    plan = tiny_olmo2.plan
+    assert plan.layout == "post_norm" and plan.dims.whole_qk_norm and plan.to_dict()["dims"]["whole_qk_norm"]
+    assert plan.buffer("qk_norms").shape == [2, plan.dims.q_rows + plan.dims.kv_rows]
+    assert plan.buffer("norms").shape == [2, 2, plan.dims.hidden]  # post-attention, post-feed-forward
+    assert {"input_norm", "post_norm"}.isdisjoint(plan.layers[0].params)
+    stagings = body_calls(tiny_olmo2.generated.source, "residual_norm_to_smem")
+    assert [call["normalize"] for call in stagings] == ["False", "False", "True"]  # qkv, gate/up; final norm
+    assert body_calls(tiny_olmo2.generated.source, "split_kv_attention")[0]["whole_qk_norm"] == "True"
+    assert "whole_qk_norm" not in compile_preset("qwen3-0.6b", layers=1, capacity=32).plan.to_dict()["dims"]
+
+
+def test_olmo2_matches_eager_fp32_past_a_kv_split(tiny_olmo2):
+    assert_matches_eager(tiny_olmo2.model, reference_executor_for(tiny_olmo2.plan, tiny_olmo2.model), steps=140)
+
+
+def test_olmo2_whole_projection_norms_are_not_per_head_norms(tiny_olmo2):
+    """The same weights normalised per head instead (each head's own RMS) do not match eager: the test can fail."""
+    plan, model = tiny_olmo2.plan, tiny_olmo2.model
+    executor = reference_executor_for(plan, model)
+    d = plan.dims
+
+    def per_head(x, layer, b, which, offset):
+        weight = executor.w["qk_norms"][layer, offset:offset + d.head_dim]
+        return x * torch.rsqrt(x.pow(2).mean() + d.eps) * weight
+
+    executor._head_norm = per_head
+    with pytest.raises(AssertionError, match="step"):
+        assert_matches_eager(model, executor, steps=8)
+
+
+@pytest.mark.parametrize("preset", ["tiny-olmo2", "olmo-2-1b"])
+def test_olmo2_shapes_compile_for_sm90a(preset, tmp_path):
+    """olmo-2-1b: 16/16 heads x 128 (q/k norms over 2048 features each), two layers, vocabulary cut to 4096."""
+    from megabake.runtime.compile import compile_check, load_module
+
+    base = get_preset(preset)
+    small = dataclasses.replace(base, config=dict(base.config, num_hidden_layers=2, vocab_size=4096, pad_token_id=0,
+                                                  eos_token_id=2))
+    compiled = compile_model(small.build_model(), capacity=1024)
+    assert compiled.plan.layout == "post_norm"
+    result = compile_check(compiled.plan, load_module(compiled.generated.source), dump_dir=str(tmp_path))
+    assert result.ok, result.error
+
+
 def test_qwen3_5_hybrid_layers_are_refused_by_their_layer_type():
     """Qwen3.5's Gated DeltaNet layers keep a recurrent state beside the KV cache: refused at capture, naming the
     layer types, instead of an AttributeError from deep inside the export."""

@@ -421,13 +421,16 @@ def _warp_index(stage: Stage) -> str:
 def _attention_call(plan: Plan) -> tuple[str, str]:
     if kv_splits(plan):
         norms = "qk_norms[layer, None, None]" if plan.has_head_norms else "qkv"
+        if plan.dims.whole_qk_norm:
+            norms = "qk_norms[layer, None]"
         return ("split_kv_attention",
                 f"bodies.split_kv_attention(qkv, {norms}, {_rope_arguments(plan)}, "
                 "k_cache[layer, None, None, None, None], "
                 f"v_cache[layer, None, None, None, None], attn, {ATTN_PART}, {ATTN_COUNT}, pos, {_first_key(plan)}, "
                 "s_att, cta, tidx, "
                 f"BATCH, N_HEADS, N_KV_HEADS, HEAD_DIM, CTAS, THREADS, ATTN_SCALE, {plan.has_head_norms}, EPS, "
-                f"KV_SPLITS, ATT_UNROLL, MIN_CHUNK, {'ROTARY_DIM' if plan.dims.rotary_dim else 'HEAD_DIM'})")
+                f"KV_SPLITS, ATT_UNROLL, MIN_CHUNK, {'ROTARY_DIM' if plan.dims.rotary_dim else 'HEAD_DIM'}, "
+                f"{plan.dims.whole_qk_norm})")
     caches = (f"{_rope_arguments(plan)}, k_cache[layer, None, None, None, None], "
               "v_cache[layer, None, None, None, None], "
               "attn, pos, s_att, s_red, cta, tidx, BATCH, N_HEADS, N_KV_HEADS, HEAD_DIM, CAPACITY, CTAS, THREADS, "
@@ -494,10 +497,15 @@ _DELTA_LAYER = {"same": "layer", "previous": "cutlass.max(layer - 1, 0)", "last"
 def _residual_norm_call(plan: Plan, vector, width: str) -> str:
     """Post-norm layouts: stage norm(source + post_norm(delta)); one CTA stores the new residual."""
     post = f"norms[{_DELTA_LAYER[vector.delta_layer]}, {norm_slot(vector.delta_norm_role, plan)}, None]"
-    pre = "final_norm" if vector.norm_role == "final_norm" else f"norms[layer, {norm_slot(vector.norm_role, plan)}, None]"
+    if not vector.norm_role:  # OLMo-2: the staged row is the new residual; pre_weight is an unused stand-in
+        pre = "final_norm"
+    elif vector.norm_role == "final_norm":
+        pre = "final_norm"
+    else:
+        pre = f"norms[layer, {norm_slot(vector.norm_role, plan)}, None]"
     out = vector.write_back or vector.source  # source: an unused stand-in when nothing is stored
     return (f"bodies.residual_norm_to_smem({vector.source}, {vector.delta}, {post}, {pre}, {out}, s_vec, s_red, cta, "
-            f"tidx, BATCH, {width}, THREADS, EPS, {bool(vector.write_back)})")
+            f"tidx, BATCH, {width}, THREADS, EPS, {bool(vector.write_back)}, {bool(vector.norm_role)})")
 
 
 def _gemv_stage_calls(plan: Plan, stage: Stage) -> list[tuple[str, str]]:

@@ -86,6 +86,7 @@ class RMSNorm(Op):
     weight: str = ""
     eps: float = 1e-6
     weight_offset: float = 0.0  # Gemma-style (1 + w) -> 1.0
+    width: int = 0  # features normalised together (a head's for Qwen3's q/k norms, the projection's for OLMo-2's)
 
 
 @dataclass
@@ -1044,7 +1045,7 @@ def _mul(lw: _Lowering, node, args):
             if weight is not None:
                 source, covered, eps = x.args
                 lw.emit(RMSNorm, node, covered + extra + [node.name], inp=source, weight=weight, eps=eps,
-                        weight_offset=offset)
+                        weight_offset=offset, width=int(lw.shape(node)[-1]) if lw.shape(node) else 0)
                 return Partial("rmsnorm_done", (node.name,))
         if isinstance(_finish(x), Act) and isinstance(y, Rotary) and y.part == "cos":
             return Partial("rope_cos", (_finish(x).name, y.table, [node.name]))

@@ -79,6 +79,8 @@ def build_plan(ir: IRGraph, *, ctas: int = 132, threads: int = 256, weight_dtype
     layout = LAYOUTS[decoder.layout]
     check_layout_enabled(layout.name)
     dims = model_dims(embed, blocks, final_norm, lm_head, decoder.softcap)
+    if dims.whole_qk_norm:
+        check_layout_enabled("whole_qk_norm", EXPERIMENTAL_FEATURES["whole_qk_norm"])
     batch, capacity = ir.batch, ir.capacity
     if tuning is None:
         tuning = default_tuning(threads, smem_bytes(dims, batch, capacity, threads, split_kv))
@@ -117,11 +119,12 @@ def build_plan(ir: IRGraph, *, ctas: int = 132, threads: int = 256, weight_dtype
 
 
 EXPERIMENTAL_LAYOUTS_ENV = "MEGABAKE_EXPERIMENTAL_LAYOUTS"
-GPU_VERIFIED_LAYOUTS = ("pre_norm", "sandwich")  # layouts whose kernels passed `pytest -m gpu` on an H200
+GPU_VERIFIED_LAYOUTS = ("pre_norm", "sandwich", "post_norm")  # layouts whose kernels passed `pytest -m gpu` on an H200
 
 
-GPU_VERIFIED_FEATURES = ("rope_tables",)  # kernel features (beyond layouts) that passed `pytest -m gpu` on an H200
-EXPERIMENTAL_FEATURES = {"rope_tables": "per-layer rotary tables (Gemma 3: one RoPE base per layer type)"}
+GPU_VERIFIED_FEATURES = ("rope_tables", "whole_qk_norm")  # kernel features (beyond layouts) that passed `pytest -m gpu` on an H200
+EXPERIMENTAL_FEATURES = {"rope_tables": "per-layer rotary tables (Gemma 3: one RoPE base per layer type)",
+                         "whole_qk_norm": "q/k RMSNorm over the whole projection (OLMo-2)"}
 
 
 def check_layout_enabled(name: str, what: str | None = None) -> None:
@@ -152,6 +155,9 @@ def _check_options(dims: ModelDims, tuning: dict[str, GemvTuning], threads: int,
             raise PlanError(f"a GEMV reduction length of {k} is not a multiple of 8 (16-byte bf16 vectors)")
     if split_kv and attention_preload:
         raise PlanError("attention preload applies to the unsplit attention: pass split_kv=False with it")
+    if dims.whole_qk_norm and not split_kv:
+        raise PlanError("q/k norms over the whole projection (OLMo-2) are baked into the split-KV attention only; "
+                        "bake without --attention-preload (and without split_kv=False)")
     if dims.rotary_dim and (dims.rotary_dim % 2 or not split_kv):
         raise PlanError(f"partial rotary (rotary_dim {dims.rotary_dim} of head_dim {dims.head_dim}) is baked into "
                         "the split-KV attention only, with an even rotary_dim; bake without --attention-preload "
@@ -339,10 +345,14 @@ def _has_head_norms(blocks: list[Block]) -> bool:
 
 
 def _head_norm_buffers(dims: ModelDims, head_norms: bool) -> list[Buffer]:
-    return [Buffer(HEAD_NORMS, "weight", "float32", [dims.layers, 2, dims.head_dim])] if head_norms else []
+    if not head_norms:
+        return []
+    shape = [dims.layers, dims.q_rows + dims.kv_rows] if dims.whole_qk_norm else [dims.layers, 2, dims.head_dim]
+    return [Buffer(HEAD_NORMS, "weight", "float32", shape)]
 
 
 def _head_norm_packing(blocks: list[Block], head_norms: bool) -> list[PackedWeight]:
+    """Per head (Qwen3): one row each for q and k; whole projection (OLMo-2): q's then k's weights, in a row."""
     if not head_norms:
         return []
     return [PackedWeight(HEAD_NORMS, True, [[(block.ops["q_norm"].weight, 0), (block.ops["k_norm"].weight, 0)]

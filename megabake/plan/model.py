@@ -35,6 +35,7 @@ class ModelDims:
     embed_scale: float = 1.0  # x = embedding(ids) * embed_scale (Gemma: sqrt(hidden) as the model rounds it)
     final_softcap: float = 0.0  # logits = c * tanh(logits / c) when c > 0 (Gemma 2's final_logit_softcapping)
     rotary_dim: int = 0  # partial rotary: the first rotary_dim features of a head rotate, the rest pass; 0 = all
+    whole_qk_norm: bool = False  # q/k RMSNorm over the whole projection (OLMo-2), not per head (Qwen3)
 
     @property
     def rotated(self) -> int:
@@ -167,8 +168,9 @@ class Plan:
             data["dims"].pop("embed_scale")
         if not data["dims"]["final_softcap"]:
             data["dims"].pop("final_softcap")
-        if not data["dims"]["rotary_dim"]:
-            data["dims"].pop("rotary_dim")
+        for key in ("rotary_dim", "whole_qk_norm"):
+            if not data["dims"][key]:
+                data["dims"].pop(key)
         if data["layout"] == "pre_norm":  # likewise: the layout is named only when it is not the first one
             data.pop("layout")
         for layer in data["layers"]:  # and a layer's window and rotary table only when it has them

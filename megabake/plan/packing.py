@@ -39,7 +39,8 @@ def pack_weights(plan: Plan, lookup: Callable[[str], torch.Tensor], *, dtype: to
                      torch.zeros(source[1], dtype=target, device=device) for source in sources]
             if is_norm:
                 parts = [p + plan.dims.norm_offset for p in parts]
-            layers.append(torch.stack(parts) if is_norm and len(parts) > 1 else torch.cat(parts, dim=0))
+            stacked = is_norm and len(parts) > 1 and len(buf.shape) == (3 if spec.per_layer else 2)
+            layers.append(torch.stack(parts) if stacked else torch.cat(parts, dim=0))
         tensor = torch.stack(layers) if spec.per_layer else layers[0]
         if list(tensor.shape) != buf.shape:
             raise ValueError(f"packed {spec.buffer} has shape {list(tensor.shape)}, plan says {buf.shape}")

@@ -2,8 +2,9 @@
 
 Contract: ``recognise(ir)`` returns ``(embedding, blocks, final_norm, lm_head)``; each :class:`Block` maps the
 roles of one decoder layer (input_norm, q, k, v, q_rope, k_rope, k_append, v_append, attention, o, attn_add,
-post_norm, gate, up, act, down, mlp_add; optionally q_norm, k_norm) to its IR ops, found by following values
-from op to op (never by module names). ``model_dims(blocks, final_norm, lm_head)`` reads the model's
+post_norm, gate, up, act, down, mlp_add; optionally q_norm, k_norm (per head or over the whole projection),
+post_attn_norm, post_ffn_norm; OLMo-2's post-norm layout has no input_norm / post_norm) to its IR ops, found
+by following values from op to op (never by module names). ``model_dims(blocks, final_norm, lm_head)`` reads the model's
 dimensions and checks that every block has the same shape. Anything else raises :class:`PlanError` naming the
 layer and what was expected.
 """
@@ -92,10 +93,18 @@ def recognise_decoder(ir: IRGraph) -> Decoder:
                         lm_head.hf_module)
         if softcap.out != ir.output:
             raise PlanError(f"the soft-capped LM head ({softcap.hf_module}) does not produce the step's output")
-    layouts = {"sandwich" if "post_attn_norm" in block.ops else "pre_norm" for block in blocks}
+    layouts = {_layout_of(block) for block in blocks}
     if len(layouts) > 1:
-        raise PlanError("some layers normalise the attention output and some do not; layers must be identical")
+        raise PlanError(f"the layers mix decoder layouts ({', '.join(sorted(layouts))}: norms before and/or after "
+                        "attention and the MLP); layers must be identical")
     return Decoder(embed, blocks, final_norm, lm_head, softcap, layouts.pop())
+
+
+def _layout_of(block: Block) -> str:
+    """``pre_norm`` (Llama), ``sandwich`` (Gemma 2: norms before and after) or ``post_norm`` (OLMo-2: after only)."""
+    if "post_attn_norm" not in block.ops:
+        return "pre_norm"
+    return "sandwich" if "input_norm" in block.ops else "post_norm"
 
 
 def recognise(ir: IRGraph) -> tuple[Embedding, list[Block], RMSNorm, Linear]:
@@ -105,6 +114,13 @@ def recognise(ir: IRGraph) -> tuple[Embedding, list[Block], RMSNorm, Linear]:
     residual = embed.out
     blocks: list[Block] = []
     while True:
+        direct = [u for u in users.get(residual, []) if isinstance(u, Linear)]
+        if len(direct) == 3 and not any(isinstance(u, RMSNorm) for u in users.get(residual, [])):
+            # OLMo-2: the q/k/v projections read the residual stream itself
+            block = _recognise_block(len(blocks), residual, None, direct, users, producer)
+            blocks.append(block)
+            residual = block.ops["mlp_add"].out
+            continue
         norm = _only([u for u in users.get(residual, []) if isinstance(u, RMSNorm)], "RMSNorm", residual)
         linears = [u for u in users.get(norm.out, []) if isinstance(u, Linear)]
         if len(linears) == 1:  # final norm -> LM head
@@ -122,7 +138,10 @@ def recognise(ir: IRGraph) -> tuple[Embedding, list[Block], RMSNorm, Linear]:
 
 
 def _recognise_block(index, residual, norm, linears, users, producer) -> Block:
-    ops: dict[str, object] = {"input_norm": norm}
+    """One decoder layer from its q/k/v projections (of ``norm``'s output, or of the residual itself when
+    ``norm`` is None: OLMo-2)."""
+    ops: dict[str, object] = {"input_norm": norm} if norm is not None else {}
+    source = norm.hf_module if norm is not None else f"the layer {index} input"
     attn = None
     for lin in linears:
         for user, head_norm in _rope_users(lin, users):
@@ -145,7 +164,7 @@ def _recognise_block(index, residual, norm, linears, users, producer) -> Block:
     missing = [r for r in ("q", "k", "v", "k_append", "v_append") if r not in ops] + ([] if attn else ["attention"])
     if missing or len(linears) != 3:
         raise PlanError(f"layer {index}: could not recognise the attention block (missing {missing}, "
-                        f"{len(linears)} projections of {norm.hf_module}); expected q/k/v projections with RoPE "
+                        f"{len(linears)} projections of {source}); expected q/k/v projections with RoPE "
                         "on q and k and a static-cache attention")
     ops["attention"] = attn
     o_proj = _only([u for u in users.get(attn.out, []) if isinstance(u, Linear)], "o-projection", attn.hf_module)
@@ -153,9 +172,12 @@ def _recognise_block(index, residual, norm, linears, users, producer) -> Block:
     add1 = _only([u for u in users.get(attn_out, []) if isinstance(u, Add)], "residual add", o_proj.hf_module)
     if residual not in (add1.a, add1.b):
         raise PlanError(f"layer {index}: the attention residual add does not add the layer input")
-    norm2 = _only([u for u in users.get(add1.out, []) if isinstance(u, RMSNorm)], "post-attention RMSNorm",
-                  add1.hf_module)
-    mlp_in = [u for u in users.get(norm2.out, []) if isinstance(u, Linear)]
+    mlp_source, norm2 = add1.out, None
+    if norm is not None or any(isinstance(u, RMSNorm) for u in users.get(add1.out, [])):
+        norm2 = _only([u for u in users.get(add1.out, []) if isinstance(u, RMSNorm)], "post-attention RMSNorm",
+                      add1.hf_module)
+        mlp_source = norm2.out
+    mlp_in = [u for u in users.get(mlp_source, []) if isinstance(u, Linear)]
     act = None
     for lin in mlp_in:
         for user in users.get(lin.out, []):
@@ -173,7 +195,14 @@ def _recognise_block(index, residual, norm, linears, users, producer) -> Block:
     add2 = _only([u for u in users.get(mlp_out, []) if isinstance(u, Add)], "MLP residual add", down.hf_module)
     if add1.out not in (add2.a, add2.b):
         raise PlanError(f"layer {index}: the MLP residual add does not add the attention residual")
-    ops.update(o=o_proj, attn_add=add1, post_norm=norm2, gate=gate, up=up, act=act, down=down, mlp_add=add2)
+    if (norm is None) != (norm2 is None):
+        raise PlanError(f"layer {index}: a norm before only one of attention and the MLP is not supported")
+    if norm is None and "post_attn_norm" not in ops:
+        raise PlanError(f"layer {index}: no norm before or after attention and the MLP (an unnormalised residual "
+                        "stream is not a layout the megakernel has)")
+    ops.update(o=o_proj, attn_add=add1, gate=gate, up=up, act=act, down=down, mlp_add=add2)
+    if norm2 is not None:
+        ops["post_norm"] = norm2
     return Block(index, ops)
 
 
@@ -195,13 +224,14 @@ def model_dims(embed: Embedding, blocks: list[Block], final_norm: RMSNorm, lm_he
                softcap: Softcap | None = None) -> ModelDims:
     first = blocks[0].ops
     attn: DecodeAttention = first["attention"]
-    norm: RMSNorm = first["input_norm"]
+    norm: RMSNorm = first.get("input_norm") or first["post_attn_norm"]
     dims = ModelDims(
         hidden=first["q"].in_features, n_heads=attn.n_heads, n_kv_heads=attn.n_kv_heads,
         head_dim=attn.head_dim, intermediate=first["gate"].out_features, vocab=lm_head.out_features,
         layers=len(blocks), eps=norm.eps, norm_offset=norm.weight_offset, attn_scale=attn.scale,
         act=first["act"].act, embed_scale=float(getattr(embed, "scale", 1.0)),
         final_softcap=float(softcap.cap) if softcap is not None else 0.0, rotary_dim=first["q_rope"].rotary_dim,
+        whole_qk_norm="q_norm" in first and first["q_norm"].width not in (0, attn.head_dim),
     )
     for block in blocks:
         _check_block_shape(block, dims)
@@ -227,6 +257,12 @@ def _check_block_shape(block: Block, dims: ModelDims) -> None:
         if norm is not None and (norm.eps != dims.eps or norm.weight_offset != dims.norm_offset):
             raise PlanError(f"{norm.hf_module}: a norm whose eps or weight offset differs from the input norm "
                             "is not supported")
+    if "q_norm" in ops:
+        widths = (dims.q_rows, dims.kv_rows) if dims.whole_qk_norm else (dims.head_dim, dims.head_dim)
+        if (ops["q_norm"].width, ops["k_norm"].width) not in ((0, 0), widths):
+            raise PlanError(f"layer {block.index}: q/k norms over {ops['q_norm'].width} and {ops['k_norm'].width} "
+                            f"features; supported: per head ({dims.head_dim}) or over the whole projection "
+                            f"({dims.q_rows} and {dims.kv_rows}), the same in every layer")
     for role in ("q_rope", "k_rope"):
         if ops[role].rotary_dim != dims.rotary_dim:
             raise PlanError(f"layer {block.index} {role} rotates {ops[role].rotary_dim or dims.head_dim} features of "

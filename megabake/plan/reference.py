@@ -113,10 +113,12 @@ class ReferenceExecutor:
         """A GEMV stage's input rows, as the kernel stages them in shared memory (fp32)."""
         source = self.buffers[vector.source]
         if vector.kind in ("rmsnorm", "residual_norm"):
-            weight = (self.w["final_norm"] if vector.norm_role == "final_norm"
-                      else self.w["norms"][layer, norm_slot(vector.norm_role, self.plan)])
             if vector.kind == "residual_norm":
                 source = self._residual(vector, layer)
+                if not vector.norm_role:  # post-norm layout (OLMo-2): the projections read the residual itself
+                    return source.clone()
+            weight = (self.w["final_norm"] if vector.norm_role == "final_norm"
+                      else self.w["norms"][layer, norm_slot(vector.norm_role, self.plan)])
             return self._rmsnorm(source, weight)
         if vector.kind == "copy":
             return source.clone()
@@ -165,8 +167,8 @@ class ReferenceExecutor:
             q_raw = qkv[b, head * d.head_dim:(head + 1) * d.head_dim]
             k_raw = qkv[b, k_off:k_off + d.head_dim]
             if self.plan.has_head_norms:  # Qwen3: RMSNorm over each head's q and k, then RoPE
-                q_raw = self._rmsnorm(q_raw, self.w["qk_norms"][layer, 0])
-                k_raw = self._rmsnorm(k_raw, self.w["qk_norms"][layer, 1])
+                q_raw = self._head_norm(q_raw, layer, b, 0, head * d.head_dim)
+                k_raw = self._head_norm(k_raw, layer, b, 1, k_off)
             q = _rope(q_raw, cos, sin, d.rotated)
             k_new = _rope(k_raw, cos, sin, d.rotated).to(self.cache_dtype)
             v_new = qkv[b, v_off:v_off + d.head_dim].to(self.cache_dtype)
@@ -180,6 +182,17 @@ class ReferenceExecutor:
             attn[b, head * d.head_dim:(head + 1) * d.head_dim] = probs @ values
         self.tile_owners[stage.name] = owners
 
+
+    def _head_norm(self, x: torch.Tensor, layer: int, b: int, which: int, offset: int) -> torch.Tensor:
+        """q (which 0) or k (1) of one head at ``offset`` in the qkv row, RMS-normalised per head (Qwen3) or over
+        the whole q or k projection (OLMo-2: that RMS, the weights at the same offset)."""
+        d = self.plan.dims
+        if not d.whole_qk_norm:
+            return self._rmsnorm(x, self.w["qk_norms"][layer, which])
+        qkv = self.buffers["qkv"][b]
+        whole = qkv[:d.q_rows] if which == 0 else qkv[d.q_rows:d.q_rows + d.kv_rows]
+        inv = torch.rsqrt(whole.pow(2).mean() + d.eps)
+        return x * inv * self.w["qk_norms"][layer, offset:offset + d.head_dim]
 
     def _rope_rows(self, layer, position):
         """cos, sin of ``position`` in the rotary table ``layer`` uses."""
@@ -197,12 +210,12 @@ class ReferenceExecutor:
         for h in range(group):
             q = qkv[b, (kvh * group + h) * d.head_dim:(kvh * group + h + 1) * d.head_dim]
             if self.plan.has_head_norms:
-                q = self._rmsnorm(q, self.w["qk_norms"][layer, 0])
+                q = self._head_norm(q, layer, b, 0, (kvh * group + h) * d.head_dim)
             queries.append(_rope(q, cos, sin, d.rotated) * d.attn_scale)
         k_off, v_off = d.q_rows + kvh * d.head_dim, d.q_rows + d.kv_rows + kvh * d.head_dim
         k = qkv[b, k_off:k_off + d.head_dim]
         if self.plan.has_head_norms:
-            k = self._rmsnorm(k, self.w["qk_norms"][layer, 1])
+            k = self._head_norm(k, layer, b, 1, k_off)
         return torch.stack(queries), _rope(k, cos, sin, d.rotated), qkv[b, v_off:v_off + d.head_dim]
 
     def _split_kv_attention(self, stage, layer, position):

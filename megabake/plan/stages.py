@@ -2,7 +2,8 @@
 
 Contract: a :class:`Layout` lists one :class:`StageSpec` per stage, in execution order (prologue, the layer loop,
 epilogue), with its per-layer norm slots and workspaces; ``LAYOUTS`` holds ``pre_norm`` (``STAGE_TABLE``: Llama
-and most families) and ``sandwich`` (``SANDWICH_TABLE``: Gemma 2's norms before and after attention and the MLP),
+and most families), ``sandwich`` (``SANDWICH_TABLE``: Gemma 2's norms before and after attention and the MLP) and
+``post_norm`` (``POST_NORM_TABLE``: OLMo-2's norms after them only),
 and ``layout_of(plan)`` / ``spec_of(stage, plan)`` find a plan's entries. A spec says which IR roles the stage
 implements, what it reads and writes, and for a GEMV stage how its input row is staged in shared memory
 (:class:`VectorInput`) and which packed weight it multiplies by (:class:`Gemv`: the projection roles packed
@@ -23,7 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-HEAD_NORMS = "qk_norms"  # [L, 2, head_dim] fp32: Qwen3's q_norm and k_norm weights, applied before RoPE
+HEAD_NORMS = "qk_norms"  # fp32 q/k norm weights, applied before RoPE: [L, 2, head_dim] per head (Qwen3), or
+# [L, q_rows + kv_rows] over the whole projection (OLMo-2; the same offsets as the q | k rows of ``qkv``)
 ATTN_WINDOW = "attn_window"  # [L] int32: each layer's sliding window (the KV capacity where it has none)
 ROPE_TABLE = "rope_table"  # [L] int32: each layer's rotary table, when the model has several (Gemma 3)
 
@@ -34,7 +36,8 @@ class VectorInput:
 
     ``kind``: ``rmsnorm`` (RMSNorm of ``source`` by the norm weight ``norm_role``, recomputed by every CTA),
     ``copy`` (``source`` as is), ``gated_act`` (``act(gate) * up`` of ``source`` = [gate | up], the model's
-    activation) or ``residual_norm`` (post-norm layouts, below)."""
+    activation) or ``residual_norm`` (post-norm layouts, below; without ``norm_role`` the staged row is the new
+    residual itself, OLMo-2)."""
 
     kind: str
     source: str
@@ -145,6 +148,29 @@ SANDWICH_TABLE: tuple[StageSpec, ...] = (
 )
 
 
+# Post-norm layout (OLMo-2): RMSNorm after attention and after the MLP, none before them. As the sandwich layout
+# (the residual add of the normalised o / down output is folded into the next stage's staging), but the staged
+# row is the new residual itself (``norm_role`` empty: no norm before the projections).
+POST_NORM_TABLE: tuple[StageSpec, ...] = (
+    SANDWICH_TABLE[0],  # embed: x_mid, down_out zeroed
+    StageSpec("norm_qkv", "layer", "residual_gemv", ("q", "k", "v"), ("x_mid", "down_out", "norms", "w_qkv"),
+              ("x", "qkv"),
+              vector=VectorInput("residual_norm", "x_mid", "hidden", delta="down_out", delta_norm_role="post_ffn_norm",
+                                 delta_layer="previous", write_back="x"),
+              gemv=Gemv("w_qkv", ("q", "k", "v"), "qkv_rows", "hidden", "qkv", False, bias="bias_qkv")),
+    STAGE_TABLE[2],  # attention
+    SANDWICH_TABLE[3],  # o: its own rows (o_out)
+    StageSpec("norm_gate_up", "layer", "residual_gemv", ("post_attn_norm", "attn_add", "gate", "up"),
+              ("x", "o_out", "norms", "w_gate_up"), ("x_mid", "gate_up"),
+              vector=VectorInput("residual_norm", "x", "hidden", delta="o_out", delta_norm_role="post_attn_norm",
+                                 delta_layer="same", write_back="x_mid"),
+              gemv=Gemv("w_gate_up", ("gate", "up"), "gate_up_rows", "hidden", "gate_up", False,
+                        bias="bias_gate_up")),
+    SANDWICH_TABLE[5],  # down: its own rows (down_out)
+    SANDWICH_TABLE[6],  # final norm of x_mid + post_ffn_norm(down_out), LM head
+)
+
+
 @dataclass(frozen=True)
 class Layout:
     """One decoder layout: its stages and what follows from them."""
@@ -169,6 +195,9 @@ LAYOUTS = {
     "sandwich": Layout("sandwich", SANDWICH_TABLE, ("input_norm", "post_attn_norm", "post_norm", "post_ffn_norm"),
                        {"x": "hidden", "qkv": "qkv_rows", "attn": "q_rows", "gate_up": "gate_up_rows",
                         "x_mid": "hidden", "o_out": "hidden", "down_out": "hidden"}),
+    "post_norm": Layout("post_norm", POST_NORM_TABLE, ("post_attn_norm", "post_ffn_norm"),
+                        {"x": "hidden", "qkv": "qkv_rows", "attn": "q_rows", "gate_up": "gate_up_rows",
+                         "x_mid": "hidden", "o_out": "hidden", "down_out": "hidden"}),
 }
 PRE_NORM = LAYOUTS["pre_norm"]
 STAGES_BY_NAME = PRE_NORM.by_name

@@ -135,7 +135,8 @@ FAMILIES: tuple[Family, ...] = (
                                  "long_factor": [1.0 + i for i in range(24)]}),
            note="fused projections, partial rotary (48 of 64), long-RoPE", claims=_partial_rotary(True)),
     Family("olmo2", "OLMo-2", "Olmo2ForCausalLM",
-           dict(_TINY, pad_token_id=0, bos_token_id=1, eos_token_id=2), note="post-norms, q/k RMSNorm"),
+           dict(_TINY, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+           note="post-norms only, q/k RMSNorm over the whole projection"),
     Family("gpt-neox", "GPT-NeoX", "GPTNeoXForCausalLM",
            dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
                 vocab_size=512), note="LayerNorm, parallel residual, partial RoPE, GELU"),
@@ -146,11 +147,6 @@ FAMILIES: tuple[Family, ...] = (
 
 # What the refused families need, in the order that unlocks the most (written down, not generated).
 NEXT_STEPS = (
-    "**OLMo-2 (post-norms without pre-norms).** Gemma 2's sandwich layout (`megabake.plan.stages.SANDWICH_TABLE`: "
-    "the o and down GEMVs write their own rows, the next stage's staging adds their normalised output to the "
-    "residual, two residual buffers, no extra barrier) covers the post-norms; OLMo-2 also needs the layout without "
-    "the pre-norms and q/k RMSNorm over the whole projection (not per head) before RoPE: the attention CTAs "
-    "recompute that row's RMS.",
     "**Attention soft-capping (Gemma 2).** transformers' SDPA path leaves `attn_logit_softcapping` out of the "
     "exported graph, so neither the HF model as exported nor the megakernel applies it (final logit soft-capping "
     "is baked); eager-attention Gemma 2 is refused (eager attention).",

@@ -24,10 +24,12 @@ def _rope_group(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Tensor, r
                 n_kv_heads: cutlass.Constexpr[int], head_dim: cutlass.Constexpr[int],
                 threads: cutlass.Constexpr[int], scale: cutlass.Constexpr[float],
                 has_qk_norm: cutlass.Constexpr[bool], eps: cutlass.Constexpr[float],
-                rotary_dim: cutlass.Constexpr[int]):
+                rotary_dim: cutlass.Constexpr[int], whole_qk_norm: cutlass.Constexpr[bool]):
     """The group's roped queries (pre-scaled by ``scale``) into ``s_q`` [group * head_dim]; the CTA whose split
     holds ``pos`` (``owns_new``) also ropes this step's key and appends it and the value to the cache.
-    With ``has_qk_norm`` (Qwen3) q and k are RMS-normalised per head first (one warp per head). Feature d pairs
+    With ``has_qk_norm`` (Qwen3) q and k are RMS-normalised per head first (one warp per head); with
+    ``whole_qk_norm`` too (OLMo-2) over the whole q and k projections (warp 0 and the last warp; ``qk_norm`` is
+    then the layer's [q_rows + kv_rows] weights, at the offsets of the qkv row). Feature d pairs
     with d +- rotary_dim / 2; past ``rotary_dim`` (partial rotary) the tables hold cos 1 and sin 0."""
     warps = threads // WARP
     lane = tidx % WARP
@@ -36,7 +38,22 @@ def _rope_group(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Tensor, r
     half = rotary_dim // 2
     q_rows = n_heads * head_dim
     kv_rows = n_kv_heads * head_dim
-    if cutlass.const_expr(has_qk_norm):
+    if cutlass.const_expr(whole_qk_norm):
+        if warp == 0 or warp == warps - 1:
+            first = 0
+            count = q_rows
+            if warp != 0:
+                first = q_rows
+                count = kv_rows
+            total = Float32(0.0)
+            for i in range(lane, count, WARP):
+                value = qkv[b, first + i]
+                total = total + value * value
+            total = cute.arch.warp_reduction_sum(total)
+            if lane == 0:
+                s_inv[warp // (warps - 1)] = cute.math.rsqrt(total / Float32(count) + eps)
+        cute.arch.sync_threads()
+    elif cutlass.const_expr(has_qk_norm):
         for h in range(warp, group + 1, warps):
             offset = q_rows + kvh * head_dim
             if h < group:
@@ -64,7 +81,13 @@ def _rope_group(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Tensor, r
             offset = (kvh * group + h) * head_dim
         x_d = qkv[b, offset + d]
         x_p = qkv[b, offset + partner]
-        if cutlass.const_expr(has_qk_norm):
+        if cutlass.const_expr(whole_qk_norm):
+            which = 1
+            if h < group:
+                which = 0
+            x_d = x_d * s_inv[which] * qk_norm[offset + d]
+            x_p = x_p * s_inv[which] * qk_norm[offset + partner]
+        elif cutlass.const_expr(has_qk_norm):
             which = 1
             if h < group:
                 which = 0
@@ -161,7 +184,7 @@ def split_kv_attention(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Te
                        scale: cutlass.Constexpr[float], has_qk_norm: cutlass.Constexpr[bool],
                        eps: cutlass.Constexpr[float], splits: cutlass.Constexpr[int],
                        unroll: cutlass.Constexpr[int], min_chunk: cutlass.Constexpr[int],
-                       rotary_dim: cutlass.Constexpr[int]):
+                       rotary_dim: cutlass.Constexpr[int], whole_qk_norm: cutlass.Constexpr[bool]):
     """Flash decoding: RoPE + KV append + attention over positions [first_key, pos], the cached keys split across
     CTAs (``first_key`` is 0, or where the layer's sliding window starts).
 
@@ -219,7 +242,8 @@ def split_kv_attention(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Te
             if end == n:
                 owns_new = Int32(1)
             _rope_group(qkv, qk_norm, rope_cos, rope_sin, k_cache, v_cache, s_q, s_inv, b, kvh, pos, owns_new,
-                        tidx, n_heads, n_kv_heads, head_dim, threads, scale, has_qk_norm, eps, rotary_dim)
+                        tidx, n_heads, n_kv_heads, head_dim, threads, scale, has_qk_norm, eps, rotary_dim,
+                        whole_qk_norm)
             for h in cutlass.range_constexpr(group):
                 m[h] = Float32(ATT_NEG)
                 l[h] = Float32(0.0)

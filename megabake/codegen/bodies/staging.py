@@ -185,10 +185,11 @@ def residual_norm_to_smem(x: cute.Tensor, delta: cute.Tensor, post_weight: cute.
                           out: cute.Tensor, s_vec: cute.Tensor, s_red: cute.Tensor, cta: Int32, tidx: Int32,
                           batch: cutlass.Constexpr[int], hidden: cutlass.Constexpr[int],
                           threads: cutlass.Constexpr[int], eps: cutlass.Constexpr[float],
-                          write_back: cutlass.Constexpr[bool]):
+                          write_back: cutlass.Constexpr[bool], normalize: cutlass.Constexpr[bool]):
     """Post-norm layouts (Gemma 2): r = x[b] + rmsnorm(delta[b]) * post_weight, the residual add of a normalised
-    projection output, then s_vec[b] = rmsnorm(r) * pre_weight. Every CTA recomputes both; with ``write_back``
-    CTA 0 stores r in out[b] (the other residual buffer: nobody reads ``out`` in this stage)."""
+    projection output, then s_vec[b] = rmsnorm(r) * pre_weight (without ``normalize``, OLMo-2: s_vec[b] = r;
+    ``pre_weight`` is unused). Every CTA recomputes both; with ``write_back`` CTA 0 stores r in out[b] (the other
+    residual buffer: nobody reads ``out`` in this stage)."""
     warps = threads // WARP
     lane = tidx % WARP
     warp = tidx // WARP
@@ -223,37 +224,53 @@ def residual_norm_to_smem(x: cute.Tensor, delta: cute.Tensor, post_weight: cute.
             idx = cutlass.min(tidx + j * threads, nvec - 1)
             row.append(_f32_vec(x[b, None], idx).load() + deltas[b][j] * inv * _f32_vec(post_weight, idx).load())
         residuals.append(row)
-    cute.arch.sync_threads()  # every thread has read s_red before it is reused
-    for b in cutlass.range_constexpr(batch):  # sum of squares of the new residual
-        partial = Float32(0.0)
-        for j in cutlass.range_constexpr(slots):
-            square = (residuals[b][j] * residuals[b][j]).reduce(cute.ReductionOp.ADD, Float32(0.0),
-                                                                reduction_profile=0)
-            if cutlass.const_expr((j + 1) * threads <= nvec):
-                partial = partial + square
-            elif tidx + j * threads < nvec:
-                partial = partial + square
-        partial = cute.arch.warp_reduction_sum(partial)
-        if lane == 0:
-            s_red[b * warps + warp] = partial
+    if cutlass.const_expr(not normalize):  # OLMo-2: the new residual is the staged row
+        for b in cutlass.range_constexpr(batch):
+            for j in cutlass.range_constexpr(slots):
+                idx = tidx + j * threads
+                if cutlass.const_expr((j + 1) * threads <= nvec):
+                    _f32_vec(s_vec[b, None], idx).store(residuals[b][j])
+                    if cutlass.const_expr(write_back):
+                        if cta == 0:
+                            _f32_vec(out[b, None], idx).store(residuals[b][j])
+                elif idx < nvec:
+                    _f32_vec(s_vec[b, None], idx).store(residuals[b][j])
+                    if cutlass.const_expr(write_back):
+                        if cta == 0:
+                            _f32_vec(out[b, None], idx).store(residuals[b][j])
+    else:
+        cute.arch.sync_threads()  # every thread has read s_red before it is reused
+        for b in cutlass.range_constexpr(batch):  # sum of squares of the new residual
+            partial = Float32(0.0)
+            for j in cutlass.range_constexpr(slots):
+                square = (residuals[b][j] * residuals[b][j]).reduce(cute.ReductionOp.ADD, Float32(0.0),
+                                                                    reduction_profile=0)
+                if cutlass.const_expr((j + 1) * threads <= nvec):
+                    partial = partial + square
+                elif tidx + j * threads < nvec:
+                    partial = partial + square
+            partial = cute.arch.warp_reduction_sum(partial)
+            if lane == 0:
+                s_red[b * warps + warp] = partial
+        cute.arch.sync_threads()
+        for b in cutlass.range_constexpr(batch):
+            total = Float32(0.0)
+            for w in cutlass.range_constexpr(warps):
+                total = total + s_red[b * warps + w]
+            inv = cute.math.rsqrt(total * (1.0 / hidden) + eps)
+            for j in cutlass.range_constexpr(slots):
+                idx = tidx + j * threads
+                clamped = cutlass.min(idx, nvec - 1)
+                normed = residuals[b][j] * inv * _f32_vec(pre_weight, clamped).load()
+                if cutlass.const_expr((j + 1) * threads <= nvec):
+                    _f32_vec(s_vec[b, None], idx).store(normed)
+                    if cutlass.const_expr(write_back):
+                        if cta == 0:
+                            _f32_vec(out[b, None], idx).store(residuals[b][j])
+                elif idx < nvec:
+                    _f32_vec(s_vec[b, None], idx).store(normed)
+                    if cutlass.const_expr(write_back):
+                        if cta == 0:
+                            _f32_vec(out[b, None], idx).store(residuals[b][j])
     cute.arch.sync_threads()
-    for b in cutlass.range_constexpr(batch):
-        total = Float32(0.0)
-        for w in cutlass.range_constexpr(warps):
-            total = total + s_red[b * warps + w]
-        inv = cute.math.rsqrt(total * (1.0 / hidden) + eps)
-        for j in cutlass.range_constexpr(slots):
-            idx = tidx + j * threads
-            clamped = cutlass.min(idx, nvec - 1)
-            normed = residuals[b][j] * inv * _f32_vec(pre_weight, clamped).load()
-            if cutlass.const_expr((j + 1) * threads <= nvec):
-                _f32_vec(s_vec[b, None], idx).store(normed)
-                if cutlass.const_expr(write_back):
-                    if cta == 0:
-                        _f32_vec(out[b, None], idx).store(residuals[b][j])
-            elif idx < nvec:
-                _f32_vec(s_vec[b, None], idx).store(normed)
-                if cutlass.const_expr(write_back):
-                    if cta == 0:
-                        _f32_vec(out[b, None], idx).store(residuals[b][j])
-    cute.arch.sync_threads()
+
