@@ -56,7 +56,7 @@ def test_gemma_shapes_compile_for_sm90a(preset, tmp_path):
     16384-wide GeGLU; its shared memory leaves room for a 2-stage ring."""
     from megabake.runtime.compile import compile_check, load_module
 
-    compiled = compile_preset(preset, layers=2, capacity=128)
+    compiled = compile_preset(preset, layers=2, vocab=4096, capacity=128)
     result = compile_check(compiled.plan, load_module(compiled.generated.source), dump_dir=str(tmp_path))
     assert result.ok, result.error
     ptx = next(tmp_path.glob("*.ptx")).read_text()
@@ -226,7 +226,7 @@ def test_olmo2_plans_the_post_norm_layout_with_whole_projection_qk_norms(tiny_ol
     stagings = body_calls(tiny_olmo2.generated.source, "residual_norm_to_smem")
     assert [call["normalize"] for call in stagings] == ["False", "False", "True"]  # qkv, gate/up; final norm
     assert body_calls(tiny_olmo2.generated.source, "split_kv_attention")[0]["whole_qk_norm"] == "True"
-    assert "whole_qk_norm" not in compile_preset("qwen3-0.6b", layers=1, capacity=32).plan.to_dict()["dims"]
+    assert "whole_qk_norm" not in compile_preset("qwen3-0.6b", layers=1, vocab=4096, capacity=32).plan.to_dict()["dims"]
 
 
 def test_olmo2_matches_eager_fp32_past_a_kv_split(tiny_olmo2):
@@ -336,7 +336,7 @@ def test_gemma2_reference_executor_matches_eager_fp32_past_a_kv_split_boundary(t
 def test_gemma2_shapes_compile_for_sm90a(preset, tmp_path):
     from megabake.runtime.compile import compile_check, load_module
 
-    compiled = compile_preset(preset, layers=2, capacity=128)
+    compiled = compile_preset(preset, layers=2, vocab=4096, capacity=128)
     result = compile_check(compiled.plan, load_module(compiled.generated.source), dump_dir=str(tmp_path))
     assert result.ok, result.error
 
