@@ -75,6 +75,8 @@ def config_hash(config) -> str:
 
 
 _LLAMA_COMMON = dict(hidden_act="silu", rms_norm_eps=1e-5, attention_bias=False, mlp_bias=False)
+_PHI3 = dict(num_hidden_layers=2, intermediate_size=512, num_attention_heads=4, rms_norm_eps=1e-5, pad_token_id=0,
+             bos_token_id=1, eos_token_id=2)  # the tiny Phi presets' shared fields
 _GEMMA3 = dict(hidden_activation="gelu_pytorch_tanh", rms_norm_eps=1e-6, query_pre_attn_scalar=256, sliding_window=512,
                max_position_embeddings=32768, attention_bias=False, tie_word_embeddings=True,
                rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
@@ -313,10 +315,8 @@ PRESETS: dict[str, Preset] = {
             architecture="Phi3ForCausalLM",
             description="2-layer Phi-3 (hidden 384, 4/2 heads x 96 as Phi-3-mini's, fused qkv and gate-up "
                         "projections, sliding window 96)",
-            config=dict(hidden_size=384, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-                        num_key_value_heads=2, vocab_size=1024, max_position_embeddings=4096,
-                        original_max_position_embeddings=4096, sliding_window=96, rms_norm_eps=1e-5,
-                        pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False),
+            config=dict(_PHI3, hidden_size=384, num_key_value_heads=2, vocab_size=1024, max_position_embeddings=4096,
+                        original_max_position_embeddings=4096, sliding_window=96, tie_word_embeddings=False),
         ),
         Preset(
             name="phi-3-mini",
@@ -335,10 +335,8 @@ PRESETS: dict[str, Preset] = {
             architecture="Phi3ForCausalLM",
             description="2-layer Phi-4-mini-like decoder (hidden 256, 4/2 heads x 64): partial rotary (48 of 64 "
                         "features) and long-RoPE factors (original range 1024 positions)",
-            config=dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-                        num_key_value_heads=2, vocab_size=1024, max_position_embeddings=8192,
-                        original_max_position_embeddings=1024, rms_norm_eps=1e-5, pad_token_id=0, bos_token_id=1,
-                        eos_token_id=2, tie_word_embeddings=True,
+            config=dict(_PHI3, hidden_size=256, num_key_value_heads=2, vocab_size=1024, max_position_embeddings=8192,
+                        original_max_position_embeddings=1024, tie_word_embeddings=True,
                         rope_parameters=_long_rope(head_dim=64, partial=0.75, original=1024, positions=8192)),
         ),
         Preset(
