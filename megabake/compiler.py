@@ -5,8 +5,10 @@ strict=, clock=) -> CompiledStep`` runs the whole chain on a Hugging Face causal
 (``megabake.baking``), the in-memory bake (``megabake.integrations.bake_decoder``), the GPU scripts and the tests
 all use it, so the chain is spelled once. ``CompiledStep.replan(tuning=, attention_preload=, split_kv=)`` builds
 another plan and module from the same capture and IR (tilings, autotune candidates); ``plan_for`` builds only
-the plan. ``clock(label)`` returns a context manager around each phase (the bake's progress lines); the default
-does nothing. Errors are the phases' own: ``UnsupportedGraphError`` (IR), ``PlanError`` (plan).
+the plan (with the same rotary tables and long-RoPE switch as the first). ``clock(label)`` returns a context
+manager around each phase (the bake's progress lines); the default does nothing. A long-RoPE bucket past the
+model's original range gets the capture's ``long_rope`` (the long factors and the switch position) into the
+plan's ``Rotary``. Errors are the phases' own: ``UnsupportedGraphError`` (IR), ``PlanError`` (plan).
 """
 
 from __future__ import annotations
@@ -35,11 +37,12 @@ class CompiledStep:
     threads: int
     inv_freq_buffer: str
     rotary_scaling: float
+    rotary_tables: list[tuple[str, float]] | None = None  # several tables (Gemma 3), else None
 
     def plan_for(self, tuning=None, attention_preload: bool = False, split_kv: bool | None = None) -> Plan:
         return build_plan(self.ir, ctas=self.ctas, threads=self.threads, inv_freq_buffer=self.inv_freq_buffer,
                           rotary_scaling=self.rotary_scaling, tuning=tuning, attention_preload=attention_preload,
-                          split_kv=split_kv)
+                          split_kv=split_kv, rotary_tables=self.rotary_tables, long_rope=self.captured.long_rope)
 
     def replan(self, **plan_options) -> "CompiledStep":
         plan = self.plan_for(**plan_options)
@@ -63,7 +66,7 @@ def compile_step(model, *, batch: int = 1, capacity: int = 128, ctas: int = 132,
     with clock("plan stages, tiles, buffers"):
         plan = build_plan(ir, ctas=ctas, threads=threads, inv_freq_buffer=inv_freq, rotary_scaling=scaling,
                           tuning=tuning, attention_preload=attention_preload, split_kv=split_kv,
-                          rotary_tables=several)
+                          rotary_tables=several, long_rope=captured.long_rope)
     with clock("generate module.py"):
         generated = generate(plan)
-    return CompiledStep(model, captured, ir, plan, generated, ctas, threads, inv_freq, scaling)
+    return CompiledStep(model, captured, ir, plan, generated, ctas, threads, inv_freq, scaling, several)

@@ -334,10 +334,11 @@ PRESETS: dict[str, Preset] = {
             model_id="megabake/tiny-phi4",
             architecture="Phi3ForCausalLM",
             description="2-layer Phi-4-mini-like decoder (hidden 256, 4/2 heads x 64): partial rotary (48 of 64 "
-                        "features) and long-RoPE factors (original range 1024 positions)",
+                        "features) and long-RoPE factors (original range 128 positions: buckets past it switch "
+                        "to the long factors from position 128 on)",
             config=dict(_PHI3, hidden_size=256, num_key_value_heads=2, vocab_size=1024, max_position_embeddings=8192,
-                        original_max_position_embeddings=1024, tie_word_embeddings=True,
-                        rope_parameters=_long_rope(head_dim=64, partial=0.75, original=1024, positions=8192)),
+                        original_max_position_embeddings=128, tie_word_embeddings=True,
+                        rope_parameters=_long_rope(head_dim=64, partial=0.75, original=128, positions=8192)),
         ),
         Preset(
             name="phi-4-mini",

@@ -105,7 +105,6 @@ CASES = [
     C("bake-tiling-autotune", USAGE, "bake", "--tiling", "2x4", "--autotune"),
     C("bake-preload-autotune", USAGE, "bake", "--attention-preload", "--autotune"),
     C("bake-window-preload", FAILED, "bake", "--no-gpu", "--model", "tiny-mistral", "--attention-preload"),
-    C("bake-long-rope-capacity", FAILED, "bake", "--no-gpu", "--model", "tiny-phi4", "--capacity", "2048"),
     C("bake-autotune-no-gpu", USAGE, "bake", "--autotune", "--no-gpu"),
     C("bake-autotune-cpu", CANNOT, "bake", "--autotune", no_gpu=True),
     C("bake-gpu-class-form", USAGE, "bake", "--gpu-class", "h200"),

@@ -109,7 +109,7 @@ def test_head_dim_96_plans_lane_groups_padded_to_16_and_matches_eager_fp32(tiny_
     and past the 96-position window (the lanes themselves are checked on the H200: test_gpu_decode -k phi3)."""
     plan, model = tiny_phi3_96.plan, tiny_phi3_96.model
     attention = next(s.tiling for s in plan.stages if s.kind == "attention")
-    assert plan.dims.head_dim == 96 and plan.windows == [96, 96] and attention.per_tile == 128
+    assert plan.dims.head_dim == 96 and plan.windows == [96, 96] and attention.per_tile == 64
     assert_matches_eager(model, reference_executor_for(plan, model), steps=140)
 
 
@@ -140,7 +140,11 @@ def test_phi3_shapes_compile_for_sm90a(preset, capacity, tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny_phi4():
-    return compile_preset("tiny-phi4", capacity=160, ctas=4)
+    """tiny-phi4 at 320 KV slots: past its original long-RoPE range of 128 positions (and past a KV split)."""
+    return compile_preset("tiny-phi4", capacity=320, ctas=4)
+
+
+LONG_ROPE_SCALING = math.sqrt(1 + math.log(8192 / 128) / math.log(128))  # tiny-phi4: factor 64 over 128 positions
 
 
 def test_partial_rotary_is_one_rope_op_over_the_whole_head(tiny_phi4):
@@ -156,12 +160,89 @@ def test_partial_rotary_is_one_rope_op_over_the_whole_head(tiny_phi4):
     assert call["rotary_dim"] == "ROTARY_DIM" and "ROTARY_DIM = 48" in tiny_phi4.generated.source
 
 
-def test_partial_rotary_with_long_rope_matches_eager_fp32(tiny_phi4):
-    """48 of 64 features rotate with the short long-RoPE factors and its attention scaling (1.14); the other 16
-    pass through (tables hold cos 1, sin 0 there). 140 steps over a KV split."""
+def test_long_rope_bucket_past_its_original_range_records_the_switch_in_the_plan(tiny_phi4):
+    """A 320-slot bucket of a model whose long-RoPE original range is 128: the step is exported over the short
+    factors and the plan's ``rotary`` records the long factors' fp32 inverse frequencies (as transformers computes
+    them past the range) and the first position that rotates with them; plan.json round-trips them."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
     plan, model = tiny_phi4.plan, tiny_phi4.model
-    assert model.model.rotary_emb.rope_type == "longrope" and plan.rotary.attention_scaling == pytest.approx(1.1402, abs=1e-4)
-    assert_matches_eager(model, reference_executor_for(plan, model), steps=140)
+    rotary_emb = model.model.rotary_emb
+    assert rotary_emb.rope_type == "longrope" and plan.rotary.attention_scaling == pytest.approx(LONG_ROPE_SCALING)
+    long, _ = ROPE_INIT_FUNCTIONS["longrope"](model.config, "cpu", seq_len=129)
+    assert plan.rotary.long_from == 128 and torch.equal(torch.tensor(plan.rotary.long_inv_freq), long)
+    assert not torch.equal(long, rotary_emb.original_inv_freq)
+    recorded = tiny_phi4.captured.long_rope["model.rotary_emb.inv_freq"]
+    assert torch.equal(recorded[0], long) and recorded[1] == 128
+    data = plan.to_dict()["rotary"]
+    assert data["long_from"] == 128 and len(data["long_inv_freq"]) == 24
+    again = type(plan).from_json(plan.to_json())
+    assert again.rotary == plan.rotary and again.hash == plan.hash
+    assert tiny_phi4.plan_for().hash == plan.hash  # replan keeps the switch
+
+
+def test_long_rope_tables_switch_to_the_long_factors_at_the_original_range(tiny_phi4):
+    """Rows below 128 are the short factors' (as a bucket within the range has them), rows from 128 on the long
+    factors', both times the same attention scaling; features past the 48 rotated pass (cos 1, sin 0)."""
+    from megabake.plan.packing import plan_inv_freqs, rotary_tables
+
+    plan, model = tiny_phi4.plan, tiny_phi4.model
+    cos, sin = rotary_tables(plan, plan_inv_freqs(plan, model))
+    positions = torch.arange(320, dtype=torch.float32)[:, None]
+    for rows, inv_freq in ((slice(0, 128), model.model.rotary_emb.original_inv_freq),
+                           (slice(128, 320), torch.tensor(plan.rotary.long_inv_freq))):
+        freqs = positions[rows] * inv_freq[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        assert torch.equal(cos[rows, :48], emb.cos() * plan.rotary.attention_scaling)
+        assert torch.equal(sin[rows, :48], emb.sin() * plan.rotary.attention_scaling)
+    assert torch.equal(cos[:, 48:], torch.ones(320, 16)) and torch.equal(sin[:, 48:], torch.zeros(320, 16))
+
+
+def test_long_rope_past_its_original_range_matches_eager_fp32_token_by_token(tiny_phi4):
+    """200 advancing steps from position 0: 48 of 64 features rotate with the short long-RoPE factors up to
+    position 127 and with the long ones from 128 on (transformers' switch, max(position_ids) + 1 > 128), with the
+    attention scaling of both; the other 16 pass through (tables hold cos 1, sin 0 there). Past a KV split too.
+    The model's ``inv_freq`` holds the long factors after such a run: tables bound afterwards (a runtime built
+    after an eager run) still take the short ones from ``original_inv_freq``."""
+    plan, model = tiny_phi4.plan, tiny_phi4.model
+    executor = reference_executor_for(plan, model)
+    errors = assert_matches_eager(model, executor, steps=200)
+    assert max(errors) < 1e-5
+    assert torch.equal(model.model.rotary_emb.inv_freq, torch.tensor(plan.rotary.long_inv_freq))  # HF switched
+    again = reference_executor_for(plan, model)
+    assert torch.equal(again.cos, executor.cos) and torch.equal(again.sin, executor.sin)
+
+
+@pytest.mark.parametrize("long_from", [0, 127, 129])
+def test_a_missed_or_misplaced_long_rope_switch_would_be_caught(tiny_phi4, long_from):
+    """The same plan with the short factors everywhere (no switch) or the switch one position early or late
+    does not match eager: the first step that differs is the first one whose rotation differs."""
+    from megabake.plan.packing import plan_inv_freqs, rotary_tables
+
+    plan, model = tiny_phi4.plan, tiny_phi4.model
+    moved = dataclasses.replace(plan, rotary=dataclasses.replace(
+        plan.rotary, long_inv_freq=plan.rotary.long_inv_freq if long_from else [], long_from=long_from))
+    executor = reference_executor_for(plan, model)
+    executor.cos, executor.sin = rotary_tables(moved, plan_inv_freqs(moved, model))
+    first_wrong = min(long_from, 128) if long_from else 128
+    with pytest.raises(AssertionError, match=rf"step {first_wrong}: rel-L2"):
+        assert_matches_eager(model, executor, steps=first_wrong + 1)
+
+
+def test_long_rope_bucket_within_its_original_range_has_no_long_fields():
+    """A bucket of at most 128 positions only ever uses the short factors: no switch is captured, and the plan
+    (JSON and hash) is the one built without any long-RoPE input, as before the switch existed."""
+    from megabake.plan import build_plan
+
+    compiled = compile_preset("tiny-phi4", capacity=128, ctas=4)
+    plan = compiled.plan
+    assert compiled.captured.long_rope == {} and not plan.rotary.long_inv_freq and plan.rotary.long_from == 0
+    assert set(plan.to_dict()["rotary"]) == {"attention_scaling", "head_dim", "inv_freq_buffer", "ops"}
+    assert "long_" not in plan.to_json()
+    plain = build_plan(compiled.ir, ctas=4, inv_freq_buffer=compiled.inv_freq_buffer,
+                       rotary_scaling=compiled.rotary_scaling)
+    assert plain.to_json() == plan.to_json()
+    assert_matches_eager(compiled.model, reference_executor_for(plan, compiled.model), steps=128)
 
 
 def test_rotating_the_whole_head_would_be_caught(tiny_phi4):
@@ -169,20 +250,13 @@ def test_rotating_the_whole_head_would_be_caught(tiny_phi4):
     from megabake.plan.packing import rotary_tables
 
     plan, model = tiny_phi4.plan, tiny_phi4.model
-    whole = dataclasses.replace(plan, dims=dataclasses.replace(plan.dims, rotary_dim=0))
+    whole = dataclasses.replace(plan, dims=dataclasses.replace(plan.dims, rotary_dim=0),
+                                rotary=dataclasses.replace(plan.rotary, long_inv_freq=[], long_from=0))
     executor = reference_executor_for(plan, model)
     full_cos, full_sin = rotary_tables(whole, model.model.rotary_emb.original_inv_freq.repeat(2)[:32])
     executor.plan, executor.cos, executor.sin = whole, full_cos, full_sin
     with pytest.raises(AssertionError, match="step"):
         assert_matches_eager(model, executor, steps=8)
-
-
-def test_long_rope_past_its_original_range_is_refused_naming_the_bucket():
-    from megabake.errors import UnsupportedGraphError
-
-    with pytest.raises(UnsupportedGraphError, match=r"long-RoPE .* original_max_position_embeddings=1024 .*"
-                                                    r"--capacity 1024"):
-        compile_preset("tiny-phi4", capacity=2048)
 
 
 def test_partial_rotary_is_baked_into_the_split_kv_attention_only():
@@ -193,17 +267,19 @@ def test_partial_rotary_is_baked_into_the_split_kv_attention_only():
         compile_step(get_preset("tiny-phi4").build_model(), capacity=64, split_kv=False)
 
 
-@pytest.mark.parametrize("preset", ["tiny-phi4", "phi-4-mini"])
-def test_phi4_shapes_compile_for_sm90a(preset, tmp_path):
-    """Partial rotary through CuTe DSL; phi-4-mini with two layers and a 4096-row vocabulary (24/8 heads x 128,
-    96 rotated features, bucket 4096 = its original long-RoPE range)."""
+@pytest.mark.parametrize("preset,capacity", [("tiny-phi4", 320), ("phi-4-mini", 4096)])
+def test_phi4_shapes_compile_for_sm90a(preset, capacity, tmp_path):
+    """Partial rotary through CuTe DSL; tiny-phi4 past its original long-RoPE range (the switch is table data: the
+    kernel is the same); phi-4-mini with two layers and a 4096-row vocabulary (24/8 heads x 128, 96 rotated
+    features, bucket 4096 = its original long-RoPE range)."""
     from megabake.runtime.compile import compile_check, load_module
 
     base = get_preset(preset)
     small = dataclasses.replace(base, config=dict(base.config, num_hidden_layers=2, vocab_size=4096, pad_token_id=0,
                                                   bos_token_id=1, eos_token_id=2))
-    compiled = compile_model(small.build_model(), capacity=min(4096, base.config["original_max_position_embeddings"]))
+    compiled = compile_model(small.build_model(), capacity=capacity)
     assert compiled.plan.dims.rotary_dim == compiled.plan.dims.head_dim * 3 // 4
+    assert compiled.plan.rotary.long_from == (128 if preset == "tiny-phi4" else 0)
     result = compile_check(compiled.plan, load_module(compiled.generated.source), dump_dir=str(tmp_path))
     assert result.ok, result.error
 

@@ -66,6 +66,7 @@ def _assert_steps_match(decoder, reference, tokens, positions, tol: float = 2e-3
 # 240 steps it measures (227/240 vs bf16's 219/240, seed 0; benchmarks/results/2026-12-01-h200-session7/gemma).
 # tiny-mistral: window 96, so 16 + 240 positions run mostly past it (H200, session 8: pass, rel-L2 to fp32 0.0043
 # vs eager bf16 0.0087, fp32 top-1 99.6% vs 97.5%; benchmarks/results/2026-12-01-h200-session8/mistral-numerics.txt)
+# tiny-phi4: its long-RoPE original range is 128 positions, so 16 + 240 positions switch to the long factors at 128.
 _NUMERICS = {"smollm-135m": (128, 64), "llama-3.2-1b": (128, 64), "gemma-2b": (512, 240),
              "gemma-2-2b": (512, 240), "tiny-mistral": (320, 240), "gemma-3-270m": (640, 560),
              "tiny-phi3": (320, 240), "tiny-phi4": (320, 240), "tiny-olmo2": (320, 240)}  # capacity, steps
@@ -246,13 +247,14 @@ def test_phi3_kernel_matches_reference_executor_at_long_context(head_dim):
 
 @pytest.mark.parametrize("batch", [1, 2])
 def test_partial_rotary_long_rope_kernel_matches_reference_executor_at_long_context(batch):
-    """Phi-4-mini's attention features: 48 of 64 features rotate (long-RoPE short factors, scaling 1.14), 16
-    pass; random 1024-slot cache (the preset's whole original long-RoPE range), around the split boundary and at
-    capacity - 1."""
+    """Phi-4-mini's attention features: 48 of 64 features rotate (long-RoPE, scaling 1.36), 16 pass; random
+    1024-slot cache, a bucket past the preset's original long-RoPE range of 128 positions: the steps at 0, 1, 2
+    and 127 rotate with the short factors' table rows, those at 128 (the switch, also the split boundary), 129,
+    700 and capacity - 1 with the long factors' rows (one table, built by the runtime from the plan)."""
     from megabake.runtime import gpu_info
 
     compiled = compile_preset("tiny-phi4", batch=batch, capacity=1024, ctas=gpu_info().sm_count)
-    assert compiled.plan.dims.rotary_dim == 48
+    assert compiled.plan.dims.rotary_dim == 48 and compiled.plan.rotary.long_from == 128
     _assert_random_cache_steps_match(compiled, compiled.model, seed=17)
 
 

@@ -5,6 +5,14 @@ Contract: ``capture_decode_step(model, batch, capacity)`` returns a :class:`Capt
 ``index_copy_``), the mapping from graph placeholders to the model's parameters and cache buffers, and the
 provenance of every node (HF module path, source line). Nothing here knows about kernels.
 We use the library path that exists: ``transformers.integrations.executorch``'s static-cache export.
+
+Long-RoPE (Phi-3-128k, Phi-4-mini; transformers' ``longrope``) switches between short and long frequency factors
+on a data-dependent branch (``max(position_ids) + 1 > original_max_position_embeddings``) that torch.export cannot
+trace: the step is exported as plain RoPE over the short factors (``original_inv_freq``), and for a bucket larger
+than the original range ``CapturedStep.long_rope`` records, per rotary buffer fqn, the long factors' fp32
+``inv_freq`` (as transformers computes it at the switch) and the switch position: a one-token decode step at
+position ``p >= original_max_position_embeddings`` rotates with the long ones (the plan's rotary tables hold them
+from that row on; the attention scaling is the same for both).
 """
 
 from __future__ import annotations
@@ -36,6 +44,9 @@ class CapturedStep:
     other_buffers: dict[str, str] = field(default_factory=dict)  # placeholder -> buffer target
     user_inputs: list[str] = field(default_factory=list)  # [input_ids, cache_position]
     seconds: float = 0.0
+    # long-RoPE past its original range: rotary inv_freq buffer fqn (HF, no wrapper prefix) -> (the long factors'
+    # fp32 inv_freq, the first position that rotates with them); empty for a bucket within the range
+    long_rope: dict[str, tuple[torch.Tensor, int]] = field(default_factory=dict)
 
     @property
     def graph(self):
@@ -116,7 +127,7 @@ def capture_decode_step(model, *, batch: int = 1, capacity: int = 128) -> Captur
     exportable = TorchExportableModuleForDecoderOnlyLM(model, batch_size=batch, max_cache_len=capacity)
     input_ids = torch.full((batch, 1), 1, dtype=torch.long, device=device)
     cache_position = torch.tensor([min(3, capacity - 1)], dtype=torch.long, device=device)
-    with warnings.catch_warnings(), _long_rope_within_its_original_range(model, capacity):
+    with warnings.catch_warnings(), _long_rope_as_short_factors(model, capacity) as long_rope:
         warnings.simplefilter("ignore")
         try:
             program = exportable.export(input_ids=input_ids, cache_position=cache_position)
@@ -126,35 +137,54 @@ def capture_decode_step(model, *, batch: int = 1, capacity: int = 128) -> Captur
                 f"{str(exc).splitlines()[0] if str(exc) else ''}. The model must support transformers' "
                 "static-cache export (StaticCache + TorchExportableModuleForDecoderOnlyLM)."
             ) from exc
-    step = CapturedStep(program=program, model=model, config=model.config, batch=batch, capacity=capacity)
+    step = CapturedStep(program=program, model=model, config=model.config, batch=batch, capacity=capacity,
+                        long_rope=long_rope)
     _classify_placeholders(step)
     step.seconds = time.perf_counter() - started
     return step
 
 
 @contextlib.contextmanager
-def _long_rope_within_its_original_range(model, capacity: int):
+def _long_rope_as_short_factors(model, capacity: int):
     """transformers' long-RoPE (Phi-3-128k, Phi-4-mini) rotates with short or long frequency factors chosen by the
-    largest position (a data-dependent branch torch.export cannot trace): a bucket within
-    ``original_max_position_embeddings`` only ever uses the short ones (``original_inv_freq``), so the step is
-    exported as plain RoPE over them (the model's ``inv_freq`` is set to them, as transformers' own update
-    does at such positions). A longer bucket is refused."""
-    rotaries = [m for m in model.modules() if getattr(m, "rope_type", None) == "longrope"]
-    for rotary in rotaries:
+    largest position (a data-dependent branch torch.export cannot trace): the step is exported as plain RoPE over
+    the short ones (``original_inv_freq``; the model's ``inv_freq`` is set to them, as transformers' own update
+    does within the range). Yields ``{inv_freq fqn: (long inv_freq, switch position)}`` for the rotaries whose
+    original range the bucket passes (``capacity > original_max_position_embeddings``), else ``{}``."""
+    rotaries = [(name, m) for name, m in model.named_modules() if getattr(m, "rope_type", None) == "longrope"]
+    long_rope: dict[str, tuple[torch.Tensor, int]] = {}
+    for name, rotary in rotaries:
         original = (getattr(rotary.config, "rope_parameters", None) or {}).get("original_max_position_embeddings")
-        if original is None or capacity > int(original):
+        if original is None:
             raise UnsupportedGraphError(
-                f"long-RoPE scaling ({type(rotary).__name__}): positions past original_max_position_embeddings="
-                f"{original} rotate every key and query with the long frequency factors, switched by a "
-                f"data-dependent branch the megakernel does not bake; bake a bucket of at most {original} "
-                f"positions (--capacity {original})")
+                f"long-RoPE scaling ({type(rotary).__name__}) without original_max_position_embeddings in its "
+                "rope_parameters: the position where transformers switches to the long frequency factors is "
+                "unknown; set it in the model's config")
+        if capacity > int(original):
+            long_rope[f"{name}.inv_freq" if name else "inv_freq"] = (_long_inv_freq(rotary, int(original)),
+                                                                     int(original))
         rotary.register_buffer("inv_freq", rotary.original_inv_freq.clone(), persistent=False)
         rotary.rope_type = "default"
     try:
-        yield
+        yield long_rope
     finally:
-        for rotary in rotaries:
+        for _, rotary in rotaries:
             rotary.rope_type = "longrope"
+
+
+def _long_inv_freq(rotary, original: int) -> torch.Tensor:
+    """The long factors' inverse frequencies in fp32 on the CPU, computed as transformers'
+    ``longrope_frequency_update`` does past the original range (``rope_init_fn(config, device,
+    seq_len=original + 1)``)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv_freq, _ = ROPE_INIT_FUNCTIONS["longrope"](rotary.config, "cpu", seq_len=original + 1)
+    short = rotary.original_inv_freq
+    if inv_freq.shape != short.shape:
+        raise UnsupportedGraphError(
+            f"long-RoPE scaling ({type(rotary).__name__}): the long factors give {inv_freq.numel()} frequencies, "
+            f"the short ones {short.numel()}; the config's long_factor and short_factor must be the same length")
+    return inv_freq.detach().to(dtype=torch.float32).cpu().clone()
 
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")  # layers with a KV cache (the IR judges windows)

@@ -51,12 +51,15 @@ _smem_bytes = smem_bytes
 def build_plan(ir: IRGraph, *, ctas: int = 132, threads: int = 256, weight_dtype: str = "bfloat16",
                rotary_scaling: float = 1.0, inv_freq_buffer: str = "",
                tuning: dict[str, GemvTuning] | None = None, attention_preload: bool = False,
-               split_kv: bool | None = None, rotary_tables: list[tuple[str, float]] | None = None) -> Plan:
+               split_kv: bool | None = None, rotary_tables: list[tuple[str, float]] | None = None,
+               long_rope: dict | None = None) -> Plan:
     """Turn recognised IR into a plan for a grid of ``ctas`` CTAs of ``threads`` threads.
 
     ``rotary_tables`` (``recover_rotary_tables``: (inv_freq fqn, scaling) per RotaryTable op) is needed when the
     model rotates with several tables (Gemma 3's per-layer-type RoPE); one table is ``inv_freq_buffer`` and
-    ``rotary_scaling``.
+    ``rotary_scaling``. ``long_rope`` (``CapturedStep.long_rope``: inv_freq fqn -> (long inv_freq, switch
+    position)) marks the tables of a long-RoPE model whose bucket passes its original range: their ``Rotary``
+    records the long frequencies and the first position that rotates with them.
 
     ``split_kv`` (default: on unless ``attention_preload``) splits decode attention's cached keys across CTAs
     (flash decoding, ``bodies.split_kv_attention``); off, one CTA reads a (batch, head)'s whole cache (the
@@ -110,11 +113,13 @@ def build_plan(ir: IRGraph, *, ctas: int = 132, threads: int = 256, weight_dtype
         + _head_norm_packing(blocks, head_norms),
         stages=stages, layers=[_bind_layer(layout, block, window, table)
                                for block, window, table in zip(blocks, windows, layer_tables)],
-        rotary=Rotary(inv_freq_buffer=inv_freq_buffer, attention_scaling=rotary_scaling, head_dim=dims.head_dim,
-                      ops=[op.id for op in ir.of_kind(RotaryTable)]),
+        rotary=_with_long_rope(Rotary(inv_freq_buffer=inv_freq_buffer, attention_scaling=rotary_scaling,
+                                      head_dim=dims.head_dim, ops=[op.id for op in ir.of_kind(RotaryTable)]),
+                               long_rope, capacity),
         globals={"embed": _provenance([embed]), "final_norm": _provenance([final_norm]),
                  "lm_head": _provenance([lm_head])},
-        tied_lm_head=tied, layout=layout.name, rope_tables=rope_tables,
+        tied_lm_head=tied, layout=layout.name,
+        rope_tables=[_with_long_rope(rotary, long_rope, capacity) for rotary in rope_tables],
     )
 
 
@@ -212,6 +217,20 @@ def _rope_tables(ir: IRGraph, blocks: list[Block], recovered: list[tuple[str, fl
     rotaries = [Rotary(inv_freq_buffer=by_id[op_id][1][0], attention_scaling=by_id[op_id][1][1], head_dim=head_dim,
                        ops=[op_id]) for op_id in used]
     return rotaries, [used.index(block.ops["q_rope"].table) for block in blocks]
+
+
+def _with_long_rope(rotary: Rotary, long_rope: dict | None, capacity: int) -> Rotary:
+    """``rotary`` with its long-RoPE switch (``long_inv_freq`` from row ``long_from`` on) when ``long_rope`` names
+    its buffer and the bucket reaches the switch; unchanged otherwise."""
+    entry = (long_rope or {}).get(rotary.inv_freq_buffer)
+    if entry is None:
+        return rotary
+    inv_freq, switch = entry
+    values = [float(v) for v in (inv_freq.tolist() if hasattr(inv_freq, "tolist") else inv_freq)]
+    if not 0 < int(switch) < capacity or not values:
+        return rotary
+    rotary.long_inv_freq, rotary.long_from = values, int(switch)
+    return rotary
 
 
 def _rope_table_buffers(dims: ModelDims, rope_tables: list[Rotary]) -> list[Buffer]:

@@ -3,7 +3,8 @@
 Contract: a :class:`Plan` is pure data (ints, floats, strings, lists, dicts); ``plan.to_json()`` is its canonical
 text (sorted keys, fixed indent) and ``plan.hash`` the sha256 of it; ``Plan.from_json`` / ``plan_from_dict`` read
 it back. Stage tilings record only the flags a tiling uses, so plans made before a flag existed keep their bytes
-and hash. Building a plan from IR is ``megabake.plan.build_plan``.
+and hash; likewise a ``Rotary`` names ``long_inv_freq`` / ``long_from`` (long-RoPE past its original range) only
+when it switches. Building a plan from IR is ``megabake.plan.build_plan``.
 """
 
 from __future__ import annotations
@@ -135,6 +136,15 @@ class Rotary:
     attention_scaling: float
     head_dim: int
     ops: list[str] = field(default_factory=list)
+    # long-RoPE past its original range (Phi-3-128k, Phi-4-mini): table rows p >= long_from rotate with these fp32
+    # inverse frequencies (the long factors), rows below with ``inv_freq_buffer``'s (the short ones); the same
+    # attention scaling. [] and 0 (left out of plan.json) for every other model and bucket.
+    long_inv_freq: list[float] = field(default_factory=list)
+    long_from: int = 0
+
+    @property
+    def has_long_rope(self) -> bool:
+        return bool(self.long_inv_freq)
 
 
 @dataclass
@@ -179,6 +189,10 @@ class Plan:
                     layer.pop(key)
         if not data["rope_tables"]:
             data.pop("rope_tables")
+        for rotary in [data["rotary"], *data.get("rope_tables", [])]:  # long-RoPE fields only when switched
+            for key in ("long_inv_freq", "long_from"):
+                if not rotary[key]:
+                    rotary.pop(key)
         return data
 
     def to_json(self) -> str:

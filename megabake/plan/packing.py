@@ -4,7 +4,10 @@ Contract: ``pack_weights(plan, lookup, dtype=..., device=...)`` returns ``{buffe
 weight buffer of the plan, built only from the plan's :class:`PackedWeight` sources (HF parameter fqns,
 concatenated along rows, stacked per layer; ``(fqn, start, stop)`` takes rows of a fused parameter; ``("", n)``
 sources are n zero rows). Norm weights are packed in
-fp32 with the plan's weight offset folded in (Gemma's ``1 + w``); biases are packed in fp32. ``rotary_tables(plan, inv_freq)`` evaluates cos/sin for every cache slot.
+fp32 with the plan's weight offset folded in (Gemma's ``1 + w``); biases are packed in fp32.
+``rotary_tables(plan, inv_freq)`` evaluates cos/sin for every cache slot: row p from ``inv_freq`` (the model's
+buffer, :func:`plan_inv_freqs`), or, for a long-RoPE table past its original range, from the plan's
+``long_inv_freq`` where ``p >= long_from`` (transformers' switch to the long factors at that position).
 """
 
 from __future__ import annotations
@@ -58,13 +61,23 @@ def rotary_tables(plan: Plan, inv_freq, *, device=None) -> tuple[torch.Tensor, t
     """cos/sin [capacity, head_dim] in fp32: halves duplicated, times the attention scaling. ``inv_freq``: one
     tensor, or one per table of ``plan.rotaries`` (:func:`plan_inv_freqs`); a plan with several tables
     (``has_rope_tables``) gets [tables, capacity, head_dim]. With partial rotary the features past
-    ``dims.rotated`` get cos 1 and sin 0 (they pass through the kernel's rotation unchanged)."""
+    ``dims.rotated`` get cos 1 and sin 0 (they pass through the kernel's rotation unchanged). A long-RoPE table
+    (``rotary.long_inv_freq``) takes rows ``p >= rotary.long_from`` from the long frequencies."""
     freqs_per_table = inv_freq if isinstance(inv_freq, (list, tuple)) else [inv_freq]
     positions = torch.arange(plan.capacity, dtype=torch.float32, device=device)
     passed = plan.dims.head_dim - plan.dims.rotated
     cos, sin = [], []
     for table, rotary in zip(freqs_per_table, plan.rotaries):
-        freqs = positions[:, None] * table.to(device=device, dtype=torch.float32)[None, :]
+        table = table.to(device=device, dtype=torch.float32)
+        if rotary.long_inv_freq:
+            long = torch.tensor(rotary.long_inv_freq, dtype=torch.float32, device=device)
+            if long.shape != table.shape:
+                raise ValueError(f"rotary table {rotary.inv_freq_buffer} has {table.numel()} frequencies and "
+                                 f"{long.numel()} long-RoPE frequencies; they must match")
+            per_row = torch.where((positions >= rotary.long_from)[:, None], long[None, :], table[None, :])
+            freqs = positions[:, None] * per_row
+        else:
+            freqs = positions[:, None] * table[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
         if emb.shape[-1] != plan.dims.rotated:
             raise ValueError(f"rotary table {rotary.inv_freq_buffer} has {table.numel()} frequencies; the plan "
@@ -78,7 +91,22 @@ def rotary_tables(plan: Plan, inv_freq, *, device=None) -> tuple[torch.Tensor, t
 
 
 def plan_inv_freqs(plan: Plan, model) -> list[torch.Tensor]:
-    """The exact fp32 inverse frequencies of each of the plan's rotary tables, from ``model``'s buffers."""
+    """The exact fp32 inverse frequencies of each of the plan's rotary tables, from ``model``'s buffers. For a
+    long-RoPE rotary module (transformers' ``longrope``) the short factors the step was exported with are its
+    ``original_inv_freq``: its ``inv_freq`` holds the long ones after any forward past the original range."""
     from ..rope import exact_inv_freq
 
-    return [exact_inv_freq(model, rotary.inv_freq_buffer) for rotary in plan.rotaries]
+    return [exact_inv_freq(model, _short_factors_buffer(model, rotary.inv_freq_buffer)) for rotary in plan.rotaries]
+
+
+def _short_factors_buffer(model, fqn: str) -> str:
+    """``fqn``, or its ``original_inv_freq`` sibling when ``fqn`` is the ``inv_freq`` of a long-RoPE module."""
+    owner_name, _, leaf = fqn.rpartition(".")
+    try:
+        owner = model.get_submodule(owner_name) if owner_name else model
+    except AttributeError:
+        return fqn
+    if leaf != "inv_freq" or getattr(owner, "rope_type", None) != "longrope" \
+            or "original_inv_freq" not in owner._buffers:
+        return fqn
+    return f"{owner_name}.original_inv_freq" if owner_name else "original_inv_freq"

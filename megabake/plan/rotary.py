@@ -5,7 +5,9 @@ for every cache slot, checks it equals ``cos/sin(p * inv_freq) * s`` with the mo
 and returns ``(inv_freq buffer fqn, s)``; ``recover_rotary_tables`` does so for each table of a model with
 several (Gemma 3: one region, one table per layer type). A region not of that form raises :class:`PlanError`.
 ``exact_inv_freq`` (re-exported from :mod:`megabake.rope`, the one source of RoPE frequencies) gives that
-buffer in fp32 as HF computed it, even after ``model.to(bf16)`` rounded it.
+buffer in fp32 as HF computed it, even after ``model.to(bf16)`` rounded it. A long-RoPE model's region is
+exported over its short factors (``megabake.capture``); the long ones a bucket past the original range switches
+to are not in the region but in ``CapturedStep.long_rope``, which ``build_plan`` puts into the plan's ``Rotary``.
 """
 
 from __future__ import annotations

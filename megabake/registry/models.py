@@ -133,7 +133,8 @@ FAMILIES: tuple[Family, ...] = (
                                  "original_max_position_embeddings": 128, "factor": 8.0,
                                  "short_factor": [1.0 + i / 12 for i in range(24)],
                                  "long_factor": [1.0 + i for i in range(24)]}),
-           note="fused projections, partial rotary (48 of 64), long-RoPE", claims=_partial_rotary(True)),
+           capacity=256, note="fused projections, partial rotary (48 of 64), long-RoPE past its original range "
+                              "128 < KV 256", claims=_partial_rotary(True)),
     Family("olmo2", "OLMo-2", "Olmo2ForCausalLM",
            dict(_TINY, pad_token_id=0, bos_token_id=1, eos_token_id=2),
            note="post-norms only, q/k RMSNorm over the whole projection"),
@@ -150,11 +151,6 @@ NEXT_STEPS = (
     "**Attention soft-capping (Gemma 2).** transformers' SDPA path leaves `attn_logit_softcapping` out of the "
     "exported graph, so neither the HF model as exported nor the megakernel applies it (final logit soft-capping "
     "is baked); eager-attention Gemma 2 is refused (eager attention).",
-    "**Long-RoPE past its original range (Phi-3-128k, Phi-4-mini).** Buckets up to "
-    "`original_max_position_embeddings` (4096) bake with the short factors; past it transformers rotates the new "
-    "keys and the queries with the long factors (a data-dependent branch on the position). Baking it needs a second "
-    "rotary table chosen by the step's position (the `rope_table` mechanism, indexed by position instead of "
-    "layer); until then such buckets are refused naming the largest bucket that bakes.",
     "**Qwen3.5 / Qwen3-Next (hybrid).** Three of every four layers are Gated DeltaNet linear attention with a "
     "per-sequence recurrent state [heads, d_k, d_v] and a short causal convolution state beside the KV cache: a "
     "decode step updates the state with a rank-1 delta rule (gated decay, beta) and reads it with the query. In "
