@@ -19,7 +19,9 @@ writes ``DIR/*.json``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import dataclasses
 import json
 import statistics
 import sys
@@ -97,15 +99,43 @@ def _common(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def _kinds(tilings: list[str], unsplit: bool) -> list[tuple[str, bool, str | None]]:
-    """(label, split_kv, tiling spec or None): the default split kernel, one per extra GEMV tiling, unsplit."""
-    kinds = [("split", True, None)] + [(f"split+{spec}", True, spec) for spec in tilings]
-    return kinds + ([("unsplit", False, None)] if unsplit else [])
+@dataclasses.dataclass(frozen=True)
+class Kind:
+    """One kernel variant of a sweep: split-KV or not, an extra GEMV tiling, other device bodies (e.g. an earlier
+    tree's ``megabake/codegen/bodies``, to time a body change side by side), another split-KV minimum chunk."""
+    label: str
+    split: bool = True
+    tiling: str | None = None
+    bodies: Path | None = None
+    min_chunk: int | None = None
+
+    def plan_and_source(self, build):
+        """``build()`` -> plan, and its module source, with this variant's bodies and minimum chunk patched in."""
+        from unittest import mock
+
+        from megabake import codegen
+        from megabake.plan import attention
+
+        with contextlib.ExitStack() as patches:
+            if self.bodies:
+                patches.enter_context(mock.patch.object(codegen, "BODIES_DIR", self.bodies))
+            if self.min_chunk:
+                patches.enter_context(mock.patch.object(attention, "SPLIT_KV_MIN_CHUNK", self.min_chunk))
+            plan = build()
+            return plan, codegen.generate(plan).source
+
+
+def _kinds(tilings: list[str], unsplit: bool, before: Path | None = None, min_chunks: tuple[int, ...] = ()) -> list[Kind]:
+    """The default split kernel, one per extra GEMV tiling, the ``before`` bodies, each other minimum chunk, unsplit."""
+    kinds = [Kind("split")] + [Kind(f"split+{spec}", tiling=spec) for spec in tilings]
+    kinds += [Kind("split-before", bodies=before)] if before else []
+    kinds += [Kind(f"split-chunk{n}", min_chunk=n) for n in min_chunks]
+    return kinds + ([Kind("unsplit", split=False)] if unsplit else [])
 
 
 def sweep(presets: list[str], out: Path, baseline: bool, tilings: list[str] = (), unsplit: bool = True,
-          batch: int = 1, capacity_limit: int = 4096, wanted: tuple[int, ...] = POSITIONS) -> None:
-    from megabake.codegen import generate
+          batch: int = 1, capacity_limit: int = 4096, wanted: tuple[int, ...] = POSITIONS,
+          before: Path | None = None, min_chunks: tuple[int, ...] = ()) -> None:
     from megabake.plan import build_plan
     from megabake.plan.rotary import recover_rotary
     from megabake.plan import GemvTuning
@@ -122,18 +152,22 @@ def sweep(presets: list[str], out: Path, baseline: bool, tilings: list[str] = ()
         compiled = compile_preset(name, batch=batch, capacity=capacity, ctas=gpu_info().sm_count)
         inv_freq, scaling = recover_rotary(compiled.captured, compiled.ir)
         row = {"preset": name, "capacity": capacity, "positions": positions, "batch": batch}
-        kinds = _kinds(list(tilings), unsplit)
-        for label, split, spec in kinds:
-            tuning = uniform_tuning(GemvTuning.parse(spec)) if spec else None
+        kinds = _kinds(list(tilings), unsplit, before, min_chunks)
+        logits = {}
+        for kind in kinds:
+            label = kind.label
+            tuning = uniform_tuning(GemvTuning.parse(kind.tiling)) if kind.tiling else None
             try:
-                plan = build_plan(compiled.ir, ctas=gpu_info().sm_count, inv_freq_buffer=inv_freq,
-                                  rotary_scaling=scaling, split_kv=split, tuning=tuning)
+                plan, source = kind.plan_and_source(lambda: build_plan(
+                    compiled.ir, ctas=gpu_info().sm_count, inv_freq_buffer=inv_freq, rotary_scaling=scaling,
+                    split_kv=kind.split, tuning=tuning))
             except Exception as exc:  # e.g. a ring that does not fit this bucket's shared memory
                 print(f"[{name}] {label}: {type(exc).__name__}: {exc}", flush=True)
                 continue
-            decoder = MegakernelDecoder(plan, generate(plan).source, copy.deepcopy(compiled.model), device="cuda")
+            decoder = MegakernelDecoder(plan, source, copy.deepcopy(compiled.model), device="cuda")
             _random_cache(decoder.buffers["k_cache"], decoder.buffers["v_cache"])
             step, ids = decoder.step, [7] * batch
+            logits[label] = {p: step(ids, p).float().cpu() for p in positions}  # before the timing rewrites slot p
             row[label] = {p: _event_ms(lambda p=p: step(ids, p)) for p in positions}
             host = _sync_call_ms(lambda: step(ids, positions[0]))
             row.setdefault("sync_call_ms_at_first_position", {})[label] = host
@@ -142,6 +176,10 @@ def sweep(presets: list[str], out: Path, baseline: bool, tilings: list[str] = ()
             del decoder
             torch.cuda.empty_cache()
         row["kv_bytes_per_position"] = kv_bytes
+        row["max_rel_l2_vs_split"] = {label: max(_rel_l2(got[p], logits["split"][p]) for p in positions)
+                                      for label, got in logits.items()}
+        print(f"[{name}] logits rel-L2 to the default split kernel, worst position: {row['max_rel_l2_vs_split']}",
+              flush=True)
         if baseline:
             row["inductor-graph"] = _baseline_ms(compiled.model, capacity, positions, batch)
         table.append(row)
@@ -155,12 +193,16 @@ def sweep(presets: list[str], out: Path, baseline: bool, tilings: list[str] = ()
     for row in table:
         last = row["positions"][-1]
         budget = (row["split"][16] + row["kv_bytes_per_position"] * last / 3.5e12 * 1e3) * 1.15  # ms
-        for kind in [k[0] for k in _kinds(list(tilings), unsplit)] + ["inductor-graph"]:
+        for kind in [k.label for k in _kinds(list(tilings), unsplit, before, min_chunks)] + ["inductor-graph"]:
             if kind in row:
                 cells = ", ".join(f"{p}: {row[kind][p]:.3f}" for p in row["positions"])
                 host = row.get("sync_call_ms_at_first_position", {}).get(kind)
                 extra = f" (sync call {host:.3f})" if host else ""
                 print(f"| {row['preset']} ({row['capacity']}, b{batch}) | {kind} | {cells}{extra} | {budget:.3f} |")
+
+
+def _rel_l2(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).norm() / want.norm())
 
 
 def _random_cache(*caches) -> None:
@@ -254,13 +296,17 @@ def main() -> None:
     s.add_argument("--batch", type=int, default=1)
     s.add_argument("--capacity", type=int, default=4096, help="bucket capacity (capped by the model's limit)")
     s.add_argument("--positions", nargs="+", type=int, default=list(POSITIONS))
+    s.add_argument("--before", type=Path, help="also time the kernel built with these device bodies (a copy of an "
+                   "earlier tree's megabake/codegen/bodies), labelled split-before")
+    s.add_argument("--min-chunks", nargs="*", type=int, default=[], help="also time split-KV attention with these "
+                   "minimum positions per split (default %d)" % 128)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.command == "real":
         real(args.gguf, args.out)
     else:
         sweep(args.presets, args.out, args.baseline, args.tilings, not args.no_unsplit, args.batch, args.capacity,
-              tuple(args.positions))
+              tuple(args.positions), args.before, tuple(args.min_chunks))
 
 
 if __name__ == "__main__":

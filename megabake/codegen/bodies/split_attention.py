@@ -15,6 +15,7 @@ from .common import VEC, WARP
 
 # ------------------------------------------------------------------------------ split-KV (flash) decoding
 ATT_NEG = -1.0e30  # "no position yet": finite, so merging two empty partial softmaxes gives 0, never NaN
+MERGE_UNROLL = 8  # split partials each thread loads at once per output when the last arrival merges the splits
 
 
 @cute.jit
@@ -221,6 +222,7 @@ def split_kv_attention(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Te
     s_flag = cute.make_tensor(s_att.iterator + group * head_dim + 8 * ((group + 8) // 8), cute.make_layout(1))
     s_part = cute.make_tensor(s_att.iterator + group * head_dim + 8 * ((group + 8) // 8) + 8,
                               cute.make_layout((width, group, warps)))
+    s_weight = cute.make_tensor(s_part.iterator, cute.make_layout((group, splits)))  # reuses s_part when merging
     n = pos + 1
     visible = n - first_key
     chunk = (visible + splits - 1) // splits
@@ -288,16 +290,20 @@ def split_kv_attention(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Te
                         part[b, head, split, head_dim] = top
                         part[b, head, split, head_dim + 1] = total
             if active > 1:
-                _merge_splits(attn, part, counts, s_flag, b, kvh, g, active, tidx, group, head_dim, threads)
+                _merge_splits(attn, part, counts, s_flag, s_weight, b, kvh, g, active, tidx, group, head_dim,
+                              threads)
             cute.arch.sync_threads()
 
 
 @cute.jit
-def _merge_splits(attn: cute.Tensor, part: cute.Tensor, counts: cute.Tensor, s_flag: cute.Tensor, b: Int32,
-                  kvh: Int32, g: Int32, active: Int32, tidx: Int32, group: cutlass.Constexpr[int],
-                  head_dim: cutlass.Constexpr[int], threads: cutlass.Constexpr[int]):
+def _merge_splits(attn: cute.Tensor, part: cute.Tensor, counts: cute.Tensor, s_flag: cute.Tensor,
+                  s_weight: cute.Tensor, b: Int32, kvh: Int32, g: Int32, active: Int32, tidx: Int32,
+                  group: cutlass.Constexpr[int], head_dim: cutlass.Constexpr[int], threads: cutlass.Constexpr[int]):
     """Arrive at group ``g``'s counter (release: this CTA's partials first); the last of ``active`` arrivals
-    (acquire: everyone's partials visible) resets the counter and merges the partials into ``attn``."""
+    (acquire: everyone's partials visible) resets the counter and merges the partials into ``attn``: one warp
+    per head turns the splits' (max, sum) into weights exp(m_s - max) / total in ``s_weight`` [group, splits],
+    then each thread sums its outputs over the splits, ``MERGE_UNROLL`` splits x all its outputs loaded at once
+    (the merge is one L2 round trip per ``MERGE_UNROLL`` splits, not one per split and output)."""
     cute.arch.sync_threads()
     if tidx == 0:
         cute.arch.fence_acq_rel_gpu()
@@ -309,17 +315,40 @@ def _merge_splits(attn: cute.Tensor, part: cute.Tensor, counts: cute.Tensor, s_f
         s_flag[0] = flag
     cute.arch.sync_threads()
     if s_flag[0] > 0.5:
-        for i in range(tidx, group * head_dim, threads):
-            h = i // head_dim
-            d = i - h * head_dim
+        lane = tidx % WARP
+        warp = tidx // WARP
+        for h in range(warp, group, threads // WARP):
             head = kvh * group + h
-            top = part[b, head, 0, head_dim]
-            for s in range(1, active):
+            top = Float32(ATT_NEG)
+            for s in range(lane, active, WARP):
                 top = cute.arch.fmax(top, part[b, head, s, head_dim])
+            top = cute.arch.warp_reduction_max(top)
             total = Float32(0.0)
-            out = Float32(0.0)
-            for s in range(active):
+            for s in range(lane, active, WARP):
                 weight = cute.math.exp(part[b, head, s, head_dim] - top)
+                s_weight[h, s] = weight
                 total = total + part[b, head, s, head_dim + 1] * weight
-                out = out + part[b, head, s, d] * weight
-            attn[b, head * head_dim + d] = out / total
+            inverse = Float32(1.0) / cute.arch.warp_reduction_sum(total)
+            for s in range(lane, active, WARP):  # the lane that wrote each weight rescales it: no barrier needed
+                s_weight[h, s] = s_weight[h, s] * inverse
+        cute.arch.sync_threads()
+        outputs = group * head_dim
+        per_thread = (outputs + threads - 1) // threads
+        out = cute.make_rmem_tensor(cute.make_layout(per_thread), Float32)
+        for j in cutlass.range_constexpr(per_thread):
+            out[j] = Float32(0.0)
+        for first in range(0, active, MERGE_UNROLL):
+            for j in cutlass.range_constexpr(per_thread):
+                i = cutlass.min(tidx + j * threads, outputs - 1)
+                h = i // head_dim
+                d = i - h * head_dim
+                for u in cutlass.range_constexpr(MERGE_UNROLL):
+                    s = cutlass.min(first + u, active - 1)
+                    weight = s_weight[h, s]
+                    if first + u >= active:
+                        weight = Float32(0.0)
+                    out[j] = out[j] + part[b, kvh * group + h, s, d] * weight
+        for j in cutlass.range_constexpr(per_thread):
+            i = tidx + j * threads
+            if i < outputs:
+                attn[b, kvh * outputs + i] = out[j]
