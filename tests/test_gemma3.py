@@ -99,24 +99,6 @@ def test_prefill_past_the_window_then_decode_matches_a_full_forward():
     assert_prefill_then_decode_matches_full_forward(compiled, prompt=90, total=100, seed=4)
 
 
-@pytest.mark.parametrize("preset,kwargs", [("tiny-gemma3", dict(capacity=160)),
-                                           ("gemma-3-270m", dict(capacity=1024, layers=6))])
-def test_gemma3_modules_compile_for_sm90a(preset, kwargs, tmp_path):
-    """The real attention shape (4/1 heads x 256, window 512 < 1024, two tables); the vocabulary is cut to 4096
-    rows (only the LM head's row count depends on it) to keep the suite's memory down."""
-    pytest.importorskip("cutlass")
-    from megabake.runtime.compile import compile_check, load_module
-
-    base = get_preset(preset)
-    layers = kwargs.pop("layers", base.config["num_hidden_layers"])
-    small = dataclasses.replace(base, config=dict(base.config, num_hidden_layers=layers,
-                                                  vocab_size=min(4096, base.config["vocab_size"])))
-    compiled = compile_model(small.build_model(), **kwargs)
-    assert compiled.plan.has_rope_tables and compiled.plan.has_windows
-    result = compile_check(compiled.plan, load_module(compiled.generated.source), dump_dir=str(tmp_path))
-    assert result.ok, result.error
-
-
 def test_gemma3_1b_shape_plans():
     """The real 26-layer shape (two layers built, the plan's shape checks are per layer)."""
     preset = get_preset("gemma-3-1b")

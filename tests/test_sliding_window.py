@@ -110,20 +110,3 @@ def test_window_needs_the_split_kv_attention():
         from megabake.compiler import compile_step
 
         compile_step(model, capacity=128, attention_preload=True)
-
-
-@pytest.mark.parametrize("preset,kwargs", [("tiny-mistral", dict(capacity=320)),
-                                           ("mistral-7b", dict(capacity=8192, layers=2))])
-def test_windowed_modules_compile_for_sm90a(preset, kwargs, tmp_path):
-    pytest.importorskip("cutlass")
-    from megabake.runtime.compile import compile_check, load_module
-
-    base = get_preset(preset)  # the vocabulary cut to 4096 rows keeps the suite's memory down
-    layers = kwargs.pop("layers", base.config["num_hidden_layers"])
-    model = dataclasses.replace(base, config=dict(base.config, num_hidden_layers=layers,
-                                                  vocab_size=min(4096, base.config["vocab_size"]))).build_model()
-    compiled = compile_model(model, **kwargs)
-    assert compiled.plan.has_windows
-    result = compile_check(compiled.plan, load_module(compiled.generated.source), dump_dir=str(tmp_path))
-    assert result.ok, result.error
-    assert list(tmp_path.glob("*.ptx"))

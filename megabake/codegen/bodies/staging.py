@@ -224,21 +224,7 @@ def residual_norm_to_smem(x: cute.Tensor, delta: cute.Tensor, post_weight: cute.
             idx = cutlass.min(tidx + j * threads, nvec - 1)
             row.append(_f32_vec(x[b, None], idx).load() + deltas[b][j] * inv * _f32_vec(post_weight, idx).load())
         residuals.append(row)
-    if cutlass.const_expr(not normalize):  # OLMo-2: the new residual is the staged row
-        for b in cutlass.range_constexpr(batch):
-            for j in cutlass.range_constexpr(slots):
-                idx = tidx + j * threads
-                if cutlass.const_expr((j + 1) * threads <= nvec):
-                    _f32_vec(s_vec[b, None], idx).store(residuals[b][j])
-                    if cutlass.const_expr(write_back):
-                        if cta == 0:
-                            _f32_vec(out[b, None], idx).store(residuals[b][j])
-                elif idx < nvec:
-                    _f32_vec(s_vec[b, None], idx).store(residuals[b][j])
-                    if cutlass.const_expr(write_back):
-                        if cta == 0:
-                            _f32_vec(out[b, None], idx).store(residuals[b][j])
-    else:
+    if cutlass.const_expr(normalize):
         cute.arch.sync_threads()  # every thread has read s_red before it is reused
         for b in cutlass.range_constexpr(batch):  # sum of squares of the new residual
             partial = Float32(0.0)
@@ -253,24 +239,27 @@ def residual_norm_to_smem(x: cute.Tensor, delta: cute.Tensor, post_weight: cute.
             if lane == 0:
                 s_red[b * warps + warp] = partial
         cute.arch.sync_threads()
-        for b in cutlass.range_constexpr(batch):
+    for b in cutlass.range_constexpr(batch):  # stage rmsnorm(r) * pre_weight (OLMo-2: r itself); CTA 0 stores r
+        inv = Float32(1.0)
+        if cutlass.const_expr(normalize):
             total = Float32(0.0)
             for w in cutlass.range_constexpr(warps):
                 total = total + s_red[b * warps + w]
             inv = cute.math.rsqrt(total * (1.0 / hidden) + eps)
-            for j in cutlass.range_constexpr(slots):
-                idx = tidx + j * threads
-                clamped = cutlass.min(idx, nvec - 1)
-                normed = residuals[b][j] * inv * _f32_vec(pre_weight, clamped).load()
-                if cutlass.const_expr((j + 1) * threads <= nvec):
-                    _f32_vec(s_vec[b, None], idx).store(normed)
-                    if cutlass.const_expr(write_back):
-                        if cta == 0:
-                            _f32_vec(out[b, None], idx).store(residuals[b][j])
-                elif idx < nvec:
-                    _f32_vec(s_vec[b, None], idx).store(normed)
-                    if cutlass.const_expr(write_back):
-                        if cta == 0:
-                            _f32_vec(out[b, None], idx).store(residuals[b][j])
+        for j in cutlass.range_constexpr(slots):
+            idx = tidx + j * threads
+            staged = residuals[b][j]
+            if cutlass.const_expr(normalize):
+                staged = residuals[b][j] * inv * _f32_vec(pre_weight, cutlass.min(idx, nvec - 1)).load()
+            if cutlass.const_expr((j + 1) * threads <= nvec):
+                _f32_vec(s_vec[b, None], idx).store(staged)
+                if cutlass.const_expr(write_back):
+                    if cta == 0:
+                        _f32_vec(out[b, None], idx).store(residuals[b][j])
+            elif idx < nvec:
+                _f32_vec(s_vec[b, None], idx).store(staged)
+                if cutlass.const_expr(write_back):
+                    if cta == 0:
+                        _f32_vec(out[b, None], idx).store(residuals[b][j])
     cute.arch.sync_threads()
 

@@ -1,0 +1,79 @@
+"""Every family's generated module.py through CuTe DSL to sm_90a on the CPU (no GPU): one table of shapes.
+
+Real shapes are cut to a few layers (the layer loop makes depth irrelevant to code generation; Gemma 3 keeps six
+so one global layer follows five local ones) and a vocabulary of at most 4096 rows (only the LM head's row
+count depends on it): every captured model leaves its size in the pytest process (torch.export, session 9), and
+the full vocabularies OOM-killed the suite on a 23 GB machine. Each case also states what its plan must hold, so
+a shape that silently plans as something simpler fails here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import pytest
+
+from megabake.plan import Plan
+from megabake.presets import get_preset
+from tests.compiler_fixtures import compile_preset
+
+
+def _streams_gemvs_through_the_ring(copies_per_k_step: int) -> Callable[[str], bool]:
+    """The five GEMVs of a layer (default tiling: the cp.async ring) issue >= ``copies_per_k_step`` x 2 rows per
+    tile 16-byte weight copies per K step."""
+    return lambda ptx: ptx.count("cp.async.cg.shared.global") >= 5 * 2 * copies_per_k_step \
+        and "cp.async.wait_group" in ptx
+
+
+@dataclass(frozen=True)
+class Shape:
+    preset: str
+    capacity: int = 128
+    layers: int | None = 2  # None: the preset's own depth
+    plan_holds: Callable[[Plan], bool] = field(default=lambda plan: True)
+    ptx_holds: Callable[[str], bool] = field(default=lambda ptx: True)
+    why: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.preset}-c{self.capacity}"
+
+
+SHAPES = [
+    *[Shape(name, ptx_holds=_streams_gemvs_through_the_ring(3), why="Llama-family real shapes")
+      for name in ("smollm-135m", "llama-3.2-1b", "qwen2.5-0.5b", "qwen3-0.6b", "smollm-1.7b")],
+    *[Shape(name, plan_holds=lambda p: p.dims.n_kv_heads == 1 and p.dims.act == "gelu_tanh",
+            ptx_holds=_streams_gemvs_through_the_ring(1),
+            why="head_dim 256, 8 query heads on one KV head, a 16384-wide GeGLU: room for a 2-stage ring")
+      for name in ("tiny-gemma", "gemma-2b")],
+    *[Shape(name, plan_holds=lambda p: p.layout == "sandwich", why="Gemma 2: sandwich norms, soft-capping")
+      for name in ("tiny-gemma2", "gemma-2-2b")],
+    Shape("tiny-gemma3", capacity=160, layers=None, plan_holds=lambda p: p.has_rope_tables and p.has_windows),
+    Shape("gemma-3-270m", capacity=1024, layers=6, plan_holds=lambda p: p.has_rope_tables and p.has_windows,
+          why="4/1 heads x 256, window 512 < 1024, a rotary table per layer type"),
+    Shape("tiny-mistral", capacity=320, layers=None, plan_holds=lambda p: p.has_windows),
+    Shape("mistral-7b", capacity=8192, plan_holds=lambda p: p.has_windows, why="window 4096 < 8192"),
+    *[Shape(name, capacity=capacity, plan_holds=lambda p: p.dims.head_dim == 96 and p.has_windows,
+            why="head_dim 96: 12-lane rows in 16-lane groups; past the window (96, 2047)")
+      for name, capacity in (("tiny-phi3", 160), ("phi-3-mini", 4096))],
+    Shape("tiny-phi4", capacity=320, plan_holds=lambda p: p.dims.rotary_dim == 48 and p.rotary.long_from == 128,
+          why="partial rotary; past the original long-RoPE range (the switch is table data: same kernel)"),
+    Shape("phi-4-mini", capacity=4096, plan_holds=lambda p: p.dims.rotary_dim == 96 and p.rotary.long_from == 0,
+          why="24/8 heads x 128, 96 rotated features, bucket 4096 = its original long-RoPE range"),
+    *[Shape(name, capacity=1024, plan_holds=lambda p: p.layout == "post_norm" and p.dims.whole_qk_norm,
+            why="OLMo-2: norms after attention and MLP, q/k norms over the whole projection")
+      for name in ("tiny-olmo2", "olmo-2-1b")],
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_module_compiles_for_sm90a(shape: Shape, tmp_path):
+    pytest.importorskip("cutlass")
+    from megabake.runtime.compile import compile_check, load_module
+
+    vocab = min(4096, get_preset(shape.preset).config["vocab_size"])
+    compiled = compile_preset(shape.preset, layers=shape.layers, vocab=vocab, capacity=shape.capacity)
+    assert shape.plan_holds(compiled.plan), f"{shape}: the plan does not hold what this shape needs ({shape.why})"
+    result = compile_check(compiled.plan, load_module(compiled.generated.source), dump_dir=str(tmp_path))
+    assert result.ok, result.error
+    assert shape.ptx_holds(next(tmp_path.glob("*.ptx")).read_text()), shape.why
