@@ -13,7 +13,9 @@ token, then ``end()`` (the ``transformers.TextStreamer`` protocol: tokens appear
 Greedy decoding on a decoder with ``greedy_tokens`` (the megakernel) runs ``sync_every`` steps per host round
 trip (argmax and position stay on the GPU; tokens reach the streamer in groups of ``sync_every``); the
 tokens are the same as one step at a time (``sync_every=1``).
-Every bad setting raises :class:`InputError` naming it.
+Every bad setting raises :class:`InputError` naming it. Timing: ``Generation.ms_per_token`` is decode time per
+step over the whole answer; ``steady_ms_per_token`` leaves out the first host round trip, which captures the
+megakernel's CUDA graphs on first use.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ class Generation:
     prefill_s: float
     decode_s: float
     step_times_s: list[float] = field(default_factory=list)
+    first_round_trip_steps: int = 0  # decode steps of the first host round trip (it captures the CUDA graphs)
 
     @property
     def new_tokens(self) -> torch.Tensor:
@@ -66,8 +69,19 @@ class Generation:
 
     @property
     def ms_per_token(self) -> float | None:
+        """Decode time per step over the whole answer, one-time costs of the first round trip included."""
         steps = len(self.step_times_s)
         return 1e3 * self.decode_s / steps if steps else None
+
+    @property
+    def steady_ms_per_token(self) -> float | None:
+        """Decode time per step after the first host round trip, whose one-time set-up (the megakernel's CUDA
+        graphs are captured on first use) would dominate a short answer; None without later steps."""
+        first = self.first_round_trip_steps
+        later = len(self.step_times_s) - first
+        if first < 1 or later < 1:
+            return None
+        return 1e3 * (self.decode_s - sum(self.step_times_s[:first])) / later
 
 
 def settings_for(model, **given) -> GenerationSettings:
@@ -135,7 +149,7 @@ def generate(decoder, prompt_ids, *, tokenizer=None, streamer=None, sync_every: 
     started = time.perf_counter()
     logits = decoder.prefill(prompt)
     prefill_s = time.perf_counter() - started
-    tokens, step_times = [], []
+    tokens, step_times, round_trips = [], [], []
     finished = torch.zeros(prompt.shape[0], dtype=torch.bool)
     stopped_by = "max_new_tokens"
     upcoming = _next_token_source(decoder, settings, generator, sync_every)
@@ -156,33 +170,37 @@ def generate(decoder, prompt_ids, *, tokenizer=None, streamer=None, sync_every: 
             break
         if len(tokens) == settings.max_new_tokens:
             break
-        token = upcoming(token, length + len(tokens) - 1, settings.max_new_tokens - len(tokens), step_times)
+        token = upcoming(token, length + len(tokens) - 1, settings.max_new_tokens - len(tokens), step_times,
+                         round_trips)
     decode_s = time.perf_counter() - decode_started
     if streamer is not None:
         streamer.end()
     out = torch.cat([prompt.cpu(), torch.stack(tokens, dim=1)], dim=1)
-    return Generation(out, length, stopped_by, prefill_s, decode_s, step_times)
+    return Generation(out, length, stopped_by, prefill_s, decode_s, step_times, (round_trips or [0])[0])
 
 
 def _next_token_source(decoder, settings: GenerationSettings, generator, sync_every: int):
-    """``upcoming(token, position, remaining, step_times) -> next token``: one decode step per call, or, for
-    greedy decoding on a decoder with ``greedy_tokens``, up to ``sync_every`` steps per host round trip
-    (argmax and position stay on the GPU; the same tokens, since each step's input is the previous argmax)."""
+    """``upcoming(token, position, remaining, step_times, round_trips) -> next token``: one decode step per call,
+    or, for greedy decoding on a decoder with ``greedy_tokens``, up to ``sync_every`` steps per host round trip
+    (argmax and position stay on the GPU; the same tokens, since each step's input is the previous argmax).
+    Each step's time goes to ``step_times``, each host round trip's step count to ``round_trips``."""
     pending: list[torch.Tensor] = []
 
-    def one_step(token, position, remaining, step_times):
+    def one_step(token, position, remaining, step_times, round_trips):
         started = time.perf_counter()
         logits = decoder.step(token, position)
         chosen = next_tokens(logits, settings, generator)
         step_times.append(time.perf_counter() - started)
+        round_trips.append(1)
         return chosen
 
-    def chunked(token, position, remaining, step_times):
+    def chunked(token, position, remaining, step_times, round_trips):
         if not pending:
             count = min(sync_every, remaining)
             started = time.perf_counter()
             pending.extend(decoder.greedy_tokens(token, position, count).unbind(1))
             step_times.extend([(time.perf_counter() - started) / count] * count)
+            round_trips.append(count)
         return pending.pop(0)
 
     greedy_on_device = not settings.do_sample and sync_every > 1 and hasattr(decoder, "greedy_tokens")

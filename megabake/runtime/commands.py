@@ -523,6 +523,12 @@ def echo_stats(generation, backend: str) -> None:
     ms = generation.ms_per_token
     rate = ("no decode step (the one new token came from the prefill)" if ms is None else
             f"{ms:.2f} ms/token, {1e3 / ms:.2f} tokens/s over {steps} decode step{'s' if steps != 1 else ''}")
+    steady = generation.steady_ms_per_token
+    if steady is not None:
+        first = generation.first_round_trip_steps
+        rate += (f"; {steady:.2f} ms/token after the first host round trip (its {first} "
+                 f"{'steps include' if first != 1 else 'step includes'} one-time set-up, e.g. capturing the "
+                 "CUDA graphs)")
     for line in (f"prefill: {generation.prompt_length} tokens in {1e3 * generation.prefill_s:.1f} ms",
                  f"decode: {new} new token{'s' if new != 1 else ''}, {rate} (backend {backend})",
                  f"stopped by: {generation.stopped_by}"):
