@@ -125,7 +125,8 @@ class Kind:
             return plan, codegen.generate(plan).source
 
 
-def _kinds(tilings: list[str], unsplit: bool, before: Path | None = None, min_chunks: tuple[int, ...] = ()) -> list[Kind]:
+def _kinds(tilings: list[str], unsplit: bool, before: Path | None = None,
+           min_chunks: tuple[int, ...] = ()) -> list[Kind]:
     """The default split kernel, one per extra GEMV tiling, the ``before`` bodies, each other minimum chunk, unsplit."""
     kinds = [Kind("split")] + [Kind(f"split+{spec}", tiling=spec) for spec in tilings]
     kinds += [Kind("split-before", bodies=before)] if before else []

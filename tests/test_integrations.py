@@ -332,3 +332,98 @@ def test_backend_on_real_bf16_weights_gives_generates_tokens():
                                 past_key_values=StaticCache(config=compiled.config, max_cache_len=128))[0].tolist()
     assert got[:len(own)] == own
     assert [(r.kind, r.path) for r in backend.report] == [("prefill", "eager"), ("decode", "megakernel")]
+
+
+# ------------------------------------------------------------------------------- sliding windows
+def _windowed_model():
+    """tiny-mistral with a 16-position window: a 4 + 30 token answer decodes mostly past it."""
+    import dataclasses
+
+    preset = get_preset("tiny-mistral")
+    return dataclasses.replace(preset, config=dict(preset.config, sliding_window=16)).build_model(seed=2)
+
+
+@pytest.fixture(scope="module")
+def windowed_want():
+    model = _windowed_model()
+    return model.generate(PROMPT1, max_new_tokens=30, do_sample=False,
+                          past_key_values=StaticCache(config=model.config, max_cache_len=CAPACITY))
+
+
+def test_backend_serves_a_sliding_window_model_on_a_full_length_cache(windowed_want):
+    """Past the window HF's decode graph takes a 4-D mask hiding the positions before it: the backend accepts
+    exactly the plan's window (it used to fall back there, calling it padding) and every decode call runs on
+    the megakernel, token for token HF's greedy answer."""
+    from megabake.capture import full_length_static_cache
+
+    model = _windowed_model()
+    backend = make_backend(other="eager", fallback="error")
+    model.compile(backend=backend, fullgraph=True)
+    got = model.generate(PROMPT1, max_new_tokens=30, do_sample=False,
+                         past_key_values=full_length_static_cache(model.config, CAPACITY))
+    assert torch.equal(got, windowed_want)
+    decode = [r for r in backend.report if r.kind == "decode"]
+    assert {r.path for r in decode} == {"megakernel"} and sum(r.megakernel_calls for r in decode) == 29
+    assert sum(r.fallback_calls for r in decode) == 0
+
+
+def test_backend_names_the_full_length_cache_when_given_transformers_window_rings(windowed_want):
+    model = _windowed_model()
+    backend = make_backend(other="eager", fallback="eager")
+    model.compile(backend=backend, fullgraph=True)
+    got = model.generate(PROMPT1, max_new_tokens=30, do_sample=False,
+                         past_key_values=StaticCache(config=model.config, max_cache_len=CAPACITY))
+    assert torch.equal(got, windowed_want)  # served by the fallback, correctly
+    reasons = " ".join(r.reason for r in backend.report if r.kind == "decode")
+    assert "StaticSlidingWindowLayer" in reasons and "full_length_static_cache(model.config, capacity)" in reasons
+
+
+def test_prefix_mask_accepts_exactly_the_plans_window():
+    from megabake.integrations.kv import prefix_mask_ok
+
+    position, window = 40, 16
+    slots = torch.arange(CAPACITY)
+    windowed = ((slots <= position) & (slots > position - window))[None, None, None]
+    assert bool(prefix_mask_ok(windowed, position, window)) and not bool(prefix_mask_ok(windowed, position))
+    assert not bool(prefix_mask_ok(windowed, position, window + 1))
+    holed = windowed.clone()
+    holed[..., position - 3] = False  # padding inside the window
+    assert not bool(prefix_mask_ok(holed, position, window))
+    additive = torch.where(windowed, 0.0, float("-inf"))
+    assert bool(prefix_mask_ok(additive, torch.tensor(position), window))
+
+
+def test_dropin_serves_a_sliding_window_model_past_its_window(windowed_want):
+    from megabake.capture import full_length_static_cache
+
+    model = _windowed_model()
+    decoder = bake_decoder(model, batch=1, capacity=CAPACITY)
+    with serve_decode_steps(model, decoder) as server:
+        got = model.generate(PROMPT1, max_new_tokens=30, do_sample=False,
+                             past_key_values=full_length_static_cache(model.config, CAPACITY))
+    assert torch.equal(got, windowed_want)
+    assert (server.stats.decode_steps, server.stats.fallback_steps) == (29, 0), server.stats.last_fallback
+
+
+def test_dropin_serves_mixed_windows_through_the_mask_mapping():
+    """Gemma 2 (local layers windowed, global ones not): generate passes transformers' mask mapping; the drop-in
+    checks the "sliding_attention" mask against the plan's window and the "full_attention" one against every
+    position, so all decode steps past the window run on the megakernel (the backend's graph takes the mapping
+    as two inputs and goes to its fallback)."""
+    import dataclasses
+
+    from megabake.capture import full_length_static_cache
+
+    preset = get_preset("tiny-gemma2")
+    windowed = dataclasses.replace(preset, config=dict(preset.config, sliding_window=16))
+    reference = windowed.build_model(seed=2)
+    want = reference.generate(PROMPT1, max_new_tokens=30, do_sample=False,
+                              past_key_values=full_length_static_cache(reference.config, CAPACITY))
+    model = windowed.build_model(seed=2)
+    decoder = bake_decoder(model, batch=1, capacity=CAPACITY)
+    assert decoder.plan.windows == [16, 0]
+    with serve_decode_steps(model, decoder) as server:
+        got = model.generate(PROMPT1, max_new_tokens=30, do_sample=False,
+                             past_key_values=full_length_static_cache(model.config, CAPACITY))
+    assert torch.equal(got, want)
+    assert (server.stats.decode_steps, server.stats.fallback_steps) == (29, 0), server.stats.last_fallback

@@ -45,7 +45,7 @@ import torch
 
 from ..errors import InputError, MegaBakeError, UnsupportedGraphError
 from .bake import bake_decoder, check_bucket
-from .kv import DecoderCacheSync, prefix_mask_ok, write_static_step
+from .kv import DecoderCacheSync, mask_window, prefix_mask_ok, write_static_step
 
 FALLBACKS = ("inductor", "eager", "error")
 OTHERS = ("inductor", "eager")
@@ -233,12 +233,23 @@ def _cache_problem(layout: GraphLayout, model, example_inputs) -> str | None:
                 "megakernel serves static caches; pass past_key_values=StaticCache(...) or "
                 "cache_implementation='static'")
     if set(layout.lengths) != wanted:
+        if _has_sliding_window(model.config):
+            return ("its cache has no cumulative_length per layer: transformers' StaticCache makes sliding-window "
+                    "layers window-long rings (StaticSlidingWindowLayer) whose slots are not positions; the "
+                    "megakernel keeps every position: pass past_key_values=megabake.capture."
+                    "full_length_static_cache(model.config, capacity)")
         return "its cache has no cumulative_length per layer (transformers >= 5 StaticCache layout expected)"
     if layout.mutated != layout.cache_inputs:
         extra = sorted(layout.mutated - layout.cache_inputs)
         return (f"it writes inputs other than the cache in place ({extra})" if extra
                 else "it leaves some of the cache's tensors unwritten")
     return None
+
+
+def _has_sliding_window(config) -> bool:
+    config = config.get_text_config()
+    return bool(getattr(config, "sliding_window", None)) or "sliding_attention" in (getattr(config, "layer_types",
+                                                                                            None) or ())
 
 
 def _output_problem(layout: GraphLayout, model, example_inputs) -> str | None:
@@ -482,7 +493,7 @@ class _DecodeGraph:
         keys = [args[layout.keys[i]] for i in range(len(layout.keys))]
         values = [args[layout.values[i]] for i in range(len(layout.values))]
         lengths = [args[layout.lengths[i]] for i in range(len(layout.lengths))]
-        tokens, position = self._read_step(args, lengths, bucket.decoder.capacity)
+        tokens, position = self._read_step(args, lengths, bucket.decoder.capacity, mask_window(bucket.decoder))
         rows = tokens.shape[0]
         if not bucket.sync.is_current(keys[0], position):
             bucket.sync.load(keys, values, position)
@@ -493,14 +504,15 @@ class _DecodeGraph:
         self.record.megakernel_calls += 1
         return (self._logits(logits, rows, keys[0].device),)
 
-    def _read_step(self, args, lengths, capacity: int) -> tuple[torch.Tensor, int]:
-        """Token ids (host) and the position, from one host copy; _Misfit if the call is outside the bucket."""
+    def _read_step(self, args, lengths, capacity: int, window: int = 0) -> tuple[torch.Tensor, int]:
+        """Token ids (host) and the position, from one host copy; _Misfit if the call is outside the bucket. A 4-D
+        mask may hide the positions before a sliding ``window`` (every layer's, as the plan bakes it)."""
         layout = self.layout
         tokens = args[layout.tokens].reshape(-1)
         positions = args[layout.position_ids].reshape(-1) if layout.position_ids is not None else tokens[:0]
         parts = [tokens, *(length.reshape(1) for length in lengths), positions]
         if layout.mask is not None:
-            parts.append(prefix_mask_ok(args[layout.mask], lengths[0]).reshape(1))
+            parts.append(prefix_mask_ok(args[layout.mask], lengths[0], window).reshape(1))
         host = torch.cat([part.to(device=tokens.device, dtype=torch.long) for part in parts]).cpu()
         sizes = [tokens.numel(), len(lengths), positions.numel()]
         host_tokens, cached, given, mask_ok = host.split([*sizes, host.numel() - sum(sizes)])
@@ -511,8 +523,9 @@ class _DecodeGraph:
             raise _Misfit(f"position_ids {given.tolist()} differ from the cache length {position} (a padded "
                           "batch?): the megakernel decodes every sequence at the cache's position")
         if not bool(mask_ok.all()):
-            raise _Misfit("the attention mask hides some of positions 0..p (padding): the megakernel attends to "
-                          "every cached position")
+            seen = f"the last {window} positions up to p (its sliding window)" if window else "every cached position"
+            raise _Misfit(f"the attention mask hides some of positions 0..p (padding, or a window the plan does not "
+                          f"have): the megakernel attends to {seen}")
         if position >= capacity:
             raise _Misfit(f"position {position} is outside the baked KV capacity [0, {capacity}): pass "
                           "make_backend(capacity=...) large enough for the longest sequence")

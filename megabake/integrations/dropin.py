@@ -37,7 +37,7 @@ import torch
 
 from ..errors import InputError
 from .bake import MODEL_FORWARD_PATCH
-from .kv import DecoderCacheSync, prefix_mask_ok, write_static_step
+from .kv import DecoderCacheSync, mask_window, prefix_mask_ok, write_static_step
 
 FALLBACKS = ("error", "eager")
 _NOT_DECODE_FLAGS = ("output_attentions", "output_hidden_states")
@@ -127,7 +127,7 @@ class DecodeStepServer:
         if not _is_cached_token_call(call, cache, ids):
             return self._eager(original, args, kwargs)
         if ids.shape[1] == 1:
-            step = _read_step(call, cache, ids)
+            step = _read_step(call, cache, ids, self.decoder)
             past = step.position
             if past > 0:
                 try:
@@ -213,8 +213,8 @@ class DecodeStepServer:
             raise _Misfit(f"position_ids {step.positions.tolist()} differ from the cache length {position} "
                           "(a padded batch?): the megakernel decodes every sequence at the cache's position")
         if not step.mask_ok:
-            raise _Misfit("the attention mask hides some of positions 0..p (padding): the megakernel "
-                          "attends to every cached position")
+            raise _Misfit("the attention mask hides some of positions 0..p (padding, or a window the plan does "
+                          "not have): the megakernel attends to every cached position, or to its sliding window")
 
 
 @dataclass
@@ -224,17 +224,18 @@ class _Step:
     tokens: torch.Tensor  # [B] on the host
     position: int  # the cache's length: the slot this token is written to
     positions: torch.Tensor  # position_ids on the host (empty when not given)
-    mask_ok: bool  # every attention mask given lets the token see exactly 0..position
+    mask_ok: bool  # every attention mask given lets the token see exactly 0..position (or its window)
 
 
-def _read_step(call, cache, ids) -> _Step:
+def _read_step(call, cache, ids, decoder) -> _Step:
     device = ids.device
     length = torch.as_tensor(cache.get_seq_length(), device=device).reshape(1)
     positions = call.get("position_ids")
     positions = positions.reshape(-1) if torch.is_tensor(positions) else ids.new_empty(0)
     masks = call.get("attention_mask")
-    masks = [m for m in (masks.values() if isinstance(masks, dict) else [masks]) if torch.is_tensor(m)]
-    checks = [prefix_mask_ok(mask, length[0]).reshape(1) for mask in masks]
+    masks = [(key, m) for key, m in (masks.items() if isinstance(masks, dict) else [(None, masks)])
+             if torch.is_tensor(m)]
+    checks = [prefix_mask_ok(mask, length[0], mask_window(decoder, key)).reshape(1) for key, mask in masks]
     parts = [ids.reshape(-1), length, positions, *checks]
     host = torch.cat([part.to(device=device, dtype=torch.long) for part in parts]).cpu()
     tokens, position, given, oks = host.split([ids.numel(), 1, positions.numel(), len(checks)])

@@ -16,8 +16,10 @@ keeps the two in step with a :class:`DecoderCacheSync`:
   ``[B, KVH, D]``; :func:`write_static_step` stores them into HF's static tensors and advances each
   ``cumulative_length`` by one, exactly the in-place writes of HF's ``StaticLayer.update`` for one token.
 
-:func:`prefix_mask_ok` says whether an attention mask lets position ``p`` see exactly ``[0, p]``: the only
-mask the megakernel implements (no padding).
+:func:`prefix_mask_ok` says whether an attention mask lets position ``p`` see exactly ``[0, p]``, or with a
+sliding window ``w`` exactly ``[p - w + 1, p]``: the only masks the megakernel implements (no padding);
+:func:`mask_window` gives the window a decoder's plan bakes for a mask (per layer type of transformers' mask
+mapping, or the one window every layer shares).
 """
 
 from __future__ import annotations
@@ -113,11 +115,25 @@ def write_static_step(keys: list[torch.Tensor], values: list[torch.Tensor], leng
         torch._foreach_add_(lengths, 1)
 
 
-def prefix_mask_ok(mask: torch.Tensor, position) -> torch.Tensor:
-    """0-d bool tensor: ``mask`` lets the token at ``position`` (int or 0-d tensor) see exactly ``[0, position]``.
+def mask_window(decoder, mask_key: str | None = None) -> int:
+    """The sliding window a 4-D mask for ``decoder`` may show: with ``mask_key`` (transformers' mask mapping:
+    "full_attention", "sliding_attention") the plan's window for that layer type, else the window every layer
+    of the plan shares (0: none, or windows that differ by layer, which one mask cannot show)."""
+    windows = set(getattr(getattr(decoder, "plan", None), "windows", None) or [0])
+    sliding = windows - {0}
+    if mask_key is not None:
+        return sliding.pop() if "sliding" in mask_key and len(sliding) == 1 else 0
+    return windows.pop() if len(windows) == 1 else 0
 
-    A 2-D mask ``[B, n]`` (1 = attend) must be all ones with ``n == position + 1``; a 4-D mask ``[B, 1, 1, C]``
-    (bool: True = attend; float: 0 = attend, additive) must allow exactly the slots ``0..position``.
+
+def prefix_mask_ok(mask: torch.Tensor, position, window: int = 0) -> torch.Tensor:
+    """0-d bool tensor: ``mask`` lets the token at ``position`` (int or 0-d tensor) see exactly ``[0, position]``,
+    or, with a sliding ``window``, exactly the last ``window`` positions up to it (the keys the baked attention
+    reads: transformers' sliding-window mask past the window).
+
+    A 2-D mask ``[B, n]`` (1 = attend) must be all ones with ``n == position + 1`` (a padding mask: the model
+    applies any window itself); a 4-D mask ``[B, 1, 1, C]`` (bool: True = attend; float: 0 = attend, additive)
+    must allow exactly those slots.
     """
     allowed = mask == 0 if mask.is_floating_point() else mask.bool()
     if mask.ndim == 2:
@@ -126,5 +142,8 @@ def prefix_mask_ok(mask: torch.Tensor, position) -> torch.Tensor:
     if mask.ndim != 4 or mask.shape[2] != 1:
         return torch.zeros((), dtype=torch.bool, device=mask.device)
     slots = torch.arange(mask.shape[-1], device=mask.device)
-    expected = slots <= torch.as_tensor(position, device=mask.device)
+    position = torch.as_tensor(position, device=mask.device)
+    expected = slots <= position
+    if window:
+        expected &= slots > position - window
     return (allowed == expected).all()
