@@ -28,6 +28,7 @@ only when ``MEGABAKE_EXPERIMENTAL_LAYOUTS`` names it (:func:`check_layout_enable
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 from ..errors import PlanError
@@ -222,15 +223,10 @@ def _rope_tables(ir: IRGraph, blocks: list[Block], recovered: list[tuple[str, fl
 def _with_long_rope(rotary: Rotary, long_rope: dict | None, capacity: int) -> Rotary:
     """``rotary`` with its long-RoPE switch (``long_inv_freq`` from row ``long_from`` on) when ``long_rope`` names
     its buffer and the bucket reaches the switch; unchanged otherwise."""
-    entry = (long_rope or {}).get(rotary.inv_freq_buffer)
-    if entry is None:
+    inv_freq, switch = (long_rope or {}).get(rotary.inv_freq_buffer, (None, 0))
+    if inv_freq is None or not 0 < switch < capacity:
         return rotary
-    inv_freq, switch = entry
-    values = [float(v) for v in (inv_freq.tolist() if hasattr(inv_freq, "tolist") else inv_freq)]
-    if not 0 < int(switch) < capacity or not values:
-        return rotary
-    rotary.long_inv_freq, rotary.long_from = values, int(switch)
-    return rotary
+    return dataclasses.replace(rotary, long_inv_freq=[float(v) for v in inv_freq], long_from=int(switch))
 
 
 def _rope_table_buffers(dims: ModelDims, rope_tables: list[Rotary]) -> list[Buffer]:

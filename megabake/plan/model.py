@@ -142,10 +142,6 @@ class Rotary:
     long_inv_freq: list[float] = field(default_factory=list)
     long_from: int = 0
 
-    @property
-    def has_long_rope(self) -> bool:
-        return bool(self.long_inv_freq)
-
 
 @dataclass
 class Plan:
