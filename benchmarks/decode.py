@@ -381,7 +381,7 @@ def parse_args(argv=None):
     parser.add_argument("--positions", nargs="+", type=int, default=None,
                         help="context axis: time each preset at these KV positions (e.g. 16 1000 4000)")
     parser.add_argument("--batches", nargs="+", type=int, default=None, help="batch axis (e.g. 1 4 8)")
-    parser.add_argument("--numerics-steps", type=int, default=16,
+    parser.add_argument("--numerics-steps", type=int, default=64,
                         help="matrix mode: decode steps of the numerics check at the longest context")
     args = parser.parse_args(argv)
     if args.positions or args.batches:

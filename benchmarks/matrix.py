@@ -9,6 +9,11 @@ process, paired alternating samples, bootstrap CIs. Every cell's full timings (r
 ``DIR/matrix/<preset>-b<batch>-p<position>.json``; ``DIR/matrix.md`` holds the table, ``DIR/matrix.png`` the
 chart (latency vs context, one line per system, one panel per preset and batch). A cell that fails is
 recorded with its error and the run goes on.
+
+The baked package keeps the evidence: its ``report.json`` gets the numerics at the longest context and the
+timings there (``assemble_report``, the same status rule as ``megabake verify``), and it comes back as
+``DIR/<preset>-b<batch>-package.tar.gz`` (plus ``DIR/<preset>-b<batch>-report.json``), so ``tar -xzf`` in the
+repository root adds a long-context bucket verified on this GPU to ``packages/``.
 """
 
 from __future__ import annotations
@@ -78,12 +83,14 @@ def _preset_batch(preset: str, batch: int, args) -> list[Cell]:
     positions = fitting_positions(args.positions, capacity)
     started = time.perf_counter()
     try:
-        decoder = _bake_decoder(preset, batch, capacity, args.out)
-        numerics = _numerics_at(decoder, positions[-1], args.numerics_steps)
+        package_path, decoder = _bake_decoder(preset, batch, capacity, args.out)
+        numerics_result = _numerics_at(decoder, positions[-1], args.numerics_steps)
+        numerics = _numerics_summary(numerics_result)
     except Exception as exc:  # a bucket that does not bake (e.g. shared memory) fails its cells, not the run
         LOG.error("[%s b%d] bake failed: %s\n%s", preset, batch, exc, traceback.format_exc())
         return [Cell(preset, batch, p, capacity, error=f"{type(exc).__name__}: {exc}") for p in positions]
     cells = []
+    timings = None
     for position in positions:
         cell = Cell(preset, batch, position, capacity, numerics=numerics)
         try:
@@ -99,30 +106,56 @@ def _preset_batch(preset: str, batch: int, args) -> list[Cell]:
         LOG.info("[%s b%d p%d] %s: megabake %s ms, %s %s ms, speedup %s", preset, batch, position, cell.status,
                  cell.megabake_ms, cell.baseline, cell.baselines_ms.get(cell.baseline or ""), cell.speedup)
         cells.append(cell)
+    if cells and cells[-1].error is None and timings is not None:  # the longest context was timed
+        _record_evidence(package_path, numerics_result, timings, args.out, f"{preset}-b{batch}")
     del decoder
     _free()
     return cells
 
 
 def _bake_decoder(preset: str, batch: int, capacity: int, out: Path):
+    """(package folder, MegakernelDecoder on cuda) of a fresh bake under ``out/packages``."""
     from megabake.baking import bake
     from megabake.runtime import MegakernelDecoder
 
     baked = bake(preset, batch=batch, capacity=capacity, out=out / "packages", reference_steps=1, run_on_gpu=False,
                  progress=lambda msg: LOG.info("[bake %s b%d c%d] %s", preset, batch, capacity, msg))
-    return MegakernelDecoder.from_package(baked.path, model=baked.model, device="cuda")
+    return baked.path, MegakernelDecoder.from_package(baked.path, model=baked.model, device="cuda")
 
 
 def _numerics_at(decoder, position: int, steps: int) -> dict:
+    """run_numerics' whole result after a prefill up to ``position`` (less where the steps would not fit)."""
     from megabake.verification import run_numerics
 
     prefill = max(1, min(position, decoder.capacity - steps))
-    result = run_numerics(decoder, prefill=prefill, steps=steps)
+    return run_numerics(decoder, prefill=prefill, steps=steps)
+
+
+def _numerics_summary(result: dict) -> dict:
     summary = result.get("summary") or {}
-    return {"pass": bool(result.get("pass")), "prefill": prefill, "steps": steps,
+    return {"pass": bool(result.get("pass")), "prefill": result.get("prefill"), "steps": result.get("steps"),
             "max_rel_l2_vs_fp32": summary.get("max_rel_l2_vs_fp32"),
             "max_rel_l2_bf16_vs_fp32": summary.get("max_rel_l2_bf16_vs_fp32"),
             "failures": result.get("failures", [])[:3]}
+
+
+def _record_evidence(package_path: Path, numerics: dict, timings: dict, out: Path, name: str,
+                     env: dict | None = None) -> dict:
+    """Write the numerics and the longest context's timings into the package's report.json (status decided as
+    `megabake verify` decides it), keep a flat copy of the report and the package as one archive in ``out``."""
+    from benchmarks.decode import archive_package
+    from megabake.package import read_package, update_report
+    from megabake.verification.env import environment, toolchain
+    from megabake.verification.report import assemble_report, validated
+
+    package = read_package(package_path)
+    report = validated(assemble_report(package.report, numerics=numerics, timings=timings,
+                                       environment=env or environment(), toolchain=toolchain()))
+    update_report(package_path, report)
+    (out / f"{name}-report.json").write_text(json.dumps(report, indent=1) + "\n")
+    archive_package(package_path, out / "packages", out / f"{name}-package.tar.gz")
+    LOG.info("[%s] report %s: %s", name, report["status"], "; ".join(report["status_reasons"][:3]))
+    return report
 
 
 def _timed(decoder, position: int, args) -> dict:

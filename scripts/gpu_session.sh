@@ -62,10 +62,12 @@ if [[ " $PARTS " == *" bench "* ]]; then
     >"$OUT/bench.log" 2>&1
   rc=$?
   mkdir -p "$OUT/bench"
-  cp "$work"/decode.md "$work"/decode.png "$work"/results.json "$work"/decode.log "$OUT/bench"/ 2>/dev/null
+  cp "$work"/decode.md "$work"/decode.png "$work"/results.json "$work"/decode.log "$work"/matrix.md "$OUT/bench"/ \
+    2>/dev/null
+  # matrix mode (--positions): its chart, JSON and per-cell timings travel in the archive too
   (cd "$work" && tar -czf "$OUT/bench/artifacts.tar.gz" --transform 's,^,bench/,' \
-    $(ls *-report.json *-package.tar.gz 2>/dev/null))
-  summary+=("bench: rc=$rc" "$(cat "$work/decode.md" 2>/dev/null)")
+    $(ls -d *-report.json *-package.tar.gz matrix.png matrix.json matrix 2>/dev/null))
+  summary+=("bench: rc=$rc" "$(cat "$work/decode.md" "$work/matrix.md" 2>/dev/null)")
 fi
 if [[ " $PARTS " == *" tune "* ]]; then
   # VARIANTS="default t2u4-pipe ..." limits the sweep (names: python3 scripts/gpu_tune.py --help)

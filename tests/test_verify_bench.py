@@ -223,3 +223,32 @@ def test_matrix_mode_buckets_positions_table_and_chart(bench, tmp_path):
     assert "2.07x" in table.splitlines()[4]  # 1.45 / 0.7
     assert json.loads((tmp_path / "matrix.json").read_text())[1]["position"] == 2027
     assert (tmp_path / "matrix.png").stat().st_size > 1000
+
+
+def test_matrix_mode_writes_its_evidence_into_the_package_and_archives_it(bench, tmp_path):
+    """The long-context bucket baked by matrix mode comes back verified: numerics at the longest context and
+    the timings there go into its report.json (schema-checked, status by verify's rule), one flat archive."""
+    import tarfile
+
+    from benchmarks.matrix import _record_evidence
+    from megabake.baking import bake
+    from megabake.package import read_package
+
+    baked = bake("tiny-llama", out=tmp_path / "packages", run_on_gpu=False, reference_steps=1)
+    timed = _report(0.5)
+    timings = dict(timed["timings"], method=dict(timed["timings"]["method"], prefill=100))
+    numerics = dict(timed["numerics"], prefill=100)
+    env = {"gpu_name": "NVIDIA H200", "gpu_class": baked.path.name.split("-", 3)[3].split("-p")[0], "sm_count": 132,
+           "compute_capability": "9.0", "driver": None, "cuda_runtime": None, "hostname": "test"}
+    report = _record_evidence(baked.path, numerics, timings, tmp_path, "tiny-llama-b1", env=env)
+    assert report["status"] == "verified", report["status_reasons"]
+    assert read_package(baked.path).report["timings"]["method"]["prefill"] == 100
+    assert json.loads((tmp_path / "tiny-llama-b1-report.json").read_text())["numerics"]["prefill"] == 100
+    with tarfile.open(tmp_path / "tiny-llama-b1-package.tar.gz") as tar:
+        tar.extractall(tmp_path / "repo", filter="data")
+    unpacked = read_package(tmp_path / "repo" / "packages" / "megabake--tiny-llama" / "random-seed0" / baked.path.name)
+    assert unpacked.report["status"] == "verified"  # digests check out after the report changed
+
+    failing = dict(numerics, **{"pass": False, "failures": ["step 3: rel-L2 0.9 > 0.1"]})
+    report = _record_evidence(baked.path, failing, timings, tmp_path, "tiny-llama-b1", env=env)
+    assert report["status"] == "failed" and "step 3" in report["status_reasons"][0]

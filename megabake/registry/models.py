@@ -351,7 +351,7 @@ def _package_row(preset: Preset, package, family: tuple[str, str], table_dir: Pa
         ci = f" (95% CI {lb.speedup_ci[0]:.2f}–{lb.speedup_ci[1]:.2f}×)" if lb.speedup_ci else ""
         row.details = (f"{_ms(lb.megabake_ms)} ms/token vs {_ms(lb.baseline_ms)} ms/token {base}: "
                        f"{lb.speedup:.2f}×{ci}; {MEASURE_SHORT.get(lb.measure, lb.measure)}, "
-                       f"batch {lb.batch} · KV {lb.capacity}")
+                       f"batch {lb.batch} · KV {lb.capacity}{_timed_position(report)}")
     elif report["status"] in ("failed", "fallback"):
         row.status = "failed"
         row.label = f"{report['status']} on {gpu}" if gpu else report["status"]
@@ -361,6 +361,12 @@ def _package_row(preset: Preset, package, family: tuple[str, str], table_dir: Pa
     if report["model"].get("config_hash") != preset.config_hash():
         row.details += " (this report was baked from an older config of the preset: re-bake it)"
     return row
+
+
+def _timed_position(report: dict) -> str:
+    """' · from position P' when the report says where its timed calls started (reports since session 11)."""
+    prefill = ((report.get("timings") or {}).get("method") or {}).get("prefill")
+    return f" · from position {prefill}" if prefill is not None else ""
 
 
 def preset_rows(packages_root: str | Path, table_dir: str | Path, families: Iterable[Family] = FAMILIES,

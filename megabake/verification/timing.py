@@ -305,7 +305,7 @@ def assemble_timings(candidates: Sequence[Candidate], results: dict[str, Samples
         "floor_ms": floor_ms(weight_bytes, bandwidth_GBps) if bandwidth_GBps else None,
         "weight_bytes": int(weight_bytes),
         "copy_bandwidth_GBps": bandwidth_GBps,
-        "method": {"samples": settings.samples, "calls_per_sample": settings.inner,
+        "method": {"samples": settings.samples, "calls_per_sample": settings.inner, "prefill": settings.prefill,
                    "warmup_calls": settings.warmup, "order": "alternating", "ci": "bootstrap95-median",
                    "bootstrap_seed": settings.seed},
     }
