@@ -316,7 +316,7 @@ def test_block_disagreement_becomes_a_report_warning():
     assert any(line.startswith("  warning: inductor-graph") for line in summary_lines(report))
 
 
-@pytest.mark.parametrize("preset_name", ["qwen2.5-0.5b", "qwen3-0.6b"])
+@pytest.mark.parametrize("preset_name", ["qwen2.5-0.5b", "qwen3-0.6b", "phi-4-mini"])
 def test_baseline_step_traces_whole_for_every_architecture_we_bake(preset_name):
     """The Inductor baselines compile the HF step with fullgraph=True: a graph break in Qwen2's biases or
     Qwen3's q/k norms would surface only on the GPU, at benchmark time. One layer, a small vocabulary."""
@@ -324,13 +324,41 @@ def test_baseline_step_traces_whole_for_every_architecture_we_bake(preset_name):
 
     torch._dynamo.reset()
     preset = get_preset(preset_name)
-    small = dataclasses.replace(preset, config=dict(preset.config, num_hidden_layers=1, vocab_size=1024))
+    small = dataclasses.replace(preset, config=dict(preset.config, num_hidden_layers=1, vocab_size=1024,
+                                                    pad_token_id=None))
     model = small.build_model()
     ids = teacher_tokens(1, 10, 1024, seed=0)
     step = build_baseline("inductor-reduce-overhead", model, ids[:, :8], 16,
                           compile_kwargs={"fullgraph": True, "backend": "eager"})
     for position in (8, 9):
         ref = eager_reference_logits(model, ids[:, :position], ids[:, position], position, 16)
+        with torch.no_grad():
+            got = step.call(ids[:, position], torch.tensor([position]))
+        assert rel_l2(got.float(), ref) < 1e-5, position
+
+
+def test_long_rope_baseline_pins_the_short_factors_within_the_range_and_refuses_past_it():
+    """Phi-4-mini's long-RoPE branch on the largest position cannot be traced whole (H200, session 11: the
+    inductor-graph baseline of phi-4-mini failed with 'Data-dependent branching'). Within the original range
+    the baseline pins the short factors and matches the unpinned eager model; past it, a clear refusal."""
+    import copy
+    import dataclasses
+
+    from megabake.verification.baselines import BaselineError
+
+    torch._dynamo.reset()
+    preset = get_preset("tiny-phi4")  # original range 128
+    small = dataclasses.replace(preset, config=dict(preset.config, num_hidden_layers=1))
+    model = small.build_model()
+    unpinned = copy.deepcopy(model)
+    ids = teacher_tokens(1, 12, model.config.vocab_size, seed=0)
+    with pytest.raises(BaselineError, match="long-RoPE .* passes it. fix: .* at most 128 slots"):
+        build_baseline("inductor-reduce-overhead", model, ids[:, :8], 256,
+                       compile_kwargs={"fullgraph": True, "backend": "eager"})
+    step = build_baseline("inductor-reduce-overhead", model, ids[:, :8], 128,
+                          compile_kwargs={"fullgraph": True, "backend": "eager"})
+    for position in (8, 9, 10):
+        ref = eager_reference_logits(unpinned, ids[:, :position], ids[:, position], position, 128)
         with torch.no_grad():
             got = step.call(ids[:, position], torch.tensor([position]))
         assert rel_l2(got.float(), ref) < 1e-5, position

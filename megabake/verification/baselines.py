@@ -13,6 +13,12 @@ buffer (clone to keep). Names (``BASELINES``):
   position into those buffers and replays the graph (CUDA only);
 * ``eager``: the uncompiled step (not a default; a sanity point).
 
+Long-RoPE models (Phi-3-128k, Phi-4-mini) choose their frequency factors with a data-dependent branch that
+``fullgraph=True`` cannot trace: within the original range (``capacity <= original_max_position_embeddings``)
+the branch always picks the short factors, so the baselines pin them (``rope_type`` "default", ``inv_freq`` =
+``original_inv_freq``, what transformers' own update sets there; the model computes the same logits, and stays
+pinned). A bucket past that range is refused with the reason (``BaselineError``).
+
 ``compile_kwargs`` replaces the compile options (tests use ``{"backend": "eager"}`` to check on a CPU that
 the step traces with ``fullgraph=True``). ``eager_reference_logits`` gives the eager bf16 logits of the first
 timed call, against which every candidate's first call is checked.
@@ -25,11 +31,15 @@ from typing import Callable
 
 import torch
 
-from ..errors import DeviceError
+from ..errors import DeviceError, MegaBakeError
 from .reference import ReferenceDecoder, model_device
 
 DEFAULT_BASELINES = ("inductor-reduce-overhead", "inductor-graph")
 WARMUP_BEFORE_CAPTURE = 3
+
+
+class BaselineError(MegaBakeError):
+    """A baseline that cannot be built for this model and bucket (the message says why)."""
 
 
 @dataclass
@@ -141,8 +151,25 @@ def build_baseline(name: str, model, prompt_ids, capacity: int, *, compile_kwarg
         builder = BASELINES[name]
     except KeyError:
         raise ValueError(f"unknown baseline {name!r}; known: {', '.join(BASELINES)}") from None
+    if builder is not build_eager:
+        pin_short_rope_factors(model, capacity)
     with torch.no_grad():
         return builder(model, prompt_ids, capacity, compile_kwargs)
+
+
+def pin_short_rope_factors(model, capacity: int) -> None:
+    """Make a long-RoPE model's rotaries plain RoPE over their short factors (see the module doc)."""
+    for name, rotary in model.named_modules():
+        if getattr(rotary, "rope_type", None) != "longrope":
+            continue
+        original = (getattr(rotary.config, "rope_parameters", None) or {}).get("original_max_position_embeddings")
+        if original is None or capacity > int(original):
+            raise BaselineError(
+                f"{type(model).__name__}: long-RoPE ({name or 'rotary'}) switches to its long frequency factors past "
+                f"position {original} by a data-dependent branch that torch.compile(fullgraph=True) cannot trace, and "
+                f"KV capacity {capacity} passes it. fix: time the baselines at a bucket of at most {original} slots")
+        rotary.register_buffer("inv_freq", rotary.original_inv_freq.clone(), persistent=False)
+        rotary.rope_type = "default"
 
 
 @torch.no_grad()
