@@ -1,9 +1,9 @@
 """Compile one decode step: capture -> IR -> rotary tables -> plan -> codegen, in one place.
 
 Contract: ``compile_step(model, batch=, capacity=, ctas=, threads=, tuning=, attention_preload=, split_kv=,
-strict=, clock=) -> CompiledStep`` runs the whole chain on a Hugging Face causal LM for one bucket. The bake
+strict=, clock=, staging=) -> CompiledStep`` runs the whole chain on a Hugging Face causal LM for one bucket. The bake
 (``megabake.baking``), the in-memory bake (``megabake.integrations.bake_decoder``), the GPU scripts and the tests
-all use it, so the chain is spelled once. ``CompiledStep.replan(tuning=, attention_preload=, split_kv=)`` builds
+all use it, so the chain is spelled once. ``CompiledStep.replan(tuning=, attention_preload=, split_kv=, staging=)`` builds
 another plan and module from the same capture and IR (tilings, autotune candidates); ``plan_for`` builds only
 the plan (with the same rotary tables and long-RoPE switch as the first). ``clock(label)`` returns a context
 manager around each phase (the bake's progress lines); the default does nothing. A long-RoPE bucket past the
@@ -39,10 +39,12 @@ class CompiledStep:
     rotary_scaling: float
     rotary_tables: list[tuple[str, float]] | None = None  # several tables (Gemma 3), else None
 
-    def plan_for(self, tuning=None, attention_preload: bool = False, split_kv: bool | None = None) -> Plan:
+    def plan_for(self, tuning=None, attention_preload: bool = False, split_kv: bool | None = None,
+                 staging: str | None = None) -> Plan:
         return build_plan(self.ir, ctas=self.ctas, threads=self.threads, inv_freq_buffer=self.inv_freq_buffer,
                           rotary_scaling=self.rotary_scaling, tuning=tuning, attention_preload=attention_preload,
-                          split_kv=split_kv, rotary_tables=self.rotary_tables, long_rope=self.captured.long_rope)
+                          split_kv=split_kv, rotary_tables=self.rotary_tables, long_rope=self.captured.long_rope,
+                          staging=staging)
 
     def replan(self, **plan_options) -> "CompiledStep":
         plan = self.plan_for(**plan_options)
@@ -55,7 +57,8 @@ def _no_clock(label: str):
 
 def compile_step(model, *, batch: int = 1, capacity: int = 128, ctas: int = 132, threads: int = 256,
                  tuning=None, attention_preload: bool = False, split_kv: bool | None = None, strict: bool = True,
-                 clock: Callable[[str], contextlib.AbstractContextManager] = _no_clock) -> CompiledStep:
+                 clock: Callable[[str], contextlib.AbstractContextManager] = _no_clock,
+                 staging: str | None = None) -> CompiledStep:
     """The whole chain for one bucket (module doc). ``tuning=None`` is the default GEMV tiling."""
     with clock("capture decode step (torch.export, static KV cache)"):
         captured = capture_decode_step(model, batch=batch, capacity=capacity)
@@ -66,7 +69,7 @@ def compile_step(model, *, batch: int = 1, capacity: int = 128, ctas: int = 132,
     with clock("plan stages, tiles, buffers"):
         plan = build_plan(ir, ctas=ctas, threads=threads, inv_freq_buffer=inv_freq, rotary_scaling=scaling,
                           tuning=tuning, attention_preload=attention_preload, split_kv=split_kv,
-                          rotary_tables=several, long_rope=captured.long_rope)
+                          rotary_tables=several, long_rope=captured.long_rope, staging=staging)
     with clock("generate module.py"):
         generated = generate(plan)
     return CompiledStep(model, captured, ir, plan, generated, ctas, threads, inv_freq, scaling, several)

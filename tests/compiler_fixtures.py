@@ -10,9 +10,11 @@ Compiled = CompiledStep  # the tests' name for one bucket's step at every stage
 
 
 def compile_model(model, *, batch: int = 1, capacity: int = 32, ctas: int = 132, threads: int = 256,
-                  tuning=None) -> Compiled:
-    """``tuning=None``: the default GEMV tiling (the streaming ring); ``DEFAULT_TUNING``: the plain tiling."""
-    return compile_step(model, batch=batch, capacity=capacity, ctas=ctas, threads=threads, tuning=tuning)
+                  tuning=None, staging: str | None = None) -> Compiled:
+    """``tuning=None``: the default GEMV tiling (the streaming ring); ``DEFAULT_TUNING``: the plain tiling.
+    ``staging=None``: fp32 GEMV input rows where they fit in shared memory, else bf16."""
+    return compile_step(model, batch=batch, capacity=capacity, ctas=ctas, threads=threads, tuning=tuning,
+                        staging=staging)
 
 
 def compile_preset(name: str, *, layers: int | None = None, vocab: int | None = None, **kwargs) -> Compiled:

@@ -271,6 +271,22 @@ def test_olmo2_post_norm_kernel_matches_reference_executor_at_long_context(batch
     _assert_random_cache_steps_match(compiled, compiled.model, seed=19)
 
 
+@pytest.mark.parametrize("preset,batch,layers", [("tiny-llama", 2, None), ("llama-3.2-1b", 8, 2)])
+def test_bf16_staging_kernel_matches_reference_executor_at_long_context(preset, batch, layers, monkeypatch):
+    """bf16 GEMV input rows in shared memory (the experimental ``bf16_staging``: chosen where fp32 rows do not
+    fit, Llama-3.2-1B at batch 8; forced for tiny-llama b2): kernel vs reference executor (which rounds the
+    staged rows the same way) over a random 1024-slot cache, around the split boundary and at capacity - 1.
+    Written in session 11 without a GPU: not yet run on the H200."""
+    from megabake.runtime import gpu_info
+
+    monkeypatch.setenv("MEGABAKE_EXPERIMENTAL_LAYOUTS", "bf16_staging")
+    vocab = 4096 if layers else None
+    compiled = compile_preset(preset, layers=layers, vocab=vocab, batch=batch, capacity=1024, ctas=gpu_info().sm_count)
+    if compiled.plan.staging_dtype != "bfloat16":
+        compiled = compiled.replan(staging="bfloat16")
+    _assert_random_cache_steps_match(compiled, compiled.model, seed=23)
+
+
 def test_batched_bucket_matches_reference_executor():
     """A batch-3 bucket: every sequence's staging, GEMV accumulators and attention tiles."""
     from megabake.runtime import MegakernelDecoder, gpu_info

@@ -170,7 +170,7 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool = False
         w("swarp = (tidx // 32) * CTAS + cta  # CTA-major tile order of spread GEMV stages", 1)
     w("smem = cutlass.memory.SmemAllocator()", 1)
     w("s_vec = smem.allocate_tensor(", 1)
-    w("Float32, cute.make_layout((BATCH, VEC_WIDTH), stride=(VEC_WIDTH, 1)), byte_alignment=16)", 2)
+    w(f"{_staging_type(plan)}, cute.make_layout((BATCH, VEC_WIDTH), stride=(VEC_WIDTH, 1)), byte_alignment=16)", 2)
     w("s_red = smem.allocate_tensor(Float32, cute.make_layout(RED_SCRATCH), byte_alignment=16)", 1)
     w("s_att = smem.allocate_tensor(Float32, cute.make_layout(ATT_SCRATCH), byte_alignment=16)", 1)
     if _ring_stages(plan)[0]:
@@ -279,9 +279,18 @@ def _header(w: _Writer, plan: Plan, plan_hash: str, arguments: list[str], self_c
     w(f"GEMV_UNROLL = {{{unrolls}}}")
     w("GRID = (CTAS, 1, 1)")
     w("BLOCK = (THREADS, 1, 1)")
-    w(f"SMEM_BYTES = {plan.smem_bytes}  # 4 * (BATCH * VEC_WIDTH + RED_SCRATCH + ATT_SCRATCH) + alignment")
+    if plan.staging_dtype == "float32":
+        w(f"SMEM_BYTES = {plan.smem_bytes}  # 4 * (BATCH * VEC_WIDTH + RED_SCRATCH + ATT_SCRATCH) + alignment")
+    else:
+        w(f"SMEM_BYTES = {plan.smem_bytes}  # 2 * BATCH * VEC_WIDTH (bf16 staging: fp32 rows do not fit) "
+          "+ 4 * (RED_SCRATCH + ATT_SCRATCH) + alignment")
     w("")
     w("")
+
+
+def _staging_type(plan: Plan) -> str:
+    """The CuTe type of the staged GEMV input rows (``plan.staging_dtype``)."""
+    return {"float32": "Float32", "bfloat16": "cutlass.BFloat16"}[plan.staging_dtype]
 
 
 def _entry(plan: Plan, stage: Stage, layer_var, kind: str, name: str) -> dict:

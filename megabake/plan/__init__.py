@@ -35,7 +35,7 @@ from ..errors import PlanError
 from ..ir import Embedding, IRGraph, Linear, RMSNorm, RotaryTable
 from .attention import (ATTN_COUNT, ATTN_PART, SPLIT_KV_MIN_CHUNK, SPLIT_KV_UNROLL,  # noqa: F401
                         attention_tiling, check_attention_preload, kv_splits, split_kv_buffers)
-from .memory import check_shared_memory, smem_bytes, smem_floats  # noqa: F401
+from .memory import STAGING_BYTES, check_shared_memory, smem_bytes, smem_floats, staging_dtype  # noqa: F401
 from .model import (PLAN_VERSION, WARP, Buffer, LayerBinding, ModelDims, PackedWeight, Plan,  # noqa: F401
                     Rotary, Stage, Tiling, plan_from_dict)
 from .recognise import POWER_OF_TWO_HEAD_DIMS, Block, model_dims, recognise_decoder
@@ -53,7 +53,7 @@ def build_plan(ir: IRGraph, *, ctas: int = 132, threads: int = 256, weight_dtype
                rotary_scaling: float = 1.0, inv_freq_buffer: str = "",
                tuning: dict[str, GemvTuning] | None = None, attention_preload: bool = False,
                split_kv: bool | None = None, rotary_tables: list[tuple[str, float]] | None = None,
-               long_rope: dict | None = None) -> Plan:
+               long_rope: dict | None = None, staging: str | None = None) -> Plan:
     """Turn recognised IR into a plan for a grid of ``ctas`` CTAs of ``threads`` threads.
 
     ``rotary_tables`` (``recover_rotary_tables``: (inv_freq fqn, scaling) per RotaryTable op) is needed when the
@@ -70,6 +70,10 @@ def build_plan(ir: IRGraph, *, ctas: int = 132, threads: int = 256, weight_dtype
     the GEMV tiling of named stages (``GEMV_STAGES``) and the rest keep the plain ``DEFAULT_TUNING``.
     ``attention_preload`` loads each lane group's first cached K/V rows before the barrier that precedes
     attention (the attention stage's ``tiling.preload``; one (batch, head) tile per CTA at most).
+
+    ``staging`` ("float32" | "bfloat16", default: fp32 where it fits in shared memory, else bf16) is the dtype of
+    the GEMV input rows each CTA stages on chip (``memory.staging_dtype``); bf16 staging is an experimental
+    feature (``bf16_staging``) until its kernel has run on a GPU.
     """
     if threads % WARP or not 64 <= threads <= 1024:
         raise PlanError(f"threads per CTA must be a multiple of 32 in [64, 1024], got {threads}")
@@ -86,8 +90,9 @@ def build_plan(ir: IRGraph, *, ctas: int = 132, threads: int = 256, weight_dtype
     if dims.whole_qk_norm:
         check_layout_enabled("whole_qk_norm", EXPERIMENTAL_FEATURES["whole_qk_norm"])
     batch, capacity = ir.batch, ir.capacity
+    staging = _staging(dims, batch, capacity, threads, split_kv, staging, attention_preload)
     if tuning is None:
-        tuning = default_tuning(threads, smem_bytes(dims, batch, capacity, threads, split_kv))
+        tuning = default_tuning(threads, smem_bytes(dims, batch, capacity, threads, split_kv, staging))
     tuning = {**DEFAULT_TUNING, **tuning}
     _check_options(dims, tuning, threads, lm_head, split_kv, attention_preload, batch, ctas)
     windows = [block.ops["attention"].window for block in blocks]
@@ -96,8 +101,8 @@ def build_plan(ir: IRGraph, *, ctas: int = 132, threads: int = 256, weight_dtype
     if len(rope_tables) == 1:  # several tables computed, one used (Gemma 3 with only local layers)
         inv_freq_buffer, rotary_scaling = rope_tables[0].inv_freq_buffer, rope_tables[0].attention_scaling
         rope_tables = []
-    check_shared_memory(dims, batch, capacity, threads, split_kv)
-    ring = check_ring(tuning, threads, smem_bytes(dims, batch, capacity, threads, split_kv))
+    check_shared_memory(dims, batch, capacity, threads, split_kv, staging)
+    ring = check_ring(tuning, threads, smem_bytes(dims, batch, capacity, threads, split_kv, staging))
     tied = lm_head.weight == embed.table
     biased = _biased_stages(blocks)
     head_norms = _has_head_norms(blocks)
@@ -105,7 +110,7 @@ def build_plan(ir: IRGraph, *, ctas: int = 132, threads: int = 256, weight_dtype
                      head_norms, attention_preload)
     return Plan(
         version=PLAN_VERSION, dims=dims, batch=batch, capacity=capacity, ctas=ctas, threads=threads,
-        smem_bytes=smem_bytes(dims, batch, capacity, threads, split_kv) + ring, weight_dtype=weight_dtype,
+        smem_bytes=smem_bytes(dims, batch, capacity, threads, split_kv, staging) + ring, weight_dtype=weight_dtype,
         buffers=_buffers(layout, dims, batch, capacity, weight_dtype, tied, max(1, len(rope_tables)))
         + _bias_buffers(dims, biased)
         + _head_norm_buffers(dims, head_norms) + split_kv_buffers(dims, batch, stages) + _window_buffers(dims, windows)
@@ -121,7 +126,26 @@ def build_plan(ir: IRGraph, *, ctas: int = 132, threads: int = 256, weight_dtype
                  "lm_head": _provenance([lm_head])},
         tied_lm_head=tied, layout=layout.name,
         rope_tables=[_with_long_rope(rotary, long_rope, capacity) for rotary in rope_tables],
+        staging_dtype=staging,
     )
+
+
+def _staging(dims: ModelDims, batch: int, capacity: int, threads: int, split_kv: bool, staging: str | None,
+             attention_preload: bool) -> str:
+    """The GEMV input rows' dtype in shared memory (``build_plan``'s ``staging``), checked."""
+    chosen = staging or staging_dtype(dims, batch, capacity, threads, split_kv)
+    if chosen not in STAGING_BYTES:
+        raise PlanError(f"staging dtype {chosen!r} is not one of {sorted(STAGING_BYTES)}")
+    if chosen == "bfloat16":
+        if attention_preload:
+            raise PlanError("attention preload keeps this step's key and value in the fp32 staging rows; it cannot "
+                            "be combined with bf16 staging (a bucket whose fp32 rows do not fit): bake without "
+                            "--attention-preload")
+        need = smem_bytes(dims, batch, capacity, threads, split_kv, "float32")
+        check_layout_enabled("bf16_staging", f"{EXPERIMENTAL_FEATURES['bf16_staging']}: batch {batch} x "
+                             f"{smem_floats(dims, batch, capacity, threads, split_kv)['vec_width']}-wide fp32 rows "
+                             f"need {need} bytes per CTA (a smaller --batch keeps fp32 staging)")
+    return chosen
 
 
 EXPERIMENTAL_LAYOUTS_ENV = "MEGABAKE_EXPERIMENTAL_LAYOUTS"
@@ -130,13 +154,14 @@ GPU_VERIFIED_LAYOUTS = ("pre_norm", "sandwich", "post_norm")  # layouts whose ke
 
 GPU_VERIFIED_FEATURES = ("rope_tables", "whole_qk_norm")  # kernel features (beyond layouts) that passed `pytest -m gpu` on an H200
 EXPERIMENTAL_FEATURES = {"rope_tables": "per-layer rotary tables (Gemma 3: one RoPE base per layer type)",
-                         "whole_qk_norm": "q/k RMSNorm over the whole projection (OLMo-2)"}
+                         "whole_qk_norm": "q/k RMSNorm over the whole projection (OLMo-2)",
+                         "bf16_staging": "GEMV inputs staged in bf16 shared memory because fp32 rows do not fit"}
 
 
 def check_layout_enabled(name: str, what: str | None = None) -> None:
     """A layout (or, with ``what`` describing it, a kernel feature such as ``rope_tables``) whose kernel has not
     yet run on a GPU is baked only when ``MEGABAKE_EXPERIMENTAL_LAYOUTS`` names it (comma- or space-separated).
-    Every layout in ``LAYOUTS`` and every feature in ``EXPERIMENTAL_FEATURES`` today has passed."""
+    Every layout in ``LAYOUTS`` has passed, and every feature in ``GPU_VERIFIED_FEATURES``."""
     if name in GPU_VERIFIED_LAYOUTS or name in GPU_VERIFIED_FEATURES:
         return
     if name in os.environ.get(EXPERIMENTAL_LAYOUTS_ENV, "").replace(",", " ").split():

@@ -162,6 +162,9 @@ class Plan:
     tied_lm_head: bool
     layout: str = "pre_norm"  # megabake.plan.stages.LAYOUTS: pre_norm (Llama) | sandwich (Gemma 2)
     rope_tables: list[Rotary] = field(default_factory=list)  # several tables (Gemma 3); [] = the one ``rotary``
+    # GEMV input rows in shared memory: fp32, or bf16 where fp32 rows do not fit (large batches); only bf16 is
+    # written to plan.json, so fp32 plans keep their bytes and hash
+    staging_dtype: str = "float32"
 
     # -- identity -----------------------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -185,6 +188,8 @@ class Plan:
                     layer.pop(key)
         if not data["rope_tables"]:
             data.pop("rope_tables")
+        if data["staging_dtype"] == "float32":
+            data.pop("staging_dtype")
         for rotary in [data["rotary"], *data.get("rope_tables", [])]:  # long-RoPE fields only when switched
             for key in ("long_inv_freq", "long_from"):
                 if not rotary[key]:

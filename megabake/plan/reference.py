@@ -110,7 +110,7 @@ class ReferenceExecutor:
                 flat[i] = self.w["embed"][tokens[b], h] * self.plan.dims.embed_scale
 
     def _vector(self, vector: VectorInput, layer: int | None) -> torch.Tensor:
-        """A GEMV stage's input rows, as the kernel stages them in shared memory (fp32)."""
+        """A GEMV stage's input rows, as the kernel computes them before staging them in shared memory."""
         source = self.buffers[vector.source]
         if vector.kind in ("rmsnorm", "residual_norm"):
             if vector.kind == "residual_norm":
@@ -140,8 +140,10 @@ class ReferenceExecutor:
         gemv = spec.gemv
         weight = self.w[self.lm_head if gemv.weight == "lm_head" else gemv.weight]
         weight = weight[layer] if spec.per_layer else weight
-        self._gemv(stage, weight, self._vector(spec.vector, layer), self.buffers[gemv.out], gemv.accumulate,
-                   layer=layer)
+        vector = self._vector(spec.vector, layer)
+        if self.plan.staging_dtype == "bfloat16":  # the kernel stages the rows in bf16 (rounded to nearest even)
+            vector = vector.to(torch.bfloat16).float()
+        self._gemv(stage, weight, vector, self.buffers[gemv.out], gemv.accumulate, layer=layer)
         cap = self.plan.dims.final_softcap
         if spec.scope == "epilogue" and cap:
             self.buffers[gemv.out].copy_(cap * torch.tanh(self.buffers[gemv.out] / cap))

@@ -14,6 +14,15 @@ from .common import VEC, WARP
 
 
 # -------------------------------------------------------------------------------------------- GEMV
+def _staged_input(s_vec: cute.Tensor, b: int, kv: Int32):
+    """The kv-th VEC-wide slice of sequence b's staged input row, in fp32 (bf16-staged buckets convert).
+    Plain Python, run while the calling body is traced: the dtype test costs nothing on the device."""
+    xv = cute.zipped_divide(s_vec[b, None], (VEC,))[(None, kv)].load()
+    if s_vec.element_type != Float32:
+        xv = xv.to(Float32)
+    return xv
+
+
 @cute.jit
 def _gemv_chunk(weight: cute.Tensor, s_vec: cute.Tensor, acc: cute.Tensor, tile: Int32, kv: Int32,
                 rows: cutlass.Constexpr[int], batch: cutlass.Constexpr[int], per_tile: cutlass.Constexpr[int]):
@@ -21,7 +30,7 @@ def _gemv_chunk(weight: cute.Tensor, s_vec: cute.Tensor, acc: cute.Tensor, tile:
         row = cutlass.min(tile * per_tile + r, rows - 1)
         w = cute.zipped_divide(weight[row, None], (VEC,))[(None, kv)].load().to(Float32)
         for b in cutlass.range_constexpr(batch):
-            xv = cute.zipped_divide(s_vec[b, None], (VEC,))[(None, kv)].load()
+            xv = _staged_input(s_vec, b, kv)
             acc[r * batch + b] = acc[r * batch + b] + (w * xv).reduce(
                 cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
 
@@ -112,7 +121,7 @@ def _gemv_chunk_pre(pre: cute.Tensor, s_vec: cute.Tensor, acc: cute.Tensor, u: c
     for r in cutlass.range_constexpr(per_tile):
         w = cute.zipped_divide(pre, (VEC,))[(None, r * unroll + u)].load().to(Float32)
         for b in cutlass.range_constexpr(batch):
-            xv = cute.zipped_divide(s_vec[b, None], (VEC,))[(None, kv)].load()
+            xv = _staged_input(s_vec, b, kv)
             acc[r * batch + b] = acc[r * batch + b] + (w * xv).reduce(
                 cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
 
@@ -255,7 +264,7 @@ def _gemv_chunk_ring(ring: cute.Tensor, slot: Int32, s_vec: cute.Tensor, acc: cu
     for r in cutlass.range_constexpr(per_tile):
         w = cute.zipped_divide(ring[slot, r * unroll + u, lane, None], (VEC,))[(None, 0)].load().to(Float32)
         for b in cutlass.range_constexpr(batch):
-            xv = cute.zipped_divide(s_vec[b, None], (VEC,))[(None, kv)].load()
+            xv = _staged_input(s_vec, b, kv)
             acc[r * batch + b] = acc[r * batch + b] + (w * xv).reduce(
                 cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
 

@@ -46,8 +46,18 @@ F32_VEC = 4  # fp32 elements per 16-byte load
 
 @cute.jit
 def _f32_vec(t: cute.Tensor, idx: Int32):
-    """The idx-th 16-byte vector (4 x fp32) view of a contiguous fp32 row."""
+    """The idx-th 4-element vector view of a contiguous row (16 bytes of fp32, 8 of bf16)."""
     return cute.zipped_divide(t, (F32_VEC,))[(None, idx)]
+
+
+def _stage_store(s_vec: cute.Tensor, b: int, idx: Int32, values):
+    """Store 4 fp32 values as the idx-th 4-element vector of sequence b's staged row (converted to the row's
+    dtype: bf16 in buckets whose fp32 rows do not fit in shared memory). Plain Python, run while the calling
+    body is traced."""
+    if s_vec.element_type == Float32:
+        _f32_vec(s_vec[b, None], idx).store(values)
+    else:
+        _f32_vec(s_vec[b, None], idx).store(values.to(s_vec.element_type))
 
 
 @cute.jit
@@ -89,9 +99,9 @@ def rmsnorm_to_smem(x: cute.Tensor, weight: cute.Tensor, s_vec: cute.Tensor, s_r
         for j in cutlass.range_constexpr(slots):
             idx = tidx + j * threads
             if cutlass.const_expr((j + 1) * threads <= nvec):
-                _f32_vec(s_vec[b, None], idx).store(values[b][j] * inv * scales[j])
+                _stage_store(s_vec, b, idx, values[b][j] * inv * scales[j])
             elif idx < nvec:
-                _f32_vec(s_vec[b, None], idx).store(values[b][j] * inv * scales[j])
+                _stage_store(s_vec, b, idx, values[b][j] * inv * scales[j])
     cute.arch.sync_threads()
 
 
@@ -108,9 +118,9 @@ def copy_to_smem(src: cute.Tensor, s_vec: cute.Tensor, tidx: Int32, batch: cutla
         for j in cutlass.range_constexpr(slots):
             idx = tidx + j * threads
             if cutlass.const_expr((j + 1) * threads <= nvec):
-                _f32_vec(s_vec[b, None], idx).store(values[j])
+                _stage_store(s_vec, b, idx, values[j])
             elif idx < nvec:
-                _f32_vec(s_vec[b, None], idx).store(values[j])
+                _stage_store(s_vec, b, idx, values[j])
     cute.arch.sync_threads()
 
 
@@ -132,9 +142,9 @@ def silu_mul_to_smem(gate_up: cute.Tensor, s_vec: cute.Tensor, tidx: Int32, batc
             g = gates[j]
             act = g / (1.0 + cute.math.exp(-g)) * ups[j]
             if cutlass.const_expr((j + 1) * threads <= nvec):
-                _f32_vec(s_vec[b, None], idx).store(act)
+                _stage_store(s_vec, b, idx, act)
             elif idx < nvec:
-                _f32_vec(s_vec[b, None], idx).store(act)
+                _stage_store(s_vec, b, idx, act)
     cute.arch.sync_threads()
 
 
@@ -165,9 +175,9 @@ def gelu_mul_to_smem(gate_up: cute.Tensor, s_vec: cute.Tensor, tidx: Int32, batc
             else:
                 act = 0.5 * g * (1.0 + cute.math.erf(g * INV_SQRT2)) * ups[j]
             if cutlass.const_expr((j + 1) * threads <= nvec):
-                _f32_vec(s_vec[b, None], idx).store(act)
+                _stage_store(s_vec, b, idx, act)
             elif idx < nvec:
-                _f32_vec(s_vec[b, None], idx).store(act)
+                _stage_store(s_vec, b, idx, act)
     cute.arch.sync_threads()
 
 
@@ -252,12 +262,12 @@ def residual_norm_to_smem(x: cute.Tensor, delta: cute.Tensor, post_weight: cute.
             if cutlass.const_expr(normalize):
                 staged = residuals[b][j] * inv * _f32_vec(pre_weight, cutlass.min(idx, nvec - 1)).load()
             if cutlass.const_expr((j + 1) * threads <= nvec):
-                _f32_vec(s_vec[b, None], idx).store(staged)
+                _stage_store(s_vec, b, idx, staged)
                 if cutlass.const_expr(write_back):
                     if cta == 0:
                         _f32_vec(out[b, None], idx).store(residuals[b][j])
             elif idx < nvec:
-                _f32_vec(s_vec[b, None], idx).store(staged)
+                _stage_store(s_vec, b, idx, staged)
                 if cutlass.const_expr(write_back):
                     if cta == 0:
                         _f32_vec(out[b, None], idx).store(residuals[b][j])

@@ -261,8 +261,18 @@ F32_VEC = 4  # fp32 elements per 16-byte load
 
 @cute.jit
 def _f32_vec(t: cute.Tensor, idx: Int32):
-    """The idx-th 16-byte vector (4 x fp32) view of a contiguous fp32 row."""
+    """The idx-th 4-element vector view of a contiguous row (16 bytes of fp32, 8 of bf16)."""
     return cute.zipped_divide(t, (F32_VEC,))[(None, idx)]
+
+
+def _stage_store(s_vec: cute.Tensor, b: int, idx: Int32, values):
+    """Store 4 fp32 values as the idx-th 4-element vector of sequence b's staged row (converted to the row's
+    dtype: bf16 in buckets whose fp32 rows do not fit in shared memory). Plain Python, run while the calling
+    body is traced."""
+    if s_vec.element_type == Float32:
+        _f32_vec(s_vec[b, None], idx).store(values)
+    else:
+        _f32_vec(s_vec[b, None], idx).store(values.to(s_vec.element_type))
 
 
 @cute.jit
@@ -304,9 +314,9 @@ def rmsnorm_to_smem(x: cute.Tensor, weight: cute.Tensor, s_vec: cute.Tensor, s_r
         for j in cutlass.range_constexpr(slots):
             idx = tidx + j * threads
             if cutlass.const_expr((j + 1) * threads <= nvec):
-                _f32_vec(s_vec[b, None], idx).store(values[b][j] * inv * scales[j])
+                _stage_store(s_vec, b, idx, values[b][j] * inv * scales[j])
             elif idx < nvec:
-                _f32_vec(s_vec[b, None], idx).store(values[b][j] * inv * scales[j])
+                _stage_store(s_vec, b, idx, values[b][j] * inv * scales[j])
     cute.arch.sync_threads()
 
 
@@ -323,9 +333,9 @@ def copy_to_smem(src: cute.Tensor, s_vec: cute.Tensor, tidx: Int32, batch: cutla
         for j in cutlass.range_constexpr(slots):
             idx = tidx + j * threads
             if cutlass.const_expr((j + 1) * threads <= nvec):
-                _f32_vec(s_vec[b, None], idx).store(values[j])
+                _stage_store(s_vec, b, idx, values[j])
             elif idx < nvec:
-                _f32_vec(s_vec[b, None], idx).store(values[j])
+                _stage_store(s_vec, b, idx, values[j])
     cute.arch.sync_threads()
 
 
@@ -347,10 +357,20 @@ def silu_mul_to_smem(gate_up: cute.Tensor, s_vec: cute.Tensor, tidx: Int32, batc
             g = gates[j]
             act = g / (1.0 + cute.math.exp(-g)) * ups[j]
             if cutlass.const_expr((j + 1) * threads <= nvec):
-                _f32_vec(s_vec[b, None], idx).store(act)
+                _stage_store(s_vec, b, idx, act)
             elif idx < nvec:
-                _f32_vec(s_vec[b, None], idx).store(act)
+                _stage_store(s_vec, b, idx, act)
     cute.arch.sync_threads()
+
+
+# -------------------------------------------------------------------------------------------- GEMV
+def _staged_input(s_vec: cute.Tensor, b: int, kv: Int32):
+    """The kv-th VEC-wide slice of sequence b's staged input row, in fp32 (bf16-staged buckets convert).
+    Plain Python, run while the calling body is traced: the dtype test costs nothing on the device."""
+    xv = cute.zipped_divide(s_vec[b, None], (VEC,))[(None, kv)].load()
+    if s_vec.element_type != Float32:
+        xv = xv.to(Float32)
+    return xv
 
 
 @cute.jit
@@ -406,7 +426,7 @@ def _gemv_chunk_ring(ring: cute.Tensor, slot: Int32, s_vec: cute.Tensor, acc: cu
     for r in cutlass.range_constexpr(per_tile):
         w = cute.zipped_divide(ring[slot, r * unroll + u, lane, None], (VEC,))[(None, 0)].load().to(Float32)
         for b in cutlass.range_constexpr(batch):
-            xv = cute.zipped_divide(s_vec[b, None], (VEC,))[(None, kv)].load()
+            xv = _staged_input(s_vec, b, kv)
             acc[r * batch + b] = acc[r * batch + b] + (w * xv).reduce(
                 cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
 
