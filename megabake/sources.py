@@ -232,7 +232,8 @@ def load_local(info: dict, path: str | os.PathLike | None = None) -> torch.nn.Mo
     where = Path(path or info["path"]).expanduser()
     if not where.exists():
         raise MegaBakeError(f"the package was baked from the local {info['kind']} {info['path']}, which is not on "
-                            "this machine: pass its copy (MegakernelDecoder.from_package(..., model_path=PATH))")
+                            "this machine: pass its copy (MegakernelDecoder.from_package(..., model_path=PATH) or "
+                            "megabake.load_from_hub(..., model_path=PATH))")
     files = [where] if info["kind"] == "gguf" else folder_weight_files(where)
     digest = content_digest(files)
     if digest != info["sha256"]:

@@ -191,7 +191,6 @@ CASES = [
     C("run-bad-repo-id", USAGE, "run", "no/such/model", "--prompt-ids", "1"),
     C("run-revision-local", USAGE, "run", "<pkg>", "--prompt-ids", "1", "--revision", "main"),
     C("run-model-path-preset", USAGE, "run", "<pkg>", "--prompt-ids", "1", "--model-path", "<tmp>"),
-    C("run-model-path-repo", USAGE, "run", "acme/x", "--prompt-ids", "1", "--model-path", "<tmp>"),
     C("run-endpoint", USAGE, "run", "acme/x", "--prompt-ids", "1", "--endpoint", "ftp://hub"),
     C("run-tampered", FAILED, "run", "<tampered>", "--prompt-ids", "1"),
     C("unknown-command", USAGE, "nosuch"),

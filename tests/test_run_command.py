@@ -323,11 +323,13 @@ def test_hub_repo_runs_the_published_package(published, tiny):
     assert pinned.exit_code == 0 and ids_of(pinned.stdout) == expected, pinned.output
 
 
-def test_hub_repo_options(published):
-    result = run(REPO, "--prompt-ids", "1", "--model-path", ".", "--endpoint", published.url)
+def test_hub_repo_options(published, tiny):
+    hub = ("--endpoint", published.url, "--token", TOKEN, "--allow-unverified", "--trust-remote-code", "--device", "cpu")
+    result = run(REPO, "--prompt-ids", "1", "--model-path", tiny[0], *hub)
     assert result.exit_code == EXIT_USAGE, result.output
-    assert f"--model-path applies to a local package folder, and {REPO} is a Hub repo: drop --model-path" \
-        in result.stderr
+    assert result.stderr == (f"error: --model-path applies to packages baked from a local model folder or .gguf file, "
+                             f"and {REPO}'s package {tiny[0].name} was baked from megabake/tiny-llama@random-seed0: "
+                             "drop --model-path\n")
     result = run(REPO, "--prompt-ids", "1", "--endpoint", "ftp://hub")
     assert result.exit_code == EXIT_USAGE and "--endpoint 'ftp://hub' is not an http(s) URL" in result.stderr
 
@@ -394,3 +396,41 @@ def test_real_weights_chat_answer(tmp_path_factory):
     assert result.stdout == tokenizer.decode(new, skip_special_tokens=True) + "\n"
     assert "Paris" in result.stdout
     assert STATS.search(result.stderr) and "prefill: 37 tokens" in result.stderr, result.stderr
+
+
+def test_hub_package_baked_from_a_local_folder_reads_its_model_at_model_path(hub_server, folder, tmp_path,
+                                                                               monkeypatch):
+    """A package baked from a local model folder, published, then run from the Hub on a machine where that
+    folder is elsewhere: without --model-path the error names the folder and the fix; with it (a copy holding a
+    tokenizer) the text is the same as from the package folder. load_from_hub takes model_path likewise."""
+    from huggingface_hub import constants
+
+    from megabake.hub import load_from_hub, publish
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    path, copies = folder
+    repo = "acme/local-model-megabake"
+    publish([path], repo, endpoint=hub_server.url, token=TOKEN, allow_unverified=True)
+    hub = ("--endpoint", hub_server.url, "--token", TOKEN, "--allow-unverified", "--trust-remote-code",
+           "--device", "cpu")
+    model = path.parents[3] / "model"
+    moved = model.with_name("model-elsewhere")
+    model.rename(moved)
+    try:
+        missing = run(repo, "--prompt", PROMPT_WORDS, *hub)
+        with pytest.raises(Exception, match=r"not on this machine: pass its copy .*load_from_hub\(\.\.\., "
+                                            r"model_path=PATH\)"):
+            load_from_hub(repo, endpoint=hub_server.url, token=TOKEN, allow_unverified=True, trust_remote_code=True,
+                          device="cpu")
+        decoder = load_from_hub(repo, endpoint=hub_server.url, token=TOKEN, allow_unverified=True,
+                                trust_remote_code=True, device="cpu", model_path=copies["plain"])
+        result = run(repo, "--prompt", PROMPT_WORDS, "--model-path", copies["plain"], "--max-new-tokens", 6, *hub)
+    finally:
+        moved.rename(model)
+    assert missing.exit_code == EXIT_FAILED and missing.stderr == (
+        f"error: the package was baked from the local folder {model}, which is not on this machine: pass its copy "
+        "with --model-path PATH\n"), missing.stderr
+    assert decoder.report["model"]["local"]["kind"] == "folder"
+    assert result.exit_code == 0, result.output
+    text, _ = _expected_text(path, copies["plain"], PROMPT_IDS, max_new_tokens=6)
+    assert result.stdout == text + "\n"

@@ -8,7 +8,10 @@ report + manifest files), picks the package for the GPU class and the smallest b
 ``hf_hub_download`` (the standard HF cache, so ``HF_HUB_OFFLINE=1`` works from it), and verifies digests, schemas
 and that the package is the one the index names. ``load_from_hub`` then refuses to import ``module.py`` unless
 ``trust_remote_code=True`` or the caller pinned the 40-hex commit as ``revision``, and returns
-``megabake.runtime.MegakernelDecoder.from_package(path, device=device)``.
+``megabake.runtime.MegakernelDecoder.from_package(path, device=device, model_path=model_path)``: a package baked
+from a local model folder or .gguf file rebuilds its model from there, or from its copy at ``model_path`` (its
+weights' sha256 must match the report); ``model_path`` for a package of a preset or a Hub model raises
+``InputError`` before anything is imported.
 
 With ``lockfile=PATH`` (a lock written by ``megabake lock``, :mod:`megabake.hub.lock`) nothing is resolved or
 selected: the repo's entry names the commit, the package folder and the sha256 of its ``manifest.json``; exactly
@@ -37,6 +40,7 @@ from huggingface_hub import HfApi, constants, hf_hub_download, snapshot_download
 from huggingface_hub.errors import EntryNotFoundError
 from huggingface_hub.file_download import _CACHED_NO_EXIST
 
+from megabake.errors import InputError
 from megabake.hub.errors import HubError, LockFileError, NoMatchingPackageError, UntrustedCodeError, hub_io, is_absent
 from megabake.hub.lock import locked_entry, read_lock
 from megabake.hub.publish import INDEX_PATH
@@ -307,14 +311,16 @@ def load_from_hub(repo_id: str, revision: str | None = None, *, model_revision: 
                   bucket: Any = None, device: Any = None, trust_remote_code: bool = False,
                   model_id: str | None = None, gpu_class: str | None = None, allow_unverified: bool = False,
                   cache_dir: str | Path | None = None, endpoint: str | None = None, token: str | bool | None = None,
-                  local_files_only: bool = False, force_download: bool = False, lockfile: str | Path | None = None):
+                  local_files_only: bool = False, force_download: bool = False, lockfile: str | Path | None = None,
+                  model_path: str | Path | None = None):
     """Return the runnable decoder of the best published package for this device (see the module docstring).
 
     ``revision``: a branch, tag or commit (default "main"). ``bucket``: None (batch 1, smallest capacity), a KV
     capacity, ``(batch, capacity)``, ``"b1-c512"`` or a variant name. ``device``: None (CUDA if available, else
     CPU), ``"cpu"`` (CPU reference executor: any GPU class fits) or a CUDA device (its GPU class must match).
     ``gpu_class`` overrides the detected class. ``lockfile``: load exactly the package a ``megabake lock`` file
-    pins for ``repo_id`` (its commit and manifest digest).
+    pins for ``repo_id`` (its commit and manifest digest). ``model_path``: where the local model folder or .gguf
+    file the package was baked from lies on this machine (packages baked from local weights only).
     """
     device = _device(device)
     detected = None if gpu_class else _device_gpu_class(device)
@@ -333,13 +339,23 @@ def load_from_hub(repo_id: str, revision: str | None = None, *, model_revision: 
             request = dataclasses.replace(request, gpu_class=detected)
         fetched = _fetch(repo_id, revision, request, allow_unverified, cache_dir, endpoint, token, local_files_only,
                          force_download)
+    check_model_path(fetched, model_path)
     check_trust(fetched, trust_remote_code)
     try:
         from megabake.runtime import MegakernelDecoder
     except ImportError as exc:
         raise HubError(f"megabake.runtime.MegakernelDecoder is unavailable ({exc}); the package was fetched and "
                        f"verified at {fetched.path}. fix: install megabake completely (pip install -e .)") from exc
-    return MegakernelDecoder.from_package(fetched.path, device=device)
+    return MegakernelDecoder.from_package(fetched.path, device=device, model_path=model_path)
+
+
+def check_model_path(fetched: FetchedPackage, model_path: str | Path | None) -> None:
+    """``model_path`` names local weights: only a package baked from a local folder or .gguf file reads them."""
+    model = fetched.package.report["model"]
+    if model_path is not None and not model.get("local"):
+        raise InputError(f"model_path applies to packages baked from a local model folder or .gguf file, and "
+                         f"{fetched.repo_id}'s package {fetched.entry['variant']} was baked from "
+                         f"{model['id']}@{model['revision']}: drop model_path")
 
 
 def _check_device_class(variant: str, detected: str | None, device: str, source: str) -> None:

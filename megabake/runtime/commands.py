@@ -131,8 +131,9 @@ class Target:
 @click.option("--device", default="auto", show_default=True,
               help="auto (the megakernel on a Hopper GPU, else the CPU reference executor), cpu, cuda or cuda:N.")
 @click.option("--model-path", default=None, type=click.Path(exists=True, path_type=Path),
-              help="Where the local model folder or .gguf file a local package was baked from lies now, when it "
-                   "moved (its weights must still match the package's sha256); its tokenizer is read there too.")
+              help="Where the local model folder or .gguf file the package (a folder, or REPO's) was baked from "
+                   "lies on this machine, when it is not where it was baked (its weights must still match the "
+                   "package's sha256); its tokenizer is read there too.")
 @click.option("--revision", default=None, help="REPO only: branch, tag or commit to load (default main). A "
                                                "40-hex commit is trusted without --trust-remote-code.")
 @click.option("--capacity", default=None, type=click.IntRange(2, MAX_CAPACITY),
@@ -265,10 +266,7 @@ def open_target(name: str, hub: HubOptions, device: str, model_path: Path | None
                              f"a local package folder: drop {'it' if one else 'them'}")
         target = open_local(name)
     else:
-        if model_path is not None:
-            raise InputError(f"--model-path applies to a local package folder, and {name} is a Hub repo: drop "
-                             "--model-path")
-        target = open_hub(name, hub, device)
+        target = open_hub(name, hub, device, model_path)
     check_target(target, model_path)
     return target
 
@@ -308,9 +306,9 @@ def read_plan(path: Path, name: str):
                             "the package with `megabake bake`") from None
 
 
-def open_hub(repo: str, hub: HubOptions, device: str) -> Target:
+def open_hub(repo: str, hub: HubOptions, device: str, model_path: Path | None) -> Target:
+    """The repo's best package, bound (its model read from ``model_path`` when it was baked from local weights)."""
     from megabake.hub import load_from_hub
-    from megabake.hub.errors import HubError
 
     check_repo_id(repo, "REPO")
     if hub.endpoint:
@@ -318,19 +316,23 @@ def open_hub(repo: str, hub: HubOptions, device: str) -> Target:
     try:
         decoder = load_from_hub(repo, hub.revision or "main", bucket=hub.capacity, device=device,
                                 trust_remote_code=hub.trust_remote_code, allow_unverified=hub.allow_unverified,
-                                endpoint=hub.endpoint, token=hub.token)
-    except HubError as exc:
+                                endpoint=hub.endpoint, token=hub.token, model_path=model_path)
+    except MegaBakeError as exc:
         raise with_cli_words(exc) from None
     return Target(repo, decoder.report, decoder=decoder)
 
 
 _CLI_WORDS = ((r"\btrust_remote_code=True\b", "--trust-remote-code"),
               (r"\ballow_unverified=True\b", "--allow-unverified"),
-              (r"\brevision='([0-9a-f]{40})'", r"--revision \1"))
+              (r"\brevision='([0-9a-f]{40})'", r"--revision \1"),
+              (r"\(MegakernelDecoder\.from_package\(\.\.\., model_path=PATH\) or megabake\.load_from_hub\(\.\.\., "
+               r"model_path=PATH\)\)", "with --model-path PATH"),
+              (r"\bmodel_path\b", "--model-path"))
 
 
 def with_cli_words(exc: MegaBakeError) -> MegaBakeError:
-    """The Hub layer's message with its Python keyword arguments named as this command's options."""
+    """The Hub layer's (or the model loader's) message with its Python keyword arguments named as this command's
+    options."""
     message = str(exc)
     for pattern, replacement in _CLI_WORDS:
         message = re.sub(pattern, replacement, message)
