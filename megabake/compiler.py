@@ -1,10 +1,10 @@
 """Compile one decode step: capture -> IR -> rotary tables -> plan -> codegen, in one place.
 
 Contract: ``compile_step(model, batch=, capacity=, ctas=, threads=, tuning=, attention_preload=, split_kv=,
-strict=, clock=, staging=) -> CompiledStep`` runs the whole chain on a Hugging Face causal LM for one bucket. The bake
-(``megabake.baking``), the in-memory bake (``megabake.integrations.bake_decoder``), the GPU scripts and the tests
-all use it, so the chain is spelled once. ``CompiledStep.replan(tuning=, attention_preload=, split_kv=, staging=)`` builds
-another plan and module from the same capture and IR (tilings, autotune candidates); ``plan_for`` builds only
+strict=, clock=, staging=) -> CompiledStep`` runs the whole chain on a Hugging Face causal LM for one bucket. The
+bake (``megabake.baking``), the in-memory bake (``megabake.integrations.bake_decoder``), the GPU scripts and the
+tests all use it, so the chain is spelled once. ``CompiledStep.replan(tuning=, attention_preload=, split_kv=,
+staging=)`` builds another plan and module from the same capture and IR (tilings, autotune candidates); ``plan_for`` builds only
 the plan (with the same rotary tables and long-RoPE switch as the first). ``clock(label)`` returns a context
 manager around each phase (the bake's progress lines); the default does nothing. A long-RoPE bucket past the
 model's original range gets the capture's ``long_rope`` (the long factors and the switch position) into the
