@@ -70,10 +70,11 @@ def test_lock_then_load_gives_the_locked_package(hub_server, published, tmp_path
     from megabake.runtime import MegakernelDecoder
 
     monkeypatch.setattr(MegakernelDecoder, "from_package",
-                        classmethod(lambda cls, path, device=None: ("decoder", Path(path), device)))
+                        classmethod(lambda cls, path, device=None, model_path=None:
+                                    ("decoder", Path(path), device, model_path)))
     decoder = load_from_hub(REPO, device="cpu", lockfile=out, endpoint=hub_server.url, token=TOKEN,
                             cache_dir=tmp_path / "cache")  # a lock pins a commit: trusted without the flag
-    assert decoder == ("decoder", fetched.path, "cpu")
+    assert decoder == ("decoder", fetched.path, "cpu", None)
 
 
 def test_the_lock_pins_the_commit_not_the_branch(hub_server, published, tmp_path):
