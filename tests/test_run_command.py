@@ -324,7 +324,8 @@ def test_hub_repo_runs_the_published_package(published, tiny):
 
 
 def test_hub_repo_options(published, tiny):
-    hub = ("--endpoint", published.url, "--token", TOKEN, "--allow-unverified", "--trust-remote-code", "--device", "cpu")
+    hub = ("--endpoint", published.url, "--token", TOKEN, "--allow-unverified", "--trust-remote-code",
+           "--device", "cpu")
     result = run(REPO, "--prompt-ids", "1", "--model-path", tiny[0], *hub)
     assert result.exit_code == EXIT_USAGE, result.output
     assert result.stderr == (f"error: --model-path applies to packages baked from a local model folder or .gguf file, "
