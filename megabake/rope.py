@@ -10,6 +10,9 @@ fp32 frequencies are also what a user's eager bf16 model computes with.
 * ``exact_inv_freq(model, fqn)``: the fp32 frequencies behind buffer ``fqn``, recomputed from the rotary
   module's config when the buffer was rounded (kept only when they round to the buffer), on the CPU.
 * ``exact_rotary_buffers(model)``: ``{fqn: fp32 tensor}`` for every rotary buffer of ``model``.
+* ``long_rope_rotaries(model)``: ``[(name, module)]`` of its long-RoPE rotaries (Phi-3-128k, Phi-4-mini), and
+  ``use_short_factors(rotary)``: make one plain RoPE over its short factors (``inv_freq`` = ``original_inv_freq``,
+  ``rope_type`` "default"), what transformers' own update picks within ``original_max_position_embeddings``.
 * ``cast_model(model, dtype=..., device=...)``: ``model.to(...)`` in place, then every rotary buffer restored
   to its exact fp32 value on the model's device. Every path that casts a model (runtime binding, prefill,
   verification references, autotune, baselines) goes through it.
@@ -60,6 +63,15 @@ def restore_rotary_buffers(model, exact: dict[str, torch.Tensor]) -> None:
         owner = model.get_submodule(owner_name) if owner_name else model
         device = owner._buffers[leaf].device
         owner._buffers[leaf] = values.to(device=device, dtype=torch.float32).clone()
+
+
+def long_rope_rotaries(model) -> list[tuple[str, torch.nn.Module]]:
+    return [(name, m) for name, m in model.named_modules() if getattr(m, "rope_type", None) == "longrope"]
+
+
+def use_short_factors(rotary) -> None:
+    rotary.register_buffer("inv_freq", rotary.original_inv_freq.clone(), persistent=False)
+    rotary.rope_type = "default"
 
 
 def cast_model(model, *, dtype: torch.dtype | None = None, device=None):

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import MegaBakeError, UnsupportedGraphError
+from ..rope import long_rope_rotaries, use_short_factors
 
 _WRAPPER_PREFIX = "model."  # the executorch wrapper holds the HF model as attribute "model"
 
@@ -151,7 +152,7 @@ def _long_rope_as_short_factors(model, capacity: int):
     the short ones (``original_inv_freq``; the model's ``inv_freq`` is set to them, as transformers' own update
     does within the range). Yields ``{inv_freq fqn: (long inv_freq, switch position)}`` for the rotaries whose
     original range the bucket passes (``capacity > original_max_position_embeddings``), else ``{}``."""
-    rotaries = [(name, m) for name, m in model.named_modules() if getattr(m, "rope_type", None) == "longrope"]
+    rotaries = long_rope_rotaries(model)
     long_rope: dict[str, tuple[torch.Tensor, int]] = {}
     for name, rotary in rotaries:
         original = (getattr(rotary.config, "rope_parameters", None) or {}).get("original_max_position_embeddings")
@@ -163,8 +164,7 @@ def _long_rope_as_short_factors(model, capacity: int):
         if capacity > int(original):
             long_rope[f"{name}.inv_freq" if name else "inv_freq"] = (_long_inv_freq(rotary, int(original)),
                                                                      int(original))
-        rotary.register_buffer("inv_freq", rotary.original_inv_freq.clone(), persistent=False)
-        rotary.rope_type = "default"
+        use_short_factors(rotary)
     try:
         yield long_rope
     finally:

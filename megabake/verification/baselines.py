@@ -32,6 +32,7 @@ from typing import Callable
 import torch
 
 from ..errors import DeviceError, MegaBakeError
+from ..rope import long_rope_rotaries, use_short_factors
 from .reference import ReferenceDecoder, model_device
 
 DEFAULT_BASELINES = ("inductor-reduce-overhead", "inductor-graph")
@@ -159,17 +160,14 @@ def build_baseline(name: str, model, prompt_ids, capacity: int, *, compile_kwarg
 
 def pin_short_rope_factors(model, capacity: int) -> None:
     """Make a long-RoPE model's rotaries plain RoPE over their short factors (see the module doc)."""
-    for name, rotary in model.named_modules():
-        if getattr(rotary, "rope_type", None) != "longrope":
-            continue
+    for name, rotary in long_rope_rotaries(model):
         original = (getattr(rotary.config, "rope_parameters", None) or {}).get("original_max_position_embeddings")
         if original is None or capacity > int(original):
             raise BaselineError(
                 f"{type(model).__name__}: long-RoPE ({name or 'rotary'}) switches to its long frequency factors past "
                 f"position {original} by a data-dependent branch that torch.compile(fullgraph=True) cannot trace, and "
                 f"KV capacity {capacity} passes it. fix: time the baselines at a bucket of at most {original} slots")
-        rotary.register_buffer("inv_freq", rotary.original_inv_freq.clone(), persistent=False)
-        rotary.rope_type = "default"
+        use_short_factors(rotary)
 
 
 @torch.no_grad()
