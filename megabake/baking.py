@@ -14,6 +14,7 @@ reason. Progress goes to ``progress(msg)``.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import time
 from dataclasses import dataclass, field
@@ -206,9 +207,26 @@ def _json(obj) -> str:
     return json.dumps(obj, indent=1, sort_keys=True) + "\n"
 
 
+@contextlib.contextmanager
+def rounded_linear_inputs(model, enabled: bool = True):
+    """While open, every ``nn.Linear`` of ``model`` sees its input rounded to bf16: the fp32 model that a
+    bf16-staged plan computes (its GEMVs multiply bf16 input rows; ``plan.staging_dtype``)."""
+    def round_input(module, args):
+        return (args[0].to(torch.bfloat16).float(),)
+
+    hooks = [m.register_forward_pre_hook(round_input) for m in model.modules()
+             if enabled and isinstance(m, torch.nn.Linear)]
+    try:
+        yield model
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
 @torch.no_grad()
 def reference_check(plan, model, *, steps: int = 4, seed: int = 0) -> dict:
-    """Run the plan's reference executor and the eager fp32 HF model on the same random tokens."""
+    """Run the plan's reference executor and the eager fp32 HF model on the same random tokens (for a
+    bf16-staged plan, the fp32 model with bf16-rounded linear inputs, which is what such a plan computes)."""
     from .capture import full_length_static_cache
     from .plan.reference import reference_executor_for
 
@@ -222,8 +240,9 @@ def reference_check(plan, model, *, steps: int = 4, seed: int = 0) -> dict:
     tokens = torch.randint(0, plan.dims.vocab, (plan.batch, steps), generator=generator)
     worst_abs, worst_rel = 0.0, 0.0
     for position in range(steps):
-        expected = fp32(tokens[:, position:position + 1], past_key_values=cache, use_cache=True,
-                        cache_position=torch.tensor([position])).logits[:, -1]
+        with rounded_linear_inputs(fp32, enabled=plan.staging_dtype == "bfloat16"):
+            expected = fp32(tokens[:, position:position + 1], past_key_values=cache, use_cache=True,
+                            cache_position=torch.tensor([position])).logits[:, -1]
         got = executor.step(tokens[:, position], position)
         worst_abs = max(worst_abs, float((got - expected).abs().max()))
         worst_rel = max(worst_rel, float((got - expected).norm() / expected.norm()))

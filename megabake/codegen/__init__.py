@@ -173,6 +173,10 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool = False
     w(f"{_staging_type(plan)}, cute.make_layout((BATCH, VEC_WIDTH), stride=(VEC_WIDTH, 1)), byte_alignment=16)", 2)
     w("s_red = smem.allocate_tensor(Float32, cute.make_layout(RED_SCRATCH), byte_alignment=16)", 1)
     w("s_att = smem.allocate_tensor(Float32, cute.make_layout(ATT_SCRATCH), byte_alignment=16)", 1)
+    if any(s.tiling.mma > 1 for s in plan.stages):
+        w("# where the split tensor-core GEMV's partial sums meet: [warp, sequence, row of the 8-row tile]", 1)
+        w("s_part = smem.allocate_tensor(Float32, cute.make_layout((WARPS, 8, 8), stride=(64, 8, 1)), "
+          "byte_alignment=16)", 1)
     if _ring_stages(plan)[0]:
         w("# per-warp cp.async rings of the streamed GEMV stages", 1)
         w("s_ring = smem.allocate_tensor(", 1)
@@ -277,6 +281,10 @@ def _header(w: _Writer, plan: Plan, plan_hash: str, arguments: list[str], self_c
     w("# 16-byte loads in flight per lane and row")
     unrolls = ", ".join(f"{s.name!r}: {s.tiling.unroll}" for s in plan.stages if s.tiling.kind == "rows")
     w(f"GEMV_UNROLL = {{{unrolls}}}")
+    splits_mma = ", ".join(f"{s.name!r}: {s.tiling.mma}" for s in plan.stages if s.tiling.mma)
+    if splits_mma:
+        w("# tensor-core GEMV stages: warps of a CTA that share one 8-row tile (each reduces a slice of K)")
+        w(f"MMA_SPLIT = {{{splits_mma}}}")
     w("GRID = (CTAS, 1, 1)")
     w("BLOCK = (THREADS, 1, 1)")
     if plan.staging_dtype == "float32":
@@ -323,6 +331,11 @@ def _stage(w: _Writer, plan: Plan, stage: Stage, indent: int, layer_var) -> None
 
 
 def _gemv(weight: str, out: str, rows: str, cols: str, stage: Stage, accumulate: bool, bias: str | None = None) -> str:
+    if stage.tiling.mma:
+        bias_arg = f"{bias}[layer, None]" if bias else out  # out: an unused stand-in when there is no bias
+        part = "s_part" if stage.tiling.mma > 1 else "s_att"  # s_att: an unused stand-in when nothing splits
+        return (f"bodies.gemv_rows_mma({weight}, {bias_arg}, s_vec, {part}, {out}, cta, tidx, CTAS, WARPS, {rows}, "
+                f"{cols}, BATCH, MMA_SPLIT[{stage.name!r}], {accumulate}, GEMV_UNROLL[{stage.name!r}], {bool(bias)})")
     args = (f"{out}, {_warp_index(stage)}, lane, TOTAL_WARPS, {rows}, {cols}, BATCH, ROWS_PER_TILE[{stage.name!r}], "
             f"{accumulate}, GEMV_UNROLL[{stage.name!r}]")
     bias_arg = f"{bias}[layer, None]" if bias else out  # out: an unused stand-in when there is no bias
@@ -472,6 +485,8 @@ def _ring_stages(plan: Plan) -> tuple[int, int]:
 
 
 def _gemv_label(plan: Plan, stage: Stage) -> str:
+    if stage.tiling.mma:
+        return "gemv_rows_mma"
     if stage.tiling.stages:
         return "gemv_rows_streamed"
     if stage.tiling.pipeline:

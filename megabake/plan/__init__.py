@@ -44,6 +44,7 @@ from .stages import (ATTN_WINDOW, GEMV_STAGES, HEAD_NORMS, LAYER_GEMVS, LAYER_NO
 from .tuning import (DEFAULT_TUNING, HOPPER_SMEM_PER_BLOCK, PIPELINE_MAX_THREADS,  # noqa: F401
                      PIPELINE_MAX_VECTORS, RING_VECTOR_BYTES, STREAMING_DEFAULT, GemvTuning, check_pipeline,
                      check_ring, default_tuning, ring_bytes, ring_shape, streaming_tuning)
+from .tuning import MMA_MAX_BATCH, MMA_ROWS, mma_bytes, mma_split, mma_unroll
 
 _check_shared_memory = check_shared_memory  # the name older tests and scripts import
 _smem_bytes = smem_bytes
@@ -72,8 +73,8 @@ def build_plan(ir: IRGraph, *, ctas: int = 132, threads: int = 256, weight_dtype
     attention (the attention stage's ``tiling.preload``; one (batch, head) tile per CTA at most).
 
     ``staging`` ("float32" | "bfloat16", default: fp32 where it fits in shared memory, else bf16) is the dtype of
-    the GEMV input rows each CTA stages on chip (``memory.staging_dtype``); bf16 staging is an experimental
-    feature (``bf16_staging``) until its kernel has run on a GPU.
+    the GEMV input rows each CTA stages on chip (``memory.staging_dtype``; bf16 staging passed `pytest -m gpu` on
+    the H200 in session 12).
     """
     if threads % WARP or not 64 <= threads <= 1024:
         raise PlanError(f"threads per CTA must be a multiple of 32 in [64, 1024], got {threads}")
@@ -90,11 +91,15 @@ def build_plan(ir: IRGraph, *, ctas: int = 132, threads: int = 256, weight_dtype
     if dims.whole_qk_norm:
         check_layout_enabled("whole_qk_norm", EXPERIMENTAL_FEATURES["whole_qk_norm"])
     batch, capacity = ir.batch, ir.capacity
-    staging = _staging(dims, batch, capacity, threads, split_kv, staging, attention_preload)
+    wants_mma = any(t.mma for t in (tuning or {}).values())
+    staging = _staging(dims, batch, capacity, threads, split_kv, staging or ("bfloat16" if wants_mma else None),
+                       attention_preload)
     if tuning is None:
         tuning = default_tuning(threads, smem_bytes(dims, batch, capacity, threads, split_kv, staging))
     tuning = {**DEFAULT_TUNING, **tuning}
     _check_options(dims, tuning, threads, lm_head, split_kv, attention_preload, batch, ctas)
+    if wants_mma:
+        _check_mma(dims, tuning, batch, staging, weight_dtype)
     windows = [block.ops["attention"].window for block in blocks]
     _check_windows(windows, split_kv)
     rope_tables, layer_tables = _rope_tables(ir, blocks, rotary_tables, dims.head_dim)
@@ -107,7 +112,8 @@ def build_plan(ir: IRGraph, *, ctas: int = 132, threads: int = 256, weight_dtype
     biased = _biased_stages(blocks)
     head_norms = _has_head_norms(blocks)
     stages = _stages(layout, dims, batch, tuning, attention_tiling(dims, batch, ctas, threads, split_kv), biased,
-                     head_norms, attention_preload)
+                     head_norms, attention_preload, (ctas, threads // WARP))
+    ring += _mma_partials(stages, threads, smem_bytes(dims, batch, capacity, threads, split_kv, staging) + ring)
     return Plan(
         version=PLAN_VERSION, dims=dims, batch=batch, capacity=capacity, ctas=ctas, threads=threads,
         smem_bytes=smem_bytes(dims, batch, capacity, threads, split_kv, staging) + ring, weight_dtype=weight_dtype,
@@ -152,22 +158,25 @@ EXPERIMENTAL_LAYOUTS_ENV = "MEGABAKE_EXPERIMENTAL_LAYOUTS"
 GPU_VERIFIED_LAYOUTS = ("pre_norm", "sandwich", "post_norm")  # layouts whose kernels passed `pytest -m gpu` on an H200
 
 
-GPU_VERIFIED_FEATURES = ("rope_tables", "whole_qk_norm")  # kernel features (beyond layouts) that passed `pytest -m gpu` on an H200
+# kernel features (beyond layouts) that passed `pytest -m gpu` on an H200
+GPU_VERIFIED_FEATURES = ("rope_tables", "whole_qk_norm", "bf16_staging")
 EXPERIMENTAL_FEATURES = {"rope_tables": "per-layer rotary tables (Gemma 3: one RoPE base per layer type)",
                          "whole_qk_norm": "q/k RMSNorm over the whole projection (OLMo-2)",
-                         "bf16_staging": "GEMV inputs staged in bf16 shared memory because fp32 rows do not fit"}
+                         "bf16_staging": "GEMV inputs staged in bf16 shared memory because fp32 rows do not fit",
+                         "mma_gemv": "the tensor-core GEMV (mma.sync on bf16-staged inputs, tiling +mma)"}
 
 
-def check_layout_enabled(name: str, what: str | None = None) -> None:
+def check_layout_enabled(name: str, what: str | None = None, holder: str = "this model has") -> None:
     """A layout (or, with ``what`` describing it, a kernel feature such as ``rope_tables``) whose kernel has not
     yet run on a GPU is baked only when ``MEGABAKE_EXPERIMENTAL_LAYOUTS`` names it (comma- or space-separated).
-    Every layout in ``LAYOUTS`` has passed, and every feature in ``GPU_VERIFIED_FEATURES``."""
+    Every layout in ``LAYOUTS`` has passed, and every feature in ``GPU_VERIFIED_FEATURES``. ``holder`` opens the
+    refusal ("this bake asks for" where the feature is an option, not the model's)."""
     if name in GPU_VERIFIED_LAYOUTS or name in GPU_VERIFIED_FEATURES:
         return
     if name in os.environ.get(EXPERIMENTAL_LAYOUTS_ENV, "").replace(",", " ").split():
         return
     subject = f"{what} ({name!r})" if what else f"the {name!r} decoder layout"
-    raise PlanError(f"this model has {subject}, whose kernel matches eager fp32 on the CPU (reference executor) and "
+    raise PlanError(f"{holder} {subject}, whose kernel matches eager fp32 on the CPU (reference executor) and "
                     "compiles for sm_90a but has not run on a GPU yet; to bake it anyway set "
                     f"{EXPERIMENTAL_LAYOUTS_ENV}={name} (a bake on a Hopper GPU and `megabake verify` still check "
                     "its numerics against PyTorch)")
@@ -199,6 +208,32 @@ def _check_options(dims: ModelDims, tuning: dict[str, GemvTuning], threads: int,
                         "--attention-preload (and without split_kv=False)")
     if attention_preload:
         check_attention_preload(dims, batch, ctas)
+
+
+def _check_mma(dims: ModelDims, tuning: dict[str, GemvTuning], batch: int, staging: str, weight_dtype: str) -> None:
+    """The tensor-core GEMV (``+mma``) multiplies bf16 weights by bf16-staged rows of at most 8 sequences."""
+    check_layout_enabled("mma_gemv", EXPERIMENTAL_FEATURES["mma_gemv"], holder="this bake asks for")
+    if staging != "bfloat16":
+        raise PlanError(f"the tensor-core GEMV (+mma) reads its inputs as bf16; this plan stages them in {staging}: "
+                        "bake without a staging override (+mma picks bf16)")
+    if batch > MMA_MAX_BATCH:
+        raise PlanError(f"the tensor-core GEMV (+mma) holds at most {MMA_MAX_BATCH} sequences per MMA; batch {batch} "
+                        "needs the plain tiling")
+    if weight_dtype != "bfloat16":
+        raise PlanError(f"the tensor-core GEMV (+mma) multiplies bf16 weights; these are {weight_dtype}")
+    if dims.final_softcap and tuning["norm_lm_head"].mma:
+        raise PlanError("the tensor-core GEMV (+mma) does not soft-cap the LM head's logits (Gemma 2): give "
+                        "norm_lm_head a plain tiling (build_plan's tuning; `--tiling` applies to every stage)")
+
+
+def _mma_partials(stages: list[Stage], threads: int, other_bytes: int) -> int:
+    """Shared-memory bytes of the split tensor-core GEMV's partial sums, checked against what the rest leaves."""
+    extra = mma_bytes([s.tiling for s in stages], threads)
+    if other_bytes + extra > HOPPER_SMEM_PER_BLOCK:
+        raise PlanError(f"the tensor-core GEMV's partial sums need {extra} bytes of shared memory per CTA next to the "
+                        f"kernel's {other_bytes}, over Hopper's {HOPPER_SMEM_PER_BLOCK}: use a smaller --batch or "
+                        "--capacity, or bake without +mma")
+    return extra
 
 
 def _provenance(ops) -> dict[str, list[str]]:
@@ -280,9 +315,14 @@ def _bind_layer(layout: Layout, block: Block, window: int = 0, rope_table: int =
 
 
 def _stage_tiling(spec: StageSpec, dims: ModelDims, batch: int, tuning: dict[str, GemvTuning],
-                  attention: Tiling) -> Tiling:
+                  attention: Tiling, grid: tuple[int, int]) -> Tiling:
     if spec.gemv is not None:
         rows, chosen = getattr(dims, spec.gemv.rows), tuning[spec.name]
+        if chosen.mma:  # tensor cores: the plan picks the warps per tile and the loads that divide their K slice
+            cols = getattr(dims, spec.gemv.cols)
+            split = mma_split(rows, cols, *grid)
+            return Tiling("rows", rows, MMA_ROWS, -(-rows // MMA_ROWS), mma_unroll(cols, split, chosen.unroll),
+                          mma=split)
         return Tiling("rows", rows, chosen.per_tile, -(-rows // chosen.per_tile), chosen.unroll, chosen.spread,
                       chosen.preload, chosen.pipeline, chosen.stages)
     if spec.kind == "attention":
@@ -292,10 +332,11 @@ def _stage_tiling(spec: StageSpec, dims: ModelDims, batch: int, tuning: dict[str
 
 
 def _stages(layout: Layout, dims: ModelDims, batch: int, tuning: dict[str, GemvTuning], attention: Tiling,
-            biased: list[str], head_norms: bool, attention_preload: bool) -> list[Stage]:
+            biased: list[str], head_norms: bool, attention_preload: bool, grid: tuple[int, int]) -> list[Stage]:
+    """The layout's stages with their tilings; ``grid`` = (CTAs, warps per CTA)."""
     stages = []
     for index, spec in enumerate(layout.stages):
-        tiling = _stage_tiling(spec, dims, batch, tuning, attention)
+        tiling = _stage_tiling(spec, dims, batch, tuning, attention, grid)
         if spec.kind == "attention":
             tiling.preload = attention_preload
         reads, roles = list(spec.reads), list(spec.roles)

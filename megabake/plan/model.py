@@ -115,6 +115,9 @@ class Tiling:
     # of the chunk being reduced (no registers held while in flight; same summation order). With ``preload``
     # the first ``stages - 1`` chunks are copied before the barrier that precedes the stage.
     stages: int = 0
+    # GEMV: 0, or the tensor-core path (mma.sync, bf16 inputs, fp32 sums; ``per_tile`` = 8 rows) with this many
+    # warps of a CTA sharing each tile, each reducing 1/mma of K (``tuning.mma_split``; experimental).
+    mma: int = 0
 
 
 @dataclass
@@ -170,7 +173,7 @@ class Plan:
     def to_dict(self) -> dict:
         data = asdict(self)
         for stage in data["stages"]:  # only tilings that use them name these: older plans keep bytes and hash
-            for flag in ("spread", "preload", "pipeline", "stages"):
+            for flag in ("spread", "preload", "pipeline", "stages", "mma"):
                 if not stage["tiling"].get(flag):
                     stage["tiling"].pop(flag, None)
         if data["dims"]["embed_scale"] == 1.0:  # recorded only where it scales: older plans keep their hash

@@ -7,7 +7,9 @@ its text form (``2x4+spread+preload+ring4``). ``default_tuning(threads, other_sm
 of the kernel's shared memory, else the plain register tiling ``DEFAULT_TUNING``. ``ring_shape`` /
 ``ring_bytes`` size the per-warp ring; ``check_pipeline`` / ``check_ring`` refuse tilings that cannot run (a
 :class:`PlanError` naming the limit and the fix). No tiling changes numerics (each lane's summation order is
-the same: bit-identical logits, checked on the H200).
+the same: bit-identical logits, checked on the H200), except the tensor-core GEMV (``+mma``, experimental): the
+MMA sums K in its own order. ``mma_split`` picks how many warps of a CTA share its 8-row tiles and
+``mma_unroll`` its loads in flight; ``mma_bytes`` sizes the shared memory where split partial sums meet.
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ from .stages import GEMV_STAGES
 
 WARP = 32
 HOPPER_SMEM_PER_BLOCK = 227 * 1024  # opt-in maximum of dynamic shared memory per CTA on SM90
+MMA_ROWS = 8  # output rows per tensor-core GEMV tile (the N of mma.sync.m16n8k16; bodies/gemv.py)
+MMA_MAX_BATCH = 8  # sequences per tile: rows of the MMA's A operand that the kernel uses
+MMA_K_STEP = 32  # K elements per MMA step of a warp: 4 lanes x 8 bf16 per output row
 
 
 @dataclass(frozen=True)
@@ -36,6 +41,7 @@ class GemvTuning:
     preload: bool = False  # first chunk in registers before the preceding barrier (see Tiling.preload)
     pipeline: bool = False  # next chunk's loads in flight while reducing this one (see Tiling.pipeline)
     stages: int = 0  # cp.async shared-memory ring of this depth (see Tiling.stages); 0: registers
+    mma: bool = False  # tensor-core GEMV (mma.sync, tiles of 8 rows; see Tiling.mma): bf16-staged buckets only
 
     def __post_init__(self):
         if not 1 <= self.per_tile <= 8 or not 1 <= self.unroll <= 32:
@@ -46,14 +52,19 @@ class GemvTuning:
         if self.stages and self.pipeline:
             raise PlanError("GEMV tuning: a cp.async ring (stages) replaces the register pipeline; use stages with "
                             "pipeline=False")
+        if self.mma and (self.per_tile != MMA_ROWS or self.spread or self.preload or self.pipeline or self.stages):
+            raise PlanError(f"GEMV tuning {self.spec}: the tensor-core GEMV (mma) takes tiles of {MMA_ROWS} rows and "
+                            f"no other flag (it pipelines its own K loop), e.g. {MMA_ROWS}x8+mma")
 
-    SPEC_FORM = "PER_TILExUNROLL[+spread][+preload][+pipeline][+ringSTAGES], e.g. 2x4+spread+preload+ring4"
+    SPEC_FORM = ("PER_TILExUNROLL[+spread][+preload][+pipeline][+ringSTAGES], e.g. 2x4+spread+preload+ring4, "
+                 "or 8xUNROLL+mma (tensor cores)")
 
     @property
     def spec(self) -> str:
         """The compact text form that :meth:`parse` reads (``2x4+spread+ring4``)."""
         flags = [name for name in ("spread", "preload", "pipeline") if getattr(self, name)]
         flags += [f"ring{self.stages}"] if self.stages else []
+        flags += ["mma"] if self.mma else []
         return "+".join([f"{self.per_tile}x{self.unroll}", *flags])
 
     @classmethod
@@ -66,7 +77,7 @@ class GemvTuning:
         options: dict = {}
         for flag in flags:
             ring = re.fullmatch(r"ring(\d+)", flag)
-            if flag in ("spread", "preload", "pipeline"):
+            if flag in ("spread", "preload", "pipeline", "mma"):
                 options[flag] = True
             elif ring:
                 options["stages"] = int(ring.group(1))
@@ -148,3 +159,39 @@ def check_ring(tuning: dict[str, GemvTuning], threads: int, other_bytes: int) ->
                         f"memory per CTA next to the kernel's {other_bytes}, over Hopper's {HOPPER_SMEM_PER_BLOCK}; "
                         f"{fix}, or fewer rows per tile x unroll")
     return ring + 16
+
+
+MMA_SPLITS = (1, 2, 4, 8)  # warps of a CTA that share one tensor-core GEMV tile (each takes a slice of K)
+MMA_SPLIT_SLACK = 0.03  # take the fewest warps per tile whose share of busy warps is this close to the best
+
+
+def mma_split(rows: int, cols: int, ctas: int, warps: int) -> int:
+    """Warps per 8-row tile of a tensor-core GEMV: few tiles (a 2048-row projection is 256 tiles for ~1000
+    warps) split K so that every warp streams; the fewest warps whose busy share is within
+    ``MMA_SPLIT_SLACK`` of the best (each extra warp per tile costs two CTA barriers per tile round)."""
+    tiles = -(-rows // MMA_ROWS)
+    options = [s for s in MMA_SPLITS if warps % s == 0 and cols % (MMA_K_STEP * s) == 0]
+    if not options:
+        raise PlanError(f"the tensor-core GEMV reduces K in steps of {MMA_K_STEP}; a reduction length of {cols} is not "
+                        "a multiple of it: bake without +mma")
+
+    def busy(split: int) -> float:
+        per_round = ctas * (warps // split)
+        return tiles / (-(-tiles // per_round) * per_round)
+
+    best = max(busy(s) for s in options)
+    return next(s for s in options if busy(s) >= best - MMA_SPLIT_SLACK)
+
+
+def mma_unroll(cols: int, split: int, wanted: int) -> int:
+    """The most 16-byte loads per lane and K step, at most ``wanted``, that divide a warp's slice of K."""
+    steps = cols // split // MMA_K_STEP
+    return max(u for u in range(1, max(1, wanted) + 1) if steps % u == 0)
+
+
+def mma_bytes(tilings, threads: int) -> int:
+    """Shared memory where a CTA's split tensor-core partial sums meet ([warps, 8 sequences, 8 rows] fp32, with
+    its alignment); 0 when no stage splits."""
+    if not any(getattr(t, "mma", 0) > 1 for t in tilings):
+        return 0
+    return threads // WARP * MMA_MAX_BATCH * MMA_ROWS * 4 + 16

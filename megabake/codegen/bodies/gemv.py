@@ -384,3 +384,118 @@ def softcap_rows(out: cute.Tensor, gwarp: Int32, lane: Int32, total_warps: cutla
                 if row < rows:
                     for b in cutlass.range_constexpr(batch):
                         out[b, row] = cap * cute.math.tanh(out[b, row] * (1.0 / cap))
+
+
+# ------------------------------------------------------------------------------- tensor-core GEMV
+# Batched GEMV on the tensor cores (bf16-staged buckets, batch <= 8): one mma.sync.m16n8k16 multiplies a
+# 16 x 16 block of staged inputs (rows = sequences, 8 of 16 used) by 16 x 8 weights (columns = 8 output rows)
+# into fp32, so a weight element costs no conversion and no FMA per sequence. The K order inside a dot product
+# is free: lane (g, t) = (lane // 4, lane % 4) loads the 16-byte vector t of output row g's weights and of
+# sequence g's staged row (same 8 k), and feeds k = 8t + 4m + {0, 1} to MMA slots 2t + {0, 1} and
+# k = 8t + 4m + {2, 3} to slots 2t + 8 + {0, 1} of the m-th of two MMAs, for A and B alike. Lane (g, t) then
+# holds out[sequence g, rows 2t, 2t + 1] of the tile. Rows of A past the batch (and 8..15) only feed output
+# rows that are never written.
+MMA_ROWS = 8  # output rows per tile: the N of m16n8k16
+MMA_LANES_PER_ROW = 4  # lanes (16-byte vectors) side by side on one row per K step
+
+
+@cute.jit
+def _load_mma_chunk(weight: cute.Tensor, buf: cute.Tensor, row: Int32, kv0: Int32, tig: Int32,
+                    unroll: cutlass.Constexpr[int]):
+    """Vectors ``kv0 + u * 4 + tig`` (u < unroll) of weight row ``row`` into the registers ``buf``."""
+    for u in cutlass.range_constexpr(unroll):
+        cute.zipped_divide(buf, (VEC,))[(None, u)].store(
+            cute.zipped_divide(weight[row, None], (VEC,))[(None, kv0 + u * MMA_LANES_PER_ROW + tig)].load())
+
+
+@cute.jit
+def _mma_chunk(atom, buf: cute.Tensor, s_vec: cute.Tensor, acc: cute.Tensor, a: cute.Tensor, b: cute.Tensor,
+               seq: Int32, kv0: Int32, tig: Int32, unroll: cutlass.Constexpr[int]):
+    """Two MMAs per 16-byte vector of ``buf`` against the same 8 k of staged row ``seq`` (module comment)."""
+    for u in cutlass.range_constexpr(unroll):
+        xv = cute.zipped_divide(s_vec[seq, None], (VEC,))[(None, kv0 + u * MMA_LANES_PER_ROW + tig)].load()
+        for m in cutlass.range_constexpr(2):
+            a[0] = xv[4 * m]
+            a[1] = xv[4 * m + 1]
+            a[4] = xv[4 * m + 2]
+            a[5] = xv[4 * m + 3]
+            for i in cutlass.range_constexpr(4):
+                b[i] = buf[u * VEC + 4 * m + i]
+            cute.gemm(atom, acc, a, b, acc)
+
+
+@cute.jit
+def gemv_rows_mma(weight: cute.Tensor, bias: cute.Tensor, s_vec: cute.Tensor, s_part: cute.Tensor, out: cute.Tensor,
+                  cta: Int32, tidx: Int32, ctas: cutlass.Constexpr[int], warps: cutlass.Constexpr[int],
+                  rows: cutlass.Constexpr[int], cols: cutlass.Constexpr[int], batch: cutlass.Constexpr[int],
+                  ksplit: cutlass.Constexpr[int], accumulate: cutlass.Constexpr[bool], unroll: cutlass.Constexpr[int],
+                  has_bias: cutlass.Constexpr[bool]):
+    """out[b, r] (+)= sum_k weight[r, k] * s_vec[b, k] on the tensor cores (bf16 ``s_vec``, fp32 accumulation).
+
+    Tiles of 8 output rows; ``ksplit`` warps of a CTA share a tile, each reducing cols / ksplit of K, and
+    the CTA's warps // ksplit groups take tiles ``round * ctas * groups + group * ctas + cta``. Each warp's
+    K loop keeps the next step's ``unroll`` loads per lane in flight while it multiplies the current ones.
+    With ``ksplit`` > 1 the partial sums meet in ``s_part`` ([warps, 8, 8] fp32) and the group's first warp
+    adds them in warp order (deterministic), then writes: out += (accumulate), + bias[row] (``has_bias``).
+    Every warp runs the same number of rounds (CTA-wide barriers inside); cols % (32 * ksplit * unroll) == 0.
+    """
+    lane = tidx % WARP
+    warp = tidx // WARP
+    gid = lane // MMA_LANES_PER_ROW
+    tig = lane % MMA_LANES_PER_ROW
+    groups = warps // ksplit
+    group = warp // ksplit
+    part = warp % ksplit
+    tiles = (rows + MMA_ROWS - 1) // MMA_ROWS
+    per_round = ctas * groups
+    rounds = (tiles + per_round - 1) // per_round
+    part_vecs = cols // VEC // ksplit
+    step_vecs = MMA_LANES_PER_ROW * unroll
+    steps = part_vecs // step_vecs
+    seq = cutlass.min(gid, batch - 1)
+    atom = cute.make_mma_atom(cute.nvgpu.warp.MmaF16BF16Op(cutlass.BFloat16, Float32, (16, 8, 16)))
+    acc = cute.make_rmem_tensor(cute.make_layout((4, 1, 1)), Float32)
+    a = cute.make_rmem_tensor(cute.make_layout((8, 1, 1)), cutlass.BFloat16)
+    b = cute.make_rmem_tensor(cute.make_layout((4, 1, 1)), cutlass.BFloat16)
+    for i in cutlass.range_constexpr(8):
+        a[i] = cutlass.BFloat16(0.0)
+    cur = cute.make_rmem_tensor(cute.make_layout(VEC * unroll), weight.element_type)
+    nxt = cute.make_rmem_tensor(cute.make_layout(VEC * unroll), weight.element_type)
+    for rnd in range(rounds):
+        tile = rnd * per_round + group * ctas + cta
+        row = cutlass.min(tile * MMA_ROWS + gid, rows - 1)
+        kbase = part * part_vecs
+        for i in cutlass.range_constexpr(4):
+            acc[i] = Float32(0.0)
+        _load_mma_chunk(weight, cur, row, kbase, tig, unroll)
+        for step in range(steps):
+            if cutlass.const_expr(steps > 1):
+                ahead = cutlass.min(step + 1, steps - 1)  # the last step reloads its own chunk (an L2 hit)
+                _load_mma_chunk(weight, nxt, row, kbase + ahead * step_vecs, tig, unroll)
+                cute.arch.sync_warp()  # a scheduling fence: keep these loads above the MMAs
+            _mma_chunk(atom, cur, s_vec, acc, a, b, seq, kbase + step * step_vecs, tig, unroll)
+            if cutlass.const_expr(steps > 1):
+                cur.store(nxt.load())
+        if cutlass.const_expr(ksplit > 1):
+            for e in cutlass.range_constexpr(2):
+                s_part[warp, gid, 2 * tig + e] = acc[e]
+            cute.arch.sync_threads()
+            if part == 0:
+                for e in cutlass.range_constexpr(2):
+                    total = Float32(0.0)
+                    for p in cutlass.range_constexpr(ksplit):
+                        total = total + s_part[warp + p, gid, 2 * tig + e]
+                    acc[e] = total
+        if part == 0 and tile < tiles and gid < batch:
+            for e in cutlass.range_constexpr(2):
+                out_row = tile * MMA_ROWS + 2 * tig + e
+                if out_row < rows:
+                    total = acc[e]
+                    if cutlass.const_expr(has_bias):
+                        total = total + bias[out_row]
+                    if cutlass.const_expr(accumulate):
+                        out[gid, out_row] = out[gid, out_row] + total
+                    else:
+                        out[gid, out_row] = total
+        if cutlass.const_expr(ksplit > 1):
+            cute.arch.sync_threads()  # s_part is free again
