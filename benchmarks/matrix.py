@@ -83,7 +83,7 @@ def _preset_batch(preset: str, batch: int, args) -> list[Cell]:
     positions = fitting_positions(args.positions, capacity)
     started = time.perf_counter()
     try:
-        package_path, decoder = _bake_decoder(preset, batch, capacity, args.out)
+        package_path, decoder = _bake_decoder(preset, batch, capacity, args)
         numerics_result = _numerics_at(decoder, positions[-1], args.numerics_steps)
         numerics = _numerics_summary(numerics_result)
     except Exception as exc:  # a bucket that does not bake (e.g. shared memory) fails its cells, not the run
@@ -113,12 +113,15 @@ def _preset_batch(preset: str, batch: int, args) -> list[Cell]:
     return cells
 
 
-def _bake_decoder(preset: str, batch: int, capacity: int, out: Path):
-    """(package folder, MegakernelDecoder on cuda) of a fresh bake under ``out/packages``."""
+def _bake_decoder(preset: str, batch: int, capacity: int, args):
+    """(package folder, MegakernelDecoder on cuda) of a fresh bake under ``args.out/packages``, with the run's
+    ``--tiling`` / ``--attention-preload`` (``--autotune`` is refused in matrix mode: it times on one bucket)."""
     from megabake.baking import bake
     from megabake.runtime import MegakernelDecoder
 
-    baked = bake(preset, batch=batch, capacity=capacity, out=out / "packages", reference_steps=1, run_on_gpu=False,
+    baked = bake(preset, batch=batch, capacity=capacity, out=args.out / "packages", reference_steps=1,
+                 run_on_gpu=False, tiling=getattr(args, "tiling", None),
+                 attention_preload=getattr(args, "attention_preload", False),
                  progress=lambda msg: LOG.info("[bake %s b%d c%d] %s", preset, batch, capacity, msg))
     return baked.path, MegakernelDecoder.from_package(baked.path, model=baked.model, device="cuda")
 

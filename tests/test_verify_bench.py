@@ -225,6 +225,29 @@ def test_matrix_mode_buckets_positions_table_and_chart(bench, tmp_path):
     assert (tmp_path / "matrix.png").stat().st_size > 1000
 
 
+def test_matrix_mode_bakes_the_named_tiling_and_refuses_autotune(bench, tmp_path, monkeypatch):
+    """--tiling reaches every bucket the matrix bakes (it was dropped before session 12); --autotune, which
+    times tilings on one bucket, is refused in matrix mode."""
+    import megabake.baking
+    import megabake.runtime
+    from benchmarks.matrix import _bake_decoder
+
+    seen = {}
+
+    def fake_bake(preset, **kwargs):
+        seen.update(kwargs, preset=preset)
+        return type("Baked", (), {"path": tmp_path, "model": None})()
+
+    monkeypatch.setattr(megabake.baking, "bake", fake_bake)
+    monkeypatch.setattr(megabake.runtime.MegakernelDecoder, "from_package", classmethod(lambda cls, *a, **k: "decoder"))
+    args = bench.parse_args(["--presets", "llama-3.2-1b", "--positions", "16", "--batches", "8", "--tiling",
+                             "8x8+mma", "--out", str(tmp_path)])
+    assert _bake_decoder("llama-3.2-1b", 8, 128, args) == (tmp_path, "decoder")
+    assert seen["tiling"] == "8x8+mma" and seen["batch"] == 8 and seen["attention_preload"] is False
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--positions", "16", "--autotune", "--out", str(tmp_path)])
+
+
 def test_matrix_mode_writes_its_evidence_into_the_package_and_archives_it(bench, tmp_path):
     """The long-context bucket baked by matrix mode comes back verified: numerics at the longest context and
     the timings there go into its report.json (schema-checked, status by verify's rule), one flat archive."""
