@@ -433,11 +433,12 @@ def gemv_rows_mma(weight: cute.Tensor, bias: cute.Tensor, s_vec: cute.Tensor, s_
     """out[b, r] (+)= sum_k weight[r, k] * s_vec[b, k] on the tensor cores (bf16 ``s_vec``, fp32 accumulation).
 
     Tiles of 8 output rows; ``ksplit`` warps of a CTA share a tile, each reducing cols / ksplit of K, and
-    the CTA's warps // ksplit groups take tiles ``round * ctas * groups + group * ctas + cta``. Each warp's
-    K loop keeps the next step's ``unroll`` loads per lane in flight while it multiplies the current ones.
-    With ``ksplit`` > 1 the partial sums meet in ``s_part`` ([warps, 8, 8] fp32) and the group's first warp
-    adds them in warp order (deterministic), then writes: out += (accumulate), + bias[row] (``has_bias``).
-    Every warp runs the same number of rounds (CTA-wide barriers inside); cols % (32 * ksplit * unroll) == 0.
+    the CTA's warps // ksplit groups take tiles ``round * ctas * groups + group * ctas + cta``. A warp's
+    (round, K step) pairs run as one software-pipelined loop: each step issues the next step's ``unroll``
+    loads per lane (the next round's first included) before its MMAs. With ``ksplit`` > 1 the partial sums
+    meet in ``s_part`` ([warps, 8, 8] fp32) and the group's first warp adds them in warp order
+    (deterministic), then writes: out += (``accumulate``), + bias[row] (``has_bias``). Every warp runs the same
+    steps (CTA-wide barriers inside); cols % (32 * ksplit * unroll) == 0 (``plan.tuning.mma_unroll``).
     """
     lane = tidx % WARP
     warp = tidx // WARP
@@ -452,7 +453,10 @@ def gemv_rows_mma(weight: cute.Tensor, bias: cute.Tensor, s_vec: cute.Tensor, s_
     part_vecs = cols // VEC // ksplit
     step_vecs = MMA_LANES_PER_ROW * unroll
     steps = part_vecs // step_vecs
+    total = rounds * steps
     seq = cutlass.min(gid, batch - 1)
+    kbase = part * part_vecs
+    first = group * ctas + cta  # this warp's tile in round 0
     atom = cute.make_mma_atom(cute.nvgpu.warp.MmaF16BF16Op(cutlass.BFloat16, Float32, (16, 8, 16)))
     acc = cute.make_rmem_tensor(cute.make_layout((4, 1, 1)), Float32)
     a = cute.make_rmem_tensor(cute.make_layout((8, 1, 1)), cutlass.BFloat16)
@@ -461,41 +465,52 @@ def gemv_rows_mma(weight: cute.Tensor, bias: cute.Tensor, s_vec: cute.Tensor, s_
         a[i] = cutlass.BFloat16(0.0)
     cur = cute.make_rmem_tensor(cute.make_layout(VEC * unroll), weight.element_type)
     nxt = cute.make_rmem_tensor(cute.make_layout(VEC * unroll), weight.element_type)
-    for rnd in range(rounds):
-        tile = rnd * per_round + group * ctas + cta
-        row = cutlass.min(tile * MMA_ROWS + gid, rows - 1)
-        kbase = part * part_vecs
-        for i in cutlass.range_constexpr(4):
-            acc[i] = Float32(0.0)
-        _load_mma_chunk(weight, cur, row, kbase, tig, unroll)
-        for step in range(steps):
-            if cutlass.const_expr(steps > 1):
-                ahead = cutlass.min(step + 1, steps - 1)  # the last step reloads its own chunk (an L2 hit)
-                _load_mma_chunk(weight, nxt, row, kbase + ahead * step_vecs, tig, unroll)
-                cute.arch.sync_warp()  # a scheduling fence: keep these loads above the MMAs
-            _mma_chunk(atom, cur, s_vec, acc, a, b, seq, kbase + step * step_vecs, tig, unroll)
-            if cutlass.const_expr(steps > 1):
-                cur.store(nxt.load())
-        if cutlass.const_expr(ksplit > 1):
+    _load_mma_chunk(weight, cur, cutlass.min(first * MMA_ROWS + gid, rows - 1), kbase, tig, unroll)
+    for flat in range(total):
+        rnd = flat // steps
+        step = flat % steps
+        tile = rnd * per_round + first
+        # the next step's loads go out first; the last step reloads its own chunk (an L2 hit) instead of branching
+        ahead = cutlass.min(flat + 1, total - 1)
+        ahead_row = cutlass.min((ahead // steps * per_round + first) * MMA_ROWS + gid, rows - 1)
+        _load_mma_chunk(weight, nxt, ahead_row, kbase + ahead % steps * step_vecs, tig, unroll)
+        cute.arch.sync_warp()  # a scheduling fence: keep these loads above the MMAs
+        if step == 0:
+            for i in cutlass.range_constexpr(4):
+                acc[i] = Float32(0.0)
+        _mma_chunk(atom, cur, s_vec, acc, a, b, seq, kbase + step * step_vecs, tig, unroll)
+        cur.store(nxt.load())
+        if step == steps - 1:  # the same step for every warp of the CTA: the barriers below are uniform
+            _mma_write(acc, s_part, bias, out, tile, warp, part, gid, tig, rows, batch, ksplit, accumulate,
+                       has_bias)
+
+
+@cute.jit
+def _mma_write(acc: cute.Tensor, s_part: cute.Tensor, bias: cute.Tensor, out: cute.Tensor, tile: Int32, warp: Int32,
+               part: Int32, gid: Int32, tig: Int32, rows: cutlass.Constexpr[int], batch: cutlass.Constexpr[int],
+               ksplit: cutlass.Constexpr[int], accumulate: cutlass.Constexpr[bool], has_bias: cutlass.Constexpr[bool]):
+    """Lane (g, t) of a tile's first warp writes out[g, tile rows 2t, 2t + 1], the ``ksplit`` warps' partial sums
+    added in warp order (through ``s_part``, between two CTA barriers) when the tile's K is split."""
+    if cutlass.const_expr(ksplit > 1):
+        for e in cutlass.range_constexpr(2):
+            s_part[warp, gid, 2 * tig + e] = acc[e]
+        cute.arch.sync_threads()
+        if part == 0:
             for e in cutlass.range_constexpr(2):
-                s_part[warp, gid, 2 * tig + e] = acc[e]
-            cute.arch.sync_threads()
-            if part == 0:
-                for e in cutlass.range_constexpr(2):
-                    total = Float32(0.0)
-                    for p in cutlass.range_constexpr(ksplit):
-                        total = total + s_part[warp + p, gid, 2 * tig + e]
-                    acc[e] = total
-        if part == 0 and tile < tiles and gid < batch:
-            for e in cutlass.range_constexpr(2):
-                out_row = tile * MMA_ROWS + 2 * tig + e
-                if out_row < rows:
-                    total = acc[e]
-                    if cutlass.const_expr(has_bias):
-                        total = total + bias[out_row]
-                    if cutlass.const_expr(accumulate):
-                        out[gid, out_row] = out[gid, out_row] + total
-                    else:
-                        out[gid, out_row] = total
-        if cutlass.const_expr(ksplit > 1):
-            cute.arch.sync_threads()  # s_part is free again
+                total = Float32(0.0)
+                for p in cutlass.range_constexpr(ksplit):
+                    total = total + s_part[warp + p, gid, 2 * tig + e]
+                acc[e] = total
+    if part == 0 and tile * MMA_ROWS < rows and gid < batch:
+        for e in cutlass.range_constexpr(2):
+            out_row = tile * MMA_ROWS + 2 * tig + e
+            if out_row < rows:
+                total = acc[e]
+                if cutlass.const_expr(has_bias):
+                    total = total + bias[out_row]
+                if cutlass.const_expr(accumulate):
+                    out[gid, out_row] = out[gid, out_row] + total
+                else:
+                    out[gid, out_row] = total
+    if cutlass.const_expr(ksplit > 1):
+        cute.arch.sync_threads()  # s_part is free again
