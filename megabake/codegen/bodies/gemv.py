@@ -1,4 +1,5 @@
-"""GEMV: weight rows over warps (plain, register-preloaded, pipelined, cp.async-ring streamed) and reductions.
+"""GEMV: weight rows over warps (plain, register-preloaded, pipelined, cp.async-ring streamed, tensor-core
+mma.sync for bf16-staged batches) and reductions.
 
 Part of megabake/codegen/bodies (see its __init__ for the contract); code generation copies these
 routines into module.py in the order of ``megabake.codegen.bodies.BODY_FILES``."""
