@@ -87,7 +87,8 @@ BAKE_EXIT_CODES = exit_codes_help(
 @click.option("--tiling", default=None, metavar="SPEC",
               help="GEMV tiling of every GEMV stage, PER_TILExUNROLL[+spread][+preload][+pipeline][+ringSTAGES], "
                    "e.g. 2x4+spread+preload (from an earlier --autotune or scripts/gpu_tune.py); 'balanced:SPEC' "
-                   "also picks each stage's rows per tile for tile balance. Works without a GPU.")
+                   "also picks each stage's rows per tile for tile balance; '8x8+mma' runs batched GEMVs on the "
+                   "tensor cores (experimental: MEGABAKE_EXPERIMENTAL_LAYOUTS=mma_gemv). Works without a GPU.")
 @click.option("--attention-preload", is_flag=True, help="Load each attention lane group's first cached K/V rows "
               "before the barrier that precedes attention.")
 @click.option("--force", is_flag=True, help="Write the package even when its folder holds a different package "
