@@ -120,3 +120,22 @@ def test_mma_module_compiles_for_sm90a(monkeypatch, tmp_path, preset, batch, lay
     want = (mmas_per_stage * len(gemv_stages) if mmas_per_stage
             else sum(2 * s.tiling.unroll for s in gemv_stages))
     assert mmas == want, (mmas, want)
+
+
+def test_mma_becomes_the_bf16_default_once_verified_on_a_gpu(monkeypatch):
+    """Wired for the session that verifies it: with ``mma_gemv`` in GPU_VERIFIED_FEATURES a bf16-staged bucket
+    (Llama-3.2-1B at batch 8) plans ``8x8+mma`` by default, an fp32-staged one keeps the streaming ring, and a
+    soft-capped LM head keeps the plain tiling. Until then the default is unchanged."""
+    import megabake.plan as plan_module
+
+    monkeypatch.delenv(EXPERIMENTAL, raising=False)
+    batch8 = compile_preset("llama-3.2-1b", layers=1, vocab=4096, batch=8, capacity=128)
+    assert not any(s.tiling.mma for s in batch8.plan.stages)
+    monkeypatch.setattr(plan_module, "GPU_VERIFIED_FEATURES", (*plan_module.GPU_VERIFIED_FEATURES, "mma_gemv"))
+    assert all(s.tiling.mma for s in batch8.replan().plan.stages if s.tiling.kind == "rows")
+    assert batch8.replan().plan.smem_bytes <= HOPPER_SMEM_PER_BLOCK
+    batch1 = compile_preset("tiny-llama", capacity=64)
+    assert not any(s.tiling.mma for s in batch1.replan().plan.stages)
+    gemma2 = compile_preset("tiny-gemma2", capacity=64).replan(staging="bfloat16").plan
+    assert [s.tiling.mma > 0 for s in gemma2.stages if s.tiling.kind == "rows"][-1] is False
+    assert all(s.tiling.mma for s in gemma2.stages if s.tiling.kind == "rows" and s.name != "norm_lm_head")

@@ -95,7 +95,9 @@ def build_plan(ir: IRGraph, *, ctas: int = 132, threads: int = 256, weight_dtype
     staging = _staging(dims, batch, capacity, threads, split_kv, staging or ("bfloat16" if wants_mma else None),
                        attention_preload)
     if tuning is None:
-        tuning = default_tuning(threads, smem_bytes(dims, batch, capacity, threads, split_kv, staging))
+        tuning = (_mma_default(dims, staging, weight_dtype, ctas, threads)
+                  or default_tuning(threads, smem_bytes(dims, batch, capacity, threads, split_kv, staging)))
+        wants_mma = any(t.mma for t in tuning.values())
     tuning = {**DEFAULT_TUNING, **tuning}
     _check_options(dims, tuning, threads, lm_head, split_kv, attention_preload, batch, ctas)
     if wants_mma:
@@ -224,6 +226,25 @@ def _check_mma(dims: ModelDims, tuning: dict[str, GemvTuning], batch: int, stagi
     if dims.final_softcap and tuning["norm_lm_head"].mma:
         raise PlanError("the tensor-core GEMV (+mma) does not soft-cap the LM head's logits (Gemma 2): give "
                         "norm_lm_head a plain tiling (build_plan's tuning; `--tiling` applies to every stage)")
+
+
+def _mma_default(dims: ModelDims, staging: str, weight_dtype: str, ctas: int, threads: int) -> dict | None:
+    """The default tiling of a bf16-staged bucket once the tensor-core GEMV has passed on a GPU (``mma_gemv`` in
+    ``GPU_VERIFIED_FEATURES``): ``8x8+mma`` on every GEMV stage whose K it can split (the LM head of a
+    soft-capped model keeps the plain tiling); None before that, or for fp32 staging or non-bf16 weights."""
+    if "mma_gemv" not in GPU_VERIFIED_FEATURES or staging != "bfloat16" or weight_dtype != "bfloat16":
+        return None
+    mma = GemvTuning(MMA_ROWS, 8, mma=True)
+    chosen = {}
+    for name in GEMV_STAGES:
+        gemv = next(spec.gemv for spec in STAGE_TABLE if spec.name == name and spec.gemv)
+        try:
+            mma_split(getattr(dims, gemv.rows), getattr(dims, gemv.cols), ctas, threads // WARP)
+        except PlanError:  # K not a multiple of the MMA step
+            continue
+        if not (name == "norm_lm_head" and dims.final_softcap):
+            chosen[name] = mma
+    return chosen or None
 
 
 def _mma_partials(stages: list[Stage], threads: int, other_bytes: int) -> int:
