@@ -10,7 +10,7 @@ fastest in that stage, and is measured the same way; its spec is printed (a ``tu
 
     source .cute/activate.sh && python3 scripts/gpu_tune.py smollm-135m llama-3.2-1b --out $OUT
 
-Writes OUT/tune-<preset>.json; prints a short table per preset last.
+``--batch 8`` times batched steps (``mma``: the tensor-core GEMV). Writes OUT/tune-<preset>-b<batch>.json; prints a short table per preset last.
 """
 
 from __future__ import annotations
@@ -48,7 +48,9 @@ def variants() -> dict:
             # ... and filled with the next GEMV's first chunks before each grid barrier
             "t2u4-ring4-preload": GemvTuning(2, 4, preload=True, stages=4),
             "t2u4-spread-ring4-preload": GemvTuning(2, 4, spread=True, preload=True, stages=4),
-            "balanced-ring4-preload": Balanced(GemvTuning(2, 4, preload=True, stages=4))}
+            "balanced-ring4-preload": Balanced(GemvTuning(2, 4, preload=True, stages=4)),
+            # tensor cores (bf16-staged inputs, at most 8 sequences; the default of such buckets)
+            "mma": GemvTuning(8, 8, mma=True)}
 
 
 # also measured with attention preload
@@ -83,7 +85,7 @@ def vs_reference(decoder, plan, tokens) -> float:
     weights = {spec.buffer: decoder.buffers[spec.buffer].cpu() for spec in plan.packed}
     reference = ReferenceExecutor(plan, weights, decoder.buffers["rope_cos"].cpu(), decoder.buffers["rope_sin"].cpu())
     for p in range(len(tokens)):
-        want = reference.step(tokens[p:p + 1], p)
+        want = reference.step(tokens[p], p)
     got = decoder.buffers["logits"].float().cpu()
     return float((got - want).norm() / want.norm())
 
@@ -123,9 +125,9 @@ def timeline(plan, model, tokens) -> dict[str, float]:
     source = generate(plan, timeline=True).source
     decoder = MegakernelDecoder(plan, source, model, device="cuda", use_graph=False)
     for p in range(len(tokens)):
-        decoder.step(tokens[p:p + 1], p)
+        decoder.step(tokens[p], p)
     for _ in range(3):
-        decoder.step(tokens[-1:], len(tokens) - 1)
+        decoder.step(tokens[-1], len(tokens) - 1)
     by_kind: dict[str, float] = {}
     for label, us in decoder.stage_timeline():
         kind = label.split(".")[-1]
@@ -134,7 +136,7 @@ def timeline(plan, model, tokens) -> dict[str, float]:
     return by_kind
 
 
-def sweep(name: str, chosen: list[str], reps: int, capacity: int) -> dict:
+def sweep(name: str, chosen: list[str], reps: int, capacity: int, batch: int = 1) -> dict:
     import torch
 
     from megabake.capture import capture_decode_step
@@ -146,10 +148,10 @@ def sweep(name: str, chosen: list[str], reps: int, capacity: int) -> dict:
 
     info = gpu_info()
     model = get_preset(name).build_model()
-    captured = capture_decode_step(model, capacity=capacity)
+    captured = capture_decode_step(model, batch=batch, capacity=capacity)
     ir = lower(captured)
     inv, scale = recover_rotary(captured, ir)
-    tokens = torch.randint(1, model.config.vocab_size, (STEPS,), generator=torch.Generator().manual_seed(3))
+    tokens = torch.randint(1, model.config.vocab_size, (STEPS, batch), generator=torch.Generator().manual_seed(3))
     context = dict(ir=ir, inv=inv, scale=scale, sm_count=info.sm_count, model=model, tokens=tokens, reps=reps)
     rows, timelines, default_logits = [], {}, []
     candidates = variants()
@@ -174,7 +176,7 @@ def sweep(name: str, chosen: list[str], reps: int, capacity: int) -> dict:
         rows.append(row)
     usable = [r for r in rows if _usable(r)]
     best = min(usable, key=lambda r: r["gpu_ms"])["variant"] if usable else None
-    return {"preset": name, "gpu": info.name, "rows": rows, "best": best, "timelines": timelines,
+    return {"preset": name, "batch": batch, "gpu": info.name, "rows": rows, "best": best, "timelines": timelines,
             "stage_bytes": stage_bytes(default_plan)}
 
 
@@ -206,14 +208,14 @@ def measure_variant(variant: str, tuning: dict, context: dict, default_logits: l
         decoder = MegakernelDecoder(plan, generate(plan).source, model, device="cuda")
         for p in range(len(tokens)):
             decoder.buffers["logits"].fill_(float("nan"))  # poison
-            logits = decoder.step(tokens[p:p + 1], p).float().cpu().clone()
+            logits = decoder.step(tokens[p], p).float().cpu().clone()
         row = {"variant": variant, "finite": bool(torch.isfinite(logits).all())}
         if not default_logits:
             default_logits.append(logits)
             row["rel_l2_vs_cpu_reference"] = vs_reference(decoder, plan, tokens)
         reference = default_logits[0]
         row["rel_l2_vs_default"] = float((logits - reference).norm() / reference.norm())
-        row.update(gpu_ms=time_replays(decoder, tokens[pos:], pos, reps), sync_ms=sync_call(decoder, tokens[pos:], pos, reps))
+        row.update(gpu_ms=time_replays(decoder, tokens[pos], pos, reps), sync_ms=sync_call(decoder, tokens[pos], pos, reps))
         del decoder
         stages = timeline(plan, model, tokens)
         row["build_s"] = round(time.perf_counter() - started, 1)
@@ -225,7 +227,7 @@ def measure_variant(variant: str, tuning: dict, context: dict, default_logits: l
 
 
 def print_table(result: dict) -> None:
-    print(f"== {result['preset']} ({result['gpu']}) ==")
+    print(f"== {result['preset']} batch {result.get('batch', 1)} ({result['gpu']}) ==")
     print("| variant | GPU ms (graph replay) | sync ms | rel-L2 vs default | vs CPU reference |")
     for r in result["rows"]:
         if "error" in r:
@@ -255,13 +257,14 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", default=list(variants()), choices=list(variants()))
     parser.add_argument("--reps", type=int, default=100)
     parser.add_argument("--capacity", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=1, help="sequences per step (mma: at most 8, bf16-staged)")
     parser.add_argument("--out", type=Path, default=Path("."))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     results = []
     for name in args.presets:
-        result = sweep(name, args.variants, args.reps, args.capacity)
-        (args.out / f"tune-{name}.json").write_text(json.dumps(result, indent=1))
+        result = sweep(name, args.variants, args.reps, args.capacity, args.batch)
+        (args.out / f"tune-{name}-b{args.batch}.json").write_text(json.dumps(result, indent=1))
         results.append(result)
     for result in results:
         print_table(result)

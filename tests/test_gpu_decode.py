@@ -272,11 +272,17 @@ def test_olmo2_post_norm_kernel_matches_reference_executor_at_long_context(batch
 
 
 @pytest.mark.parametrize("preset,batch,layers", [("tiny-llama", 2, None), ("llama-3.2-1b", 8, 2)])
-def test_bf16_staging_kernel_matches_reference_executor_at_long_context(preset, batch, layers):
+def test_bf16_staging_kernel_matches_reference_executor_at_long_context(preset, batch, layers, monkeypatch):
     """bf16 GEMV input rows in shared memory (chosen where fp32 rows do not fit, Llama-3.2-1B at batch 8; forced
     for tiny-llama b2) over a random 1024-slot cache, around the split boundary and at capacity - 1
-    (:func:`_assert_bf16_steps_match`). Passed on the H200 in session 12."""
+    (:func:`_assert_bf16_steps_match`), with the plain GEMV (the tensor-core one, the bf16 default since
+    session 13, has its own test below). Passed on the H200 in session 12."""
+    import megabake.plan as plan_module
     from megabake.runtime import gpu_info
+
+    plain = tuple(f for f in plan_module.GPU_VERIFIED_FEATURES if f != "mma_gemv")
+    monkeypatch.setattr(plan_module, "GPU_VERIFIED_FEATURES", plain)
+    monkeypatch.delenv("MEGABAKE_EXPERIMENTAL_LAYOUTS", raising=False)
 
     vocab = 4096 if layers else None
     compiled = compile_preset(preset, layers=layers, vocab=vocab, batch=batch, capacity=1024, ctas=gpu_info().sm_count)
@@ -287,15 +293,14 @@ def test_bf16_staging_kernel_matches_reference_executor_at_long_context(preset, 
 
 @pytest.mark.parametrize("preset,batch,layers", [("tiny-llama", 2, None), ("llama-3.2-1b", 8, 2),
                                                  ("qwen2.5-0.5b", 5, 2)])
-def test_mma_gemv_kernel_matches_reference_executor_at_long_context(preset, batch, layers, monkeypatch):
+def test_mma_gemv_kernel_matches_reference_executor_at_long_context(preset, batch, layers):
     """The tensor-core GEMV (``8x8+mma`` on every GEMV stage, experimental ``mma_gemv``): split K (several warps
     per tile, partial sums in shared memory), batches below 8 (unused MMA rows), a q/k/v bias (Qwen2.5) and a
     tied LM head, against the bf16-staging reference (:func:`_assert_bf16_steps_match`). Written in session 12
-    without a GPU: not yet run on the H200."""
+    without a GPU; passed on the H200 in session 13 (then made the default of bf16-staged buckets)."""
     from megabake.plan import GEMV_STAGES
     from megabake.runtime import gpu_info
 
-    monkeypatch.setenv("MEGABAKE_EXPERIMENTAL_LAYOUTS", "mma_gemv")
     tuning = {stage: GemvTuning.parse("8x8+mma") for stage in GEMV_STAGES}
     vocab = 4096 if layers else None
     compiled = compile_preset(preset, layers=layers, vocab=vocab, batch=batch, capacity=1024,

@@ -5,8 +5,9 @@ Llama-3.2-1B's batch-8 step costs 3.07x its batch-1 step on the H200 (session 12
 weights by the bf16-staged input rows on the tensor cores instead (fp32 sums). Checked here on the CPU: the text
 form and its refusals, the plan's choice of warps per tile and loads in flight, plans without it unchanged, the
 reference executor unchanged (same math as bf16 staging), and a CuTe DSL compile for sm_90a whose PTX holds the
-MMAs. Its kernel has not run on a GPU yet (written in session 12 after the device time was spent):
-``pytest -m gpu tests/test_gpu_decode.py -k mma``.
+MMAs. Its kernel passed on the H200 in session 13 (``pytest -m gpu tests/test_gpu_decode.py -k mma``: tiny-llama
+b2, Llama-3.2-1B b8 and Qwen2.5-0.5B b5 match the bf16-staging reference) and took Llama-3.2-1B's batch-8 step
+from 2.838 to 1.993 ms; ``mma_gemv`` is GPU-verified since, the default tiling of bf16-staged buckets.
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ from megabake.errors import PlanError
 from megabake.plan import GEMV_STAGES, GemvTuning
 from megabake.plan.reference import reference_executor_for
 from megabake.plan.tuning import HOPPER_SMEM_PER_BLOCK, mma_split, mma_unroll
-from tests.compiler_fixtures import compile_preset
+from tests.compiler_fixtures import body_calls, compile_preset
 
 EXPERIMENTAL = "MEGABAKE_EXPERIMENTAL_LAYOUTS"
 MMA = {stage: GemvTuning.parse("8x8+mma") for stage in GEMV_STAGES}
+PLAIN = {stage: GemvTuning() for stage in GEMV_STAGES}
 
 
 def test_text_form_round_trips_and_refuses_other_flags():
@@ -55,13 +57,25 @@ def test_loads_in_flight_divide_the_k_slice():
         mma_split(64, 520, 132, 8)
 
 
-def test_mma_is_experimental_until_it_runs_on_a_gpu(monkeypatch):
+def test_mma_bakes_without_opt_in_once_gpu_verified(monkeypatch):
+    """Verified on the H200 (session 13): ``+mma`` bakes without the opt-in; the gate itself still refuses it
+    for a tree where it is not in GPU_VERIFIED_FEATURES."""
+    import megabake.plan as plan_module
+
     monkeypatch.delenv(EXPERIMENTAL, raising=False)
+    compiled = compile_preset("tiny-llama", batch=2, capacity=64, tuning=MMA)
+    assert all(s.tiling.mma for s in compiled.plan.stages if s.tiling.kind == "rows")
+    unverified = tuple(f for f in plan_module.GPU_VERIFIED_FEATURES if f != "mma_gemv")
+    monkeypatch.setattr(plan_module, "GPU_VERIFIED_FEATURES", unverified)
     with pytest.raises(PlanError, match="tensor-core GEMV .*MEGABAKE_EXPERIMENTAL_LAYOUTS=mma_gemv"):
-        compile_preset("tiny-llama", batch=2, capacity=64, tuning=MMA)
+        compiled.replan(tuning=MMA)
 
 
 def test_mma_plan_stages_bf16_splits_small_stages_and_keeps_other_plans(monkeypatch):
+    import megabake.plan as plan_module
+
+    unverified = tuple(f for f in plan_module.GPU_VERIFIED_FEATURES if f != "mma_gemv")
+    monkeypatch.setattr(plan_module, "GPU_VERIFIED_FEATURES", unverified)  # the default is the plain tiling
     monkeypatch.setenv(EXPERIMENTAL, "mma_gemv")
     plain = compile_preset("llama-3.2-1b", layers=1, vocab=4096, batch=8, capacity=128)
     compiled = plain.replan(tuning=MMA)
@@ -94,18 +108,20 @@ def test_reference_executor_is_the_bf16_staging_math(monkeypatch):
     the bf16-staging reference, so the GPU test compares the kernel against it."""
     monkeypatch.setenv(EXPERIMENTAL, "mma_gemv")
     compiled = compile_preset("tiny-llama", batch=2, capacity=64)
-    mma, bf16 = compiled.replan(tuning=MMA), compiled.replan(staging="bfloat16")
+    mma, bf16 = compiled.replan(tuning=MMA), compiled.replan(tuning=PLAIN, staging="bfloat16")
     tokens = torch.tensor([5, 9])
     want = reference_executor_for(bf16.plan, compiled.model).step(tokens, 3)
     got = reference_executor_for(mma.plan, compiled.model).step(tokens, 3)
     assert torch.allclose(got, want, rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("preset, batch, layers, mmas_per_stage",
-                         [("llama-3.2-1b", 8, 2, 16), ("tiny-llama", 2, None, None)])
-def test_mma_module_compiles_for_sm90a(monkeypatch, tmp_path, preset, batch, layers, mmas_per_stage):
+@pytest.mark.parametrize("preset, batch, layers, mmas_per_stage, gated",
+                         [("llama-3.2-1b", 8, 2, 16, "1"), ("tiny-llama", 2, None, None, "1"),
+                          ("tiny-gemma", 2, None, None, "2")])
+def test_mma_module_compiles_for_sm90a(monkeypatch, tmp_path, preset, batch, layers, mmas_per_stage, gated):
     """Two m16n8k16 bf16 MMAs per 16-byte weight vector in each GEMV stage's K loop (8 vectors per lane and
-    step at Llama's shapes), CTA barriers where split partial sums meet."""
+    step at Llama's shapes), CTA barriers where split partial sums meet; the gate/up GEMV applies the model's
+    activation (code 1 silu, 2 Gemma's tanh GELU) and only it."""
     pytest.importorskip("cutlass")
     from megabake.runtime.compile import compile_check, load_module
 
@@ -120,22 +136,77 @@ def test_mma_module_compiles_for_sm90a(monkeypatch, tmp_path, preset, batch, lay
     want = (mmas_per_stage * len(gemv_stages) if mmas_per_stage
             else sum(2 * s.tiling.unroll for s in gemv_stages))
     assert mmas == want, (mmas, want)
+    calls = body_calls(compiled.generated.source, "gemv_rows_mma")
+    assert [c["gated"] for c in calls] == ["0", "0", gated, "0", "0"], calls
 
 
-def test_mma_becomes_the_bf16_default_once_verified_on_a_gpu(monkeypatch):
-    """Wired for the session that verifies it: with ``mma_gemv`` in GPU_VERIFIED_FEATURES a bf16-staged bucket
-    (Llama-3.2-1B at batch 8) plans ``8x8+mma`` by default, an fp32-staged one keeps the streaming ring, and a
-    soft-capped LM head keeps the plain tiling. Until then the default is unchanged."""
+def test_mma_is_the_bf16_default(monkeypatch):
+    """GPU-verified in session 13: a bf16-staged bucket of at most 8 sequences (Llama-3.2-1B at batch 8) plans
+    ``8x8+mma`` by default, an fp32-staged one keeps the streaming ring, a soft-capped LM head and a bf16-staged
+    batch of 9 keep the plain tiling; on a tree where the feature is not verified the default is the plain one."""
     import megabake.plan as plan_module
 
     monkeypatch.delenv(EXPERIMENTAL, raising=False)
     batch8 = compile_preset("llama-3.2-1b", layers=1, vocab=4096, batch=8, capacity=128)
-    assert not any(s.tiling.mma for s in batch8.plan.stages)
-    monkeypatch.setattr(plan_module, "GPU_VERIFIED_FEATURES", (*plan_module.GPU_VERIFIED_FEATURES, "mma_gemv"))
-    assert all(s.tiling.mma for s in batch8.replan().plan.stages if s.tiling.kind == "rows")
-    assert batch8.replan().plan.smem_bytes <= HOPPER_SMEM_PER_BLOCK
+    assert all(s.tiling.mma for s in batch8.plan.stages if s.tiling.kind == "rows")
+    assert batch8.plan.smem_bytes <= HOPPER_SMEM_PER_BLOCK
+    assert batch8.replan(tuning=MMA).plan == batch8.plan  # the GPU test's explicit 8x8+mma is this default
     batch1 = compile_preset("tiny-llama", capacity=64)
-    assert not any(s.tiling.mma for s in batch1.replan().plan.stages)
+    assert not any(s.tiling.mma for s in batch1.plan.stages)
+    batch9 = compile_preset("tiny-llama", batch=9, capacity=64).replan(staging="bfloat16").plan
+    assert batch9.staging_dtype == "bfloat16" and not any(s.tiling.mma for s in batch9.stages)
     gemma2 = compile_preset("tiny-gemma2", capacity=64).replan(staging="bfloat16").plan
     assert [s.tiling.mma > 0 for s in gemma2.stages if s.tiling.kind == "rows"][-1] is False
     assert all(s.tiling.mma for s in gemma2.stages if s.tiling.kind == "rows" and s.name != "norm_lm_head")
+    unverified = tuple(f for f in plan_module.GPU_VERIFIED_FEATURES if f != "mma_gemv")
+    monkeypatch.setattr(plan_module, "GPU_VERIFIED_FEATURES", unverified)
+    assert not any(s.tiling.mma for s in batch8.replan().plan.stages)
+
+
+def test_interleave_halves_pairs_gate_and_up_blocks():
+    from megabake.plan.packing import interleave_halves
+
+    rows = torch.arange(16).float()[:, None].expand(16, 3)
+    got = interleave_halves(rows, 4)[:, 0].long().tolist()
+    assert got == [0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15]
+    with pytest.raises(ValueError, match="blocks of 4"):
+        interleave_halves(torch.zeros(12, 2), 4)
+
+
+@pytest.mark.parametrize("preset, batch", [("tiny-llama", 2), ("tiny-gemma", 2), ("tiny-olmo2", 1)])
+def test_gate_up_gemv_on_tensor_cores_applies_the_activation(preset, batch):
+    """With ``+mma`` on the gate/up stage its packed rows alternate 4 gate and 4 up rows, it writes act(gate) * up
+    (silu; Gemma's tanh GELU) once, and the down stage copies that row: the reference executor gives exactly the
+    logits of the unfused bf16-staged plan (the same products, rounded to bf16 at the same place), and plans
+    without the tensor-core gate/up GEMV keep their packing."""
+    from megabake.plan.stages import spec_of
+
+    compiled = compile_preset(preset, batch=batch, capacity=64)
+    fused, unfused = compiled.replan(tuning=MMA).plan, compiled.replan(tuning=PLAIN, staging="bfloat16").plan
+    gate_up = next(s for s in fused.stages if s.name == "norm_gate_up")
+    down = next(s for s in fused.stages if s.name == "down_residual")
+    assert spec_of(gate_up, fused).gemv.gated and "act" in gate_up.roles and "act" not in down.roles
+    assert spec_of(down, fused).vector.kind == "copy"
+    assert {p.buffer: p.interleave for p in fused.packed if p.interleave} == {"w_gate_up": 4}
+    assert not any(p.interleave for p in unfused.packed) and '"interleave"' not in unfused.to_json()
+    from megabake.plan.model import Plan
+    assert Plan.from_json(fused.to_json()) == fused
+    tokens = torch.arange(1, batch + 1) * 7
+    want, got = reference_executor_for(unfused, compiled.model), reference_executor_for(fused, compiled.model)
+    for position in range(5):
+        assert torch.equal(got.step(tokens, position), want.step(tokens, position))
+
+
+def test_gated_gemv_interleaves_its_bias_too():
+    """Llama's mlp_bias: the gate/up bias is packed in the same row order as the weight."""
+    from tests.test_compiler import _randomise_biases, _small
+    from tests.compiler_fixtures import compile_model
+
+    model = _randomise_biases(_small("LlamaForCausalLM", mlp_bias=True))
+    compiled = compile_model(model, batch=2)
+    fused, unfused = compiled.replan(tuning=MMA).plan, compiled.replan(tuning=PLAIN, staging="bfloat16").plan
+    assert {p.buffer: p.interleave for p in fused.packed if p.interleave} == {"w_gate_up": 4, "bias_gate_up": 4}
+    tokens = torch.tensor([3, 11])
+    want, got = reference_executor_for(unfused, model), reference_executor_for(fused, model)
+    for position in range(3):
+        assert torch.allclose(got.step(tokens, position), want.step(tokens, position), rtol=0, atol=1e-6)

@@ -32,7 +32,8 @@ from pathlib import Path
 
 from ..plan import (ATTN_COUNT, ATTN_PART, ATTN_WINDOW, HEAD_NORMS, ROPE_TABLE, STAGE_BIAS, Plan, Stage, kv_splits,
                    ring_shape, smem_floats)
-from ..plan.stages import ACTIVATIONS, DIMENSION_CONSTANTS, StageSpec, next_gemv, norm_slot, spec_of
+from ..plan.stages import (ACTIVATIONS, DIMENSION_CONSTANTS, GATED_ACT_CODES, StageSpec, next_gemv, norm_slot,
+                           spec_of)
 
 KERNEL_ARGUMENTS = [
     "embed", "w_qkv", "w_o", "w_gate_up", "w_down", "norms", "final_norm", "lm_head", "rope_cos", "rope_sin",
@@ -330,12 +331,14 @@ def _stage(w: _Writer, plan: Plan, stage: Stage, indent: int, layer_var) -> None
     w.end()
 
 
-def _gemv(weight: str, out: str, rows: str, cols: str, stage: Stage, accumulate: bool, bias: str | None = None) -> str:
+def _gemv(weight: str, out: str, rows: str, cols: str, stage: Stage, accumulate: bool, bias: str | None = None,
+          gated: int = 0) -> str:
     if stage.tiling.mma:
         bias_arg = f"{bias}[layer, None]" if bias else out  # out: an unused stand-in when there is no bias
         part = "s_part" if stage.tiling.mma > 1 else "s_att"  # s_att: an unused stand-in when nothing splits
         return (f"bodies.gemv_rows_mma({weight}, {bias_arg}, s_vec, {part}, {out}, cta, tidx, CTAS, WARPS, {rows}, "
-                f"{cols}, BATCH, MMA_SPLIT[{stage.name!r}], {accumulate}, GEMV_UNROLL[{stage.name!r}], {bool(bias)})")
+                f"{cols}, BATCH, MMA_SPLIT[{stage.name!r}], {accumulate}, GEMV_UNROLL[{stage.name!r}], {bool(bias)}, "
+                f"{gated})")
     args = (f"{out}, {_warp_index(stage)}, lane, TOTAL_WARPS, {rows}, {cols}, BATCH, ROWS_PER_TILE[{stage.name!r}], "
             f"{accumulate}, GEMV_UNROLL[{stage.name!r}]")
     bias_arg = f"{bias}[layer, None]" if bias else out  # out: an unused stand-in when there is no bias
@@ -538,8 +541,9 @@ def _gemv_stage_calls(plan: Plan, stage: Stage) -> list[tuple[str, str]]:
     weight = f"{gemv.weight}[layer, None, None]" if spec.per_layer else gemv.weight
     rows, cols = DIMENSION_CONSTANTS[gemv.rows], DIMENSION_CONSTANTS[gemv.cols]
     bias = plan.bias_of(stage.name) if spec.per_layer else None
+    gated = GATED_ACT_CODES[plan.dims.act] if gemv.gated else 0  # the gate/up GEMV applies the activation
     calls = [_vector_call(plan, spec),
-             (_gemv_label(plan, stage), _gemv(weight, gemv.out, rows, cols, stage, gemv.accumulate, bias))]
+             (_gemv_label(plan, stage), _gemv(weight, gemv.out, rows, cols, stage, gemv.accumulate, bias, gated))]
     if spec.scope == "epilogue" and plan.dims.final_softcap:
         calls.append(("softcap_rows", f"bodies.softcap_rows({gemv.out}, {_warp_index(stage)}, lane, TOTAL_WARPS, "
                                       f"{rows}, BATCH, ROWS_PER_TILE[{stage.name!r}], FINAL_SOFTCAP)"))

@@ -39,8 +39,9 @@ from .memory import STAGING_BYTES, check_shared_memory, smem_bytes, smem_floats,
 from .model import (PLAN_VERSION, WARP, Buffer, LayerBinding, ModelDims, PackedWeight, Plan,  # noqa: F401
                     Rotary, Stage, Tiling, plan_from_dict)
 from .recognise import POWER_OF_TWO_HEAD_DIMS, Block, model_dims, recognise_decoder
-from .stages import (ATTN_WINDOW, GEMV_STAGES, HEAD_NORMS, LAYER_GEMVS, LAYER_NORM_ROLES, LAYOUTS,  # noqa: F401
-                     ROPE_TABLE, STAGE_BIAS, STAGE_TABLE, WORKSPACES, Layout, StageSpec)
+from .stages import (ATTN_WINDOW, GATED_BLOCK, GATED_LAYOUTS, GEMV_STAGES, HEAD_NORMS,  # noqa: F401
+                     LAYER_GEMVS, LAYER_NORM_ROLES, LAYOUTS, ROPE_TABLE, STAGE_BIAS, STAGE_TABLE, WORKSPACES, Layout,
+                     StageSpec)
 from .tuning import (DEFAULT_TUNING, HOPPER_SMEM_PER_BLOCK, PIPELINE_MAX_THREADS,  # noqa: F401
                      PIPELINE_MAX_VECTORS, RING_VECTOR_BYTES, STREAMING_DEFAULT, GemvTuning, check_pipeline,
                      check_ring, default_tuning, ring_bytes, ring_shape, streaming_tuning)
@@ -95,13 +96,15 @@ def build_plan(ir: IRGraph, *, ctas: int = 132, threads: int = 256, weight_dtype
     staging = _staging(dims, batch, capacity, threads, split_kv, staging or ("bfloat16" if wants_mma else None),
                        attention_preload)
     if tuning is None:
-        tuning = (_mma_default(dims, staging, weight_dtype, ctas, threads)
+        tuning = (_mma_default(dims, batch, staging, weight_dtype, ctas, threads)
                   or default_tuning(threads, smem_bytes(dims, batch, capacity, threads, split_kv, staging)))
         wants_mma = any(t.mma for t in tuning.values())
     tuning = {**DEFAULT_TUNING, **tuning}
     _check_options(dims, tuning, threads, lm_head, split_kv, attention_preload, batch, ctas)
     if wants_mma:
         _check_mma(dims, tuning, batch, staging, weight_dtype)
+    if tuning["norm_gate_up"].mma:  # the tensor-core gate/up GEMV applies the activation as it writes (its tiles
+        layout = GATED_LAYOUTS[layout.name]  # pair GATED_BLOCK gate and up rows; intermediate % 8 == 0 is checked)
     windows = [block.ops["attention"].window for block in blocks]
     _check_windows(windows, split_kv)
     rope_tables, layer_tables = _rope_tables(ir, blocks, rotary_tables, dims.head_dim)
@@ -123,7 +126,7 @@ def build_plan(ir: IRGraph, *, ctas: int = 132, threads: int = 256, weight_dtype
         + _bias_buffers(dims, biased)
         + _head_norm_buffers(dims, head_norms) + split_kv_buffers(dims, batch, stages) + _window_buffers(dims, windows)
         + _rope_table_buffers(dims, rope_tables),
-        packed=_packing(layout, blocks, embed, final_norm, lm_head, tied) + _bias_packing(blocks, biased)
+        packed=_packing(layout, blocks, embed, final_norm, lm_head, tied) + _bias_packing(layout, blocks, biased)
         + _head_norm_packing(blocks, head_norms),
         stages=stages, layers=[_bind_layer(layout, block, window, table)
                                for block, window, table in zip(blocks, windows, layer_tables)],
@@ -161,7 +164,7 @@ GPU_VERIFIED_LAYOUTS = ("pre_norm", "sandwich", "post_norm")  # layouts whose ke
 
 
 # kernel features (beyond layouts) that passed `pytest -m gpu` on an H200
-GPU_VERIFIED_FEATURES = ("rope_tables", "whole_qk_norm", "bf16_staging")
+GPU_VERIFIED_FEATURES = ("rope_tables", "whole_qk_norm", "bf16_staging", "mma_gemv")
 EXPERIMENTAL_FEATURES = {"rope_tables": "per-layer rotary tables (Gemma 3: one RoPE base per layer type)",
                          "whole_qk_norm": "q/k RMSNorm over the whole projection (OLMo-2)",
                          "bf16_staging": "GEMV inputs staged in bf16 shared memory because fp32 rows do not fit",
@@ -228,11 +231,14 @@ def _check_mma(dims: ModelDims, tuning: dict[str, GemvTuning], batch: int, stagi
                         "norm_lm_head a plain tiling (build_plan's tuning; `--tiling` applies to every stage)")
 
 
-def _mma_default(dims: ModelDims, staging: str, weight_dtype: str, ctas: int, threads: int) -> dict | None:
-    """The default tiling of a bf16-staged bucket once the tensor-core GEMV has passed on a GPU (``mma_gemv`` in
-    ``GPU_VERIFIED_FEATURES``): ``8x8+mma`` on every GEMV stage whose K it can split (the LM head of a
-    soft-capped model keeps the plain tiling); None before that, or for fp32 staging or non-bf16 weights."""
-    if "mma_gemv" not in GPU_VERIFIED_FEATURES or staging != "bfloat16" or weight_dtype != "bfloat16":
+def _mma_default(dims: ModelDims, batch: int, staging: str, weight_dtype: str, ctas: int,
+                 threads: int) -> dict | None:
+    """The default tiling of a bf16-staged bucket of at most ``MMA_MAX_BATCH`` sequences once the tensor-core GEMV
+    has passed on a GPU (``mma_gemv`` in ``GPU_VERIFIED_FEATURES``, session 13): ``8x8+mma`` on every GEMV stage
+    whose K it can split (the LM head of a soft-capped model keeps the plain tiling); None before that, or for
+    fp32 staging, larger batches or non-bf16 weights."""
+    if ("mma_gemv" not in GPU_VERIFIED_FEATURES or staging != "bfloat16" or weight_dtype != "bfloat16"
+            or batch > MMA_MAX_BATCH):
         return None
     mma = GemvTuning(MMA_ROWS, 8, mma=True)
     chosen = {}
@@ -402,7 +408,8 @@ def _packing(layout: Layout, blocks: list[Block], embed: Embedding, final_norm: 
         return [[_weight_source(block.ops[role]) for role in roles] for block in blocks]
 
     packs = [PackedWeight("embed", False, [[(embed.table, 0)]])]
-    packs += [PackedWeight(spec.gemv.weight, True, per_layer(spec.gemv.roles)) for spec in layout.layer_gemvs]
+    packs += [PackedWeight(spec.gemv.weight, True, per_layer(spec.gemv.roles), _interleave(spec))
+              for spec in layout.layer_gemvs]
     packs += [PackedWeight("norms", True, per_layer(layout.norm_roles)),
               PackedWeight("final_norm", False, [[(final_norm.weight, 0)]])]
     if not tied:
@@ -428,15 +435,21 @@ def _bias_buffers(dims: ModelDims, biased: list[str]) -> list[Buffer]:
             for spec in LAYER_GEMVS if spec.name in biased]
 
 
-def _bias_packing(blocks: list[Block], biased: list[str]) -> list[PackedWeight]:
+def _interleave(spec: StageSpec) -> int:
+    """A gated GEMV's packed rows alternate blocks of gate and up rows (``stages.gated_act_layout``)."""
+    return GATED_BLOCK if spec.gemv.gated else 0
+
+
+def _bias_packing(layout: Layout, blocks: list[Block], biased: list[str]) -> list[PackedWeight]:
     def part(lin):
         if lin.bias is None:
             return ("", lin.out_features)
         rows = getattr(lin, "weight_rows", None)
         return (lin.bias, *rows) if rows else (lin.bias, 0)
 
-    return [PackedWeight(spec.gemv.bias, True, [[part(block.ops[role]) for role in spec.gemv.roles] for block in blocks])
-            for spec in LAYER_GEMVS if spec.name in biased]
+    return [PackedWeight(spec.gemv.bias, True, [[part(block.ops[role]) for role in spec.gemv.roles] for block in blocks],
+                         _interleave(spec))
+            for spec in layout.layer_gemvs if spec.name in biased]
 
 
 def _has_head_norms(blocks: list[Block]) -> bool:

@@ -90,6 +90,9 @@ class PackedWeight:
     buffer: str
     per_layer: bool
     sources: list[list[tuple[str, int]]]
+    # > 0: each layer's concatenated rows reordered in blocks of this many rows, alternating between the first and
+    # the second half (a gated GEMV's gate | up, ``stages.GATED_BLOCK``); 0 (left out of plan.json): as concatenated
+    interleave: int = 0
 
 
 @dataclass
@@ -193,6 +196,9 @@ class Plan:
             data.pop("rope_tables")
         if data["staging_dtype"] == "float32":
             data.pop("staging_dtype")
+        for packed in data["packed"]:
+            if not packed["interleave"]:
+                packed.pop("interleave")
         for rotary in [data["rotary"], *data.get("rope_tables", [])]:  # long-RoPE fields only when switched
             for key in ("long_inv_freq", "long_from"):
                 if not rotary[key]:
@@ -291,8 +297,8 @@ def plan_from_dict(data: dict) -> Plan:
     data = dict(data)
     data["dims"] = ModelDims(**data["dims"])
     data["buffers"] = [Buffer(**b) for b in data["buffers"]]
-    data["packed"] = [PackedWeight(p["buffer"], p["per_layer"], [[tuple(s) for s in layer] for layer in p["sources"]])
-                      for p in data["packed"]]
+    data["packed"] = [PackedWeight(p["buffer"], p["per_layer"], [[tuple(s) for s in layer] for layer in p["sources"]],
+                                   p.get("interleave", 0)) for p in data["packed"]]
     data["stages"] = [Stage(**{**s, "tiling": Tiling(**s["tiling"])}) for s in data["stages"]]
     data["layers"] = [LayerBinding(**layer) for layer in data["layers"]]
     data["rotary"] = Rotary(**data["rotary"])

@@ -3,8 +3,8 @@
 Contract: ``pack_weights(plan, lookup, dtype=..., device=...)`` returns ``{buffer name: tensor}`` for every
 weight buffer of the plan, built only from the plan's :class:`PackedWeight` sources (HF parameter fqns,
 concatenated along rows, stacked per layer; ``(fqn, start, stop)`` takes rows of a fused parameter; ``("", n)``
-sources are n zero rows). Norm weights are packed in
-fp32 with the plan's weight offset folded in (Gemma's ``1 + w``); biases are packed in fp32.
+sources are n zero rows; ``interleave`` reorders a layer's rows by :func:`interleave_halves`). Norm weights are
+packed in fp32 with the plan's weight offset folded in (Gemma's ``1 + w``); biases are packed in fp32.
 ``rotary_tables(plan, inv_freq)`` evaluates cos/sin for every cache slot: row p from ``inv_freq`` (the model's
 buffer, :func:`plan_inv_freqs`), or, for a long-RoPE table past its original range, from the plan's
 ``long_inv_freq`` where ``p >= long_from`` (transformers' switch to the long factors at that position).
@@ -43,12 +43,22 @@ def pack_weights(plan: Plan, lookup: Callable[[str], torch.Tensor], *, dtype: to
             if is_norm:
                 parts = [p + plan.dims.norm_offset for p in parts]
             stacked = is_norm and len(parts) > 1 and len(buf.shape) == (3 if spec.per_layer else 2)
-            layers.append(torch.stack(parts) if stacked else torch.cat(parts, dim=0))
+            rows = torch.stack(parts) if stacked else torch.cat(parts, dim=0)
+            layers.append(interleave_halves(rows, spec.interleave) if spec.interleave else rows)
         tensor = torch.stack(layers) if spec.per_layer else layers[0]
         if list(tensor.shape) != buf.shape:
             raise ValueError(f"packed {spec.buffer} has shape {list(tensor.shape)}, plan says {buf.shape}")
         packed[spec.buffer] = tensor.contiguous()
     return packed
+
+
+def interleave_halves(rows: torch.Tensor, block: int) -> torch.Tensor:
+    """Rows [first half | second half] reordered as ``block`` rows of the first, ``block`` of the second, ...
+    (a gated GEMV's packed gate | up: each 8-row tensor-core tile holds 4 gate rows and the 4 matching up rows)."""
+    half = rows.shape[0] // 2
+    if rows.shape[0] % (2 * block):
+        raise ValueError(f"cannot interleave {rows.shape[0]} rows in blocks of {block} from each half")
+    return rows.view(2, half // block, block, *rows.shape[1:]).transpose(0, 1).reshape(rows.shape)
 
 
 def _source_rows(lookup: Callable[[str], torch.Tensor], source) -> torch.Tensor:

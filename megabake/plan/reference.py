@@ -14,7 +14,7 @@ import torch
 
 from . import Plan, Stage, WARP
 from .packing import torch_dtype
-from .stages import VectorInput, norm_slot, spec_of
+from .stages import GATED_BLOCK, VectorInput, norm_slot, spec_of
 
 
 class ReferenceExecutor:
@@ -89,6 +89,15 @@ class ReferenceExecutor:
                 out[:, part] = product[:, part]
         assert bool((written == 1).all()), f"{stage.name}: some output rows written {int(written.max())}x or never"
 
+    def _gated_gemv(self, stage: Stage, weight: torch.Tensor, vec: torch.Tensor, out: torch.Tensor, layer: int):
+        """A gated GEMV (``Gemv.gated``): its packed rows alternate GATED_BLOCK gate and up rows; it writes
+        act(gate) * up into the first half of ``out`` (every tile's rows written once, checked by ``_gemv``)."""
+        rows = torch.zeros_like(out)
+        self._gemv(stage, weight, vec, rows, False, layer=layer)
+        blocks = rows.view(rows.shape[0], -1, 2, GATED_BLOCK)
+        gate, up = blocks[:, :, 0].reshape(rows.shape[0], -1), blocks[:, :, 1].reshape(rows.shape[0], -1)
+        out[:, :gate.shape[1]] = _ACTIVATIONS[self.plan.dims.act](gate) * up
+
     def _rmsnorm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         inv = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.plan.dims.eps)
         return x * inv * weight
@@ -120,8 +129,8 @@ class ReferenceExecutor:
             weight = (self.w["final_norm"] if vector.norm_role == "final_norm"
                       else self.w["norms"][layer, norm_slot(vector.norm_role, self.plan)])
             return self._rmsnorm(source, weight)
-        if vector.kind == "copy":
-            return source.clone()
+        if vector.kind == "copy":  # the first ``width`` columns (a gated GEMV's act(gate) * up: half of gate_up)
+            return source[:, :getattr(self.plan.dims, vector.width)].clone()
         inter = self.plan.dims.intermediate
         return _ACTIVATIONS[self.plan.dims.act](source[:, :inter]) * source[:, inter:]
 
@@ -143,7 +152,10 @@ class ReferenceExecutor:
         vector = self._vector(spec.vector, layer)
         if self.plan.staging_dtype == "bfloat16":  # the kernel stages the rows in bf16 (rounded to nearest even)
             vector = vector.to(torch.bfloat16).float()
-        self._gemv(stage, weight, vector, self.buffers[gemv.out], gemv.accumulate, layer=layer)
+        if gemv.gated:
+            self._gated_gemv(stage, weight, vector, self.buffers[gemv.out], layer)
+        else:
+            self._gemv(stage, weight, vector, self.buffers[gemv.out], gemv.accumulate, layer=layer)
         cap = self.plan.dims.final_softcap
         if spec.scope == "epilogue" and cap:
             self.buffers[gemv.out].copy_(cap * torch.tanh(self.buffers[gemv.out] / cap))

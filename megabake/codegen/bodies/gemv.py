@@ -12,6 +12,7 @@ import cutlass.cute.nvgpu.cpasync as cpasync
 from cutlass import Float32, Int32, Int64
 
 from .common import VEC, WARP
+from .staging import GELU_TANH_C, INV_SQRT2
 
 
 # -------------------------------------------------------------------------------------------- GEMV
@@ -430,7 +431,7 @@ def gemv_rows_mma(weight: cute.Tensor, bias: cute.Tensor, s_vec: cute.Tensor, s_
                   cta: Int32, tidx: Int32, ctas: cutlass.Constexpr[int], warps: cutlass.Constexpr[int],
                   rows: cutlass.Constexpr[int], cols: cutlass.Constexpr[int], batch: cutlass.Constexpr[int],
                   ksplit: cutlass.Constexpr[int], accumulate: cutlass.Constexpr[bool], unroll: cutlass.Constexpr[int],
-                  has_bias: cutlass.Constexpr[bool]):
+                  has_bias: cutlass.Constexpr[bool], gated: cutlass.Constexpr[int]):
     """out[b, r] (+)= sum_k weight[r, k] * s_vec[b, k] on the tensor cores (bf16 ``s_vec``, fp32 accumulation).
 
     Tiles of 8 output rows; ``ksplit`` warps of a CTA share a tile, each reducing cols / ksplit of K, and
@@ -440,6 +441,9 @@ def gemv_rows_mma(weight: cute.Tensor, bias: cute.Tensor, s_vec: cute.Tensor, s_
     meet in ``s_part`` ([warps, 8, 8] fp32) and the group's first warp adds them in warp order
     (deterministic), then writes: out += (``accumulate``), + bias[row] (``has_bias``). Every warp runs the same
     steps (CTA-wide barriers inside); cols % (32 * ksplit * unroll) == 0 (``plan.tuning.mma_unroll``).
+    ``gated`` > 0 (the activation's ``plan.stages.GATED_ACT_CODES`` code): each tile holds 4 gate rows then the
+    4 matching up rows (``plan.stages.gated_act_layout``), and out[b, tile * 4 + i] = act(gate_i) * up_i (bias
+    added to both first).
     """
     lane = tidx % WARP
     warp = tidx // WARP
@@ -483,15 +487,33 @@ def gemv_rows_mma(weight: cute.Tensor, bias: cute.Tensor, s_vec: cute.Tensor, s_
         cur.store(nxt.load())
         if step == steps - 1:  # the same step for every warp of the CTA: the barriers below are uniform
             _mma_write(acc, s_part, bias, out, tile, warp, part, gid, tig, rows, batch, ksplit, accumulate,
-                       has_bias)
+                       has_bias, gated)
+
+
+MMA_GATED = 4  # gate rows (then as many up rows) per 8-row tile of a gated GEMV (plan.stages.GATED_BLOCK)
+
+
+@cute.jit
+def _gated_act(gate: Float32, up: Float32, act: cutlass.Constexpr[int]) -> Float32:
+    """act(gate) * up as the staging bodies compute it (silu_mul_to_smem, gelu_mul_to_smem), for one element;
+    ``act``: 1 silu, 2 tanh GELU, 3 erf GELU (``plan.stages.GATED_ACT_CODES``)."""
+    result = gate / (1.0 + cute.math.exp(-gate)) * up
+    if cutlass.const_expr(act == 2):
+        result = 0.5 * gate * (1.0 + cute.math.tanh(GELU_TANH_C * (gate + 0.044715 * gate * gate * gate))) * up
+    if cutlass.const_expr(act == 3):
+        result = 0.5 * gate * (1.0 + cute.math.erf(gate * INV_SQRT2)) * up
+    return result
 
 
 @cute.jit
 def _mma_write(acc: cute.Tensor, s_part: cute.Tensor, bias: cute.Tensor, out: cute.Tensor, tile: Int32, warp: Int32,
                part: Int32, gid: Int32, tig: Int32, rows: cutlass.Constexpr[int], batch: cutlass.Constexpr[int],
-               ksplit: cutlass.Constexpr[int], accumulate: cutlass.Constexpr[bool], has_bias: cutlass.Constexpr[bool]):
+               ksplit: cutlass.Constexpr[int], accumulate: cutlass.Constexpr[bool], has_bias: cutlass.Constexpr[bool],
+               gated: cutlass.Constexpr[int]):
     """Lane (g, t) of a tile's first warp writes out[g, tile rows 2t, 2t + 1], the ``ksplit`` warps' partial sums
-    added in warp order (through ``s_part``, between two CTA barriers) when the tile's K is split."""
+    added in warp order (through ``s_part``, between two CTA barriers) when the tile's K is split. Gated: lanes
+    t = 0, 1 hold gate rows 2t, 2t + 1 of the tile, lanes t + 2 the matching up rows; a butterfly shuffle brings
+    the up value over and lane t writes act(gate) * up at columns tile * 4 + 2t, + 1."""
     if cutlass.const_expr(ksplit > 1):
         for e in cutlass.range_constexpr(2):
             s_part[warp, gid, 2 * tig + e] = acc[e]
@@ -502,7 +524,16 @@ def _mma_write(acc: cute.Tensor, s_part: cute.Tensor, bias: cute.Tensor, out: cu
                 for p in cutlass.range_constexpr(ksplit):
                     total = total + s_part[warp + p, gid, 2 * tig + e]
                 acc[e] = total
-    if part == 0 and tile * MMA_ROWS < rows and gid < batch:
+    if cutlass.const_expr(gated > 0):
+        if part == 0:  # warp-uniform: every lane of the warp takes part in the shuffle
+            for e in cutlass.range_constexpr(2):
+                value = acc[e]
+                if cutlass.const_expr(has_bias):
+                    value = value + bias[cutlass.min(tile * MMA_ROWS + 2 * tig + e, rows - 1)]
+                up = cute.arch.shuffle_sync_bfly(value, 2)
+                if tile * MMA_ROWS < rows and gid < batch and tig < 2:
+                    out[gid, tile * MMA_GATED + 2 * tig + e] = _gated_act(value, up, gated)
+    elif part == 0 and tile * MMA_ROWS < rows and gid < batch:
         for e in cutlass.range_constexpr(2):
             out_row = tile * MMA_ROWS + 2 * tig + e
             if out_row < rows:
