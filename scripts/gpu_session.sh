@@ -27,7 +27,9 @@ summary=()
 run_tests() {  # name, -k expression, files...: one pytest run with its own limit and summary line
   local name=$1 select=$2
   shift 2
-  timeout 580 python3 -m pytest -m gpu -q -p no:cacheprovider --durations=10 -k "$select" "$@" \
+  # faulthandler_timeout: a test past 150 s dumps every thread's stack into the log (a kernel hang shows as a
+  # wait in .cpu() / synchronize; session 13 saw the Qwen2.5 b5 tensor-core test run past 150 s twice)
+  timeout 580 python3 -m pytest -m gpu -q -p no:cacheprovider --durations=10 -o faulthandler_timeout=150 -k "$select" "$@" \
     >"$OUT/pytest-gpu-$name.log" 2>&1
   summary+=("pytest -m gpu ($name): rc=$? $(grep -E '[0-9]+ (passed|failed)' "$OUT/pytest-gpu-$name.log" | tail -1)")
 }
