@@ -218,27 +218,34 @@ def _check_options(dims: ModelDims, tuning: dict[str, GemvTuning], threads: int,
 def _check_mma(dims: ModelDims, tuning: dict[str, GemvTuning], batch: int, staging: str, weight_dtype: str) -> None:
     """The tensor-core GEMV (``+mma``) multiplies bf16 weights by bf16-staged rows of at most 8 sequences."""
     check_layout_enabled("mma_gemv", EXPERIMENTAL_FEATURES["mma_gemv"], holder="this bake asks for")
-    if staging != "bfloat16":
-        raise PlanError(f"the tensor-core GEMV (+mma) reads its inputs as bf16; this plan stages them in {staging}: "
-                        "bake without a staging override (+mma picks bf16)")
-    if batch > MMA_MAX_BATCH:
-        raise PlanError(f"the tensor-core GEMV (+mma) holds at most {MMA_MAX_BATCH} sequences per MMA; batch {batch} "
-                        "needs the plain tiling")
-    if weight_dtype != "bfloat16":
-        raise PlanError(f"the tensor-core GEMV (+mma) multiplies bf16 weights; these are {weight_dtype}")
+    refusal = _mma_refusal(batch, staging, weight_dtype)
+    if refusal:
+        raise PlanError(refusal)
     if dims.final_softcap and tuning["norm_lm_head"].mma:
         raise PlanError("the tensor-core GEMV (+mma) does not soft-cap the LM head's logits (Gemma 2): give "
                         "norm_lm_head a plain tiling (build_plan's tuning; `--tiling` applies to every stage)")
 
 
+def _mma_refusal(batch: int, staging: str, weight_dtype: str) -> str | None:
+    """Why the tensor-core GEMV cannot run this bucket, or None."""
+    if staging != "bfloat16":
+        return (f"the tensor-core GEMV (+mma) reads its inputs as bf16; this plan stages them in {staging}: "
+                "bake without a staging override (+mma picks bf16)")
+    if batch > MMA_MAX_BATCH:
+        return (f"the tensor-core GEMV (+mma) holds at most {MMA_MAX_BATCH} sequences per MMA; batch {batch} "
+                "needs the plain tiling")
+    if weight_dtype != "bfloat16":
+        return f"the tensor-core GEMV (+mma) multiplies bf16 weights; these are {weight_dtype}"
+    return None
+
+
 def _mma_default(dims: ModelDims, batch: int, staging: str, weight_dtype: str, ctas: int,
                  threads: int) -> dict | None:
-    """The default tiling of a bf16-staged bucket of at most ``MMA_MAX_BATCH`` sequences once the tensor-core GEMV
-    has passed on a GPU (``mma_gemv`` in ``GPU_VERIFIED_FEATURES``, session 13): ``8x8+mma`` on every GEMV stage
-    whose K it can split (the LM head of a soft-capped model keeps the plain tiling); None before that, or for
-    fp32 staging, larger batches or non-bf16 weights."""
-    if ("mma_gemv" not in GPU_VERIFIED_FEATURES or staging != "bfloat16" or weight_dtype != "bfloat16"
-            or batch > MMA_MAX_BATCH):
+    """The default tiling of a bf16-staged bucket the tensor-core GEMV can run (:func:`_mma_refusal`; at most
+    ``MMA_MAX_BATCH`` sequences) once it has passed on a GPU (``mma_gemv`` in ``GPU_VERIFIED_FEATURES``, session
+    13): ``8x8+mma`` on every GEMV stage whose K it can split (the LM head of a soft-capped model keeps the plain
+    tiling); None otherwise."""
+    if "mma_gemv" not in GPU_VERIFIED_FEATURES or _mma_refusal(batch, staging, weight_dtype):
         return None
     mma = GemvTuning(MMA_ROWS, 8, mma=True)
     chosen = {}
