@@ -10,7 +10,8 @@ fastest in that stage, and is measured the same way; its spec is printed (a ``tu
 
     source .cute/activate.sh && python3 scripts/gpu_tune.py smollm-135m llama-3.2-1b --out $OUT
 
-``--batch 8`` times batched steps (``mma``: the tensor-core GEMV). Writes OUT/tune-<preset>-b<batch>.json; prints a short table per preset last.
+``--batch 8`` times batched steps (``mma``: the tensor-core GEMV); ``--phases`` adds each variant's clocks
+per phase of each stage (staging, GEMV, prefetch, barrier wait). Writes OUT/tune-<preset>-b<batch>.json; prints a short table per preset last.
 """
 
 from __future__ import annotations
@@ -118,11 +119,13 @@ def sync_call(decoder, token, pos: int, reps: int) -> float:
     return statistics.median(samples)
 
 
-def timeline(plan, model, tokens) -> dict[str, float]:
-    from megabake.codegen import generate
+def timeline(plan, model, tokens, phases: bool = False) -> dict[str, float]:
+    """Microseconds per stage kind (CTA 0, summed over layers) of one step; with ``phases`` per
+    ``<stage>.<phase>`` (staging, GEMV, prefetch, barrier wait: ``codegen.stage_phases``)."""
+    from megabake.codegen import TIMELINE_PHASES, generate
     from megabake.runtime import MegakernelDecoder
 
-    source = generate(plan, timeline=True).source
+    source = generate(plan, timeline=TIMELINE_PHASES if phases else True).source
     decoder = MegakernelDecoder(plan, source, model, device="cuda", use_graph=False)
     for p in range(len(tokens)):
         decoder.step(tokens[p], p)
@@ -130,13 +133,13 @@ def timeline(plan, model, tokens) -> dict[str, float]:
         decoder.step(tokens[-1], len(tokens) - 1)
     by_kind: dict[str, float] = {}
     for label, us in decoder.stage_timeline():
-        kind = label.split(".")[-1]
+        kind = ".".join(label.split(".")[-2:]) if phases else label.split(".")[-1]
         by_kind[kind] = by_kind.get(kind, 0.0) + us
     del decoder
     return by_kind
 
 
-def sweep(name: str, chosen: list[str], reps: int, capacity: int, batch: int = 1) -> dict:
+def sweep(name: str, chosen: list[str], reps: int, capacity: int, batch: int = 1, phases: bool = False) -> dict:
     import torch
 
     from megabake.capture import capture_decode_step
@@ -152,7 +155,8 @@ def sweep(name: str, chosen: list[str], reps: int, capacity: int, batch: int = 1
     ir = lower(captured)
     inv, scale = recover_rotary(captured, ir)
     tokens = torch.randint(1, model.config.vocab_size, (STEPS, batch), generator=torch.Generator().manual_seed(3))
-    context = dict(ir=ir, inv=inv, scale=scale, sm_count=info.sm_count, model=model, tokens=tokens, reps=reps)
+    context = dict(ir=ir, inv=inv, scale=scale, sm_count=info.sm_count, model=model, tokens=tokens, reps=reps,
+                   phases=phases)
     rows, timelines, default_logits = [], {}, []
     candidates = variants()
     default_plan = build_tuned_plan(context, {})
@@ -218,6 +222,8 @@ def measure_variant(variant: str, tuning: dict, context: dict, default_logits: l
         row.update(gpu_ms=time_replays(decoder, tokens[pos], pos, reps), sync_ms=sync_call(decoder, tokens[pos], pos, reps))
         del decoder
         stages = timeline(plan, model, tokens)
+        if context.get("phases"):
+            row["phases_us"] = {k: round(v, 1) for k, v in timeline(plan, model, tokens, phases=True).items()}
         row["build_s"] = round(time.perf_counter() - started, 1)
     except Exception as exc:
         row, stages = {"variant": variant, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}, {}
@@ -249,6 +255,10 @@ def print_table(result: dict) -> None:
             rate = f" {moved / us / 1e6:.2f} TB/s" if moved else ""  # bytes per us / 1e6 = TB/s
             parts.append(f"{kind} {us:.0f}us{rate}")
         print(f"timeline {variant} (CTA 0, total {total:.0f} us): " + "; ".join(parts))
+    for r in result["rows"]:
+        if r.get("phases_us"):
+            parts = [f"{phase} {us:.0f}us" for phase, us in r["phases_us"].items()]
+            print(f"phases {r['variant']} (CTA 0, summed over layers): " + "; ".join(parts))
 
 
 def main() -> None:
@@ -258,12 +268,14 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=100)
     parser.add_argument("--capacity", type=int, default=128)
     parser.add_argument("--batch", type=int, default=1, help="sequences per step (mma: at most 8, bf16-staged)")
+    parser.add_argument("--phases", action="store_true",
+                        help="also time every phase of every stage (staging, GEMV, prefetch, barrier wait)")
     parser.add_argument("--out", type=Path, default=Path("."))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     results = []
     for name in args.presets:
-        result = sweep(name, args.variants, args.reps, args.capacity, args.batch)
+        result = sweep(name, args.variants, args.reps, args.capacity, args.batch, args.phases)
         (args.out / f"tune-{name}-b{args.batch}.json").write_text(json.dumps(result, indent=1))
         results.append(result)
     for result in results:

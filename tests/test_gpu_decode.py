@@ -418,8 +418,9 @@ def test_greedy_tokens_on_the_gpu_equal_step_by_step_argmax(batch):
 
 
 def test_timeline_build_accounts_for_the_step():
-    """The profiling build records a clock per stage; their sum is the kernel's time, and logits are unchanged."""
-    from megabake.codegen import generate, timeline_labels
+    """The profiling build records a clock per stage (or per phase of each stage); their sum is the kernel's
+    time, and logits are unchanged. The phases build has not run on a GPU yet (written in session 13)."""
+    from megabake.codegen import TIMELINE_PHASES, generate, timeline_labels
     from megabake.runtime import MegakernelDecoder
 
     compiled, decoder = _decoder("tiny-llama")
@@ -439,6 +440,17 @@ def test_timeline_build_accounts_for_the_step():
     end.synchronize()
     total_us = sum(us for _, us in timed.stage_timeline())
     assert total_us <= start.elapsed_time(end) * 1e3 * 1.05, (total_us, start.elapsed_time(end))
+    # the phases build: a clock after the staging, the GEMV, the prefetch and the barrier wait of every stage
+    phased = MegakernelDecoder(compiled.plan, generate(compiled.plan, timeline=TIMELINE_PHASES).source,
+                               compiled.model, device="cuda", use_graph=False)
+    for position, token in enumerate([11, 5, 42]):
+        got = phased.step(torch.tensor([token]), position).clone()
+    assert torch.equal(got, want)
+    phases = phased.stage_timeline()
+    assert [label for label, _ in phases] == timeline_labels(compiled.plan, phases=True)
+    assert all(us >= 0 for _, us in phases), phases
+    phase_us = sum(us for _, us in phases)
+    assert 0.5 * total_us < phase_us < 2.0 * total_us, (phase_us, total_us)  # the same step, timed twice
 
 
 def test_bake_with_autotune_on_the_gpu(tmp_path):

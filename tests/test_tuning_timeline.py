@@ -65,10 +65,41 @@ def test_timeline_module_stores_a_clock_after_every_stage(tiny):
     assert "globaltimer" not in generate(tiny.plan).source  # packages never carry the clock
 
 
+def test_phases_timeline_stores_a_clock_after_every_phase(tiny):
+    """``timeline="phases"``: staging, GEMV, prefetch and barrier wait of every stage in slots of their own;
+    the intervals of a stage add up to that stage's interval of the stage-level timeline (the same clocks)."""
+    from megabake.codegen import TIMELINE_PHASES, stage_phases
+
+    source = generate(tiny.plan, timeline=TIMELINE_PHASES).source
+    module = load_module(source)
+    labels = timeline_labels(tiny.plan, phases=True)
+    assert module.TIMELINE_SLOTS == 1 + len(labels) and module.TIMELINE_PHASES is True
+    qkv = next(s for s in tiny.plan.stages if s.name == "norm_qkv")
+    assert stage_phases(tiny.plan, qkv) == ["rmsnorm_to_smem", "gemv_rows", "prefetch", "barrier"]
+    assert "layer1.norm_qkv.barrier" in labels and labels[-1] == "norm_lm_head.gemv_rows"
+    per_stage = {s.name: len(stage_phases(tiny.plan, s)) for s in tiny.plan.stages}
+    stage_level = timeline_labels(tiny.plan)
+    assert len(labels) == sum(per_stage[label.split(".")[-1]] for label in stage_level)
+    # one store per phase in the generated text (the layer loop's once), plus the kernel start
+    assert source.count("cute.arch.globaltimer()") == 1 + sum(per_stage.values())
+    slots = [int(line.split("barrier[")[1].split("]")[0].split(" ")[0]) for line in source.splitlines()
+             if "= cute.arch.globaltimer()" in line]  # the layer loop's: the first layer's slot
+    counts = {scope: sum(per_stage[s.name] for s in tiny.plan.stages if s.scope == scope)
+              for scope in ("prologue", "layer", "epilogue")}
+    loop_end = 2 + counts["prologue"] + counts["layer"]  # start, prologue, the loop's phases: consecutive
+    epilogue = loop_end + counts["layer"] * (tiny.plan.dims.layers - 1)  # ... the epilogue after every layer's
+    assert slots == list(range(1, loop_end)) + list(range(epilogue, epilogue + counts["epilogue"]))
+    assert epilogue + counts["epilogue"] - 1 == 1 + len(labels)  # the last slot closes the last interval
+    with pytest.raises(ValueError, match="timeline="):
+        generate(tiny.plan, timeline="stages")
+
+
 def test_timeline_module_compiles_for_sm90a(tiny):
     from megabake.runtime.compile import compile_check
 
     result = compile_check(tiny.plan, load_module(generate(tiny.plan, timeline=True).source))
+    assert result.ok, result.error
+    result = compile_check(tiny.plan, load_module(generate(tiny.plan, timeline="phases").source))
     assert result.ok, result.error
 
 

@@ -20,7 +20,9 @@ from device buffers, so one compiled kernel serves every step and CUDA-graph rep
 ``generate(plan, timeline=True)`` writes a profiling variant: CTA 0 stores ``%globaltimer`` into
 ``barrier[1 + k]`` at kernel start (k=0), after every grid barrier and at its end, and the module declares
 ``TIMELINE_SLOTS``; the runtime then sizes the barrier buffer ``1 + TIMELINE_SLOTS`` and reads per-stage
-times back (:meth:`megabake.runtime.MegakernelDecoder.stage_timeline`). Packages never ship this variant.
+times back (:meth:`megabake.runtime.MegakernelDecoder.stage_timeline`). ``timeline="phases"`` stores a clock
+after every phase of every stage instead (:func:`stage_phases`: staging, GEMV, prefetch, barrier wait) and
+declares ``TIMELINE_PHASES``. Packages never ship either variant.
 """
 
 from __future__ import annotations
@@ -130,12 +132,32 @@ def keyword_call_lines(line: str, parameters: dict[str, list[str]] | None = None
     return lines
 
 
-def timeline_labels(plan: Plan) -> list[str]:
-    """Names of the timeline intervals (slot k-1 -> k) of a ``timeline=True`` module, in order."""
-    names = [s.name for s in plan.stages if s.scope == "prologue"]
+TIMELINE_PHASES = "phases"  # generate(plan, timeline=TIMELINE_PHASES): a clock after every phase of every stage
+
+
+def timeline_labels(plan: Plan, phases: bool = False) -> list[str]:
+    """Names of the timeline intervals (slot k-1 -> k) of a ``timeline=True`` module, in order; with
+    ``phases`` those of a ``timeline="phases"`` module: ``<stage>.<phase>`` (:func:`stage_phases`)."""
+    def named(prefix: str, stage: Stage) -> list[str]:
+        if not phases:
+            return [f"{prefix}{stage.name}"]
+        return [f"{prefix}{stage.name}.{phase}" for phase in stage_phases(plan, stage)]
+
+    names = [n for s in plan.stages if s.scope == "prologue" for n in named("", s)]
     for layer in range(plan.dims.layers):
-        names += [f"layer{layer}.{s.name}" for s in plan.stages if s.scope == "layer"]
-    names += [s.name for s in plan.stages if s.scope == "epilogue"]
+        names += [n for s in plan.stages if s.scope == "layer" for n in named(f"layer{layer}.", s)]
+    names += [n for s in plan.stages if s.scope == "epilogue" for n in named("", s)]
+    return names
+
+
+def stage_phases(plan: Plan, stage: Stage) -> list[str]:
+    """The phases a ``timeline="phases"`` build clocks in one stage: each body call (the staging of a GEMV's
+    input rows, the GEMV, ...; thread 0 of CTA 0 stores the clock when its own warp is done), then, before a grid
+    barrier, ``prefetch`` (the next GEMV's L2 prefetch / preload) where there is one, and ``barrier`` (the wait:
+    CTA 0 against the slowest CTA)."""
+    names = [body for body, _ in _body_calls(plan, stage)]
+    if stage.barrier_after:
+        names += (["prefetch"] if _before_barrier_calls(plan, stage) else []) + ["barrier"]
     return names
 
 
@@ -145,7 +167,7 @@ def _timeline_store(w: _Writer, indent: int, enabled: bool, slot: str) -> None:
         w(f"barrier[{slot}] = cute.arch.globaltimer()", indent + 1)
 
 
-def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool = False,
+def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str = False,
              self_contained: bool = True) -> GeneratedModule:
     plan_hash = plan_hash or plan.hash
     w = _Writer(keyword_calls=True)
@@ -153,8 +175,15 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool = False
     prologue = [s for s in plan.stages if s.scope == "prologue"]
     per_layer = [s for s in plan.stages if s.scope == "layer"]
     epilogue = [s for s in plan.stages if s.scope == "epilogue"]
+    phases = timeline == TIMELINE_PHASES
+    if timeline not in (False, True, TIMELINE_PHASES):
+        raise ValueError(f"timeline={timeline!r}: use False, True (a clock per stage) or {TIMELINE_PHASES!r}")
     if timeline:
-        w(f"TIMELINE_SLOTS = {1 + len(timeline_labels(plan))}  # barrier[1 + k]: k=0 kernel start, k>0 end of stage k (ns)")
+        w(f"TIMELINE_SLOTS = {1 + len(timeline_labels(plan, phases))}  "
+          "# barrier[1 + k]: k=0 kernel start, k>0 end of interval k (ns)")
+    if phases:
+        w("TIMELINE_PHASES = True  # intervals are the phases of each stage (codegen.stage_phases)")
+    if timeline:
         w("")
     arguments = kernel_arguments(plan)
     w("@cute.kernel")
@@ -191,17 +220,20 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool = False
         w("pre_kv = cute.make_rmem_tensor(cute.make_layout(2 * 8), k_cache.element_type)  # first K, V rows", 1)
         w("s_new = cute.make_tensor(s_vec.iterator, cute.make_layout(2 * HEAD_DIM))  # this step's k, v (fp32)", 1)
     w("pos = position[0]", 1)
-    _timeline_store(w, 1, timeline, "1")
-    for i, stage in enumerate(prologue):
-        _stage(w, plan, stage, 1, layer_var=None)
-        _timeline_store(w, 1, timeline, str(2 + i))
-    w("for layer in range(LAYERS):", 1)
-    for j, stage in enumerate(per_layer):
-        _stage(w, plan, stage, 2, layer_var="layer")
-        _timeline_store(w, 2, timeline, f"{2 + len(prologue) + j} + layer * {len(per_layer)}")
-    for e, stage in enumerate(epilogue):
-        _stage(w, plan, stage, 1, layer_var=None)
-        _timeline_store(w, 1, timeline, str(2 + len(prologue) + len(per_layer) * plan.dims.layers + e))
+    _timeline_store(w, 1, bool(timeline), "1")
+    if phases:
+        _phase_timed_stages(w, plan, prologue, per_layer, epilogue)
+    else:
+        for i, stage in enumerate(prologue):
+            _stage(w, plan, stage, 1, layer_var=None)
+            _timeline_store(w, 1, timeline, str(2 + i))
+        w("for layer in range(LAYERS):", 1)
+        for j, stage in enumerate(per_layer):
+            _stage(w, plan, stage, 2, layer_var="layer")
+            _timeline_store(w, 2, timeline, f"{2 + len(prologue) + j} + layer * {len(per_layer)}")
+        for e, stage in enumerate(epilogue):
+            _stage(w, plan, stage, 1, layer_var=None)
+            _timeline_store(w, 1, timeline, str(2 + len(prologue) + len(per_layer) * plan.dims.layers + e))
     w("")
     _launcher(w, arguments)
     if self_contained:
@@ -315,7 +347,13 @@ def _entry(plan: Plan, stage: Stage, layer_var, kind: str, name: str) -> dict:
     return {"kind": kind, "stage": stage.index, "name": name, "ir_ops": ops, "fx_nodes": fx, "hf_modules": modules}
 
 
-def _stage(w: _Writer, plan: Plan, stage: Stage, indent: int, layer_var) -> None:
+def _stage(w: _Writer, plan: Plan, stage: Stage, indent: int, layer_var, clocks: list[str] | None = None) -> None:
+    """One stage's body calls and the grid barrier after it; ``clocks`` (a phases timeline): the barrier slot
+    each phase's end is stored in (:func:`stage_phases`)."""
+    def clock() -> None:
+        if clocks:
+            _timeline_store(w, indent, True, clocks.pop(0))
+
     prefix = "layer[*]." if stage.scope == "layer" else ""
     w.begin(_entry(plan, stage, layer_var, "barrier_interval", f"{prefix}{stage.name}"))
     w(f"# ---- stage {stage.index}: {stage.name} ({stage.scope}) ----", indent)
@@ -324,11 +362,40 @@ def _stage(w: _Writer, plan: Plan, stage: Stage, indent: int, layer_var) -> None
         w.begin(_entry(plan, stage, layer_var, "body_call", f"{prefix}{stage.name}.{body}"))
         w(call, indent)
         w.end()
+        clock()
     if stage.barrier_after:
-        for call in _before_barrier_calls(plan, stage):
+        before = _before_barrier_calls(plan, stage)
+        for call in before:
             w(call, indent)
+        if before:
+            clock()
         w("bodies.grid_barrier(barrier, tidx, CTAS)", indent)
+        clock()
     w.end()
+
+
+def _phase_timed_stages(w: _Writer, plan: Plan, prologue: list[Stage], per_layer: list[Stage],
+                        epilogue: list[Stage]) -> None:
+    """The stages of a ``timeline="phases"`` build: a clock after every phase, into consecutive slots (the layer
+    loop's slots repeat every ``per_layer_slots``)."""
+    slot = 2
+    for stage in prologue:
+        count = len(stage_phases(plan, stage))
+        _stage(w, plan, stage, 1, layer_var=None, clocks=[str(slot + k) for k in range(count)])
+        slot += count
+    per_layer_slots = sum(len(stage_phases(plan, stage)) for stage in per_layer)
+    w("for layer in range(LAYERS):", 1)
+    offset = 0
+    for stage in per_layer:
+        count = len(stage_phases(plan, stage))
+        clocks = [f"{slot + offset + k} + layer * {per_layer_slots}" for k in range(count)]
+        _stage(w, plan, stage, 2, layer_var="layer", clocks=clocks)
+        offset += count
+    slot += per_layer_slots * plan.dims.layers
+    for stage in epilogue:
+        count = len(stage_phases(plan, stage))
+        _stage(w, plan, stage, 1, layer_var=None, clocks=[str(slot + k) for k in range(count)])
+        slot += count
 
 
 def _gemv(weight: str, out: str, rows: str, cols: str, stage: Stage, accumulate: bool, bias: str | None = None,

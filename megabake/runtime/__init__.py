@@ -345,7 +345,8 @@ class MegakernelDecoder:
             self.buffers[key].copy_(value)
 
     def stage_timeline(self) -> list[tuple[str, float]]:
-        """(stage, microseconds as seen by CTA 0) of the last step; needs a ``generate(timeline=True)`` module."""
+        """(stage, microseconds as seen by CTA 0) of the last step; needs a ``generate(timeline=True)`` module
+        (``timeline="phases"``: one entry per phase of each stage, ``<stage>.<phase>``)."""
         from ..codegen import timeline_labels
 
         slots = getattr(getattr(self, "module", None), "TIMELINE_SLOTS", 0)
@@ -353,7 +354,8 @@ class MegakernelDecoder:
             raise MegaBakeError("this decoder's module has no timeline: build it with "
                                 "megabake.codegen.generate(plan, timeline=True)")
         clocks = self.buffers["barrier"][1:1 + slots].cpu().tolist()
-        return [(label, (clocks[k + 1] - clocks[k]) / 1000.0) for k, label in enumerate(timeline_labels(self.plan))]
+        labels = timeline_labels(self.plan, phases=getattr(self.module, "TIMELINE_PHASES", False))
+        return [(label, (clocks[k + 1] - clocks[k]) / 1000.0) for k, label in enumerate(labels)]
 
     def reset(self) -> None:
         """Zero the KV cache (a new sequence)."""
