@@ -6,6 +6,7 @@
 #          tests3 tilings, hub, precompiled kernel, verify   -> OUT/pytest-gpu-rest.log     (~4.5 min)
 #          (the real-weights tests need the GGUF on the device: README "Running the GPU tests")
 #   smoke: kernel vs CPU reference executor + step latency per preset       -> OUT/smoke-*.json     (~1-3 min)
+#   mma-repro: the tensor-core GEMV tests three times, stacks of a test past 60 s -> OUT/pytest-mma-repro.log (~3 min)
 #   bench: decode benchmark table + chart, all presets in one process          -> OUT/bench/  (~2.5 min per preset;
 #          4 presets need two calls: the second with BENCH_RESUME, see below)
 #   tune:  GEMV tiling / preload / pipeline sweep with per-stage clocks (scripts/gpu_tune.py) -> OUT/tune-*.json
@@ -42,6 +43,15 @@ fi
 if [[ " $PARTS " == *" tests3 "* ]]; then
   run_tests rest "tilings or hub or precompiled or verify or cold or environment or stand_in or baselines or hand_captured or timing" \
     tests/test_gpu_decode.py tests/test_hub_gpu.py tests/test_precompiled_gpu.py tests/test_verify_gpu.py
+fi
+if [[ " $PARTS " == *" mma-repro "* ]]; then
+  # session 13: the Qwen2.5 b5 tensor-core test ran past 100 s twice right after the Llama b8 case (passed alone
+  # and inside tests2); three rounds of the mma cases, a stack dump of any test past 60 s -> OUT/pytest-mma-repro.log
+  for round in 1 2 3; do
+    timeout 180 python3 -m pytest -m gpu -q -p no:cacheprovider --durations=5 -o faulthandler_timeout=60 \
+      tests/test_gpu_decode.py -k mma >>"$OUT/pytest-mma-repro.log" 2>&1
+    summary+=("mma repro round $round: rc=$? $(grep -E '[0-9]+ (passed|failed)' "$OUT/pytest-mma-repro.log" | tail -1)")
+  done
 fi
 if [[ " $PARTS " == *" smoke "* ]]; then
   timeout 240 python3 scripts/gpu_smoke.py "${PRESETS[@]}" --out "$OUT" --steps 4 --timeout 110 >"$OUT/smoke.log" 2>&1
