@@ -7,6 +7,7 @@
 #          (the real-weights tests need the GGUF on the device: README "Running the GPU tests")
 #   smoke: kernel vs CPU reference executor + step latency per preset       -> OUT/smoke-*.json     (~1-3 min)
 #   mma-repro: the tensor-core GEMV tests three times, stacks of a test past 60 s -> OUT/pytest-mma-repro.log (~3 min)
+#   hang-probe: their kernel steps with the barrier watchdog (scripts/gpu_hang_probe.py) -> OUT/hang-probe.json (~3 min)
 #   bench: decode benchmark table + chart, all presets in one process          -> OUT/bench/  (~2.5 min per preset;
 #          4 presets need two calls: the second with BENCH_RESUME, see below)
 #   tune:  GEMV tiling / preload / pipeline sweep with per-stage clocks (scripts/gpu_tune.py) -> OUT/tune-*.json
@@ -52,6 +53,11 @@ if [[ " $PARTS " == *" mma-repro "* ]]; then
       tests/test_gpu_decode.py -k mma >>"$OUT/pytest-mma-repro.log" 2>&1
     summary+=("mma repro round $round: rc=$? $(grep -E '[0-9]+ (passed|failed)' "$OUT/pytest-mma-repro.log" | tail -1)")
   done
+fi
+if [[ " $PARTS " == *" hang-probe "* ]]; then
+  # the same cases' kernel steps built with the barrier watchdog (scripts/gpu_hang_probe.py): which barrier, which CTAs
+  timeout 400 python3 scripts/gpu_hang_probe.py --rounds 3 --out "$OUT" >"$OUT/hang-probe.log" 2>&1
+  summary+=("hang probe: rc=$? $(tail -1 "$OUT/hang-probe.log")")
 fi
 if [[ " $PARTS " == *" smoke "* ]]; then
   timeout 240 python3 scripts/gpu_smoke.py "${PRESETS[@]}" --out "$OUT" --steps 4 --timeout 110 >"$OUT/smoke.log" 2>&1

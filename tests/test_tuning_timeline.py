@@ -449,3 +449,40 @@ def test_default_tuning_is_the_deepest_streaming_ring_that_fits(tiny):
     default = build_plan(tiny.ir, inv_freq_buffer=inv_freq, rotary_scaling=scaling)
     assert {s.tiling.stages for s in default.stages if s.tiling.kind == "rows"} == {4}
     assert default.smem_bytes == tiny.plan.smem_bytes + 4 * stage_bytes + 16
+
+
+def test_watchdog_build_gives_up_waiting_and_records_where(tiny):
+    """``generate(plan, watchdog=True)`` (debugging a hang): every grid barrier is the watched one, the module
+    declares its per-CTA slots, it compiles for sm_90a, and neither packages nor timelines carry it."""
+    pytest.importorskip("cutlass")
+    from megabake.runtime import MegakernelDecoder
+    from megabake.runtime.compile import compile_check
+
+    source = generate(tiny.plan, watchdog=True).source
+    module = load_module(source)
+    assert module.WATCH_SLOTS == 2 * tiny.plan.ctas and module.WATCH_POLLS > 1000
+    kernel = source.split("\n# ====")[0]
+    assert "bodies.grid_barrier(barrier" not in kernel and kernel.count("bodies.grid_barrier_watched(") == 1 + 5
+    assert "grid_barrier_watched" not in generate(tiny.plan).source
+    result = compile_check(tiny.plan, module)
+    assert result.ok, result.error
+    with pytest.raises(ValueError, match="watchdog build has no timeline"):
+        generate(tiny.plan, watchdog=True, timeline=True)
+    decoder = MegakernelDecoder(tiny.plan, tiny.generated.source, tiny.model, device="cpu")
+    with pytest.raises(MegaBakeError, match="watchdog=True"):
+        decoder.barrier_watch()
+
+
+def test_hang_probe_names_the_stage_of_every_barrier(tiny):
+    """scripts/gpu_hang_probe.py runs on the GPU only; its map from a barrier ordinal to the stage that ends
+    there must match the kernel's barriers (one name per barrier of a step)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "gpu_hang_probe.py"
+    spec = importlib.util.spec_from_file_location("gpu_hang_probe", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    names = module.barrier_stages(tiny.plan)
+    assert len(names) == tiny.plan.barriers_per_step
+    assert names[:3] == ["embed", "layer0.norm_qkv", "layer0.attention"] and names[-1] == "layer1.down_residual"

@@ -22,7 +22,9 @@ from device buffers, so one compiled kernel serves every step and CUDA-graph rep
 ``TIMELINE_SLOTS``; the runtime then sizes the barrier buffer ``1 + TIMELINE_SLOTS`` and reads per-stage
 times back (:meth:`megabake.runtime.MegakernelDecoder.stage_timeline`). ``timeline="phases"`` stores a clock
 after every phase of every stage instead (:func:`stage_phases`: staging, GEMV, prefetch, barrier wait) and
-declares ``TIMELINE_PHASES``. Packages never ship either variant.
+declares ``TIMELINE_PHASES``. ``generate(plan, watchdog=True)`` (debugging a hang) waits at each grid barrier
+for at most ``WATCHDOG_POLLS`` polls and records per CTA its arrivals and the first barrier it gave up at
+(:meth:`megabake.runtime.MegakernelDecoder.barrier_watch`). Packages never ship these variants.
 """
 
 from __future__ import annotations
@@ -167,8 +169,13 @@ def _timeline_store(w: _Writer, indent: int, enabled: bool, slot: str) -> None:
         w(f"barrier[{slot}] = cute.arch.globaltimer()", indent + 1)
 
 
+WATCHDOG_POLLS = 1 << 22  # polls of a watchdog build's barrier before a CTA gives up (~3 s at ~0.7 us per poll)
+
+
 def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str = False,
-             self_contained: bool = True) -> GeneratedModule:
+             self_contained: bool = True, watchdog: bool = False) -> GeneratedModule:
+    if watchdog and timeline:
+        raise ValueError("a watchdog build has no timeline: build them separately")
     plan_hash = plan_hash or plan.hash
     w = _Writer(keyword_calls=True)
     _header(w, plan, plan_hash, kernel_arguments(plan), self_contained)
@@ -183,7 +190,10 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
           "# barrier[1 + k]: k=0 kernel start, k>0 end of interval k (ns)")
     if phases:
         w("TIMELINE_PHASES = True  # intervals are the phases of each stage (codegen.stage_phases)")
-    if timeline:
+    if watchdog:
+        w("WATCH_SLOTS = 2 * CTAS  # barrier[1 + 2 * cta]: arrivals, barrier[2 + 2 * cta]: first barrier given up at")
+        w(f"WATCH_POLLS = {WATCHDOG_POLLS}  # polls before a CTA stops waiting at a grid barrier")
+    if timeline or watchdog:
         w("")
     arguments = kernel_arguments(plan)
     w("@cute.kernel")
@@ -221,18 +231,20 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
         w("s_new = cute.make_tensor(s_vec.iterator, cute.make_layout(2 * HEAD_DIM))  # this step's k, v (fp32)", 1)
     w("pos = position[0]", 1)
     _timeline_store(w, 1, bool(timeline), "1")
+    barrier = ("bodies.grid_barrier_watched(barrier, tidx, CTAS, cta, WATCH_POLLS)" if watchdog
+               else "bodies.grid_barrier(barrier, tidx, CTAS)")
     if phases:
         _phase_timed_stages(w, plan, prologue, per_layer, epilogue)
     else:
         for i, stage in enumerate(prologue):
-            _stage(w, plan, stage, 1, layer_var=None)
+            _stage(w, plan, stage, 1, layer_var=None, barrier=barrier)
             _timeline_store(w, 1, timeline, str(2 + i))
         w("for layer in range(LAYERS):", 1)
         for j, stage in enumerate(per_layer):
-            _stage(w, plan, stage, 2, layer_var="layer")
+            _stage(w, plan, stage, 2, layer_var="layer", barrier=barrier)
             _timeline_store(w, 2, timeline, f"{2 + len(prologue) + j} + layer * {len(per_layer)}")
         for e, stage in enumerate(epilogue):
-            _stage(w, plan, stage, 1, layer_var=None)
+            _stage(w, plan, stage, 1, layer_var=None, barrier=barrier)
             _timeline_store(w, 1, timeline, str(2 + len(prologue) + len(per_layer) * plan.dims.layers + e))
     w("")
     _launcher(w, arguments)
@@ -347,9 +359,10 @@ def _entry(plan: Plan, stage: Stage, layer_var, kind: str, name: str) -> dict:
     return {"kind": kind, "stage": stage.index, "name": name, "ir_ops": ops, "fx_nodes": fx, "hf_modules": modules}
 
 
-def _stage(w: _Writer, plan: Plan, stage: Stage, indent: int, layer_var, clocks: list[str] | None = None) -> None:
-    """One stage's body calls and the grid barrier after it; ``clocks`` (a phases timeline): the barrier slot
-    each phase's end is stored in (:func:`stage_phases`)."""
+def _stage(w: _Writer, plan: Plan, stage: Stage, indent: int, layer_var, clocks: list[str] | None = None,
+           barrier: str = "bodies.grid_barrier(barrier, tidx, CTAS)") -> None:
+    """One stage's body calls and the grid barrier after it (``barrier``: its call; a watchdog build's differs);
+    ``clocks`` (a phases timeline): the barrier slot each phase's end is stored in (:func:`stage_phases`)."""
     def clock() -> None:
         if clocks:
             _timeline_store(w, indent, True, clocks.pop(0))
@@ -369,7 +382,7 @@ def _stage(w: _Writer, plan: Plan, stage: Stage, indent: int, layer_var, clocks:
             w(call, indent)
         if before:
             clock()
-        w("bodies.grid_barrier(barrier, tidx, CTAS)", indent)
+        w(barrier, indent)
         clock()
     w.end()
 

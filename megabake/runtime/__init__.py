@@ -185,8 +185,8 @@ class MegakernelDecoder:
         for buf in plan.buffers:
             if buf.name not in self.buffers:
                 shape = list(buf.shape)
-                if buf.name == "barrier":  # a timeline build stores per-stage clocks after the counter
-                    shape[0] += getattr(self.module, "TIMELINE_SLOTS", 0)
+                if buf.name == "barrier":  # timeline / watchdog builds store clocks or arrivals after the counter
+                    shape[0] += getattr(self.module, "TIMELINE_SLOTS", 0) + getattr(self.module, "WATCH_SLOTS", 0)
                 self.buffers[buf.name] = torch.zeros(shape, dtype=torch_dtype(buf.dtype), device=device)
         self.weight_bytes = plan.weight_bytes()
         self._compile()
@@ -356,6 +356,16 @@ class MegakernelDecoder:
         clocks = self.buffers["barrier"][1:1 + slots].cpu().tolist()
         labels = timeline_labels(self.plan, phases=getattr(self.module, "TIMELINE_PHASES", False))
         return [(label, (clocks[k + 1] - clocks[k]) / 1000.0) for k, label in enumerate(labels)]
+
+    def barrier_watch(self) -> list[tuple[int, int]]:
+        """Per CTA of a ``generate(plan, watchdog=True)`` build: (grid barriers arrived at since the decoder was
+        built, ordinal of the first one it stopped waiting at or 0). All zeros in the second column: no hang."""
+        slots = getattr(getattr(self, "module", None), "WATCH_SLOTS", 0)
+        if not slots:
+            raise MegaBakeError("this decoder's module has no barrier watchdog: build it with "
+                                "megabake.codegen.generate(plan, watchdog=True)")
+        values = self.buffers["barrier"][1:1 + slots].cpu().tolist()
+        return [(int(values[2 * c]), int(values[2 * c + 1])) for c in range(slots // 2)]
 
     def reset(self) -> None:
         """Zero the KV cache (a new sequence)."""

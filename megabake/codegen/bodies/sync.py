@@ -35,6 +35,35 @@ def grid_barrier(barrier: cute.Tensor, tidx: Int32, ctas: cutlass.Constexpr[int]
 
 
 @cute.jit
+def grid_barrier_watched(barrier: cute.Tensor, tidx: Int32, ctas: cutlass.Constexpr[int], cta: Int32,
+                         max_polls: cutlass.Constexpr[int]):
+    """:func:`grid_barrier` of a watchdog build (``generate(plan, watchdog=True)``, a debugging variant): a CTA
+    that polls more than ``max_polls`` times gives up waiting, so a deadlocked step ends instead of hanging. Per
+    CTA, ``barrier[1 + 2 * cta]`` counts its arrivals and ``barrier[2 + 2 * cta]`` holds
+    the ordinal (1-based) of the first barrier it gave up at, so the host sees which CTAs never arrived where.
+    """
+    cute.arch.sync_threads()
+    if tidx == 0:
+        ptr = barrier.iterator.llvm_ptr
+        old = cute.arch.atomic_add(ptr, Int64(1), sem="release", scope="gpu")
+        target = (old // ctas + 1) * ctas
+        arrivals = barrier[1 + 2 * cta] + Int64(1)
+        barrier[1 + 2 * cta] = arrivals
+        current = cute.arch.load(ptr, Int64, sem="acquire", scope="gpu")
+        polls = Int32(0)
+        gave_up = Int32(0)
+        while current < target:
+            current = cute.arch.load(ptr, Int64, sem="acquire", scope="gpu")
+            polls = polls + 1
+            if polls > max_polls:
+                current = target
+                gave_up = Int32(1)
+        if gave_up == 1 and barrier[2 + 2 * cta] == Int64(0):
+            barrier[2 + 2 * cta] = arrivals
+    cute.arch.sync_threads()
+
+
+@cute.jit
 def prefetch_rows(weight: cute.Tensor, gwarp: Int32, lane: Int32, total_warps: cutlass.Constexpr[int],
                   rows: cutlass.Constexpr[int], cols: cutlass.Constexpr[int], per_tile: cutlass.Constexpr[int],
                   max_tiles: cutlass.Constexpr[int]):
