@@ -239,13 +239,19 @@ def _mma_refusal(batch: int, staging: str, weight_dtype: str) -> str | None:
     return None
 
 
+# activations whose gated write in the tensor-core gate/up GEMV passed on the H200 (session 13: SiLU, Llama-3.2-1B
+# b8); a bf16-staged GELU model (gemma-2b at batch 4) keeps the plain GEMV by default until its own GPU run
+MMA_DEFAULT_ACTIVATIONS = ("silu",)
+
+
 def _mma_default(dims: ModelDims, batch: int, staging: str, weight_dtype: str, ctas: int,
                  threads: int) -> dict | None:
     """The default tiling of a bf16-staged bucket the tensor-core GEMV can run (:func:`_mma_refusal`; at most
-    ``MMA_MAX_BATCH`` sequences) once it has passed on a GPU (``mma_gemv`` in ``GPU_VERIFIED_FEATURES``, session
-    13): ``8x8+mma`` on every GEMV stage whose K it can split (the LM head of a soft-capped model keeps the plain
-    tiling); None otherwise."""
-    if "mma_gemv" not in GPU_VERIFIED_FEATURES or _mma_refusal(batch, staging, weight_dtype):
+    ``MMA_MAX_BATCH`` sequences) of a model whose activation is in ``MMA_DEFAULT_ACTIVATIONS``, once it has passed
+    on a GPU (``mma_gemv`` in ``GPU_VERIFIED_FEATURES``, session 13): ``8x8+mma`` on every GEMV stage whose K it
+    can split (the LM head of a soft-capped model keeps the plain tiling); None otherwise."""
+    if ("mma_gemv" not in GPU_VERIFIED_FEATURES or _mma_refusal(batch, staging, weight_dtype)
+            or dims.act not in MMA_DEFAULT_ACTIVATIONS):
         return None
     mma = GemvTuning(MMA_ROWS, 8, mma=True)
     chosen = {}
