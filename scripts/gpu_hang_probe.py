@@ -1,13 +1,14 @@
 """Hunt a megakernel hang on the GPU: the tensor-core GEMV test's steps, built with the barrier watchdog.
 
-Session 13 saw `pytest -m gpu tests/test_gpu_decode.py -k mma` leave its Qwen2.5-0.5B batch-5 case running past
-100 s twice (right after the Llama-3.2-1B batch-8 case), while it passed in 9-37 s in two other runs. This script
-replays that test's kernel steps (random 1024-slot cache, positions 0, 1, 2, 127, 128, 129, 700, 1023; no CPU
-reference) for each case, in the test's order, for ``--rounds`` rounds, with kernels from
-``generate(plan, watchdog=True)``: a CTA that waits at a grid barrier for ~3 s gives up, and per CTA the module
-records its arrivals and the first barrier it gave up at (``MegakernelDecoder.barrier_watch``). A step that
-does not finish within ``--step-timeout`` seconds even so (a CTA stuck outside a barrier) is reported from a
-copy of the barrier counters taken on a side stream while the kernel still runs, then the process exits.
+A persistent kernel whose CTA never reaches a grid barrier hangs the process, and from outside a hang looks like a
+slow test. This script replays the kernel steps of ``test_mma_gemv_kernel_matches_reference_executor_at_long_context``
+(random 1024-slot cache, positions 0, 1, 2, 127, 128, 129, 700, 1023; no CPU reference) for each of its cases, in
+the test's order, for ``--rounds`` rounds, with kernels from ``generate(plan, watchdog=True)``: a CTA that waits at
+a grid barrier for ~3 s gives up, and per CTA the module records its arrivals and the first barrier it gave up at
+(``MegakernelDecoder.barrier_watch``). A step that does not finish within ``--step-timeout`` seconds even so (a CTA
+stuck outside a barrier) is reported from a copy of the barrier counter taken on a side stream while the kernel
+still runs, then the process exits. (Written in session 13 for what turned out to be a test selection: ``-k mma``
+also matches every Gemma test; kept for the barrier work of issue 12, where a missed arrival deadlocks.)
 
     source .cute/activate.sh && python3 scripts/gpu_hang_probe.py --rounds 3 --out $OUT
 

@@ -6,8 +6,9 @@
 #          tests3 tilings, hub, precompiled kernel, verify   -> OUT/pytest-gpu-rest.log     (~4.5 min)
 #          (the real-weights tests need the GGUF on the device: README "Running the GPU tests")
 #   smoke: kernel vs CPU reference executor + step latency per preset       -> OUT/smoke-*.json     (~1-3 min)
-#   mma-repro: the tensor-core GEMV tests three times, stacks of a test past 60 s -> OUT/pytest-mma-repro.log (~3 min)
-#   hang-probe: their kernel steps with the barrier watchdog (scripts/gpu_hang_probe.py) -> OUT/hang-probe.json (~3 min)
+#   mma: the tensor-core GEMV tests (-k mma_gemv: "-k mma" also matches every gemma test) -> OUT/pytest-gpu-mma.log
+#   hang-probe: the tensor-core cases' steps with the barrier watchdog (scripts/gpu_hang_probe.py; a tool for
+#          chasing a kernel that never reaches a grid barrier)                   -> OUT/hang-probe.json (~3 min)
 #   bench: decode benchmark table + chart, all presets in one process          -> OUT/bench/  (~2.5 min per preset;
 #          4 presets need two calls: the second with BENCH_RESUME, see below)
 #   tune:  GEMV tiling / preload / pipeline sweep with per-stage clocks (scripts/gpu_tune.py) -> OUT/tune-*.json
@@ -30,7 +31,7 @@ run_tests() {  # name, -k expression, files...: one pytest run with its own limi
   local name=$1 select=$2
   shift 2
   # faulthandler_timeout: a test past 150 s dumps every thread's stack into the log (a kernel hang shows as a
-  # wait in .cpu() / synchronize; session 13 saw the Qwen2.5 b5 tensor-core test run past 150 s twice)
+  # wait in .cpu() / synchronize)
   timeout 580 python3 -m pytest -m gpu -q -p no:cacheprovider --durations=10 -o faulthandler_timeout=150 -k "$select" "$@" \
     >"$OUT/pytest-gpu-$name.log" 2>&1
   summary+=("pytest -m gpu ($name): rc=$? $(grep -E '[0-9]+ (passed|failed)' "$OUT/pytest-gpu-$name.log" | tail -1)")
@@ -45,17 +46,11 @@ if [[ " $PARTS " == *" tests3 "* ]]; then
   run_tests rest "tilings or hub or precompiled or verify or cold or environment or stand_in or baselines or hand_captured or timing" \
     tests/test_gpu_decode.py tests/test_hub_gpu.py tests/test_precompiled_gpu.py tests/test_verify_gpu.py
 fi
-if [[ " $PARTS " == *" mma-repro "* ]]; then
-  # session 13: the Qwen2.5 b5 tensor-core test ran past 100 s twice right after the Llama b8 case (passed alone
-  # and inside tests2); three rounds of the mma cases, a stack dump of any test past 60 s -> OUT/pytest-mma-repro.log
-  for round in 1 2 3; do
-    timeout 180 python3 -m pytest -m gpu -q -p no:cacheprovider --durations=5 -o faulthandler_timeout=60 \
-      tests/test_gpu_decode.py -k mma >>"$OUT/pytest-mma-repro.log" 2>&1
-    summary+=("mma repro round $round: rc=$? $(grep -E '[0-9]+ (passed|failed)' "$OUT/pytest-mma-repro.log" | tail -1)")
-  done
+if [[ " $PARTS " == *" mma "* ]]; then
+  run_tests mma "mma_gemv" tests/test_gpu_decode.py
 fi
 if [[ " $PARTS " == *" hang-probe "* ]]; then
-  # the same cases' kernel steps built with the barrier watchdog (scripts/gpu_hang_probe.py): which barrier, which CTAs
+  # the tensor-core cases' kernel steps built with the barrier watchdog (scripts/gpu_hang_probe.py)
   timeout 400 python3 scripts/gpu_hang_probe.py --rounds 3 --out "$OUT" >"$OUT/hang-probe.log" 2>&1
   summary+=("hang probe: rc=$? $(tail -1 "$OUT/hang-probe.log")")
 fi
