@@ -296,8 +296,8 @@ def test_bf16_staging_kernel_matches_reference_executor_at_long_context(preset, 
 def test_mma_gemv_kernel_matches_reference_executor_at_long_context(preset, batch, layers):
     """The tensor-core GEMV (``8x8+mma`` on every GEMV stage, experimental ``mma_gemv``): split K (several warps
     per tile, partial sums in shared memory), batches below 8 (unused MMA rows), a q/k/v bias (Qwen2.5) and a
-    tied LM head, and Gemma's tanh GELU in the gated gate/up write (added in session 13, not yet run: when it
-    passes, add "gelu_tanh" to plan.MMA_DEFAULT_ACTIVATIONS), against the bf16-staging reference
+    tied LM head, and Gemma's tanh GELU in the gated gate/up write (passed in session 14, then "gelu_tanh" joined
+    plan.MMA_DEFAULT_ACTIVATIONS), against the bf16-staging reference
     (:func:`_assert_bf16_steps_match`). Written in session 12 without a GPU; the first three cases passed on the
     H200 in session 13 (then the default of bf16-staged SiLU buckets)."""
     from megabake.plan import GEMV_STAGES

@@ -142,9 +142,9 @@ def test_mma_module_compiles_for_sm90a(monkeypatch, tmp_path, preset, batch, lay
 
 def test_mma_is_the_bf16_default(monkeypatch):
     """GPU-verified in session 13: a bf16-staged bucket of at most 8 sequences of a SiLU model (Llama-3.2-1B at
-    batch 8) plans ``8x8+mma`` by default, an fp32-staged one keeps the streaming ring, a bf16-staged batch of 9 and
-    GELU models keep the plain tiling (and, once GELU is verified, a soft-capped LM head); on a tree where the
-    feature is not verified the default is the plain one."""
+    batch 8) plans ``8x8+mma`` by default, an fp32-staged one keeps the streaming ring, a bf16-staged batch of 9
+    keeps the plain tiling, a tanh-GELU model (session 14) too on its soft-capped LM head, a model whose activation
+    has not run on a GPU everywhere; on a tree where the feature is not verified the default is the plain one."""
     import megabake.plan as plan_module
 
     monkeypatch.delenv(EXPERIMENTAL, raising=False)
@@ -153,19 +153,27 @@ def test_mma_is_the_bf16_default(monkeypatch):
     assert batch8.plan.smem_bytes <= HOPPER_SMEM_PER_BLOCK
     assert batch8.replan(tuning=MMA).plan == batch8.plan  # the GPU test's explicit 8x8+mma is this default
     batch1 = compile_preset("tiny-llama", capacity=64)
-    assert not any(s.tiling.mma for s in batch1.plan.stages)
+    assert not any(s.tiling.mma for s in batch1.plan.stages) and batch1.plan.staging_dtype == "float32"
+    # batches 2-8 stage bf16 rows for the tensor cores even where fp32 rows fit (session 14: faster at batch 4);
+    # the same plan the GPU test builds explicitly (staging="bfloat16", tuning=8x8+mma)
+    batch2 = compile_preset("tiny-llama", batch=2, capacity=64)
+    assert batch2.plan.staging_dtype == "bfloat16"
+    assert batch2.replan(staging="bfloat16", tuning=MMA).plan == batch2.plan
+    assert batch2.replan(staging="float32").plan.staging_dtype == "float32"  # an explicit staging is kept
+    assert not any(s.tiling.mma for s in batch2.replan(staging="float32").plan.stages)
     batch9 = compile_preset("tiny-llama", batch=9, capacity=64).replan(staging="bfloat16").plan
     assert batch9.staging_dtype == "bfloat16" and not any(s.tiling.mma for s in batch9.stages)
-    # GELU models (Gemma): the gated write with GELU has not run on a GPU, so they keep the plain GEMV by default
+    # tanh-GELU models (Gemma, verified in session 14): all but the soft-capped LM head (Gemma 2)
     gemma2 = compile_preset("tiny-gemma2", capacity=64)
-    assert not any(s.tiling.mma for s in gemma2.replan(staging="bfloat16").plan.stages)
-    monkeypatch.setattr(plan_module, "MMA_DEFAULT_ACTIVATIONS", ("silu", "gelu_tanh"))
-    gemma2_mma = gemma2.replan(staging="bfloat16").plan  # once verified: all but the soft-capped LM head
+    gemma2_mma = gemma2.replan(staging="bfloat16").plan
     assert [s.tiling.mma > 0 for s in gemma2_mma.stages if s.tiling.kind == "rows"][-1] is False
     assert all(s.tiling.mma for s in gemma2_mma.stages if s.tiling.kind == "rows" and s.name != "norm_lm_head")
+    monkeypatch.setattr(plan_module, "MMA_DEFAULT_ACTIVATIONS", ("silu",))  # an activation not verified: plain
+    assert not any(s.tiling.mma for s in gemma2.replan(staging="bfloat16").plan.stages)
     unverified = tuple(f for f in plan_module.GPU_VERIFIED_FEATURES if f != "mma_gemv")
     monkeypatch.setattr(plan_module, "GPU_VERIFIED_FEATURES", unverified)
     assert not any(s.tiling.mma for s in batch8.replan().plan.stages)
+    assert batch2.replan().plan.staging_dtype == "float32"  # fp32 rows fit: no reason for bf16 without the MMA
 
 
 def test_interleave_halves_pairs_gate_and_up_blocks():

@@ -69,19 +69,19 @@ def _timings(ours_ms, base_ms, speedup, speedup_ci):
 
 
 def _write(root: Path, preset: str, status: str, created_at: str, *, reasons=(), timings=None, capacity=128,
-           config_hash: str | None = None) -> Path:
+           config_hash: str | None = None, batch: int = 1) -> Path:
     """A schema-valid package of a built-in preset (random weights, seed 0)."""
     p = PRESETS[preset]
     plan = json.dumps({"layers": 2, "capacity": capacity, "created": created_at}, sort_keys=True).encode()
     plan_hash = hashlib.sha256(plan).hexdigest()
-    variant = f"decode-b1-c{capacity}-sm90a-132sm-p{plan_hash[:8]}"
+    variant = f"decode-b{batch}-c{capacity}-sm90a-132sm-p{plan_hash[:8]}"
     gpu = status in ("verified", "failed")
     report = {
         "schema_version": 1, "status": status, "status_reasons": list(reasons), "created_at": created_at,
         "model": {"id": p.model_id, "revision": "random-seed0", "config_hash": config_hash or p.config_hash(),
                   "weights": "random", "seed": 0, "preset": preset, "architecture": p.architecture,
                   "dtype": "bfloat16"},
-        "bucket": {"mode": "decode", "batch": 1, "capacity": capacity},
+        "bucket": {"mode": "decode", "batch": batch, "capacity": capacity},
         "gpu_class": "sm90a-132sm", "variant": variant,
         "plan": {"hash": plan_hash, "stages": 12, "barriers_per_step": 11, "ctas": 132, "threads_per_cta": 256,
                  "layers": 2, "weight_bytes": 123456},
@@ -117,6 +117,9 @@ def repo(tmp_path) -> Path:
            reasons=["no Hopper GPU on this machine: compiled for sm_90a but not run"])
     _write(pk, "smollm-135m", "verified", "2026-11-30T11:00:00Z",
            timings=_timings(0.4321, 1.2345, 2.857, (2.801, 2.913)))
+    # a newer batch-8 package: the row keeps batch 1 (one sequence's ms/token)
+    _write(pk, "smollm-135m", "verified", "2026-12-01T11:00:00Z", batch=8,
+           timings=_timings(0.9, 3.6, 4.0, (3.9, 4.1)))
     _write(pk, "qwen3-0.6b", "failed", "2026-11-30T12:00:00Z", timings=_timings(0.5, 2.2, 4.4, (4.3, 4.5)),
            reasons=["step 12: <b>top-1</b> agreement 0.90 < 0.99"], config_hash="0" * 64)
     (root / "docs").mkdir()
@@ -211,7 +214,8 @@ def test_preset_rows_come_from_the_newest_report(repo):
     assert [r.preset for r in rows] == sorted(PRESETS)
     by = _rows_by_preset(rows)
 
-    smol = by["smollm-135m"]
+    smol = by["smollm-135m"]  # batch 1 before the newer batch-8 package
+    assert smol.bucket == "b1-c128"
     report_path = docs / unquote(smol.report)
     report = json.loads(report_path.read_text())
     assert report_path.name == "report.json" and report["model"]["preset"] == "smollm-135m"

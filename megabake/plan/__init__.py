@@ -45,7 +45,7 @@ from .stages import (ATTN_WINDOW, GATED_BLOCK, GATED_LAYOUTS, GEMV_STAGES, HEAD_
 from .tuning import (DEFAULT_TUNING, HOPPER_SMEM_PER_BLOCK, PIPELINE_MAX_THREADS,  # noqa: F401
                      PIPELINE_MAX_VECTORS, RING_VECTOR_BYTES, STREAMING_DEFAULT, GemvTuning, check_pipeline,
                      check_ring, default_tuning, ring_bytes, ring_shape, streaming_tuning)
-from .tuning import MMA_MAX_BATCH, MMA_ROWS, mma_bytes, mma_split, mma_unroll
+from .tuning import MMA_MAX_BATCH, MMA_ROWS, mma_bytes, mma_partials_bytes, mma_split, mma_unroll
 
 _check_shared_memory = check_shared_memory  # the name older tests and scripts import
 _smem_bytes = smem_bytes
@@ -73,9 +73,10 @@ def build_plan(ir: IRGraph, *, ctas: int = 132, threads: int = 256, weight_dtype
     ``attention_preload`` loads each lane group's first cached K/V rows before the barrier that precedes
     attention (the attention stage's ``tiling.preload``; one (batch, head) tile per CTA at most).
 
-    ``staging`` ("float32" | "bfloat16", default: fp32 where it fits in shared memory, else bf16) is the dtype of
-    the GEMV input rows each CTA stages on chip (``memory.staging_dtype``; bf16 staging passed `pytest -m gpu` on
-    the H200 in session 12).
+    ``staging`` ("float32" | "bfloat16") is the dtype of the GEMV input rows each CTA stages on chip. Default: bf16
+    for a batched bucket the tensor-core GEMV runs by default (:func:`_tensor_cores_by_default`: 2-8 sequences,
+    bf16 weights, a verified activation; faster than fp32 staging on the H200 in session 14), else fp32 where it
+    fits in shared memory, else bf16 (``memory.staging_dtype``; bf16 staging passed `pytest -m gpu` in session 12).
     """
     if threads % WARP or not 64 <= threads <= 1024:
         raise PlanError(f"threads per CTA must be a multiple of 32 in [64, 1024], got {threads}")
@@ -93,8 +94,11 @@ def build_plan(ir: IRGraph, *, ctas: int = 132, threads: int = 256, weight_dtype
         check_layout_enabled("whole_qk_norm", EXPERIMENTAL_FEATURES["whole_qk_norm"])
     batch, capacity = ir.batch, ir.capacity
     wants_mma = any(t.mma for t in (tuning or {}).values())
-    staging = _staging(dims, batch, capacity, threads, split_kv, staging or ("bfloat16" if wants_mma else None),
-                       attention_preload)
+    if staging is None and (wants_mma or (tuning is None and not attention_preload
+                                          and _tensor_cores_by_default(dims, batch, capacity, weight_dtype, ctas, threads,
+                                                                   split_kv))):
+        staging = "bfloat16"
+    staging = _staging(dims, batch, capacity, threads, split_kv, staging, attention_preload)
     if tuning is None:
         tuning = (_mma_default(dims, batch, staging, weight_dtype, ctas, threads)
                   or default_tuning(threads, smem_bytes(dims, batch, capacity, threads, split_kv, staging)))
@@ -240,8 +244,25 @@ def _mma_refusal(batch: int, staging: str, weight_dtype: str) -> str | None:
 
 
 # activations whose gated write in the tensor-core gate/up GEMV passed on the H200 (session 13: SiLU, Llama-3.2-1B
-# b8); a bf16-staged GELU model (gemma-2b at batch 4) keeps the plain GEMV by default until its own GPU run
-MMA_DEFAULT_ACTIVATIONS = ("silu",)
+# b8; session 14: Gemma's tanh GELU, tiny-gemma b2 at long context); exact GELU has not run on a GPU
+MMA_DEFAULT_ACTIVATIONS = ("silu", "gelu_tanh")
+
+
+# the smallest batch whose default is bf16 staging + the tensor cores even where fp32 rows fit (session 14, H200,
+# Llama-3.2-1B batch 4: 1.020 ms GPU per step against 1.462 fp32-staged); batch 1 keeps fp32 staging (not measured)
+MMA_MIN_DEFAULT_BATCH = 2
+
+
+def _tensor_cores_by_default(dims: ModelDims, batch: int, capacity: int, weight_dtype: str, ctas: int, threads: int,
+                             split_kv: bool) -> bool:
+    """A batched bucket (at least ``MMA_MIN_DEFAULT_BATCH`` sequences) that the tensor-core GEMV runs by default
+    once staged in bf16 (:func:`_mma_default`, its partial sums fitting in shared memory): its default stages bf16
+    rows (what eager bf16 PyTorch feeds its GEMVs) even where fp32 rows fit."""
+    if batch < MMA_MIN_DEFAULT_BATCH:
+        return False
+    chosen = _mma_default(dims, batch, "bfloat16", weight_dtype, ctas, threads)
+    return chosen is not None and (smem_bytes(dims, batch, capacity, threads, split_kv, "bfloat16")
+                                   + mma_partials_bytes(threads) <= HOPPER_SMEM_PER_BLOCK)
 
 
 def _mma_default(dims: ModelDims, batch: int, staging: str, weight_dtype: str, ctas: int,

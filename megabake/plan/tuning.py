@@ -194,4 +194,9 @@ def mma_bytes(tilings, threads: int) -> int:
     its alignment); 0 when no stage splits."""
     if not any(getattr(t, "mma", 0) > 1 for t in tilings):
         return 0
+    return mma_partials_bytes(threads)
+
+
+def mma_partials_bytes(threads: int) -> int:
+    """The bytes of :func:`mma_bytes` when some stage splits K across warps (the most the partial sums take)."""
     return threads // WARP * MMA_MAX_BATCH * MMA_ROWS * 4 + 16

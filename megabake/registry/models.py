@@ -371,7 +371,8 @@ def _timed_position(report: dict) -> str:
 
 def preset_rows(packages_root: str | Path, table_dir: str | Path, families: Iterable[Family] = FAMILIES,
                 presets: dict[str, Preset] | None = None, packages: Iterable | None = None) -> list[ModelRow]:
-    """One row per preset, from the newest report (by created_at, then path) of its packages."""
+    """One row per preset, from the newest report (by created_at, then path) of its packages, batch-1 packages first
+    (a row's "ms/token" is one sequence's; a batched package's step serves several)."""
     from megabake.package import find_packages, read_package
 
     families = tuple(families)
@@ -384,7 +385,8 @@ def preset_rows(packages_root: str | Path, table_dir: str | Path, families: Iter
         name = _preset_of(package)
         if name not in presets:
             continue
-        key = (package.report.get("created_at") or "", package.repo_path)
+        key = ((package.report.get("bucket") or {}).get("batch", 1) == 1, package.report.get("created_at") or "",
+               package.repo_path)
         if name not in newest or key > newest[name][0]:
             newest[name] = (key, package)
     rows = []
