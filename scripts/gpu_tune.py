@@ -10,8 +10,10 @@ fastest in that stage, and is measured the same way; its spec is printed (a ``tu
 
     source .cute/activate.sh && python3 scripts/gpu_tune.py smollm-135m llama-3.2-1b --out $OUT
 
-``--batch 8`` times batched steps (``mma``: the tensor-core GEMV); ``--phases`` adds each variant's clocks
-per phase of each stage (staging, GEMV, prefetch, barrier wait). Writes OUT/tune-<preset>-b<batch>.json; prints a short table per preset last.
+``--barriers atom red`` also builds each variant with the fire-and-forget grid-barrier arrival (``generate(plan,
+barrier="red")``; rows ``<variant>@red``, same logits required). ``--batch 8`` times batched steps (``mma``: the
+tensor-core GEMV); ``--phases`` adds each variant's clocks per phase of each stage (staging, GEMV, prefetch,
+barrier wait). Writes OUT/tune-<preset>-b<batch>.json; prints a short table per preset last.
 """
 
 from __future__ import annotations
@@ -119,13 +121,13 @@ def sync_call(decoder, token, pos: int, reps: int) -> float:
     return statistics.median(samples)
 
 
-def timeline(plan, model, tokens, phases: bool = False) -> dict[str, float]:
+def timeline(plan, model, tokens, phases: bool = False, barrier: str = "atom") -> dict[str, float]:
     """Microseconds per stage kind (CTA 0, summed over layers) of one step; with ``phases`` per
     ``<stage>.<phase>`` (staging, GEMV, prefetch, barrier wait: ``codegen.stage_phases``)."""
     from megabake.codegen import TIMELINE_PHASES, generate
     from megabake.runtime import MegakernelDecoder
 
-    source = generate(plan, timeline=TIMELINE_PHASES if phases else True).source
+    source = generate(plan, timeline=TIMELINE_PHASES if phases else True, barrier=barrier).source
     decoder = MegakernelDecoder(plan, source, model, device="cuda", use_graph=False)
     for p in range(len(tokens)):
         decoder.step(tokens[p], p)
@@ -139,7 +141,8 @@ def timeline(plan, model, tokens, phases: bool = False) -> dict[str, float]:
     return by_kind
 
 
-def sweep(name: str, chosen: list[str], reps: int, capacity: int, batch: int = 1, phases: bool = False) -> dict:
+def sweep(name: str, chosen: list[str], reps: int, capacity: int, batch: int = 1, phases: bool = False,
+          barriers: tuple[str, ...] = ("atom",)) -> dict:
     import torch
 
     from megabake.capture import capture_decode_step
@@ -164,6 +167,10 @@ def sweep(name: str, chosen: list[str], reps: int, capacity: int, batch: int = 1
         tuning = tuning_for(candidates[variant], default_plan)
         row, timelines[variant] = measure_variant(variant, tuning, context, default_logits)
         rows.append(row)
+        for barrier in barriers[1:] if barriers[0] == "atom" else barriers:  # other grid-barrier arrivals
+            row, timelines[f"{variant}@{barrier}"] = measure_variant(f"{variant}@{barrier}", tuning, context,
+                                                                     default_logits, barrier=barrier)
+            rows.append(row)
         if variant in ATTENTION_PRELOAD_VARIANTS:
             with_attention = f"{variant}+attn"
             row, timelines[with_attention] = measure_variant(with_attention, tuning, context, default_logits,
@@ -196,7 +203,7 @@ def build_tuned_plan(context: dict, tuning: dict, attention_preload: bool = Fals
 
 
 def measure_variant(variant: str, tuning: dict, context: dict, default_logits: list,
-                    attention_preload: bool = False) -> tuple[dict, dict]:
+                    attention_preload: bool = False, barrier: str = "atom") -> tuple[dict, dict]:
     """Build, check (poisoned logits, vs the first variant, the first one also vs the CPU reference), time, and
     read one step's per-stage clocks. Errors become the row's ``error``: one variant must not end the sweep."""
     import torch
@@ -209,7 +216,7 @@ def measure_variant(variant: str, tuning: dict, context: dict, default_logits: l
     pos = len(tokens) - 1
     try:
         plan = build_tuned_plan(context, tuning, attention_preload)
-        decoder = MegakernelDecoder(plan, generate(plan).source, model, device="cuda")
+        decoder = MegakernelDecoder(plan, generate(plan, barrier=barrier).source, model, device="cuda")
         for p in range(len(tokens)):
             decoder.buffers["logits"].fill_(float("nan"))  # poison
             logits = decoder.step(tokens[p], p).float().cpu().clone()
@@ -221,9 +228,10 @@ def measure_variant(variant: str, tuning: dict, context: dict, default_logits: l
         row["rel_l2_vs_default"] = float((logits - reference).norm() / reference.norm())
         row.update(gpu_ms=time_replays(decoder, tokens[pos], pos, reps), sync_ms=sync_call(decoder, tokens[pos], pos, reps))
         del decoder
-        stages = timeline(plan, model, tokens)
+        stages = timeline(plan, model, tokens, barrier=barrier)
         if context.get("phases"):
-            row["phases_us"] = {k: round(v, 1) for k, v in timeline(plan, model, tokens, phases=True).items()}
+            row["phases_us"] = {k: round(v, 1) for k, v in timeline(plan, model, tokens, phases=True,
+                                                                     barrier=barrier).items()}
         row["build_s"] = round(time.perf_counter() - started, 1)
     except Exception as exc:
         row, stages = {"variant": variant, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}, {}
@@ -270,12 +278,15 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1, help="sequences per step (mma: at most 8, bf16-staged)")
     parser.add_argument("--phases", action="store_true",
                         help="also time every phase of every stage (staging, GEMV, prefetch, barrier wait)")
+    parser.add_argument("--barriers", nargs="+", default=["atom"], choices=["atom", "red"],
+                        help="grid-barrier arrivals to build each variant with (codegen.BARRIER_ARRIVALS): 'atom red' "
+                             "adds a <variant>@red row per variant, checked against the default's logits")
     parser.add_argument("--out", type=Path, default=Path("."))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     results = []
     for name in args.presets:
-        result = sweep(name, args.variants, args.reps, args.capacity, args.batch, args.phases)
+        result = sweep(name, args.variants, args.reps, args.capacity, args.batch, args.phases, tuple(args.barriers))
         (args.out / f"tune-{name}-b{args.batch}.json").write_text(json.dumps(result, indent=1))
         results.append(result)
     for result in results:

@@ -473,6 +473,32 @@ def test_watchdog_build_gives_up_waiting_and_records_where(tiny):
         decoder.barrier_watch()
 
 
+def test_red_barrier_build_compiles_and_keeps_the_kernel_otherwise(tiny):
+    """``generate(plan, barrier="red")`` (an A/B candidate of ``scripts/gpu_tune.py --barriers red``): every grid
+    barrier is ``grid_barrier_red`` with its register target, the rest of the kernel is the default's line for
+    line, it compiles for sm_90a (also as a phases timeline), and bad combinations are refused."""
+    pytest.importorskip("cutlass")
+    from megabake.runtime.compile import compile_check
+
+    default = generate(tiny.plan).source.split("\n# ====")[0]
+    red = generate(tiny.plan, barrier="red").source
+    kernel = red.split("\n# ====")[0]
+    assert "bodies.grid_barrier(" not in kernel
+    assert kernel.count("bodies.grid_barrier_red(barrier=barrier, next_target=bar_next,") == 6
+    differing = [line for line in kernel.splitlines() if line not in default.splitlines()]
+    assert all("bar_next" in line for line in differing), differing
+    assert "def grid_barrier_red(" in red and "def grid_barrier_red(" not in generate(tiny.plan).source
+    result = compile_check(tiny.plan, load_module(red))
+    assert result.ok, result.error
+    phases = generate(tiny.plan, barrier="red", timeline="phases").source
+    assert "bodies.grid_barrier(" not in phases.split("\n# ====")[0]
+    assert compile_check(tiny.plan, load_module(phases)).ok
+    with pytest.raises(ValueError, match="barrier='fence'"):
+        generate(tiny.plan, barrier="fence")
+    with pytest.raises(ValueError, match="watchdog build has its own barrier"):
+        generate(tiny.plan, barrier="red", watchdog=True)
+
+
 def test_hang_probe_names_the_stage_of_every_barrier(tiny):
     """scripts/gpu_hang_probe.py runs on the GPU only; its map from a barrier ordinal to the stage that ends
     there must match the kernel's barriers (one name per barrier of a step)."""

@@ -22,9 +22,11 @@ from device buffers, so one compiled kernel serves every step and CUDA-graph rep
 ``TIMELINE_SLOTS``; the runtime then sizes the barrier buffer ``1 + TIMELINE_SLOTS`` and reads per-stage
 times back (:meth:`megabake.runtime.MegakernelDecoder.stage_timeline`). ``timeline="phases"`` stores a clock
 after every phase of every stage instead (:func:`stage_phases`: staging, GEMV, prefetch, barrier wait) and
-declares ``TIMELINE_PHASES``. ``generate(plan, watchdog=True)`` (debugging a hang) waits at each grid barrier
-for at most ``WATCHDOG_POLLS`` polls and records per CTA its arrivals and the first barrier it gave up at
-(:meth:`megabake.runtime.MegakernelDecoder.barrier_watch`). Packages never ship these variants.
+declares ``TIMELINE_PHASES``. ``generate(plan, barrier="red")`` arrives at grid barriers with a fire-and-forget
+reduction (``BARRIER_ARRIVALS``; a candidate measured against the default). ``generate(plan, watchdog=True)``
+(debugging a hang) waits at each grid barrier for at most ``WATCHDOG_POLLS`` polls and records per CTA its arrivals
+and the first barrier it gave up at (:meth:`megabake.runtime.MegakernelDecoder.barrier_watch`). Packages never ship
+these variants.
 """
 
 from __future__ import annotations
@@ -170,12 +172,20 @@ def _timeline_store(w: _Writer, indent: int, enabled: bool, slot: str) -> None:
 
 
 WATCHDOG_POLLS = 1 << 22  # polls of a watchdog build's barrier before a CTA gives up (~3 s at ~0.7 us per poll)
+# how a CTA arrives at a grid barrier: "atom" (bodies.grid_barrier, the default) or "red" (bodies.grid_barrier_red:
+# a fire-and-forget arrival after the launch's first barrier, relaxed polling; an A/B candidate, not GPU-run yet)
+BARRIER_ARRIVALS = {"atom": "bodies.grid_barrier(barrier, tidx, CTAS)",
+                    "red": "bodies.grid_barrier_red(barrier, bar_next, tidx, CTAS)"}
 
 
 def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str = False,
-             self_contained: bool = True, watchdog: bool = False) -> GeneratedModule:
+             self_contained: bool = True, watchdog: bool = False, barrier: str = "atom") -> GeneratedModule:
     if watchdog and timeline:
         raise ValueError("a watchdog build has no timeline: build them separately")
+    if barrier not in BARRIER_ARRIVALS:
+        raise ValueError(f"barrier={barrier!r}: use one of {sorted(BARRIER_ARRIVALS)}")
+    if watchdog and barrier != "atom":
+        raise ValueError("a watchdog build has its own barrier (bodies.grid_barrier_watched): leave barrier='atom'")
     plan_hash = plan_hash or plan.hash
     w = _Writer(keyword_calls=True)
     _header(w, plan, plan_hash, kernel_arguments(plan), self_contained)
@@ -229,12 +239,15 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     if _attention_preloads(plan):
         w("pre_kv = cute.make_rmem_tensor(cute.make_layout(2 * 8), k_cache.element_type)  # first K, V rows", 1)
         w("s_new = cute.make_tensor(s_vec.iterator, cute.make_layout(2 * HEAD_DIM))  # this step's k, v (fp32)", 1)
+    if barrier == "red":
+        w("bar_next = cute.make_rmem_tensor(cute.make_layout(1), cutlass.Int64)  # next grid-barrier target", 1)
+        w("bar_next[0] = cutlass.Int64(0)  # 0: the launch's first barrier asks the counter", 1)
     w("pos = position[0]", 1)
     _timeline_store(w, 1, bool(timeline), "1")
     barrier = ("bodies.grid_barrier_watched(barrier, tidx, CTAS, cta, WATCH_POLLS)" if watchdog
-               else "bodies.grid_barrier(barrier, tidx, CTAS)")
+               else BARRIER_ARRIVALS[barrier])
     if phases:
-        _phase_timed_stages(w, plan, prologue, per_layer, epilogue)
+        _phase_timed_stages(w, plan, prologue, per_layer, epilogue, barrier)
     else:
         for i, stage in enumerate(prologue):
             _stage(w, plan, stage, 1, layer_var=None, barrier=barrier)
@@ -388,13 +401,13 @@ def _stage(w: _Writer, plan: Plan, stage: Stage, indent: int, layer_var, clocks:
 
 
 def _phase_timed_stages(w: _Writer, plan: Plan, prologue: list[Stage], per_layer: list[Stage],
-                        epilogue: list[Stage]) -> None:
+                        epilogue: list[Stage], barrier: str) -> None:
     """The stages of a ``timeline="phases"`` build: a clock after every phase, into consecutive slots (the layer
     loop's slots repeat every ``per_layer_slots``)."""
     slot = 2
     for stage in prologue:
         count = len(stage_phases(plan, stage))
-        _stage(w, plan, stage, 1, layer_var=None, clocks=[str(slot + k) for k in range(count)])
+        _stage(w, plan, stage, 1, layer_var=None, clocks=[str(slot + k) for k in range(count)], barrier=barrier)
         slot += count
     per_layer_slots = sum(len(stage_phases(plan, stage)) for stage in per_layer)
     w("for layer in range(LAYERS):", 1)
@@ -402,12 +415,12 @@ def _phase_timed_stages(w: _Writer, plan: Plan, prologue: list[Stage], per_layer
     for stage in per_layer:
         count = len(stage_phases(plan, stage))
         clocks = [f"{slot + offset + k} + layer * {per_layer_slots}" for k in range(count)]
-        _stage(w, plan, stage, 2, layer_var="layer", clocks=clocks)
+        _stage(w, plan, stage, 2, layer_var="layer", clocks=clocks, barrier=barrier)
         offset += count
     slot += per_layer_slots * plan.dims.layers
     for stage in epilogue:
         count = len(stage_phases(plan, stage))
-        _stage(w, plan, stage, 1, layer_var=None, clocks=[str(slot + k) for k in range(count)])
+        _stage(w, plan, stage, 1, layer_var=None, clocks=[str(slot + k) for k in range(count)], barrier=barrier)
         slot += count
 
 

@@ -35,6 +35,32 @@ def grid_barrier(barrier: cute.Tensor, tidx: Int32, ctas: cutlass.Constexpr[int]
 
 
 @cute.jit
+def grid_barrier_red(barrier: cute.Tensor, next_target: cute.Tensor, tidx: Int32, ctas: cutlass.Constexpr[int]):
+    """:func:`grid_barrier` with a fire-and-forget arrival (``generate(plan, barrier="red")``, measured against
+    the default). Thread 0 keeps the counter value it waits for next in ``next_target`` (a one-element register
+    tensor, 0 before the launch's first barrier), so only that first barrier needs the atomic's return value
+    (which generation this launch is in); the others arrive with ``red.release.gpu.add`` and start polling at
+    once, without an L2 round trip first. It polls with relaxed loads and makes the other CTAs' writes visible
+    with one acquire fence after the last poll (a relaxed load followed by ``fence.acq_rel`` is an acquire).
+    """
+    cute.arch.sync_threads()
+    if tidx == 0:
+        ptr = barrier.iterator.llvm_ptr
+        target = next_target[0]
+        if target == Int64(0):
+            old = cute.arch.atomic_add(ptr, Int64(1), sem="release", scope="gpu")
+            target = (old // ctas + 1) * ctas
+        else:
+            cute.arch.red(ptr, Int64(1), op="add", dtype="u64", sem="release", scope="gpu")  # s64 add: no PTX form
+        next_target[0] = target + ctas
+        current = cute.arch.load(ptr, Int64, sem="relaxed", scope="gpu")
+        while current < target:
+            current = cute.arch.load(ptr, Int64, sem="relaxed", scope="gpu")
+        cute.arch.fence_acq_rel_gpu()
+    cute.arch.sync_threads()
+
+
+@cute.jit
 def grid_barrier_watched(barrier: cute.Tensor, tidx: Int32, ctas: cutlass.Constexpr[int], cta: Int32,
                          max_polls: cutlass.Constexpr[int]):
     """:func:`grid_barrier` of a watchdog build (``generate(plan, watchdog=True)``, a debugging variant): a CTA
