@@ -7,6 +7,8 @@
 #          (the real-weights tests need the GGUF on the device: README "Running the GPU tests")
 #   smoke: kernel vs CPU reference executor + step latency per preset       -> OUT/smoke-*.json     (~1-3 min)
 #   mma: the tensor-core GEMV tests (-k mma_gemv: "-k mma" also matches every gemma test) -> OUT/pytest-gpu-mma.log
+#   candidates: session 14's A/B candidates (plain gated write, red barrier): GPU tests + gpu_tune of the first two
+#          presets with phases -> OUT/pytest-gpu-candidates.log, OUT/tune-candidates.log (~7 min)
 #   hang-probe: the tensor-core cases' steps with the barrier watchdog (scripts/gpu_hang_probe.py; a tool for
 #          chasing a kernel that never reaches a grid barrier)                   -> OUT/hang-probe.json (~3 min)
 #   bench: decode benchmark table + chart, all presets in one process          -> OUT/bench/  (~2.5 min per preset;
@@ -32,7 +34,7 @@ run_tests() {  # name, -k expression, files...: one pytest run with its own limi
   shift 2
   # faulthandler_timeout: a test past 150 s dumps every thread's stack into the log (a kernel hang shows as a
   # wait in .cpu() / synchronize)
-  timeout 580 python3 -m pytest -m gpu -q -p no:cacheprovider --durations=10 -o faulthandler_timeout=150 -k "$select" "$@" \
+  timeout "${TEST_LIMIT:-580}" python3 -m pytest -m gpu -q -p no:cacheprovider --durations=10 -o faulthandler_timeout=150 -k "$select" "$@" \
     >"$OUT/pytest-gpu-$name.log" 2>&1
   summary+=("pytest -m gpu ($name): rc=$? $(grep -E '[0-9]+ (passed|failed)' "$OUT/pytest-gpu-$name.log" | tail -1)")
 }
@@ -48,6 +50,15 @@ if [[ " $PARTS " == *" tests3 "* ]]; then
 fi
 if [[ " $PARTS " == *" mma "* ]]; then
   run_tests mma "mma_gemv" tests/test_gpu_decode.py
+fi
+if [[ " $PARTS " == *" candidates "* ]]; then
+  # session 14's A/B candidates, built without a GPU: the plain GEMV's gated write (+gated, experimental
+  # gated_gemv) and the fire-and-forget barrier arrival (generate(plan, barrier="red")): their GPU tests, then
+  # both timed against the default with per-phase clocks (rows default, default@red, gated, gated@red)
+  TEST_LIMIT=250 run_tests candidates "gated_gemv or red_barrier" tests/test_gpu_decode.py
+  timeout 330 python3 scripts/gpu_tune.py "${PRESETS[@]:0:2}" --variants default gated --barriers atom red --phases \
+    --out "$OUT" >"$OUT/tune-candidates.log" 2>&1
+  summary+=("candidates tune: rc=$?" "$(sed -n '/^== /,/^composite/p' "$OUT/tune-candidates.log")")
 fi
 if [[ " $PARTS " == *" hang-probe "* ]]; then
   # the tensor-core cases' kernel steps built with the barrier watchdog (scripts/gpu_hang_probe.py)

@@ -53,12 +53,28 @@ def variants() -> dict:
             "t2u4-spread-ring4-preload": GemvTuning(2, 4, spread=True, preload=True, stages=4),
             "balanced-ring4-preload": Balanced(GemvTuning(2, 4, preload=True, stages=4)),
             # tensor cores (bf16-staged inputs, at most 8 sequences; the default of such buckets)
-            "mma": GemvTuning(8, 8, mma=True)}
+            "mma": GemvTuning(8, 8, mma=True),
+            # the activation in the plain gate/up GEMV's write (experimental: MEGABAKE_EXPERIMENTAL_LAYOUTS=gated_gemv)
+            "gated": GemvTuning(2, 4, gated=True)}
 
 
 # also measured with attention preload
 ATTENTION_PRELOAD_VARIANTS = ("default", "t2u4-spread-preload", "t2u4-spread-pipe-preload",
                               "t2u4-spread-ring4-preload")
+
+
+EXPERIMENTAL_VARIANTS = {"gated": "gated_gemv"}  # variant -> the experimental kernel feature it needs
+
+
+def opt_in_experimental(chosen: list[str]) -> None:
+    """A sweep that asks for an experimental variant measures it: add its feature to the opt-in variable."""
+    import os
+
+    from megabake.plan import EXPERIMENTAL_LAYOUTS_ENV
+
+    wanted = [EXPERIMENTAL_VARIANTS[v] for v in chosen if v in EXPERIMENTAL_VARIANTS]
+    current = os.environ.get(EXPERIMENTAL_LAYOUTS_ENV, "").replace(",", " ").split()
+    os.environ[EXPERIMENTAL_LAYOUTS_ENV] = " ".join(dict.fromkeys(current + wanted))
 
 
 def tuning_for(variant, default_plan) -> dict:
@@ -284,6 +300,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("."))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    opt_in_experimental(args.variants)
     results = []
     for name in args.presets:
         result = sweep(name, args.variants, args.reps, args.capacity, args.batch, args.phases, tuple(args.barriers))

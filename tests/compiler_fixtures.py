@@ -12,7 +12,7 @@ Compiled = CompiledStep  # the tests' name for one bucket's step at every stage
 def compile_model(model, *, batch: int = 1, capacity: int = 32, ctas: int = 132, threads: int = 256,
                   tuning=None, staging: str | None = None) -> Compiled:
     """``tuning=None``: the default GEMV tiling (the streaming ring); ``DEFAULT_TUNING``: the plain tiling.
-    ``staging=None``: fp32 GEMV input rows where they fit in shared memory, else bf16."""
+    ``staging=None``: the plan's default (bf16 rows for the tensor cores at batch 2-8, else fp32 where they fit)."""
     return compile_step(model, batch=batch, capacity=capacity, ctas=ctas, threads=threads, tuning=tuning,
                         staging=staging)
 

@@ -155,9 +155,9 @@ def test_balanced_tuning_picks_rows_per_tile_per_stage(preset_name, ctas, expect
     assert "gemv_rows_pipelined" in generate(plan).source
 
 
-def test_every_gpu_tune_variant_builds_a_plan():
+def test_every_gpu_tune_variant_builds_a_plan(monkeypatch):
     """scripts/gpu_tune.py runs on the GPU only; its variants must at least plan on a CPU (a PlanError there
-    would cost a device call)."""
+    would cost a device call). The script opts in to the experimental ``gated`` variant's feature itself."""
     import importlib.util
     import sys
     from pathlib import Path
@@ -173,6 +173,8 @@ def test_every_gpu_tune_variant_builds_a_plan():
     spec.loader.exec_module(module)
     compiled = compile_preset("smollm-135m", layers=1, capacity=32)
     inv_freq, scaling = recover_rotary(compiled.captured, compiled.ir)
+    monkeypatch.setenv("MEGABAKE_EXPERIMENTAL_LAYOUTS", "")
+    module.opt_in_experimental(list(module.variants()))
     for name, variant in module.variants().items():
         for attention_preload in ((False, True) if name in module.ATTENTION_PRELOAD_VARIANTS else (False,)):
             build_plan(compiled.ir, inv_freq_buffer=inv_freq, rotary_scaling=scaling, attention_preload=attention_preload,

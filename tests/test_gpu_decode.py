@@ -311,6 +311,52 @@ def test_mma_gemv_kernel_matches_reference_executor_at_long_context(preset, batc
     _assert_bf16_steps_match(compiled)
 
 
+@pytest.mark.parametrize("preset,batch,layers", [("tiny-llama", 1, None), ("tiny-gemma", 1, None),
+                                                 ("smollm-135m", 1, 2), ("tiny-llama", 2, None)])
+def test_gated_gemv_kernel_matches_reference_executor_at_long_context(preset, batch, layers, monkeypatch):
+    """The plain GEMV's gated write (``+gated`` on the gate/up stage, experimental ``gated_gemv``, written in
+    session 14 without a GPU): row pairs of gate and up, act(gate) * up written once (SiLU; Gemma's tanh GELU),
+    the down stage copying it, against the reference executor over a random 1024-slot cache; and the kernel's
+    logits equal the unfused kernel's (same fp32 sums and activation, another row order) at each step."""
+    from megabake.runtime import gpu_info
+
+    monkeypatch.setenv("MEGABAKE_EXPERIMENTAL_LAYOUTS", "gated_gemv")
+    vocab = 4096 if layers else None
+    tuning = {"norm_gate_up": GemvTuning(2, 4, gated=True)}
+    compiled = compile_preset(preset, layers=layers, vocab=vocab, batch=batch, capacity=1024,
+                              ctas=gpu_info().sm_count, tuning=tuning, staging="float32")
+    assert next(s for s in compiled.plan.stages if s.name == "norm_gate_up").tiling.gated
+    fused = _assert_random_cache_steps_match(compiled, compiled.model, seed=31)
+    unfused = compiled.replan(tuning={}, staging="float32")
+    tokens = torch.randint(1, compiled.plan.dims.vocab, (batch, 4), generator=torch.Generator().manual_seed(32))
+    plain = _logits(unfused.plan, compiled.model, tokens.T, [3, 4, 5, 6], decoder_from=fused)
+    gated = _logits(compiled.plan, compiled.model, tokens.T, [3, 4, 5, 6], decoder_from=fused)
+    assert float((gated - plain).norm() / plain.norm()) < 1e-5
+
+
+def test_red_barrier_gives_bit_identical_logits_over_graph_replays():
+    """``generate(plan, barrier="red")`` (fire-and-forget arrivals, written in session 14 without a GPU) changes
+    only how CTAs meet: over 24 advancing steps (graph replays, so every launch re-learns its barrier generation
+    from the counter) its logits equal the default kernel's exactly."""
+    from megabake.codegen import generate
+    from megabake.runtime import MegakernelDecoder, gpu_info
+
+    compiled = compile_preset("smollm-135m", layers=4, vocab=4096, capacity=64, ctas=gpu_info().sm_count)
+    tokens = torch.randint(1, 4096, (24,), generator=torch.Generator().manual_seed(33))
+    results = []
+    for barrier in ("atom", "red"):
+        decoder = MegakernelDecoder(compiled.plan, generate(compiled.plan, barrier=barrier).source, compiled.model,
+                                    device="cuda")
+        steps = []
+        for position, token in enumerate(tokens):
+            decoder.buffers["logits"].fill_(float("nan"))
+            steps.append(decoder.step(token.reshape(1), position).cpu().clone())
+        results.append(torch.stack(steps))
+        del decoder
+    assert torch.isfinite(results[0]).all()
+    assert torch.equal(results[1], results[0])
+
+
 def _assert_bf16_steps_match(compiled):
     """A bf16-staged kernel against the reference executor over a random 1024-slot cache, one step at each of
     positions 0, 1, 2, 127, 128, 129, 700, 1023.
@@ -524,14 +570,19 @@ def test_tilings_give_bit_identical_logits(name):
     assert float((results["unsplit"] - default).norm() / default.norm()) < 2e-3  # same math, other order
 
 
-def _logits(plan, model, tokens, positions):
+def _logits(plan, model, tokens, positions, decoder_from=None):
+    """Logits of ``plan``'s kernel, one step per (token, position); ``decoder_from``: start from that decoder's KV
+    cache (a copy), so plans with other packings can be compared from one random cache."""
     from megabake.codegen import generate
     from megabake.runtime import MegakernelDecoder
 
     decoder = MegakernelDecoder(plan, generate(plan).source, model, device="cuda")
+    if decoder_from is not None:
+        for name in ("k_cache", "v_cache"):
+            decoder.buffers[name].copy_(decoder_from.buffers[name])
     steps = []
     for token, position in zip(tokens, positions):
         decoder.buffers["logits"].fill_(float("nan"))
-        steps.append(decoder.step(token.reshape(1), position).cpu().clone())
+        steps.append(decoder.step(token.reshape(-1), position).cpu().clone())
     del decoder
     return torch.stack(steps)

@@ -444,6 +444,8 @@ def _gemv(weight: str, out: str, rows: str, cols: str, stage: Stage, accumulate:
                 f"{stage.tiling.preload})")
     if stage.tiling.preload:
         return f"bodies.gemv_rows_pre({weight}, pre_{stage.name}, {bias_arg}, s_vec, {args}, {bool(bias)})"
+    if gated:  # +gated: the plain tiling's gated write (the plan allows spread only)
+        return f"bodies.gemv_rows_gated({weight}, {bias_arg}, s_vec, {args}, {bool(bias)}, {gated})"
     if bias:
         return f"bodies.gemv_rows_bias({weight}, {bias}[layer, None], s_vec, {args})"
     return f"bodies.gemv_rows({weight}, s_vec, {args})"

@@ -39,8 +39,8 @@ from .memory import STAGING_BYTES, check_shared_memory, smem_bytes, smem_floats,
 from .model import (PLAN_VERSION, WARP, Buffer, LayerBinding, ModelDims, PackedWeight, Plan,  # noqa: F401
                     Rotary, Stage, Tiling, plan_from_dict)
 from .recognise import POWER_OF_TWO_HEAD_DIMS, Block, model_dims, recognise_decoder
-from .stages import (ATTN_WINDOW, GATED_BLOCK, GATED_LAYOUTS, GEMV_STAGES, HEAD_NORMS,  # noqa: F401
-                     LAYER_GEMVS, LAYER_NORM_ROLES, LAYOUTS, ROPE_TABLE, STAGE_BIAS, STAGE_TABLE, WORKSPACES, Layout,
+from .stages import (ATTN_WINDOW, GATED_BLOCK, GATED_LAYOUTS, GATED_PLAIN_BLOCK,  # noqa: F401
+                     GEMV_STAGES, HEAD_NORMS, LAYER_GEMVS, LAYER_NORM_ROLES, LAYOUTS, ROPE_TABLE, STAGE_BIAS, STAGE_TABLE, WORKSPACES, Layout,
                      StageSpec)
 from .tuning import (DEFAULT_TUNING, HOPPER_SMEM_PER_BLOCK, PIPELINE_MAX_THREADS,  # noqa: F401
                      PIPELINE_MAX_VECTORS, RING_VECTOR_BYTES, STREAMING_DEFAULT, GemvTuning, check_pipeline,
@@ -107,8 +107,11 @@ def build_plan(ir: IRGraph, *, ctas: int = 132, threads: int = 256, weight_dtype
     _check_options(dims, tuning, threads, lm_head, split_kv, attention_preload, batch, ctas)
     if wants_mma:
         _check_mma(dims, tuning, batch, staging, weight_dtype)
-    if tuning["norm_gate_up"].mma:  # the tensor-core gate/up GEMV applies the activation as it writes (its tiles
-        layout = GATED_LAYOUTS[layout.name]  # pair GATED_BLOCK gate and up rows; intermediate % 8 == 0 is checked)
+    _check_gated(tuning)
+    block = 0  # gate/up rows per interleaved block of a gated gate/up GEMV, 0 when it does not apply the activation
+    if tuning["norm_gate_up"].mma or tuning["norm_gate_up"].gated:  # it applies the activation as it writes (the
+        layout = GATED_LAYOUTS[layout.name]  # tensor cores' 8-row tiles pair GATED_BLOCK gate and up rows; the
+        block = GATED_BLOCK if tuning["norm_gate_up"].mma else GATED_PLAIN_BLOCK  # plain +gated row pairs, one each
     windows = [block.ops["attention"].window for block in blocks]
     _check_windows(windows, split_kv)
     rope_tables, layer_tables = _rope_tables(ir, blocks, rotary_tables, dims.head_dim)
@@ -130,7 +133,8 @@ def build_plan(ir: IRGraph, *, ctas: int = 132, threads: int = 256, weight_dtype
         + _bias_buffers(dims, biased)
         + _head_norm_buffers(dims, head_norms) + split_kv_buffers(dims, batch, stages) + _window_buffers(dims, windows)
         + _rope_table_buffers(dims, rope_tables),
-        packed=_packing(layout, blocks, embed, final_norm, lm_head, tied) + _bias_packing(layout, blocks, biased)
+        packed=_packing(layout, blocks, embed, final_norm, lm_head, tied, block)
+        + _bias_packing(layout, blocks, biased, block)
         + _head_norm_packing(blocks, head_norms),
         stages=stages, layers=[_bind_layer(layout, block, window, table)
                                for block, window, table in zip(blocks, windows, layer_tables)],
@@ -172,7 +176,8 @@ GPU_VERIFIED_FEATURES = ("rope_tables", "whole_qk_norm", "bf16_staging", "mma_ge
 EXPERIMENTAL_FEATURES = {"rope_tables": "per-layer rotary tables (Gemma 3: one RoPE base per layer type)",
                          "whole_qk_norm": "q/k RMSNorm over the whole projection (OLMo-2)",
                          "bf16_staging": "GEMV inputs staged in bf16 shared memory because fp32 rows do not fit",
-                         "mma_gemv": "the tensor-core GEMV (mma.sync on bf16-staged inputs, tiling +mma)"}
+                         "mma_gemv": "the tensor-core GEMV (mma.sync on bf16-staged inputs, tiling +mma)",
+                         "gated_gemv": "the activation in the plain gate/up GEMV's write (tiling +gated)"}
 
 
 def check_layout_enabled(name: str, what: str | None = None, holder: str = "this model has") -> None:
@@ -228,6 +233,16 @@ def _check_mma(dims: ModelDims, tuning: dict[str, GemvTuning], batch: int, stagi
     if dims.final_softcap and tuning["norm_lm_head"].mma:
         raise PlanError("the tensor-core GEMV (+mma) does not soft-cap the LM head's logits (Gemma 2): give "
                         "norm_lm_head a plain tiling (build_plan's tuning; `--tiling` applies to every stage)")
+
+
+def _check_gated(tuning: dict[str, GemvTuning]) -> None:
+    """``+gated`` (the plain GEMV's gated write) is the gate/up stage's, and experimental until it runs on a GPU."""
+    others = [name for name, t in tuning.items() if t.gated and name != "norm_gate_up"]
+    if others:
+        raise PlanError(f"+gated applies the MLP's activation in the gate/up GEMV; stage(s) {others} have no "
+                        "activation to apply: give them a tiling without +gated")
+    if tuning["norm_gate_up"].gated:
+        check_layout_enabled("gated_gemv", EXPERIMENTAL_FEATURES["gated_gemv"], holder="this bake asks for")
 
 
 def _mma_refusal(batch: int, staging: str, weight_dtype: str) -> str | None:
@@ -385,7 +400,7 @@ def _stage_tiling(spec: StageSpec, dims: ModelDims, batch: int, tuning: dict[str
             return Tiling("rows", rows, MMA_ROWS, -(-rows // MMA_ROWS), mma_unroll(cols, split, chosen.unroll),
                           mma=split)
         return Tiling("rows", rows, chosen.per_tile, -(-rows // chosen.per_tile), chosen.unroll, chosen.spread,
-                      chosen.preload, chosen.pipeline, chosen.stages)
+                      chosen.preload, chosen.pipeline, chosen.stages, gated=chosen.gated)
     if spec.kind == "attention":
         return attention
     elements = batch * dims.hidden  # the embedding gather: elements over CTAs
@@ -437,12 +452,12 @@ def _buffers(layout: Layout, dims: ModelDims, batch: int, capacity: int, wdt: st
 
 
 def _packing(layout: Layout, blocks: list[Block], embed: Embedding, final_norm: RMSNorm, lm_head: Linear,
-             tied: bool) -> list[PackedWeight]:
+             tied: bool, block: int) -> list[PackedWeight]:
     def per_layer(roles):
         return [[_weight_source(block.ops[role]) for role in roles] for block in blocks]
 
     packs = [PackedWeight("embed", False, [[(embed.table, 0)]])]
-    packs += [PackedWeight(spec.gemv.weight, True, per_layer(spec.gemv.roles), _interleave(spec))
+    packs += [PackedWeight(spec.gemv.weight, True, per_layer(spec.gemv.roles), _interleave(spec, block))
               for spec in layout.layer_gemvs]
     packs += [PackedWeight("norms", True, per_layer(layout.norm_roles)),
               PackedWeight("final_norm", False, [[(final_norm.weight, 0)]])]
@@ -469,12 +484,12 @@ def _bias_buffers(dims: ModelDims, biased: list[str]) -> list[Buffer]:
             for spec in LAYER_GEMVS if spec.name in biased]
 
 
-def _interleave(spec: StageSpec) -> int:
-    """A gated GEMV's packed rows alternate blocks of gate and up rows (``stages.gated_act_layout``)."""
-    return GATED_BLOCK if spec.gemv.gated else 0
+def _interleave(spec: StageSpec, block: int) -> int:
+    """A gated GEMV's packed rows alternate blocks of ``block`` gate and up rows (``stages.gated_act_layout``)."""
+    return block if spec.gemv.gated else 0
 
 
-def _bias_packing(layout: Layout, blocks: list[Block], biased: list[str]) -> list[PackedWeight]:
+def _bias_packing(layout: Layout, blocks: list[Block], biased: list[str], block: int) -> list[PackedWeight]:
     def part(lin):
         if lin.bias is None:
             return ("", lin.out_features)
@@ -482,7 +497,7 @@ def _bias_packing(layout: Layout, blocks: list[Block], biased: list[str]) -> lis
         return (lin.bias, *rows) if rows else (lin.bias, 0)
 
     return [PackedWeight(spec.gemv.bias, True, [[part(block.ops[role]) for role in spec.gemv.roles] for block in blocks],
-                         _interleave(spec))
+                         _interleave(spec, block))
             for spec in layout.layer_gemvs if spec.name in biased]
 
 

@@ -121,6 +121,9 @@ class Tiling:
     # GEMV: 0, or the tensor-core path (mma.sync, bf16 inputs, fp32 sums; ``per_tile`` = 8 rows) with this many
     # warps of a CTA sharing each tile, each reducing 1/mma of K (``tuning.mma_split``; experimental).
     mma: int = 0
+    # GEMV (the gate/up stage, plain register tiling): its 2-row pairs are a gate row and its up row (packed
+    # with ``interleave`` 1) and it writes act(gate) * up once, as the tensor-core path does (experimental).
+    gated: bool = False
 
 
 @dataclass
@@ -176,7 +179,7 @@ class Plan:
     def to_dict(self) -> dict:
         data = asdict(self)
         for stage in data["stages"]:  # only tilings that use them name these: older plans keep bytes and hash
-            for flag in ("spread", "preload", "pipeline", "stages", "mma"):
+            for flag in ("spread", "preload", "pipeline", "stages", "mma", "gated"):
                 if not stage["tiling"].get(flag):
                     stage["tiling"].pop(flag, None)
         if data["dims"]["embed_scale"] == 1.0:  # recorded only where it scales: older plans keep their hash

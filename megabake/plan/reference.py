@@ -14,7 +14,7 @@ import torch
 
 from . import Plan, Stage, WARP
 from .packing import torch_dtype
-from .stages import GATED_BLOCK, VectorInput, norm_slot, spec_of
+from .stages import VectorInput, norm_slot, spec_of
 
 
 class ReferenceExecutor:
@@ -90,11 +90,13 @@ class ReferenceExecutor:
         assert bool((written == 1).all()), f"{stage.name}: some output rows written {int(written.max())}x or never"
 
     def _gated_gemv(self, stage: Stage, weight: torch.Tensor, vec: torch.Tensor, out: torch.Tensor, layer: int):
-        """A gated GEMV (``Gemv.gated``): its packed rows alternate GATED_BLOCK gate and up rows; it writes
-        act(gate) * up into the first half of ``out`` (every tile's rows written once, checked by ``_gemv``)."""
+        """A gated GEMV (``Gemv.gated``): its packed rows alternate blocks of gate and up rows (the packed weight's
+        ``interleave``: 4 on the tensor cores, 1 on the plain tiling); it writes act(gate) * up into the first half
+        of ``out`` (every tile's rows written once, checked by ``_gemv``)."""
         rows = torch.zeros_like(out)
         self._gemv(stage, weight, vec, rows, False, layer=layer)
-        blocks = rows.view(rows.shape[0], -1, 2, GATED_BLOCK)
+        block = next(p.interleave for p in self.plan.packed if p.buffer == spec_of(stage, self.plan).gemv.weight)
+        blocks = rows.view(rows.shape[0], -1, 2, block)
         gate, up = blocks[:, :, 0].reshape(rows.shape[0], -1), blocks[:, :, 1].reshape(rows.shape[0], -1)
         out[:, :gate.shape[1]] = _ACTIVATIONS[self.plan.dims.act](gate) * up
 

@@ -223,7 +223,8 @@ ACTIVATIONS = {"silu": "silu_mul_to_smem", "gelu_tanh": "gelu_mul_to_smem", "gel
 GATED_ACT_CODES = {"silu": 1, "gelu_tanh": 2, "gelu": 3}
 
 
-GATED_BLOCK = 4  # gate rows, then as many up rows, per 8-row tile of a gated GEMV's packed weight
+GATED_BLOCK = 4  # gate rows, then as many up rows, per 8-row tile of a gated GEMV's packed weight (tensor cores)
+GATED_PLAIN_BLOCK = 1  # ... and per row pair of the plain GEMV's gated write (+gated: gate row i, then up row i)
 
 
 def gated_act_layout(layout: Layout) -> Layout:
@@ -249,14 +250,15 @@ GATED_LAYOUTS = {name: gated_act_layout(layout) for name, layout in LAYOUTS.item
 
 def layout_of(plan) -> Layout:
     """The layout a plan was built for (``plan.layout``; plans made before layouts existed are pre-norm), with the
-    activation in the gate/up GEMV where that stage runs on the tensor cores (:func:`gated_act_layout`)."""
+    activation in the gate/up GEMV where that stage applies it (:func:`gated_act_layout`, :func:`gates_in_gemv`)."""
     name = getattr(plan, "layout", "pre_norm")
     return GATED_LAYOUTS[name] if gates_in_gemv(plan.stages) else LAYOUTS[name]
 
 
 def gates_in_gemv(stages) -> bool:
-    """The gate/up stage of these plan stages runs on the tensor cores, so it applies the activation."""
-    return any(stage.name == "norm_gate_up" and stage.tiling.mma for stage in stages)
+    """The gate/up stage of these plan stages applies the activation as it writes: it runs on the tensor cores, or
+    on the plain tiling with ``+gated``."""
+    return any(stage.name == "norm_gate_up" and (stage.tiling.mma or stage.tiling.gated) for stage in stages)
 
 
 def spec_of(stage, plan=None) -> StageSpec:

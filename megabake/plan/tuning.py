@@ -42,6 +42,7 @@ class GemvTuning:
     pipeline: bool = False  # next chunk's loads in flight while reducing this one (see Tiling.pipeline)
     stages: int = 0  # cp.async shared-memory ring of this depth (see Tiling.stages); 0: registers
     mma: bool = False  # tensor-core GEMV (mma.sync, tiles of 8 rows; see Tiling.mma): bf16-staged buckets only
+    gated: bool = False  # gate/up stage only: the plain GEMV applies the activation as it writes (see Tiling.gated)
 
     def __post_init__(self):
         if not 1 <= self.per_tile <= 8 or not 1 <= self.unroll <= 32:
@@ -55,9 +56,13 @@ class GemvTuning:
         if self.mma and (self.per_tile != MMA_ROWS or self.spread or self.preload or self.pipeline or self.stages):
             raise PlanError(f"GEMV tuning {self.spec}: the tensor-core GEMV (mma) takes tiles of {MMA_ROWS} rows and "
                             f"no other flag (it pipelines its own K loop), e.g. {MMA_ROWS}x8+mma")
+        if self.gated and (self.mma or self.preload or self.pipeline or self.stages or self.per_tile % 2):
+            raise PlanError(f"GEMV tuning {self.spec}: +gated (the activation in the gate/up GEMV's write) runs on "
+                            "the plain register tiling with an even number of rows per tile (a gate row and its up "
+                            "row), optionally +spread, e.g. 2x4+gated; +mma applies the activation by itself")
 
     SPEC_FORM = ("PER_TILExUNROLL[+spread][+preload][+pipeline][+ringSTAGES], e.g. 2x4+spread+preload+ring4, "
-                 "or 8xUNROLL+mma (tensor cores)")
+                 "8xUNROLL+mma (tensor cores), or 2xUNROLL[+spread]+gated (activation in the gate/up write)")
 
     @property
     def spec(self) -> str:
@@ -65,6 +70,7 @@ class GemvTuning:
         flags = [name for name in ("spread", "preload", "pipeline") if getattr(self, name)]
         flags += [f"ring{self.stages}"] if self.stages else []
         flags += ["mma"] if self.mma else []
+        flags += ["gated"] if self.gated else []
         return "+".join([f"{self.per_tile}x{self.unroll}", *flags])
 
     @classmethod
@@ -77,7 +83,7 @@ class GemvTuning:
         options: dict = {}
         for flag in flags:
             ring = re.fullmatch(r"ring(\d+)", flag)
-            if flag in ("spread", "preload", "pipeline", "mma"):
+            if flag in ("spread", "preload", "pipeline", "mma", "gated"):
                 options[flag] = True
             elif ring:
                 options["stages"] = int(ring.group(1))

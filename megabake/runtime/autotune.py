@@ -87,8 +87,10 @@ def without_lm_head_preload(tuning: dict[str, GemvTuning]) -> dict[str, GemvTuni
 
 
 def uniform_tuning(tiling: GemvTuning) -> dict[str, GemvTuning]:
-    """``tiling`` for every GEMV stage (the LM head never preloads: no barrier precedes it in the layer loop)."""
-    return without_lm_head_preload({stage: tiling for stage in GEMV_STAGES})
+    """``tiling`` for every GEMV stage (the LM head never preloads: no barrier precedes it in the layer loop;
+    ``+gated`` is the gate/up stage's alone: the others get the same tiling without it)."""
+    plain = replace(tiling, gated=False)
+    return without_lm_head_preload({stage: tiling if stage == "norm_gate_up" else plain for stage in GEMV_STAGES})
 
 
 def choose_tuning(stage_us: dict[str, dict[str, float]], candidates: dict[str, GemvTuning]) -> dict[str, GemvTuning]:

@@ -373,6 +373,55 @@ def gemv_rows_bias(weight: cute.Tensor, bias: cute.Tensor, s_vec: cute.Tensor, o
 
 
 @cute.jit
+def gemv_rows_gated(weight: cute.Tensor, bias: cute.Tensor, s_vec: cute.Tensor, out: cute.Tensor, gwarp: Int32,
+                    lane: Int32, total_warps: cutlass.Constexpr[int], rows: cutlass.Constexpr[int],
+                    cols: cutlass.Constexpr[int], batch: cutlass.Constexpr[int], per_tile: cutlass.Constexpr[int],
+                    accumulate: cutlass.Constexpr[bool], unroll: cutlass.Constexpr[int],
+                    has_bias: cutlass.Constexpr[bool], act: cutlass.Constexpr[int]):
+    """The gate/up GEMV with the activation in its write (tiling ``+gated``; experimental): the packed rows pair
+    gate row i (row 2i) with up row i (row 2i + 1), so a tile of an even ``per_tile`` holds whole pairs and lane 0
+    writes act(gate) * up once, at ``out[b, i]`` (:func:`_gemv_write_gated`); the down stage then copies the row
+    instead of evaluating the activation in every CTA. K loop as :func:`_gemv_rows` (``accumulate`` is unused:
+    the gate/up output is written, never accumulated)."""
+    tiles = (rows + per_tile - 1) // per_tile
+    kvecs = cols // VEC
+    chunk = WARP * unroll
+    full_chunks = kvecs // chunk
+    tail = kvecs - full_chunks * chunk
+    acc = cute.make_rmem_tensor(cute.make_layout(per_tile * batch), Float32)
+    for tile in range(gwarp, tiles, total_warps):
+        for i in cutlass.range_constexpr(per_tile * batch):
+            acc[i] = Float32(0.0)
+        for c in range(full_chunks):
+            for u in cutlass.range_constexpr(unroll):
+                _gemv_chunk(weight, s_vec, acc, tile, c * chunk + u * WARP + lane, rows, batch, per_tile)
+        if cutlass.const_expr(tail > 0):
+            for u in cutlass.range_constexpr((tail + WARP - 1) // WARP):
+                kv = full_chunks * chunk + u * WARP + lane
+                if kv < kvecs:
+                    _gemv_chunk(weight, s_vec, acc, tile, kv, rows, batch, per_tile)
+        _gemv_write_gated(acc, out, bias, tile, lane, rows, batch, per_tile, has_bias, act)
+
+
+@cute.jit
+def _gemv_write_gated(acc: cute.Tensor, out: cute.Tensor, bias: cute.Tensor, tile: Int32, lane: Int32,
+                      rows: cutlass.Constexpr[int], batch: cutlass.Constexpr[int], per_tile: cutlass.Constexpr[int],
+                      has_bias: cutlass.Constexpr[bool], act: cutlass.Constexpr[int]):
+    """Warp-reduce each (gate, up) row pair of the tile; lane 0 adds the biases and writes act(gate) * up at the
+    pair's index (``act``: ``plan.stages.GATED_ACT_CODES``, :func:`_gated_act`)."""
+    for r in cutlass.range_constexpr(per_tile // 2):
+        row = tile * per_tile + 2 * r
+        for b in cutlass.range_constexpr(batch):
+            gate = cute.arch.warp_reduction_sum(acc[2 * r * batch + b])
+            up = cute.arch.warp_reduction_sum(acc[(2 * r + 1) * batch + b])
+            if lane == 0 and row < rows:
+                if cutlass.const_expr(has_bias):
+                    gate = gate + bias[row]
+                    up = up + bias[row + 1]
+                out[b, row // 2] = _gated_act(gate, up, act)
+
+
+@cute.jit
 def softcap_rows(out: cute.Tensor, gwarp: Int32, lane: Int32, total_warps: cutlass.Constexpr[int],
                  rows: cutlass.Constexpr[int], batch: cutlass.Constexpr[int], per_tile: cutlass.Constexpr[int],
                  cap: cutlass.Constexpr[float]):
