@@ -39,9 +39,9 @@ from .memory import STAGING_BYTES, check_shared_memory, smem_bytes, smem_floats,
 from .model import (PLAN_VERSION, WARP, Buffer, LayerBinding, ModelDims, PackedWeight, Plan,  # noqa: F401
                     Rotary, Stage, Tiling, plan_from_dict)
 from .recognise import POWER_OF_TWO_HEAD_DIMS, Block, model_dims, recognise_decoder
-from .stages import (ATTN_WINDOW, GATED_BLOCK, GATED_LAYOUTS, GATED_PLAIN_BLOCK,  # noqa: F401
-                     GEMV_STAGES, HEAD_NORMS, LAYER_GEMVS, LAYER_NORM_ROLES, LAYOUTS, ROPE_TABLE, STAGE_BIAS, STAGE_TABLE, WORKSPACES, Layout,
-                     StageSpec)
+from .stages import (ATTN_WINDOW, GATED_BLOCK, GATED_LAYOUTS, GATED_PLAIN_BLOCK, GEMV_STAGES,  # noqa: F401
+                     HEAD_NORMS, LAYER_GEMVS, LAYER_NORM_ROLES, LAYOUTS, ROPE_TABLE, STAGE_BIAS, STAGE_TABLE,
+                     WORKSPACES, Layout, StageSpec)
 from .tuning import (DEFAULT_TUNING, HOPPER_SMEM_PER_BLOCK, PIPELINE_MAX_THREADS,  # noqa: F401
                      PIPELINE_MAX_VECTORS, RING_VECTOR_BYTES, STREAMING_DEFAULT, GemvTuning, check_pipeline,
                      check_ring, default_tuning, ring_bytes, ring_shape, streaming_tuning)
@@ -94,9 +94,9 @@ def build_plan(ir: IRGraph, *, ctas: int = 132, threads: int = 256, weight_dtype
         check_layout_enabled("whole_qk_norm", EXPERIMENTAL_FEATURES["whole_qk_norm"])
     batch, capacity = ir.batch, ir.capacity
     wants_mma = any(t.mma for t in (tuning or {}).values())
-    if staging is None and (wants_mma or (tuning is None and not attention_preload
-                                          and _tensor_cores_by_default(dims, batch, capacity, weight_dtype, ctas, threads,
-                                                                   split_kv))):
+    by_default = tuning is None and not attention_preload and _tensor_cores_by_default(
+        dims, batch, capacity, weight_dtype, ctas, threads, split_kv)
+    if staging is None and (wants_mma or by_default):
         staging = "bfloat16"
     staging = _staging(dims, batch, capacity, threads, split_kv, staging, attention_preload)
     if tuning is None:
@@ -108,10 +108,10 @@ def build_plan(ir: IRGraph, *, ctas: int = 132, threads: int = 256, weight_dtype
     if wants_mma:
         _check_mma(dims, tuning, batch, staging, weight_dtype)
     _check_gated(tuning)
-    block = 0  # gate/up rows per interleaved block of a gated gate/up GEMV, 0 when it does not apply the activation
+    gated_block = 0  # gate/up rows per interleaved block of a gated gate/up GEMV; 0: it does not apply the activation
     if tuning["norm_gate_up"].mma or tuning["norm_gate_up"].gated:  # it applies the activation as it writes (the
-        layout = GATED_LAYOUTS[layout.name]  # tensor cores' 8-row tiles pair GATED_BLOCK gate and up rows; the
-        block = GATED_BLOCK if tuning["norm_gate_up"].mma else GATED_PLAIN_BLOCK  # plain +gated row pairs, one each
+        layout = GATED_LAYOUTS[layout.name]  # tensor cores' 8-row tiles pair GATED_BLOCK gate and up rows, the
+        gated_block = GATED_BLOCK if tuning["norm_gate_up"].mma else GATED_PLAIN_BLOCK  # plain +gated tiles 1 + 1
     windows = [block.ops["attention"].window for block in blocks]
     _check_windows(windows, split_kv)
     rope_tables, layer_tables = _rope_tables(ir, blocks, rotary_tables, dims.head_dim)
@@ -133,8 +133,8 @@ def build_plan(ir: IRGraph, *, ctas: int = 132, threads: int = 256, weight_dtype
         + _bias_buffers(dims, biased)
         + _head_norm_buffers(dims, head_norms) + split_kv_buffers(dims, batch, stages) + _window_buffers(dims, windows)
         + _rope_table_buffers(dims, rope_tables),
-        packed=_packing(layout, blocks, embed, final_norm, lm_head, tied, block)
-        + _bias_packing(layout, blocks, biased, block)
+        packed=_packing(layout, blocks, embed, final_norm, lm_head, tied, gated_block)
+        + _bias_packing(layout, blocks, biased, gated_block)
         + _head_norm_packing(blocks, head_norms),
         stages=stages, layers=[_bind_layer(layout, block, window, table)
                                for block, window, table in zip(blocks, windows, layer_tables)],
@@ -452,12 +452,12 @@ def _buffers(layout: Layout, dims: ModelDims, batch: int, capacity: int, wdt: st
 
 
 def _packing(layout: Layout, blocks: list[Block], embed: Embedding, final_norm: RMSNorm, lm_head: Linear,
-             tied: bool, block: int) -> list[PackedWeight]:
+             tied: bool, gated_block: int) -> list[PackedWeight]:
     def per_layer(roles):
         return [[_weight_source(block.ops[role]) for role in roles] for block in blocks]
 
     packs = [PackedWeight("embed", False, [[(embed.table, 0)]])]
-    packs += [PackedWeight(spec.gemv.weight, True, per_layer(spec.gemv.roles), _interleave(spec, block))
+    packs += [PackedWeight(spec.gemv.weight, True, per_layer(spec.gemv.roles), _interleave(spec, gated_block))
               for spec in layout.layer_gemvs]
     packs += [PackedWeight("norms", True, per_layer(layout.norm_roles)),
               PackedWeight("final_norm", False, [[(final_norm.weight, 0)]])]
@@ -484,12 +484,12 @@ def _bias_buffers(dims: ModelDims, biased: list[str]) -> list[Buffer]:
             for spec in LAYER_GEMVS if spec.name in biased]
 
 
-def _interleave(spec: StageSpec, block: int) -> int:
-    """A gated GEMV's packed rows alternate blocks of ``block`` gate and up rows (``stages.gated_act_layout``)."""
-    return block if spec.gemv.gated else 0
+def _interleave(spec: StageSpec, gated_block: int) -> int:
+    """A gated GEMV's packed rows alternate blocks of ``gated_block`` gate and up rows (``stages.gated_act_layout``)."""
+    return gated_block if spec.gemv.gated else 0
 
 
-def _bias_packing(layout: Layout, blocks: list[Block], biased: list[str], block: int) -> list[PackedWeight]:
+def _bias_packing(layout: Layout, blocks: list[Block], biased: list[str], gated_block: int) -> list[PackedWeight]:
     def part(lin):
         if lin.bias is None:
             return ("", lin.out_features)
@@ -497,7 +497,7 @@ def _bias_packing(layout: Layout, blocks: list[Block], biased: list[str], block:
         return (lin.bias, *rows) if rows else (lin.bias, 0)
 
     return [PackedWeight(spec.gemv.bias, True, [[part(block.ops[role]) for role in spec.gemv.roles] for block in blocks],
-                         _interleave(spec, block))
+                         _interleave(spec, gated_block))
             for spec in layout.layer_gemvs if spec.name in biased]
 
 
