@@ -55,7 +55,8 @@ def variants() -> dict:
             # tensor cores (bf16-staged inputs, at most 8 sequences; the default of such buckets)
             "mma": GemvTuning(8, 8, mma=True),
             # the activation in the plain gate/up GEMV's write (experimental: MEGABAKE_EXPERIMENTAL_LAYOUTS=gated_gemv)
-            "gated": GemvTuning(2, 4, gated=True)}
+            "gated": GemvTuning(2, 4, gated=True),
+            "ring-gated": GemvTuning(2, 4, spread=True, preload=True, stages=4, gated=True)}
 
 
 # also measured with attention preload
@@ -63,7 +64,7 @@ ATTENTION_PRELOAD_VARIANTS = ("default", "t2u4-spread-preload", "t2u4-spread-pip
                               "t2u4-spread-ring4-preload")
 
 
-EXPERIMENTAL_VARIANTS = {"gated": "gated_gemv"}  # variant -> the experimental kernel feature it needs
+EXPERIMENTAL_VARIANTS = {"gated": "gated_gemv", "ring-gated": "gated_gemv"}  # variant -> the experimental kernel feature it needs
 
 
 def opt_in_experimental(chosen: list[str]) -> None:

@@ -26,8 +26,9 @@ GATED = {"norm_gate_up": GemvTuning(2, 4, gated=True)}
 def test_text_form_round_trips_and_refuses_what_it_cannot_run():
     assert GemvTuning.parse("2x4+gated") == GemvTuning(2, 4, gated=True)
     assert GemvTuning.parse("2x4+spread+gated").spec == "2x4+spread+gated"
-    for spec, why in (("1x8+gated", "even number of rows"), ("2x4+ring4+gated", "plain register tiling"),
-                      ("2x4+pipeline+gated", "plain register tiling"), ("8x8+mma+gated", r"\+mma applies")):
+    assert GemvTuning.parse("2x4+gated+spread+ring4+preload").spec == "2x4+spread+preload+ring4+gated"
+    for spec, why in (("1x8+gated", "even number of rows"), ("2x4+preload+gated", "plain register tiling or"),
+                      ("2x4+pipeline+gated", "the cp.async ring"), ("8x8+mma+gated", r"\+mma applies")):
         with pytest.raises(PlanError, match=why):
             GemvTuning.parse(spec)
 
@@ -50,8 +51,11 @@ def test_gated_is_opt_in_and_the_gate_up_stages_alone(monkeypatch):
         compiled.replan(tuning={"down_residual": GemvTuning(2, 4, gated=True)})
 
 
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gemma"])
-def test_gated_plan_pairs_rows_and_matches_the_unfused_plan(preset, monkeypatch):
+RING_GATED = {"norm_gate_up": GemvTuning.parse("2x4+spread+preload+ring4+gated")}
+
+
+@pytest.mark.parametrize("preset, tuning", [("tiny-llama", GATED), ("tiny-gemma", GATED), ("tiny-llama", RING_GATED)])
+def test_gated_plan_pairs_rows_and_matches_the_unfused_plan(preset, tuning, monkeypatch):
     """The gate/up stage writes act(gate) * up (SiLU; Gemma's tanh GELU), the down stage copies it, the packed
     gate/up rows alternate one gate and one up row, plan.json says so (and only such plans say it), and the
     reference executor's logits equal the unfused plan's to fp32 rounding (the same products in another row
@@ -61,7 +65,7 @@ def test_gated_plan_pairs_rows_and_matches_the_unfused_plan(preset, monkeypatch)
 
     monkeypatch.setenv(EXPERIMENTAL, "gated_gemv")
     compiled = compile_preset(preset, capacity=64)
-    fused, unfused = compiled.replan(tuning=GATED).plan, compiled.replan(tuning={}).plan
+    fused, unfused = compiled.replan(tuning=tuning).plan, compiled.replan(tuning={}).plan
     gate_up = next(s for s in fused.stages if s.name == "norm_gate_up")
     down = next(s for s in fused.stages if s.name == "down_residual")
     assert gate_up.tiling.gated and spec_of(gate_up, fused).gemv.gated and "act" in gate_up.roles
@@ -93,20 +97,22 @@ def test_gated_bias_is_interleaved_like_its_weight(monkeypatch):
         assert torch.allclose(got.step(tokens, position), expected, rtol=0, atol=1e-5 * float(expected.abs().max()))
 
 
-def test_gated_kernel_calls_the_gated_gemv_and_compiles_for_sm90a(monkeypatch):
-    """The kernel's gate/up stage is ``gemv_rows_gated`` with the activation's code, the down stage stages a copy
-    (no SiLU in the kernel), and the module compiles for sm_90a; the default module.py never carries the body."""
+@pytest.mark.parametrize("tuning, body", [(GATED, "gemv_rows_gated"), (RING_GATED, "gemv_rows_streamed_gated")])
+def test_gated_kernel_calls_the_gated_gemv_and_compiles_for_sm90a(tuning, body, monkeypatch):
+    """The kernel's gate/up stage is the gated GEMV body (plain or cp.async ring) with the activation's code, the
+    down stage stages a copy (no SiLU in the kernel), and the module compiles for sm_90a; the default module.py
+    never carries the gated bodies."""
     pytest.importorskip("cutlass")
     from megabake.codegen import generate
     from megabake.runtime.compile import compile_check, load_module
 
     monkeypatch.setenv(EXPERIMENTAL, "gated_gemv")
     compiled = compile_preset("tiny-llama", capacity=64)
-    plan = compiled.replan(tuning=GATED).plan
+    plan = compiled.replan(tuning=tuning).plan
     source = generate(plan).source
     kernel = source.split("\n# ====")[0]
-    assert kernel.count("bodies.gemv_rows_gated(") == 1 and "silu_mul_to_smem" not in kernel
-    assert "act=1" in kernel.split("bodies.gemv_rows_gated(")[1].split(")")[0]
-    assert "gemv_rows_gated" not in compiled.generated.source
+    assert kernel.count(f"bodies.{body}(") == 1 and "silu_mul_to_smem" not in kernel
+    assert "act=1" in kernel.split(f"bodies.{body}(")[1].split(")")[0]
+    assert "_gated(" not in compiled.generated.source
     result = compile_check(plan, load_module(source))
     assert result.ok, result.error

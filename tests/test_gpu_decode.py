@@ -311,18 +311,20 @@ def test_mma_gemv_kernel_matches_reference_executor_at_long_context(preset, batc
     _assert_bf16_steps_match(compiled)
 
 
-@pytest.mark.parametrize("preset,batch,layers", [("tiny-llama", 1, None), ("tiny-gemma", 1, None),
-                                                 ("smollm-135m", 1, 2), ("tiny-llama", 2, None)])
-def test_gated_gemv_kernel_matches_reference_executor_at_long_context(preset, batch, layers, monkeypatch):
-    """The plain GEMV's gated write (``+gated`` on the gate/up stage, experimental ``gated_gemv``, written in
-    session 14 without a GPU): row pairs of gate and up, act(gate) * up written once (SiLU; Gemma's tanh GELU),
+@pytest.mark.parametrize("preset,batch,layers,tiling", [("tiny-llama", 1, None, "2x4+gated"),
+                                                        ("tiny-gemma", 1, None, "2x4+gated"),
+                                                        ("smollm-135m", 1, 2, "2x4+spread+preload+ring4+gated"),
+                                                        ("tiny-llama", 2, None, "2x4+spread+preload+ring4+gated")])
+def test_gated_gemv_kernel_matches_reference_executor_at_long_context(preset, batch, layers, tiling, monkeypatch):
+    """The gated write at batch 1-2 (``+gated`` on the gate/up stage, plain or cp.async ring; experimental
+    ``gated_gemv``, written in session 14 without a GPU): row pairs of gate and up, act(gate) * up written once (SiLU; Gemma's tanh GELU),
     the down stage copying it, against the reference executor over a random 1024-slot cache; and the kernel's
     logits equal the unfused kernel's (same fp32 sums and activation, another row order) at each step."""
     from megabake.runtime import gpu_info
 
     monkeypatch.setenv("MEGABAKE_EXPERIMENTAL_LAYOUTS", "gated_gemv")
     vocab = 4096 if layers else None
-    tuning = {"norm_gate_up": GemvTuning(2, 4, gated=True)}
+    tuning = {"norm_gate_up": GemvTuning.parse(tiling)}  # the plain register tiling or the cp.async ring
     compiled = compile_preset(preset, layers=layers, vocab=vocab, batch=batch, capacity=1024,
                               ctas=gpu_info().sm_count, tuning=tuning, staging="float32")
     assert next(s for s in compiled.plan.stages if s.name == "norm_gate_up").tiling.gated

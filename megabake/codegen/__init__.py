@@ -435,6 +435,9 @@ def _gemv(weight: str, out: str, rows: str, cols: str, stage: Stage, accumulate:
     args = (f"{out}, {_warp_index(stage)}, lane, TOTAL_WARPS, {rows}, {cols}, BATCH, ROWS_PER_TILE[{stage.name!r}], "
             f"{accumulate}, GEMV_UNROLL[{stage.name!r}]")
     bias_arg = f"{bias}[layer, None]" if bias else out  # out: an unused stand-in when there is no bias
+    if stage.tiling.stages and gated:  # +ringS+gated: the ring with the gated write
+        return (f"bodies.gemv_rows_streamed_gated({weight}, {_RING}, {bias_arg}, s_vec, {args}, {bool(bias)}, "
+                f"{stage.tiling.stages}, {stage.tiling.preload}, {gated})")
     if stage.tiling.stages:
         return (f"bodies.gemv_rows_streamed({weight}, {_RING}, {bias_arg}, s_vec, {args}, {bool(bias)}, "
                 f"{stage.tiling.stages}, {stage.tiling.preload})")
@@ -444,7 +447,7 @@ def _gemv(weight: str, out: str, rows: str, cols: str, stage: Stage, accumulate:
                 f"{stage.tiling.preload})")
     if stage.tiling.preload:
         return f"bodies.gemv_rows_pre({weight}, pre_{stage.name}, {bias_arg}, s_vec, {args}, {bool(bias)})"
-    if gated:  # +gated: the plain tiling's gated write (the plan allows spread only)
+    if gated:  # +gated on the plain register tiling (the plan refuses it with +pipeline or a register preload)
         return f"bodies.gemv_rows_gated({weight}, {bias_arg}, s_vec, {args}, {bool(bias)}, {gated})"
     if bias:
         return f"bodies.gemv_rows_bias({weight}, {bias}[layer, None], s_vec, {args})"

@@ -42,7 +42,7 @@ class GemvTuning:
     pipeline: bool = False  # next chunk's loads in flight while reducing this one (see Tiling.pipeline)
     stages: int = 0  # cp.async shared-memory ring of this depth (see Tiling.stages); 0: registers
     mma: bool = False  # tensor-core GEMV (mma.sync, tiles of 8 rows; see Tiling.mma): bf16-staged buckets only
-    gated: bool = False  # gate/up stage only: the plain GEMV applies the activation as it writes (see Tiling.gated)
+    gated: bool = False  # gate/up stage only: the GEMV applies the activation as it writes (see Tiling.gated)
 
     def __post_init__(self):
         if not 1 <= self.per_tile <= 8 or not 1 <= self.unroll <= 32:
@@ -56,13 +56,14 @@ class GemvTuning:
         if self.mma and (self.per_tile != MMA_ROWS or self.spread or self.preload or self.pipeline or self.stages):
             raise PlanError(f"GEMV tuning {self.spec}: the tensor-core GEMV (mma) takes tiles of {MMA_ROWS} rows and "
                             f"no other flag (it pipelines its own K loop), e.g. {MMA_ROWS}x8+mma")
-        if self.gated and (self.mma or self.preload or self.pipeline or self.stages or self.per_tile % 2):
+        if self.gated and (self.mma or self.pipeline or (self.preload and not self.stages) or self.per_tile % 2):
             raise PlanError(f"GEMV tuning {self.spec}: +gated (the activation in the gate/up GEMV's write) runs on "
-                            "the plain register tiling with an even number of rows per tile (a gate row and its up "
-                            "row), optionally +spread, e.g. 2x4+gated; +mma applies the activation by itself")
+                            "the plain register tiling or the cp.async ring, with an even number of rows per tile "
+                            "(a gate row and its up row), e.g. 2x4+gated or 2x4+spread+preload+ring4+gated; +mma "
+                            "applies the activation by itself")
 
     SPEC_FORM = ("PER_TILExUNROLL[+spread][+preload][+pipeline][+ringSTAGES], e.g. 2x4+spread+preload+ring4, "
-                 "8xUNROLL+mma (tensor cores), or 2xUNROLL[+spread]+gated (activation in the gate/up write)")
+                 "8xUNROLL+mma (tensor cores), or 2xUNROLL[...]+gated (activation in the gate/up write)")
 
     @property
     def spec(self) -> str:

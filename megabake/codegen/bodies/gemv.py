@@ -353,6 +353,49 @@ def gemv_rows_streamed(weight: cute.Tensor, ring: cute.Tensor, bias: cute.Tensor
 
 
 @cute.jit
+def gemv_rows_streamed_gated(weight: cute.Tensor, ring: cute.Tensor, bias: cute.Tensor, s_vec: cute.Tensor,
+                             out: cute.Tensor, gwarp: Int32, lane: Int32, total_warps: cutlass.Constexpr[int],
+                             rows: cutlass.Constexpr[int], cols: cutlass.Constexpr[int],
+                             batch: cutlass.Constexpr[int], per_tile: cutlass.Constexpr[int],
+                             accumulate: cutlass.Constexpr[bool], unroll: cutlass.Constexpr[int],
+                             has_bias: cutlass.Constexpr[bool], stages: cutlass.Constexpr[int],
+                             prefilled: cutlass.Constexpr[bool], act: cutlass.Constexpr[int]):
+    """:func:`gemv_rows_streamed` (the cp.async ring) with :func:`gemv_rows_gated`'s write: the gate/up GEMV
+    with the activation in its write (tiling ``+ringS+gated``; experimental). Same ring protocol, same sums."""
+    tiles = (rows + per_tile - 1) // per_tile
+    chunk = WARP * unroll
+    kvecs = cols // VEC
+    chunks = (kvecs + chunk - 1) // chunk
+    steps = (tiles - gwarp + total_warps - 1) // total_warps * chunks  # 0 for a warp without a tile
+    acc = cute.make_rmem_tensor(cute.make_layout(per_tile * batch), Float32)
+    for i in cutlass.range_constexpr(per_tile * batch):
+        acc[i] = Float32(0.0)
+    if cutlass.const_expr(not prefilled):
+        _fill_ring(weight, ring, gwarp, lane, steps, chunks, total_warps, rows, kvecs, per_tile, unroll, stages)
+    for step in range(steps):
+        ahead = step + stages - 1
+        if ahead < steps:
+            _copy_chunk(weight, ring, ahead % stages, gwarp + ahead // chunks * total_warps, ahead % chunks * chunk,
+                        lane, rows, kvecs, per_tile, unroll)
+        cute.arch.cp_async_commit_group()
+        cute.arch.cp_async_wait_group(stages - 1)
+        slot = step % stages
+        c = step % chunks
+        for u in cutlass.range_constexpr(unroll):
+            kv = c * chunk + u * WARP + lane
+            if cutlass.const_expr(kvecs % chunk == 0):
+                _gemv_chunk_ring(ring, slot, s_vec, acc, u, kv, lane, batch, per_tile, unroll)
+            elif kv < kvecs:  # the partial last chunk of a tile
+                _gemv_chunk_ring(ring, slot, s_vec, acc, u, kv, lane, batch, per_tile, unroll)
+        if c == chunks - 1:
+            _gemv_write_gated(acc, out, bias, gwarp + step // chunks * total_warps, lane, rows, batch, per_tile,
+                              has_bias, act)
+            for i in cutlass.range_constexpr(per_tile * batch):
+                acc[i] = Float32(0.0)
+    cute.arch.cp_async_wait_group(0)  # nothing in flight into the ring when the next GEMV stage refills it
+
+
+@cute.jit
 def gemv_rows(weight: cute.Tensor, s_vec: cute.Tensor, out: cute.Tensor, gwarp: Int32, lane: Int32,
               total_warps: cutlass.Constexpr[int], rows: cutlass.Constexpr[int], cols: cutlass.Constexpr[int],
               batch: cutlass.Constexpr[int], per_tile: cutlass.Constexpr[int],
