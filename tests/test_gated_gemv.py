@@ -116,3 +116,13 @@ def test_gated_kernel_calls_the_gated_gemv_and_compiles_for_sm90a(tuning, body, 
     assert "_gated(" not in compiled.generated.source
     result = compile_check(plan, load_module(source))
     assert result.ok, result.error
+
+
+def test_device_constants_match_the_plan():
+    """The bodies cannot import the plan (module.py is self-contained): their copies of its constants must agree —
+    the tensor-core gated tile's gate rows, and the activation codes the gated writes switch on."""
+    from megabake.codegen.bodies import gemv
+    from megabake.plan.stages import GATED_ACT_CODES, GATED_BLOCK
+
+    assert gemv.MMA_GATED == GATED_BLOCK
+    assert GATED_ACT_CODES == {"silu": 1, "gelu_tanh": 2, "gelu": 3}  # bodies._gated_act's branches
