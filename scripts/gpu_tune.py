@@ -64,7 +64,8 @@ ATTENTION_PRELOAD_VARIANTS = ("default", "t2u4-spread-preload", "t2u4-spread-pip
                               "t2u4-spread-ring4-preload")
 
 
-EXPERIMENTAL_VARIANTS = {"gated": "gated_gemv", "ring-gated": "gated_gemv"}  # variant -> the experimental kernel feature it needs
+# variant -> the experimental kernel feature it needs
+EXPERIMENTAL_VARIANTS = {"gated": "gated_gemv", "ring-gated": "gated_gemv"}
 
 
 def opt_in_experimental(chosen: list[str]) -> None:
@@ -159,7 +160,7 @@ def timeline(plan, model, tokens, phases: bool = False, barrier: str = "atom") -
 
 
 def sweep(name: str, chosen: list[str], reps: int, capacity: int, batch: int = 1, phases: bool = False,
-          barriers: tuple[str, ...] = ("atom",)) -> dict:
+          barriers: tuple[str, ...] = ("atom",), ctas: int | None = None) -> dict:
     import torch
 
     from megabake.capture import capture_decode_step
@@ -175,7 +176,7 @@ def sweep(name: str, chosen: list[str], reps: int, capacity: int, batch: int = 1
     ir = lower(captured)
     inv, scale = recover_rotary(captured, ir)
     tokens = torch.randint(1, model.config.vocab_size, (STEPS, batch), generator=torch.Generator().manual_seed(3))
-    context = dict(ir=ir, inv=inv, scale=scale, sm_count=info.sm_count, model=model, tokens=tokens, reps=reps,
+    context = dict(ir=ir, inv=inv, scale=scale, sm_count=ctas or info.sm_count, model=model, tokens=tokens, reps=reps,
                    phases=phases)
     rows, timelines, default_logits = [], {}, []
     candidates = variants()
@@ -204,7 +205,8 @@ def sweep(name: str, chosen: list[str], reps: int, capacity: int, batch: int = 1
         rows.append(row)
     usable = [r for r in rows if _usable(r)]
     best = min(usable, key=lambda r: r["gpu_ms"])["variant"] if usable else None
-    return {"preset": name, "batch": batch, "gpu": info.name, "rows": rows, "best": best, "timelines": timelines,
+    return {"preset": name, "batch": batch, "ctas": context["sm_count"], "gpu": info.name, "rows": rows, "best": best,
+            "timelines": timelines,
             "stage_bytes": stage_bytes(default_plan)}
 
 
@@ -258,7 +260,7 @@ def measure_variant(variant: str, tuning: dict, context: dict, default_logits: l
 
 
 def print_table(result: dict) -> None:
-    print(f"== {result['preset']} batch {result.get('batch', 1)} ({result['gpu']}) ==")
+    print(f"== {result['preset']} batch {result.get('batch', 1)}, {result.get('ctas')} CTAs ({result['gpu']}) ==")
     print("| variant | GPU ms (graph replay) | sync ms | rel-L2 vs default | vs CPU reference |")
     for r in result["rows"]:
         if "error" in r:
@@ -298,13 +300,17 @@ def main() -> None:
     parser.add_argument("--barriers", nargs="+", default=["atom"], choices=["atom", "red"],
                         help="grid-barrier arrivals to build each variant with (codegen.BARRIER_ARRIVALS): 'atom red' "
                              "adds a <variant>@red row per variant, checked against the default's logits")
+    parser.add_argument("--ctas", type=int, default=None,
+                        help="CTAs of the persistent grid (default: one per SM); fewer CTAs meet at each grid "
+                             "barrier, each streams more weights")
     parser.add_argument("--out", type=Path, default=Path("."))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     opt_in_experimental(args.variants)
     results = []
     for name in args.presets:
-        result = sweep(name, args.variants, args.reps, args.capacity, args.batch, args.phases, tuple(args.barriers))
+        result = sweep(name, args.variants, args.reps, args.capacity, args.batch, args.phases, tuple(args.barriers),
+                       args.ctas)
         (args.out / f"tune-{name}-b{args.batch}.json").write_text(json.dumps(result, indent=1))
         results.append(result)
     for result in results:
