@@ -58,7 +58,7 @@ if [[ " $PARTS " == *" candidates "* ]]; then
   # its @red, ring-gated and ring-gated@red
   TEST_LIMIT=250 run_tests candidates "gated_gemv or red_barrier" tests/test_gpu_decode.py
   timeout 330 python3 scripts/gpu_tune.py "${PRESETS[@]:0:2}" --variants t2u4-spread-ring4-preload ring-gated \
-    --barriers atom red --phases \
+    --barriers atom red --phases --no-composite \
     --out "$OUT" >"$OUT/tune-candidates.log" 2>&1
   summary+=("candidates tune: rc=$?" "$(sed -n '/^== /,/^composite/p' "$OUT/tune-candidates.log")")
 fi

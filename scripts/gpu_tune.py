@@ -160,7 +160,7 @@ def timeline(plan, model, tokens, phases: bool = False, barrier: str = "atom") -
 
 
 def sweep(name: str, chosen: list[str], reps: int, capacity: int, batch: int = 1, phases: bool = False,
-          barriers: tuple[str, ...] = ("atom",), ctas: int | None = None) -> dict:
+          barriers: tuple[str, ...] = ("atom",), ctas: int | None = None, composite: bool = True) -> dict:
     import torch
 
     from megabake.capture import capture_decode_step
@@ -197,11 +197,11 @@ def sweep(name: str, chosen: list[str], reps: int, capacity: int, batch: int = 1
     uniform = {k: v for k, v in candidates.items() if not isinstance(v, Balanced)}
     timed = {r["variant"]: timelines[r["variant"]] for r in rows
              if _usable(r) and timelines.get(r["variant"]) and r["variant"] in uniform}
-    if timed:
-        composite = choose_tuning(timed, uniform)
-        row, timelines["composite"] = measure_variant("composite", composite, context, default_logits)
+    if timed and composite:
+        chosen_tuning = choose_tuning(timed, uniform)
+        row, timelines["composite"] = measure_variant("composite", chosen_tuning, context, default_logits)
         row["spec"] = {stage: [t.per_tile, t.unroll, t.spread, t.preload, t.pipeline, t.stages]
-                       for stage, t in composite.items()}
+                       for stage, t in chosen_tuning.items()}
         rows.append(row)
     usable = [r for r in rows if _usable(r)]
     best = min(usable, key=lambda r: r["gpu_ms"])["variant"] if usable else None
@@ -300,6 +300,8 @@ def main() -> None:
     parser.add_argument("--barriers", nargs="+", default=["atom"], choices=["atom", "red"],
                         help="grid-barrier arrivals to build each variant with (codegen.BARRIER_ARRIVALS): 'atom red' "
                              "adds a <variant>@red row per variant, checked against the default's logits")
+    parser.add_argument("--no-composite", action="store_true",
+                        help="skip the composite variant (per-stage winners), e.g. for a quick A/B")
     parser.add_argument("--ctas", type=int, default=None,
                         help="CTAs of the persistent grid (default: one per SM); fewer CTAs meet at each grid "
                              "barrier, each streams more weights")
@@ -310,7 +312,7 @@ def main() -> None:
     results = []
     for name in args.presets:
         result = sweep(name, args.variants, args.reps, args.capacity, args.batch, args.phases, tuple(args.barriers),
-                       args.ctas)
+                       args.ctas, not args.no_composite)
         (args.out / f"tune-{name}-b{args.batch}.json").write_text(json.dumps(result, indent=1))
         results.append(result)
     for result in results:
