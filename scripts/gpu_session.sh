@@ -60,7 +60,7 @@ if [[ " $PARTS " == *" candidates "* ]]; then
   timeout 330 python3 scripts/gpu_tune.py "${PRESETS[@]:0:2}" --variants t2u4-spread-ring4-preload ring-gated \
     --barriers atom red --phases --no-composite \
     --out "$OUT" >"$OUT/tune-candidates.log" 2>&1
-  summary+=("candidates tune: rc=$?" "$(sed -n '/^== /,/^composite/p' "$OUT/tune-candidates.log")")
+  summary+=("candidates tune: rc=$?" "$(grep -E '^(==|\|)' "$OUT/tune-candidates.log")")
 fi
 if [[ " $PARTS " == *" hang-probe "* ]]; then
   # the tensor-core cases' kernel steps built with the barrier watchdog (scripts/gpu_hang_probe.py)
