@@ -319,7 +319,8 @@ def test_gated_gemv_kernel_matches_reference_executor_at_long_context(preset, ba
     """The gated write at batch 1-2 (``+gated`` on the gate/up stage, plain or cp.async ring; experimental
     ``gated_gemv``, written in session 14 without a GPU): row pairs of gate and up, act(gate) * up written once (SiLU; Gemma's tanh GELU),
     the down stage copying it, against the reference executor over a random 1024-slot cache; and the kernel's
-    logits equal the unfused kernel's (same fp32 sums and activation, another row order) at each step."""
+    logits agree with the unfused kernel's to fp32 rounding (same sums and activation formula, another row order
+    and a scalar instead of a vector exp) at each step."""
     from megabake.runtime import gpu_info
 
     monkeypatch.setenv("MEGABAKE_EXPERIMENTAL_LAYOUTS", "gated_gemv")
@@ -333,7 +334,7 @@ def test_gated_gemv_kernel_matches_reference_executor_at_long_context(preset, ba
     tokens = torch.randint(1, compiled.plan.dims.vocab, (batch, 4), generator=torch.Generator().manual_seed(32))
     plain = _logits(unfused.plan, compiled.model, tokens.T, [3, 4, 5, 6], decoder_from=fused)
     gated = _logits(compiled.plan, compiled.model, tokens.T, [3, 4, 5, 6], decoder_from=fused)
-    assert float((gated - plain).norm() / plain.norm()) < 1e-5
+    assert float((gated - plain).norm() / plain.norm()) < 1e-4  # a wrong pairing is O(1); exp's rounding is not
 
 
 def test_red_barrier_gives_bit_identical_logits_over_graph_replays():
