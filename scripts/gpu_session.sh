@@ -54,11 +54,11 @@ fi
 if [[ " $PARTS " == *" candidates "* ]]; then
   # session 14's A/B candidates, built without a GPU: the plain GEMV's gated write (+gated, experimental
   # gated_gemv) and the fire-and-forget barrier arrival (generate(plan, barrier="red")): their GPU tests, then
-  # both timed against the bake's default tiling (the ring) with per-phase clocks: rows t2u4-spread-ring4-preload,
-  # its @red, ring-gated and ring-gated@red
+  # both timed against the bake's default tiling (the ring), with per-stage clocks: rows t2u4-spread-ring4-preload,
+  # ring-gated, and each @red / @red-fence (add --phases for per-phase clocks: one more build per row)
   TEST_LIMIT=250 run_tests candidates "gated_gemv or red_barrier" tests/test_gpu_decode.py
   timeout 330 python3 scripts/gpu_tune.py "${PRESETS[@]:0:2}" --variants t2u4-spread-ring4-preload ring-gated \
-    --barriers atom red --phases --no-composite \
+    --barriers atom red red-fence --no-composite \
     --out "$OUT" >"$OUT/tune-candidates.log" 2>&1
   summary+=("candidates tune: rc=$?" "$(grep -E '^(==|\|)' "$OUT/tune-candidates.log")")
 fi

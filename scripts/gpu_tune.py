@@ -297,7 +297,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1, help="sequences per step (mma: at most 8, bf16-staged)")
     parser.add_argument("--phases", action="store_true",
                         help="also time every phase of every stage (staging, GEMV, prefetch, barrier wait)")
-    parser.add_argument("--barriers", nargs="+", default=["atom"], choices=["atom", "red"],
+    parser.add_argument("--barriers", nargs="+", default=["atom"], choices=["atom", "red", "red-fence"],
                         help="grid-barrier arrivals to build each variant with (codegen.BARRIER_ARRIVALS): 'atom red' "
                              "adds a <variant>@red row per variant, checked against the default's logits")
     parser.add_argument("--no-composite", action="store_true",

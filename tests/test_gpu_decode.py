@@ -338,16 +338,16 @@ def test_gated_gemv_kernel_matches_reference_executor_at_long_context(preset, ba
 
 
 def test_red_barrier_gives_bit_identical_logits_over_graph_replays():
-    """``generate(plan, barrier="red")`` (fire-and-forget arrivals, written in session 14 without a GPU) changes
-    only how CTAs meet: over 24 advancing steps (graph replays, so every launch re-learns its barrier generation
-    from the counter) its logits equal the default kernel's exactly."""
+    """``generate(plan, barrier="red")`` and ``"red-fence"`` (fire-and-forget arrivals, written in session 14
+    without a GPU) change only how CTAs meet: over 24 advancing steps (graph replays, so every launch re-learns its barrier generation
+    from the counter) their logits equal the default kernel's exactly."""
     from megabake.codegen import generate
     from megabake.runtime import MegakernelDecoder, gpu_info
 
     compiled = compile_preset("smollm-135m", layers=4, vocab=4096, capacity=64, ctas=gpu_info().sm_count)
     tokens = torch.randint(1, 4096, (24,), generator=torch.Generator().manual_seed(33))
     results = []
-    for barrier in ("atom", "red"):
+    for barrier in ("atom", "red", "red-fence"):
         decoder = MegakernelDecoder(compiled.plan, generate(compiled.plan, barrier=barrier).source, compiled.model,
                                     device="cuda")
         steps = []
@@ -357,7 +357,7 @@ def test_red_barrier_gives_bit_identical_logits_over_graph_replays():
         results.append(torch.stack(steps))
         del decoder
     assert torch.isfinite(results[0]).all()
-    assert torch.equal(results[1], results[0])
+    assert torch.equal(results[1], results[0]) and torch.equal(results[2], results[0])
 
 
 def _assert_bf16_steps_match(compiled):

@@ -473,30 +473,36 @@ def test_watchdog_build_gives_up_waiting_and_records_where(tiny):
         decoder.barrier_watch()
 
 
-def test_red_barrier_build_compiles_and_keeps_the_kernel_otherwise(tiny):
-    """``generate(plan, barrier="red")`` (an A/B candidate of ``scripts/gpu_tune.py --barriers red``): every grid
-    barrier is ``grid_barrier_red`` with its register target, the rest of the kernel is the default's line for
-    line, it compiles for sm_90a (also as a phases timeline), and bad combinations are refused."""
+@pytest.mark.parametrize("barrier, relaxed", [("red", "False"), ("red-fence", "True")])
+def test_red_barrier_build_compiles_and_keeps_the_kernel_otherwise(tiny, barrier, relaxed, tmp_path):
+    """``generate(plan, barrier="red" | "red-fence")`` (A/B candidates of ``scripts/gpu_tune.py --barriers``):
+    every grid barrier is ``grid_barrier_red`` with its register target, the rest of the kernel is the default's
+    line for line, it compiles for sm_90a (also as a phases timeline) with a ``red.release`` arrival and the polls
+    asked for, and bad combinations are refused."""
     pytest.importorskip("cutlass")
     from megabake.runtime.compile import compile_check
 
     default = generate(tiny.plan).source.split("\n# ====")[0]
-    red = generate(tiny.plan, barrier="red").source
+    red = generate(tiny.plan, barrier=barrier).source
     kernel = red.split("\n# ====")[0]
     assert "bodies.grid_barrier(" not in kernel
     assert kernel.count("bodies.grid_barrier_red(barrier=barrier, next_target=bar_next,") == 6
+    assert kernel.count(f"relaxed_polls={relaxed})") == 6
     differing = [line for line in kernel.splitlines() if line not in default.splitlines()]
     assert all("bar_next" in line for line in differing), differing
     assert "def grid_barrier_red(" in red and "def grid_barrier_red(" not in generate(tiny.plan).source
-    result = compile_check(tiny.plan, load_module(red))
+    result = compile_check(tiny.plan, load_module(red), dump_dir=str(tmp_path))
     assert result.ok, result.error
-    phases = generate(tiny.plan, barrier="red", timeline="phases").source
+    ptx = next(tmp_path.glob("*.ptx")).read_text()
+    assert "red.release.gpu.global.add.u64" in ptx
+    assert ("ld.relaxed.gpu.global.b64" in ptx) == (relaxed == "True")
+    phases = generate(tiny.plan, barrier=barrier, timeline="phases").source
     assert "bodies.grid_barrier(" not in phases.split("\n# ====")[0]
     assert compile_check(tiny.plan, load_module(phases)).ok
     with pytest.raises(ValueError, match="barrier='fence'"):
         generate(tiny.plan, barrier="fence")
     with pytest.raises(ValueError, match="watchdog build has its own barrier"):
-        generate(tiny.plan, barrier="red", watchdog=True)
+        generate(tiny.plan, barrier=barrier, watchdog=True)
 
 
 def test_hang_probe_names_the_stage_of_every_barrier(tiny):

@@ -22,8 +22,8 @@ from device buffers, so one compiled kernel serves every step and CUDA-graph rep
 ``TIMELINE_SLOTS``; the runtime then sizes the barrier buffer ``1 + TIMELINE_SLOTS`` and reads per-stage
 times back (:meth:`megabake.runtime.MegakernelDecoder.stage_timeline`). ``timeline="phases"`` stores a clock
 after every phase of every stage instead (:func:`stage_phases`: staging, GEMV, prefetch, barrier wait) and
-declares ``TIMELINE_PHASES``. ``generate(plan, barrier="red")`` arrives at grid barriers with a fire-and-forget
-reduction (``BARRIER_ARRIVALS``; a candidate measured against the default). ``generate(plan, watchdog=True)``
+declares ``TIMELINE_PHASES``. ``generate(plan, barrier="red")`` (or ``"red-fence"``) arrives at grid barriers with
+a fire-and-forget reduction (``BARRIER_ARRIVALS``; candidates measured against the default). ``generate(plan, watchdog=True)``
 (debugging a hang) waits at each grid barrier for at most ``WATCHDOG_POLLS`` polls and records per CTA its arrivals
 and the first barrier it gave up at (:meth:`megabake.runtime.MegakernelDecoder.barrier_watch`). Packages never ship
 these variants.
@@ -172,10 +172,12 @@ def _timeline_store(w: _Writer, indent: int, enabled: bool, slot: str) -> None:
 
 
 WATCHDOG_POLLS = 1 << 22  # polls of a watchdog build's barrier before a CTA gives up (~3 s at ~0.7 us per poll)
-# how a CTA arrives at a grid barrier: "atom" (bodies.grid_barrier, the default) or "red" (bodies.grid_barrier_red:
-# a fire-and-forget arrival after the launch's first barrier, relaxed polling; an A/B candidate, not GPU-run yet)
+# how a CTA arrives at a grid barrier: "atom" (bodies.grid_barrier, the default), "red" (bodies.grid_barrier_red:
+# a fire-and-forget arrival after the launch's first barrier, acquire polls) or "red-fence" (the same with relaxed
+# polls and one acquire fence); A/B candidates, not GPU-run yet
 BARRIER_ARRIVALS = {"atom": "bodies.grid_barrier(barrier, tidx, CTAS)",
-                    "red": "bodies.grid_barrier_red(barrier, bar_next, tidx, CTAS)"}
+                    "red": "bodies.grid_barrier_red(barrier, bar_next, tidx, CTAS, False)",
+                    "red-fence": "bodies.grid_barrier_red(barrier, bar_next, tidx, CTAS, True)"}
 
 
 def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str = False,
@@ -239,7 +241,7 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     if _attention_preloads(plan):
         w("pre_kv = cute.make_rmem_tensor(cute.make_layout(2 * 8), k_cache.element_type)  # first K, V rows", 1)
         w("s_new = cute.make_tensor(s_vec.iterator, cute.make_layout(2 * HEAD_DIM))  # this step's k, v (fp32)", 1)
-    if barrier == "red":
+    if barrier != "atom":
         w("bar_next = cute.make_rmem_tensor(cute.make_layout(1), cutlass.Int64)  # next grid-barrier target", 1)
         w("bar_next[0] = cutlass.Int64(0)  # 0: the launch's first barrier asks the counter", 1)
     w("pos = position[0]", 1)

@@ -35,13 +35,15 @@ def grid_barrier(barrier: cute.Tensor, tidx: Int32, ctas: cutlass.Constexpr[int]
 
 
 @cute.jit
-def grid_barrier_red(barrier: cute.Tensor, next_target: cute.Tensor, tidx: Int32, ctas: cutlass.Constexpr[int]):
-    """:func:`grid_barrier` with a fire-and-forget arrival (``generate(plan, barrier="red")``, measured against
-    the default). Thread 0 keeps the counter value it waits for next in ``next_target`` (a one-element register
-    tensor, 0 before the launch's first barrier), so only that first barrier needs the atomic's return value
-    (which generation this launch is in); the others arrive with ``red.release.gpu.add`` and start polling at
-    once, without an L2 round trip first. It polls with relaxed loads and makes the other CTAs' writes visible
-    with one acquire fence after the last poll (a relaxed load followed by ``fence.acq_rel`` is an acquire).
+def grid_barrier_red(barrier: cute.Tensor, next_target: cute.Tensor, tidx: Int32, ctas: cutlass.Constexpr[int],
+                     relaxed_polls: cutlass.Constexpr[bool]):
+    """:func:`grid_barrier` with a fire-and-forget arrival (``generate(plan, barrier="red")`` or ``"red-fence"``,
+    candidates measured against the default). Thread 0 keeps the counter value it waits for next in
+    ``next_target`` (a one-element register tensor, 0 before the launch's first barrier), so only that first
+    barrier needs the atomic's return value (which generation this launch is in); the others arrive with
+    ``red.release.gpu.add`` and start polling at once, without an L2 round trip first. Polls are acquire loads,
+    or with ``relaxed_polls`` relaxed loads and one ``fence.acq_rel.gpu`` after the last (a relaxed load followed
+    by that fence is an acquire pattern in the PTX memory model).
     """
     cute.arch.sync_threads()
     if tidx == 0:
@@ -53,10 +55,15 @@ def grid_barrier_red(barrier: cute.Tensor, next_target: cute.Tensor, tidx: Int32
         else:
             cute.arch.red(ptr, Int64(1), op="add", dtype="u64", sem="release", scope="gpu")  # s64 add: no PTX form
         next_target[0] = target + ctas
-        current = cute.arch.load(ptr, Int64, sem="relaxed", scope="gpu")
-        while current < target:
+        if cutlass.const_expr(relaxed_polls):
             current = cute.arch.load(ptr, Int64, sem="relaxed", scope="gpu")
-        cute.arch.fence_acq_rel_gpu()
+            while current < target:
+                current = cute.arch.load(ptr, Int64, sem="relaxed", scope="gpu")
+            cute.arch.fence_acq_rel_gpu()
+        else:
+            current = cute.arch.load(ptr, Int64, sem="acquire", scope="gpu")
+            while current < target:
+                current = cute.arch.load(ptr, Int64, sem="acquire", scope="gpu")
     cute.arch.sync_threads()
 
 
