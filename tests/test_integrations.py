@@ -427,3 +427,19 @@ def test_dropin_serves_mixed_windows_through_the_mask_mapping():
                              past_key_values=full_length_static_cache(model.config, CAPACITY))
     assert torch.equal(got, want)
     assert (server.stats.decode_steps, server.stats.fallback_steps) == (29, 0), server.stats.last_fallback
+
+
+def test_first_call_tolerance_follows_the_plans_input_rounding():
+    """The drop-in's first-call check: tight for the fp32 reference executor with fp32 GEMV inputs, looser where
+    the plan rounds them to bf16 as the kernel does (batched tensor-core buckets, session 14), loosest for kernels."""
+    from types import SimpleNamespace
+
+    from megabake.integrations.backend import _first_call_tolerance
+
+    def decoder(backend, staging):
+        return SimpleNamespace(backend=backend, plan=SimpleNamespace(staging_dtype=staging))
+
+    assert _first_call_tolerance(decoder("reference", "float32"), torch.float32) == 1e-3
+    assert _first_call_tolerance(decoder("reference", "bfloat16"), torch.float32) == 2e-2
+    assert _first_call_tolerance(decoder("cuda", "float32"), torch.float32) == 0.1
+    assert _first_call_tolerance(decoder("reference", "float32"), torch.bfloat16) == 0.1
