@@ -189,7 +189,7 @@ def sweep(name: str, chosen: list[str], reps: int, capacity: int, batch: int = 1
         tuning = tuning_for(candidates[variant], default_plan)
         row, timelines[variant] = measure_variant(variant, tuning, context, default_logits)
         rows.append(row)
-        for barrier in barriers[1:] if barriers[0] == "atom" else barriers:  # other grid-barrier arrivals
+        for barrier in [b for b in barriers if b != "atom"]:  # the variant again with each other barrier arrival
             row, timelines[f"{variant}@{barrier}"] = measure_variant(f"{variant}@{barrier}", tuning, context,
                                                                      default_logits, barrier=barrier)
             rows.append(row)
