@@ -88,9 +88,9 @@ BAKE_EXIT_CODES = exit_codes_help(
               help="GEMV tiling of every GEMV stage, PER_TILExUNROLL[+spread][+preload][+pipeline][+ringSTAGES], "
                    "e.g. 2x4+spread+preload (from an earlier --autotune or scripts/gpu_tune.py); 'balanced:SPEC' "
                    "also picks each stage's rows per tile for tile balance; '8x8+mma' runs batched GEMVs on the "
-                   "tensor cores with bf16 inputs (the default of bf16 models at --batch 2 to 8); '2x4+gated' "
-                   "applies the MLP's activation in the gate/up GEMV's write (experimental: "
-                   "MEGABAKE_EXPERIMENTAL_LAYOUTS=gated_gemv). Works without a GPU.")
+                   "tensor cores with bf16 inputs (the default of bf16 models at --batch 2 to 8); '+gated' "
+                   "applies the MLP's activation in the gate/up GEMV's write (the default of SiLU and tanh-GELU "
+                   "models on the plain and ring tilings). Works without a GPU.")
 @click.option("--attention-preload", is_flag=True, help="Load each attention lane group's first cached K/V rows "
               "before the barrier that precedes attention.")
 @click.option("--force", is_flag=True, help="Write the package even when its folder holds a different package "

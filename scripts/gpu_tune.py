@@ -54,7 +54,7 @@ def variants() -> dict:
             "balanced-ring4-preload": Balanced(GemvTuning(2, 4, preload=True, stages=4)),
             # tensor cores (bf16-staged inputs, at most 8 sequences; the default of such buckets)
             "mma": GemvTuning(8, 8, mma=True),
-            # the activation in the plain gate/up GEMV's write (experimental: MEGABAKE_EXPERIMENTAL_LAYOUTS=gated_gemv)
+            # the activation in the plain gate/up GEMV's write (ring-gated: the default since session 15)
             "gated": GemvTuning(2, 4, gated=True),
             "ring-gated": GemvTuning(2, 4, spread=True, preload=True, stages=4, gated=True)}
 
@@ -64,8 +64,8 @@ ATTENTION_PRELOAD_VARIANTS = ("default", "t2u4-spread-preload", "t2u4-spread-pip
                               "t2u4-spread-ring4-preload")
 
 
-# variant -> the experimental kernel feature it needs
-EXPERIMENTAL_VARIANTS = {"gated": "gated_gemv", "ring-gated": "gated_gemv"}
+# variant -> the experimental kernel feature it needs (none now: gated_gemv passed on the H200 in session 15)
+EXPERIMENTAL_VARIANTS: dict[str, str] = {}
 
 
 def opt_in_experimental(chosen: list[str]) -> None:

@@ -166,7 +166,7 @@ def test_source_map_points_at_module_lines(tiny):
     assert tiny.generated.source_map["plan_hash"] == tiny.plan.hash
     bodies = [e for e in entries if e["kind"] == "body_call"]
     assert {e["name"].split(".")[-1] for e in bodies} >= {"embed_gather", "rmsnorm_to_smem", "gemv_rows_streamed",
-                                                         "split_kv_attention", "silu_mul_to_smem"}
+                                                         "split_kv_attention", "copy_to_smem"}
     for entry in entries:
         start, end = entry["lines"]
         assert 1 <= start <= end <= len(lines)

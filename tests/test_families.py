@@ -30,9 +30,14 @@ def test_gemma_plan_records_its_features(tiny_gemma):
     assert '"embed_scale": 16.0' in tiny_gemma.plan.to_json()
     source = tiny_gemma.generated.source
     assert "EMBED_SCALE = 16.0" in source and "bodies.embed_gather_scaled(" in source
-    assert body_calls(source, "gelu_mul_to_smem") == [dict(gate_up="gate_up", s_vec="s_vec", tidx="tidx", batch="BATCH",
-                                                          inter="INTER", threads="THREADS", approximate="True")]
-    assert "bodies.silu_mul_to_smem(" not in source.split("# ====")[0]
+    kernel = source.split("# ====")[0]
+    acts = [call["act"] for call in body_calls(source, "gemv_rows_streamed")]
+    assert acts.count("2") == 1 and set(acts) == {"0", "2"}  # the gate/up GEMV writes gelu_tanh(gate) * up
+    assert "bodies.gelu_mul_to_smem(" not in kernel and "bodies.silu_mul_to_smem(" not in kernel
+    unfused = tiny_gemma.replan(tuning={}).generated.source  # the activation staged by the down stage instead
+    assert body_calls(unfused, "gelu_mul_to_smem") == [dict(gate_up="gate_up", s_vec="s_vec", tidx="tidx",
+                                                           batch="BATCH", inter="INTER", threads="THREADS",
+                                                           approximate="True")]
 
 
 def test_llama_plan_json_has_no_embed_scale():

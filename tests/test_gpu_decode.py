@@ -50,8 +50,13 @@ def _assert_random_cache_steps_match(compiled, model, *, seed: int,
     return decoder
 
 
-def _assert_steps_match(decoder, reference, tokens, positions, tol: float = 2e-3):
-    """tokens [B, T]: step t at positions[t] on both; poisoned logits; rel-L2 per step below tol."""
+def _assert_steps_match(decoder, reference, tokens, positions, tol: float | None = None):
+    """tokens [B, T]: step t at positions[t] on both; poisoned logits; rel-L2 per step below tol (default 2e-3,
+    and bf16 noise, 1e-2, for a bf16-staged plan: the batched default since session 14, where an element whose
+    fp32 value differs in its last bits between kernel and reference can round to the neighbouring bf16 value;
+    H200, session 15: 2.1e-3 to 2.7e-3 at batch 2 at long context, see :func:`_assert_bf16_steps_match`)."""
+    if tol is None:
+        tol = 1e-2 if decoder.plan.staging_dtype == "bfloat16" else 2e-3
     for t, pos in enumerate(positions):
         decoder.buffers["logits"].fill_(float("nan"))
         got = decoder.step(tokens[:, t], pos).cpu().clone()

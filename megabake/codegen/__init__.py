@@ -437,12 +437,9 @@ def _gemv(weight: str, out: str, rows: str, cols: str, stage: Stage, accumulate:
     args = (f"{out}, {_warp_index(stage)}, lane, TOTAL_WARPS, {rows}, {cols}, BATCH, ROWS_PER_TILE[{stage.name!r}], "
             f"{accumulate}, GEMV_UNROLL[{stage.name!r}]")
     bias_arg = f"{bias}[layer, None]" if bias else out  # out: an unused stand-in when there is no bias
-    if stage.tiling.stages and gated:  # +ringS+gated: the ring with the gated write
-        return (f"bodies.gemv_rows_streamed_gated({weight}, {_RING}, {bias_arg}, s_vec, {args}, {bool(bias)}, "
-                f"{stage.tiling.stages}, {stage.tiling.preload}, {gated})")
-    if stage.tiling.stages:
+    if stage.tiling.stages:  # the cp.async ring; gated: the gate/up stage's gated write (+ringS+gated)
         return (f"bodies.gemv_rows_streamed({weight}, {_RING}, {bias_arg}, s_vec, {args}, {bool(bias)}, "
-                f"{stage.tiling.stages}, {stage.tiling.preload})")
+                f"{stage.tiling.stages}, {stage.tiling.preload}, {gated})")
     if stage.tiling.pipeline:
         pre = f"pre_{stage.name}" if stage.tiling.preload else out  # out: unused unless preloaded
         return (f"bodies.gemv_rows_pipelined({weight}, {pre}, {bias_arg}, s_vec, {args}, {bool(bias)}, "

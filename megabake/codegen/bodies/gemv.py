@@ -42,14 +42,14 @@ def _gemv_rows(weight: cute.Tensor, s_vec: cute.Tensor, out: cute.Tensor, bias: 
                lane: Int32, total_warps: cutlass.Constexpr[int], rows: cutlass.Constexpr[int],
                cols: cutlass.Constexpr[int], batch: cutlass.Constexpr[int], per_tile: cutlass.Constexpr[int],
                accumulate: cutlass.Constexpr[bool], unroll: cutlass.Constexpr[int],
-               has_bias: cutlass.Constexpr[bool]):
+               has_bias: cutlass.Constexpr[bool], act: cutlass.Constexpr[int]):
     """out[b, r] (+)= sum_k weight[r, k] * s_vec[b, k] for the rows of the tiles this warp owns.
 
     Tile t covers rows [t*per_tile, (t+1)*per_tile) and belongs to global warp t % total_warps. Each lane
     reads 16-byte vectors; ``unroll`` x ``per_tile`` independent loads per lane are in flight per step of
     the K loop (fully unrolled bodies, compile-time K), accumulation is fp32, the warp reduces with
     shuffles, and lane 0 writes (each output element has exactly one owner), adding ``bias[row]`` (fp32)
-    when ``has_bias``.
+    when ``has_bias``; a non-zero ``act`` writes the gated product instead (:func:`_gemv_write`).
     """
     tiles = (rows + per_tile - 1) // per_tile
     kvecs = cols // VEC
@@ -68,25 +68,34 @@ def _gemv_rows(weight: cute.Tensor, s_vec: cute.Tensor, out: cute.Tensor, bias: 
                 kv = full_chunks * chunk + u * WARP + lane
                 if kv < kvecs:
                     _gemv_chunk(weight, s_vec, acc, tile, kv, rows, batch, per_tile)
-        _gemv_write(acc, out, bias, tile, lane, rows, batch, per_tile, accumulate, has_bias)
+        _gemv_write(acc, out, bias, tile, lane, rows, batch, per_tile, accumulate, has_bias, act)
 
 
 @cute.jit
 def _gemv_write(acc: cute.Tensor, out: cute.Tensor, bias: cute.Tensor, tile: Int32, lane: Int32,
                 rows: cutlass.Constexpr[int], batch: cutlass.Constexpr[int], per_tile: cutlass.Constexpr[int],
-                accumulate: cutlass.Constexpr[bool], has_bias: cutlass.Constexpr[bool]):
-    """Warp-reduce each row's partial sums; lane 0 writes (adds the bias, accumulates into a residual)."""
-    for r in cutlass.range_constexpr(per_tile):
-        row = tile * per_tile + r
-        for b in cutlass.range_constexpr(batch):
-            total = cute.arch.warp_reduction_sum(acc[r * batch + b])
-            if lane == 0 and row < rows:
-                if cutlass.const_expr(has_bias):
-                    total = total + bias[row]
-                if cutlass.const_expr(accumulate):
-                    out[b, row] = out[b, row] + total
-                else:
-                    out[b, row] = total
+                accumulate: cutlass.Constexpr[bool], has_bias: cutlass.Constexpr[bool],
+                act: cutlass.Constexpr[int]):
+    """Warp-reduce each row's partial sums; lane 0 writes (adds the bias, accumulates into a residual).
+
+    A non-zero ``act`` (``plan.stages.GATED_ACT_CODES``: the gate/up stage's gated write, tiling ``+gated``)
+    reads the tile's packed rows as (gate, up) pairs, gate row i at 2i and up row i at 2i + 1, and writes
+    act(gate) * up once at ``out[b, i]`` (:func:`_gemv_write_gated`): the down stage copies that row instead
+    of evaluating the activation in every CTA (``accumulate`` is unused: the gate/up output is written)."""
+    if cutlass.const_expr(act):
+        _gemv_write_gated(acc, out, bias, tile, lane, rows, batch, per_tile, has_bias, act)
+    else:
+        for r in cutlass.range_constexpr(per_tile):
+            row = tile * per_tile + r
+            for b in cutlass.range_constexpr(batch):
+                total = cute.arch.warp_reduction_sum(acc[r * batch + b])
+                if lane == 0 and row < rows:
+                    if cutlass.const_expr(has_bias):
+                        total = total + bias[row]
+                    if cutlass.const_expr(accumulate):
+                        out[b, row] = out[b, row] + total
+                    else:
+                        out[b, row] = total
 
 
 def preload_groups(cols: int, unroll: int) -> int:
@@ -160,9 +169,9 @@ def gemv_rows_pre(weight: cute.Tensor, pre: cute.Tensor, bias: cute.Tensor, s_ve
                 kv = full_chunks * chunk + u * WARP + lane
                 if kv < kvecs:
                     _gemv_chunk(weight, s_vec, acc, gwarp, kv, rows, batch, per_tile)
-        _gemv_write(acc, out, bias, gwarp, lane, rows, batch, per_tile, accumulate, has_bias)
+        _gemv_write(acc, out, bias, gwarp, lane, rows, batch, per_tile, accumulate, has_bias, 0)
     _gemv_rows(weight, s_vec, out, bias, gwarp + total_warps, lane, total_warps, rows, cols, batch, per_tile,
-               accumulate, unroll, has_bias)  # the warp's later tiles, loaded as usual
+               accumulate, unroll, has_bias, 0)  # the warp's later tiles, loaded as usual
 
 
 @cute.jit
@@ -238,7 +247,7 @@ def gemv_rows_pipelined(weight: cute.Tensor, pre: cute.Tensor, bias: cute.Tensor
                 _gemv_chunk_pre(cur, s_vec, acc, u, kv, batch, per_tile, unroll)
         if c == chunks - 1:
             _gemv_write(acc, out, bias, gwarp + step // chunks * total_warps, lane, rows, batch, per_tile,
-                        accumulate, has_bias)
+                        accumulate, has_bias, 0)
             for i in cutlass.range_constexpr(per_tile * batch):
                 acc[i] = Float32(0.0)
         cur.store(nxt.load())
@@ -306,7 +315,8 @@ def gemv_rows_streamed(weight: cute.Tensor, ring: cute.Tensor, bias: cute.Tensor
                        rows: cutlass.Constexpr[int], cols: cutlass.Constexpr[int], batch: cutlass.Constexpr[int],
                        per_tile: cutlass.Constexpr[int], accumulate: cutlass.Constexpr[bool],
                        unroll: cutlass.Constexpr[int], has_bias: cutlass.Constexpr[bool],
-                       stages: cutlass.Constexpr[int], prefilled: cutlass.Constexpr[bool]):
+                       stages: cutlass.Constexpr[int], prefilled: cutlass.Constexpr[bool],
+                       act: cutlass.Constexpr[int]):
     """:func:`gemv_rows` streaming its weights through this warp's shared-memory ring ``ring`` ([stages,
     vectors, 32 lanes, 8]): cp.async keeps ``stages - 1`` chunks (the next tiles' included) in flight while
     the warp reduces the current one, without holding registers for them.
@@ -317,7 +327,8 @@ def gemv_rows_streamed(weight: cute.Tensor, ring: cute.Tensor, bias: cute.Tensor
     the one reduced at the step before, by the same lane. Partial last chunks, the order of the sums and
     the writes are those of :func:`gemv_rows_pipelined`: results are bit-identical to :func:`gemv_rows`.
     With ``prefilled``, :func:`gemv_ring_prefill` already copied (and committed) the first ``stages - 1``
-    chunks before the barrier that precedes this stage.
+    chunks before the barrier that precedes this stage. A non-zero ``act`` is the gated write (tiling
+    ``+ringS+gated``, :func:`_gemv_write`).
     """
     tiles = (rows + per_tile - 1) // per_tile
     chunk = WARP * unroll
@@ -346,50 +357,7 @@ def gemv_rows_streamed(weight: cute.Tensor, ring: cute.Tensor, bias: cute.Tensor
                 _gemv_chunk_ring(ring, slot, s_vec, acc, u, kv, lane, batch, per_tile, unroll)
         if c == chunks - 1:
             _gemv_write(acc, out, bias, gwarp + step // chunks * total_warps, lane, rows, batch, per_tile,
-                        accumulate, has_bias)
-            for i in cutlass.range_constexpr(per_tile * batch):
-                acc[i] = Float32(0.0)
-    cute.arch.cp_async_wait_group(0)  # nothing in flight into the ring when the next GEMV stage refills it
-
-
-@cute.jit
-def gemv_rows_streamed_gated(weight: cute.Tensor, ring: cute.Tensor, bias: cute.Tensor, s_vec: cute.Tensor,
-                             out: cute.Tensor, gwarp: Int32, lane: Int32, total_warps: cutlass.Constexpr[int],
-                             rows: cutlass.Constexpr[int], cols: cutlass.Constexpr[int],
-                             batch: cutlass.Constexpr[int], per_tile: cutlass.Constexpr[int],
-                             accumulate: cutlass.Constexpr[bool], unroll: cutlass.Constexpr[int],
-                             has_bias: cutlass.Constexpr[bool], stages: cutlass.Constexpr[int],
-                             prefilled: cutlass.Constexpr[bool], act: cutlass.Constexpr[int]):
-    """:func:`gemv_rows_streamed` (the cp.async ring) with :func:`gemv_rows_gated`'s write: the gate/up GEMV
-    with the activation in its write (tiling ``+ringS+gated``; experimental). Same ring protocol, same sums."""
-    tiles = (rows + per_tile - 1) // per_tile
-    chunk = WARP * unroll
-    kvecs = cols // VEC
-    chunks = (kvecs + chunk - 1) // chunk
-    steps = (tiles - gwarp + total_warps - 1) // total_warps * chunks  # 0 for a warp without a tile
-    acc = cute.make_rmem_tensor(cute.make_layout(per_tile * batch), Float32)
-    for i in cutlass.range_constexpr(per_tile * batch):
-        acc[i] = Float32(0.0)
-    if cutlass.const_expr(not prefilled):
-        _fill_ring(weight, ring, gwarp, lane, steps, chunks, total_warps, rows, kvecs, per_tile, unroll, stages)
-    for step in range(steps):
-        ahead = step + stages - 1
-        if ahead < steps:
-            _copy_chunk(weight, ring, ahead % stages, gwarp + ahead // chunks * total_warps, ahead % chunks * chunk,
-                        lane, rows, kvecs, per_tile, unroll)
-        cute.arch.cp_async_commit_group()
-        cute.arch.cp_async_wait_group(stages - 1)
-        slot = step % stages
-        c = step % chunks
-        for u in cutlass.range_constexpr(unroll):
-            kv = c * chunk + u * WARP + lane
-            if cutlass.const_expr(kvecs % chunk == 0):
-                _gemv_chunk_ring(ring, slot, s_vec, acc, u, kv, lane, batch, per_tile, unroll)
-            elif kv < kvecs:  # the partial last chunk of a tile
-                _gemv_chunk_ring(ring, slot, s_vec, acc, u, kv, lane, batch, per_tile, unroll)
-        if c == chunks - 1:
-            _gemv_write_gated(acc, out, bias, gwarp + step // chunks * total_warps, lane, rows, batch, per_tile,
-                              has_bias, act)
+                        accumulate, has_bias, act)
             for i in cutlass.range_constexpr(per_tile * batch):
                 acc[i] = Float32(0.0)
     cute.arch.cp_async_wait_group(0)  # nothing in flight into the ring when the next GEMV stage refills it
@@ -402,7 +370,7 @@ def gemv_rows(weight: cute.Tensor, s_vec: cute.Tensor, out: cute.Tensor, gwarp: 
               accumulate: cutlass.Constexpr[bool], unroll: cutlass.Constexpr[int]):
     """out[b, r] (+)= sum_k weight[r, k] * s_vec[b, k] over the rows this warp owns (see :func:`_gemv_rows`)."""
     _gemv_rows(weight, s_vec, out, out, gwarp, lane, total_warps, rows, cols, batch, per_tile, accumulate, unroll,
-               False)
+               False, 0)
 
 
 @cute.jit
@@ -412,7 +380,7 @@ def gemv_rows_bias(weight: cute.Tensor, bias: cute.Tensor, s_vec: cute.Tensor, o
                    accumulate: cutlass.Constexpr[bool], unroll: cutlass.Constexpr[int]):
     """:func:`gemv_rows` plus a per-row fp32 bias (a linear layer with a bias, e.g. Qwen2's q/k/v)."""
     _gemv_rows(weight, s_vec, out, bias, gwarp, lane, total_warps, rows, cols, batch, per_tile, accumulate, unroll,
-               True)
+               True, 0)
 
 
 @cute.jit
@@ -421,29 +389,11 @@ def gemv_rows_gated(weight: cute.Tensor, bias: cute.Tensor, s_vec: cute.Tensor, 
                     cols: cutlass.Constexpr[int], batch: cutlass.Constexpr[int], per_tile: cutlass.Constexpr[int],
                     accumulate: cutlass.Constexpr[bool], unroll: cutlass.Constexpr[int],
                     has_bias: cutlass.Constexpr[bool], act: cutlass.Constexpr[int]):
-    """The gate/up GEMV with the activation in its write (tiling ``+gated``; experimental): the packed rows pair
-    gate row i (row 2i) with up row i (row 2i + 1), so a tile of an even ``per_tile`` holds whole pairs and lane 0
-    writes act(gate) * up once, at ``out[b, i]`` (:func:`_gemv_write_gated`); the down stage then copies the row
-    instead of evaluating the activation in every CTA. K loop as :func:`_gemv_rows` (``accumulate`` is unused:
-    the gate/up output is written, never accumulated)."""
-    tiles = (rows + per_tile - 1) // per_tile
-    kvecs = cols // VEC
-    chunk = WARP * unroll
-    full_chunks = kvecs // chunk
-    tail = kvecs - full_chunks * chunk
-    acc = cute.make_rmem_tensor(cute.make_layout(per_tile * batch), Float32)
-    for tile in range(gwarp, tiles, total_warps):
-        for i in cutlass.range_constexpr(per_tile * batch):
-            acc[i] = Float32(0.0)
-        for c in range(full_chunks):
-            for u in cutlass.range_constexpr(unroll):
-                _gemv_chunk(weight, s_vec, acc, tile, c * chunk + u * WARP + lane, rows, batch, per_tile)
-        if cutlass.const_expr(tail > 0):
-            for u in cutlass.range_constexpr((tail + WARP - 1) // WARP):
-                kv = full_chunks * chunk + u * WARP + lane
-                if kv < kvecs:
-                    _gemv_chunk(weight, s_vec, acc, tile, kv, rows, batch, per_tile)
-        _gemv_write_gated(acc, out, bias, tile, lane, rows, batch, per_tile, has_bias, act)
+    """The gate/up GEMV with the activation in its write (tiling ``+gated``): the packed rows pair gate row i
+    (row 2i) with up row i (row 2i + 1), so a tile of an even ``per_tile`` holds whole pairs and lane 0 writes
+    act(gate) * up once, at ``out[b, i]`` (:func:`_gemv_write`, ``act`` non-zero)."""
+    _gemv_rows(weight, s_vec, out, bias, gwarp, lane, total_warps, rows, cols, batch, per_tile, accumulate, unroll,
+               has_bias, act)
 
 
 @cute.jit
