@@ -7,8 +7,10 @@
 #          (the real-weights tests need the GGUF on the device: README "Running the GPU tests")
 #   smoke: kernel vs CPU reference executor + step latency per preset       -> OUT/smoke-*.json     (~1-3 min)
 #   mma: the tensor-core GEMV tests (-k mma_gemv: "-k mma" also matches every gemma test) -> OUT/pytest-gpu-mma.log
-#   candidates: session 14's A/B candidates (plain gated write, red barrier): GPU tests + gpu_tune of the first two
-#          presets with phases -> OUT/pytest-gpu-candidates.log, OUT/tune-candidates.log (~7 min)
+#   candidates: session 15's A/B candidate (the K/V L2 prefetch before attention's barrier, generate(plan,
+#          kv_prefetch=True)): its GPU test + gpu_tune of the first two presets, ring-gated vs @kvpf, at position 2
+#          (capacity 128) and at position 4000 (capacity 4096) -> OUT/pytest-gpu-candidates.log,
+#          OUT/tune-candidates-{short,long}.log, OUT/{short,long}/tune-*.json (~5 min)
 #   hang-probe: the tensor-core cases' steps with the barrier watchdog (scripts/gpu_hang_probe.py; a tool for
 #          chasing a kernel that never reaches a grid barrier)                   -> OUT/hang-probe.json (~3 min)
 #   bench: decode benchmark table + chart, all presets in one process          -> OUT/bench/  (~2.5 min per preset;
@@ -52,15 +54,17 @@ if [[ " $PARTS " == *" mma "* ]]; then
   run_tests mma "mma_gemv" tests/test_gpu_decode.py
 fi
 if [[ " $PARTS " == *" candidates "* ]]; then
-  # session 14's A/B candidates, built without a GPU: the plain GEMV's gated write (+gated, experimental
-  # gated_gemv) and the fire-and-forget barrier arrival (generate(plan, barrier="red")): their GPU tests, then
-  # both timed against the bake's default tiling (the ring), with per-stage clocks: rows t2u4-spread-ring4-preload,
-  # ring-gated, and each @red / @red-fence (add --phases for per-phase clocks: one more build per row)
-  TEST_LIMIT=250 run_tests candidates "gated_gemv or red_barrier" tests/test_gpu_decode.py
-  timeout 330 python3 scripts/gpu_tune.py "${PRESETS[@]:0:2}" --variants t2u4-spread-ring4-preload ring-gated \
-    --barriers atom red red-fence --no-composite \
-    --out "$OUT" >"$OUT/tune-candidates.log" 2>&1
-  summary+=("candidates tune: rc=$?" "$(grep -E '^(==|\|)' "$OUT/tune-candidates.log")")
+  # session 15's candidate, built without a GPU: each CTA asks L2 for its first split-KV chunk's cached K/V rows
+  # before the barrier that precedes attention. Its GPU test (bit-identical logits), then the default build
+  # (ring-gated, the bake's tiling since session 15) against @kvpf at a short and a long context
+  TEST_LIMIT=200 run_tests candidates "kv_prefetch" tests/test_gpu_decode.py
+  for context in "short 128 2" "long 4096 4000"; do
+    read -r label capacity position <<<"$context"
+    timeout 200 python3 scripts/gpu_tune.py "${PRESETS[@]:0:2}" --variants ring-gated --builds atom kvpf \
+      --no-composite --capacity "$capacity" --position "$position" --out "$OUT/$label" \
+      >"$OUT/tune-candidates-$label.log" 2>&1
+    summary+=("candidates tune ($label): rc=$?" "$(grep -E '^(==|\|)' "$OUT/tune-candidates-$label.log")")
+  done
 fi
 if [[ " $PARTS " == *" hang-probe "* ]]; then
   # the tensor-core cases' kernel steps built with the barrier watchdog (scripts/gpu_hang_probe.py)

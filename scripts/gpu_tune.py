@@ -10,10 +10,12 @@ fastest in that stage, and is measured the same way; its spec is printed (a ``tu
 
     source .cute/activate.sh && python3 scripts/gpu_tune.py smollm-135m llama-3.2-1b --out $OUT
 
-``--barriers atom red`` also builds each variant with the fire-and-forget grid-barrier arrival (``generate(plan,
-barrier="red")``; rows ``<variant>@red``, same logits required). ``--batch 8`` times batched steps (``mma``: the
-tensor-core GEMV); ``--phases`` adds each variant's clocks per phase of each stage (staging, GEMV, prefetch,
-barrier wait). Writes OUT/tune-<preset>-b<batch>.json; prints a short table per preset last.
+``--builds atom red kvpf`` also builds each variant with the fire-and-forget grid-barrier arrival (``generate(plan,
+barrier="red")``; rows ``<variant>@red``) and with the L2 prefetch of cached K/V rows before the barrier that
+precedes attention (``generate(plan, kv_prefetch=True)``; rows ``<variant>@kvpf``), same logits required
+(``--barriers`` is the older name). ``--position 4000 --capacity 4096`` times the step at a long context.
+``--batch 8`` times batched steps (``mma``: the tensor-core GEMV); ``--phases`` adds each variant's clocks per
+phase of each stage (staging, GEMV, prefetch, barrier wait). Writes OUT/tune-<preset>-b<batch>.json; prints a short table per preset last.
 """
 
 from __future__ import annotations
@@ -143,13 +145,17 @@ def sync_call(decoder, token, pos: int, reps: int) -> tuple[float, float]:
     return statistics.median(samples), statistics.median(host)
 
 
+# code-generation options a variant can be built with besides the default ("atom"): name -> generate() keywords
+BUILDS = {"atom": {}, "red": {"barrier": "red"}, "red-fence": {"barrier": "red-fence"}, "kvpf": {"kv_prefetch": True}}
+
+
 def timeline(plan, model, tokens, phases: bool = False, barrier: str = "atom") -> dict[str, float]:
     """Microseconds per stage kind (CTA 0, summed over layers) of one step; with ``phases`` per
     ``<stage>.<phase>`` (staging, GEMV, prefetch, barrier wait: ``codegen.stage_phases``)."""
     from megabake.codegen import TIMELINE_PHASES, generate
     from megabake.runtime import MegakernelDecoder
 
-    source = generate(plan, timeline=TIMELINE_PHASES if phases else True, barrier=barrier).source
+    source = generate(plan, timeline=TIMELINE_PHASES if phases else True, **BUILDS[barrier]).source
     decoder = MegakernelDecoder(plan, source, model, device="cuda", use_graph=False)
     for p in range(len(tokens)):
         decoder.step(tokens[p], p)
@@ -164,7 +170,8 @@ def timeline(plan, model, tokens, phases: bool = False, barrier: str = "atom") -
 
 
 def sweep(name: str, chosen: list[str], reps: int, capacity: int, batch: int = 1, phases: bool = False,
-          barriers: tuple[str, ...] = ("atom",), ctas: int | None = None, composite: bool = True) -> dict:
+          barriers: tuple[str, ...] = ("atom",), ctas: int | None = None, composite: bool = True,
+          position: int | None = None) -> dict:
     import torch
 
     from megabake.capture import capture_decode_step
@@ -181,7 +188,7 @@ def sweep(name: str, chosen: list[str], reps: int, capacity: int, batch: int = 1
     inv, scale = recover_rotary(captured, ir)
     tokens = torch.randint(1, model.config.vocab_size, (STEPS, batch), generator=torch.Generator().manual_seed(3))
     context = dict(ir=ir, inv=inv, scale=scale, sm_count=ctas or info.sm_count, model=model, tokens=tokens, reps=reps,
-                   phases=phases)
+                   phases=phases, position=position)
     rows, timelines, default_logits = [], {}, []
     candidates = variants()
     default_plan = build_tuned_plan(context, {})
@@ -189,7 +196,7 @@ def sweep(name: str, chosen: list[str], reps: int, capacity: int, batch: int = 1
         tuning = tuning_for(candidates[variant], default_plan)
         row, timelines[variant] = measure_variant(variant, tuning, context, default_logits)
         rows.append(row)
-        for barrier in [b for b in barriers if b != "atom"]:  # the variant again with each other barrier arrival
+        for barrier in [b for b in barriers if b != "atom"]:  # the variant again with each other build (BUILDS)
             row, timelines[f"{variant}@{barrier}"] = measure_variant(f"{variant}@{barrier}", tuning, context,
                                                                      default_logits, barrier=barrier)
             rows.append(row)
@@ -239,7 +246,7 @@ def measure_variant(variant: str, tuning: dict, context: dict, default_logits: l
     pos = len(tokens) - 1
     try:
         plan = build_tuned_plan(context, tuning, attention_preload)
-        decoder = MegakernelDecoder(plan, generate(plan, barrier=barrier).source, model, device="cuda")
+        decoder = MegakernelDecoder(plan, generate(plan, **BUILDS[barrier]).source, model, device="cuda")
         for p in range(len(tokens)):
             decoder.buffers["logits"].fill_(float("nan"))  # poison
             logits = decoder.step(tokens[p], p).float().cpu().clone()
@@ -249,8 +256,10 @@ def measure_variant(variant: str, tuning: dict, context: dict, default_logits: l
             row["rel_l2_vs_cpu_reference"] = vs_reference(decoder, plan, tokens)
         reference = default_logits[0]
         row["rel_l2_vs_default"] = float((logits - reference).norm() / reference.norm())
-        row["gpu_ms"] = time_replays(decoder, tokens[pos], pos, reps)
-        row["sync_ms"], row["host_us"] = sync_call(decoder, tokens[pos], pos, reps)
+        timed_at = context.get("position") or pos  # --position: a long context (the cache rows are whatever is there)
+        row["position"] = timed_at
+        row["gpu_ms"] = time_replays(decoder, tokens[pos], timed_at, reps)
+        row["sync_ms"], row["host_us"] = sync_call(decoder, tokens[pos], timed_at, reps)
         del decoder
         stages = timeline(plan, model, tokens, barrier=barrier)
         if context.get("phases"):
@@ -302,9 +311,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1, help="sequences per step (mma: at most 8, bf16-staged)")
     parser.add_argument("--phases", action="store_true",
                         help="also time every phase of every stage (staging, GEMV, prefetch, barrier wait)")
-    parser.add_argument("--barriers", nargs="+", default=["atom"], choices=["atom", "red", "red-fence"],
-                        help="grid-barrier arrivals to build each variant with (codegen.BARRIER_ARRIVALS): 'atom red' "
-                             "adds a <variant>@red row per variant, checked against the default's logits")
+    parser.add_argument("--builds", "--barriers", dest="barriers", nargs="+", default=["atom"], choices=list(BUILDS),
+                        help="code-generation options to build each variant with (BUILDS: grid-barrier arrivals of "
+                             "codegen.BARRIER_ARRIVALS, kvpf = the K/V L2 prefetch): 'atom red kvpf' adds "
+                             "<variant>@red and <variant>@kvpf rows per variant, checked against the default's logits")
+    parser.add_argument("--position", type=int, default=None,
+                        help="time the step at this position (< --capacity) instead of the last checked one")
     parser.add_argument("--no-composite", action="store_true",
                         help="skip the composite variant (per-stage winners), e.g. for a quick A/B")
     parser.add_argument("--ctas", type=int, default=None,
@@ -317,7 +329,7 @@ def main() -> None:
     results = []
     for name in args.presets:
         result = sweep(name, args.variants, args.reps, args.capacity, args.batch, args.phases, tuple(args.barriers),
-                       args.ctas, not args.no_composite)
+                       args.ctas, not args.no_composite, args.position)
         (args.out / f"tune-{name}-b{args.batch}.json").write_text(json.dumps(result, indent=1))
         results.append(result)
     for result in results:

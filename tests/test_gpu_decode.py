@@ -365,6 +365,39 @@ def test_red_barrier_gives_bit_identical_logits_over_graph_replays():
     assert torch.equal(results[1], results[0]) and torch.equal(results[2], results[0])
 
 
+@pytest.mark.parametrize("preset,batch", [("smollm-135m", 1), ("tiny-mistral", 2)])
+def test_kv_prefetch_gives_bit_identical_logits_at_split_boundaries_and_capacity(preset, batch):
+    """``generate(plan, kv_prefetch=True)`` (L2 prefetch of each CTA's first split-KV chunk before the barrier
+    that precedes attention; session 15, written without a GPU) only asks L2 for rows: from one random 1024-slot
+    cache, one step at positions near 0, around the split boundary of 128 and at capacity - 1 gives exactly the
+    default kernel's logits (tiny-mistral: a sliding window, so chunks start past 0)."""
+    from megabake.codegen import generate
+    from megabake.runtime import MegakernelDecoder, gpu_info
+
+    layers = 4 if preset == "smollm-135m" else None
+    compiled = compile_preset(preset, layers=layers, vocab=4096 if layers else None, batch=batch, capacity=1024,
+                              ctas=gpu_info().sm_count)
+    positions = (0, 1, 2, 127, 128, 129, 700, 1023)
+    generator = torch.Generator().manual_seed(35)
+    tokens = torch.randint(1, compiled.plan.dims.vocab, (len(positions), batch), generator=generator)
+    results = []
+    for kv_prefetch in (False, True):
+        decoder = MegakernelDecoder(compiled.plan, generate(compiled.plan, kv_prefetch=kv_prefetch).source,
+                                    compiled.model, device="cuda")
+        cache_generator = torch.Generator().manual_seed(36)
+        for name in ("k_cache", "v_cache"):
+            buffer = decoder.buffers[name]
+            buffer.copy_(torch.randn(buffer.shape, generator=cache_generator).to(buffer.dtype))
+        steps = []
+        for token, position in zip(tokens, positions):
+            decoder.buffers["logits"].fill_(float("nan"))
+            steps.append(decoder.step(token, position).cpu().clone())
+        results.append(torch.stack(steps))
+        del decoder
+    assert torch.isfinite(results[0]).all()
+    assert torch.equal(results[1], results[0])
+
+
 def _assert_bf16_steps_match(compiled):
     """A bf16-staged kernel against the reference executor over a random 1024-slot cache, one step at each of
     positions 0, 1, 2, 127, 128, 129, 700, 1023.

@@ -217,6 +217,41 @@ def test_attention_preload_loads_cached_rows_before_the_barrier(tiny):
     assert "attention_preload" not in tiny.generated.kernel_source
 
 
+def test_kv_prefetch_asks_l2_for_cached_rows_before_the_barrier_that_precedes_attention(tiny):
+    """``generate(plan, kv_prefetch=True)``: one ``split_kv_prefetch`` per layer, after the QKV GEMV and before
+    the grid barrier that precedes split-KV attention (sliding-window layers pass their first key); it compiles
+    for sm_90a with prefetch.global.L2 of the cache; the default kernel and the unsplit attention have none."""
+    from megabake.runtime.compile import compile_check
+
+    source = generate(tiny.plan, kv_prefetch=True).source
+    lines = source.splitlines()
+    prefetch = [i for i, line in enumerate(lines) if "bodies.split_kv_prefetch(" in line]
+    assert len(prefetch) == 1  # inside the layer loop
+    barrier = next(i for i, line in enumerate(lines) if i > prefetch[0] and "bodies.grid_barrier(" in line)
+    attention = next(i for i, line in enumerate(lines) if "bodies.split_kv_attention(" in line)
+    qkv = max(i for i, line in enumerate(lines) if "bodies.gemv_rows" in line and i < prefetch[0])
+    assert qkv < prefetch[0] < barrier < attention
+    assert "first_key=0" in "\n".join(lines[prefetch[0]:barrier])
+    assert "split_kv_prefetch" not in tiny.generated.kernel_source
+    assert generate(tiny.plan).source == tiny.generated.source  # the default build is unchanged
+    result = compile_check(tiny.plan, load_module(source))
+    assert result.ok, result.error
+
+    inv_freq, scaling = recover_rotary(tiny.captured, tiny.ir)
+    unsplit = build_plan(tiny.ir, inv_freq_buffer=inv_freq, rotary_scaling=scaling, split_kv=False)
+    assert "split_kv_prefetch(" not in generate(unsplit, kv_prefetch=True).source.split("\n# ====")[0]
+
+
+def test_kv_prefetch_of_a_sliding_window_starts_at_the_window():
+    from tests.compiler_fixtures import compile_preset
+
+    compiled = compile_preset("tiny-mistral", capacity=512)
+    assert any(compiled.plan.windows)
+    kernel = generate(compiled.plan, kv_prefetch=True).source.split("\n# ====")[0]
+    call = kernel[kernel.index("bodies.split_kv_prefetch("):]
+    assert "first_key=cutlass.max(pos + 1 - attn_window[layer], 0)" in call[:call.index("bodies.", 10)]
+
+
 def test_pipelined_gemv_plans_generates_and_compiles_with_the_same_numerics(tiny):
     from megabake.runtime.compile import compile_check
 

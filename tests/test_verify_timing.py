@@ -268,6 +268,36 @@ def test_eager_drift_vs_fp32_measures_bf16_against_exact_fp32():
     assert model.dtype == torch.bfloat16  # the fp32 copy left the model alone
 
 
+def test_megakernel_candidate_steps_on_host_ints_equal_to_the_shared_device_tokens():
+    """The megakernel's step copies a CUDA tensor of ids to the host to check them (a sync per call that the
+    graphed baselines never pay): its candidate gets the same ids as host ints, prepared once."""
+    from megabake.verification.timing import TimingInputs, TimingSettings, megakernel_candidate
+
+    class Decoder:
+        batch, capacity, device, vocab_size = 2, 64, torch.device("cpu"), 500
+        calls: list = []
+
+        def reset(self):
+            pass
+
+        def prefill(self, prompt):
+            self.prompt = prompt
+
+        def step(self, tokens, position):
+            self.calls.append((tokens, position))
+
+    decoder = Decoder()
+    settings = TimingSettings(samples=1, inner=3, warmup=0, prefill=8, seed=0)
+    inputs = TimingInputs.make(decoder, settings)
+    candidate = megakernel_candidate(decoder, inputs)
+    for i in range(settings.inner):
+        candidate.call(i)
+    assert [type(tokens) for tokens, _ in decoder.calls] == [list] * 3
+    assert [tokens for tokens, _ in decoder.calls] == [t.tolist() for t in inputs.tokens]
+    assert [position for _, position in decoder.calls] == inputs.positions == [8, 9, 10]
+    assert all(len(tokens) == 2 and all(type(t) is int for t in tokens) for tokens, _ in decoder.calls)
+
+
 def test_decode_ids_give_one_layout_and_one_compile():
     from torch._dynamo.testing import CompileCounter
 

@@ -181,7 +181,8 @@ BARRIER_ARRIVALS = {"atom": "bodies.grid_barrier(barrier, tidx, CTAS)",
 
 
 def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str = False,
-             self_contained: bool = True, watchdog: bool = False, barrier: str = "atom") -> GeneratedModule:
+             self_contained: bool = True, watchdog: bool = False, barrier: str = "atom",
+             kv_prefetch: bool = False) -> GeneratedModule:
     if watchdog and timeline:
         raise ValueError("a watchdog build has no timeline: build them separately")
     if barrier not in BARRIER_ARRIVALS:
@@ -249,17 +250,17 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     barrier = ("bodies.grid_barrier_watched(barrier, tidx, CTAS, cta, WATCH_POLLS)" if watchdog
                else BARRIER_ARRIVALS[barrier])
     if phases:
-        _phase_timed_stages(w, plan, prologue, per_layer, epilogue, barrier)
+        _phase_timed_stages(w, plan, prologue, per_layer, epilogue, barrier, kv_prefetch)
     else:
         for i, stage in enumerate(prologue):
-            _stage(w, plan, stage, 1, layer_var=None, barrier=barrier)
+            _stage(w, plan, stage, 1, layer_var=None, barrier=barrier, kv_prefetch=kv_prefetch)
             _timeline_store(w, 1, timeline, str(2 + i))
         w("for layer in range(LAYERS):", 1)
         for j, stage in enumerate(per_layer):
-            _stage(w, plan, stage, 2, layer_var="layer", barrier=barrier)
+            _stage(w, plan, stage, 2, layer_var="layer", barrier=barrier, kv_prefetch=kv_prefetch)
             _timeline_store(w, 2, timeline, f"{2 + len(prologue) + j} + layer * {len(per_layer)}")
         for e, stage in enumerate(epilogue):
-            _stage(w, plan, stage, 1, layer_var=None, barrier=barrier)
+            _stage(w, plan, stage, 1, layer_var=None, barrier=barrier, kv_prefetch=kv_prefetch)
             _timeline_store(w, 1, timeline, str(2 + len(prologue) + len(per_layer) * plan.dims.layers + e))
     w("")
     _launcher(w, arguments)
@@ -375,9 +376,10 @@ def _entry(plan: Plan, stage: Stage, layer_var, kind: str, name: str) -> dict:
 
 
 def _stage(w: _Writer, plan: Plan, stage: Stage, indent: int, layer_var, clocks: list[str] | None = None,
-           barrier: str = "bodies.grid_barrier(barrier, tidx, CTAS)") -> None:
+           barrier: str = "bodies.grid_barrier(barrier, tidx, CTAS)", kv_prefetch: bool = False) -> None:
     """One stage's body calls and the grid barrier after it (``barrier``: its call; a watchdog build's differs);
-    ``clocks`` (a phases timeline): the barrier slot each phase's end is stored in (:func:`stage_phases`)."""
+    ``clocks`` (a phases timeline): the barrier slot each phase's end is stored in (:func:`stage_phases`);
+    ``kv_prefetch``: see :func:`_before_barrier_calls`."""
     def clock() -> None:
         if clocks:
             _timeline_store(w, indent, True, clocks.pop(0))
@@ -392,7 +394,7 @@ def _stage(w: _Writer, plan: Plan, stage: Stage, indent: int, layer_var, clocks:
         w.end()
         clock()
     if stage.barrier_after:
-        before = _before_barrier_calls(plan, stage)
+        before = _before_barrier_calls(plan, stage, kv_prefetch)
         for call in before:
             w(call, indent)
         if before:
@@ -403,13 +405,14 @@ def _stage(w: _Writer, plan: Plan, stage: Stage, indent: int, layer_var, clocks:
 
 
 def _phase_timed_stages(w: _Writer, plan: Plan, prologue: list[Stage], per_layer: list[Stage],
-                        epilogue: list[Stage], barrier: str) -> None:
+                        epilogue: list[Stage], barrier: str, kv_prefetch: bool = False) -> None:
     """The stages of a ``timeline="phases"`` build: a clock after every phase, into consecutive slots (the layer
     loop's slots repeat every ``per_layer_slots``)."""
     slot = 2
     for stage in prologue:
         count = len(stage_phases(plan, stage))
-        _stage(w, plan, stage, 1, layer_var=None, clocks=[str(slot + k) for k in range(count)], barrier=barrier)
+        _stage(w, plan, stage, 1, layer_var=None, clocks=[str(slot + k) for k in range(count)], barrier=barrier,
+               kv_prefetch=kv_prefetch)
         slot += count
     per_layer_slots = sum(len(stage_phases(plan, stage)) for stage in per_layer)
     w("for layer in range(LAYERS):", 1)
@@ -417,12 +420,13 @@ def _phase_timed_stages(w: _Writer, plan: Plan, prologue: list[Stage], per_layer
     for stage in per_layer:
         count = len(stage_phases(plan, stage))
         clocks = [f"{slot + offset + k} + layer * {per_layer_slots}" for k in range(count)]
-        _stage(w, plan, stage, 2, layer_var="layer", clocks=clocks, barrier=barrier)
+        _stage(w, plan, stage, 2, layer_var="layer", clocks=clocks, barrier=barrier, kv_prefetch=kv_prefetch)
         offset += count
     slot += per_layer_slots * plan.dims.layers
     for stage in epilogue:
         count = len(stage_phases(plan, stage))
-        _stage(w, plan, stage, 1, layer_var=None, clocks=[str(slot + k) for k in range(count)], barrier=barrier)
+        _stage(w, plan, stage, 1, layer_var=None, clocks=[str(slot + k) for k in range(count)], barrier=barrier,
+               kv_prefetch=kv_prefetch)
         slot += count
 
 
@@ -485,11 +489,18 @@ def _attention_preloads(plan: Plan) -> bool:
     return any(s.kind == "attention" and s.tiling.preload for s in plan.stages)
 
 
-def _before_barrier_calls(plan: Plan, stage: Stage) -> list[str]:
+def _before_barrier_calls(plan: Plan, stage: Stage, kv_prefetch: bool = False) -> list[str]:
     """Issued before a CTA waits at the barrier that ends ``stage``: the next GEMV's L2 prefetch, its register
-    preload when that stage preloads, and the attention's first K/V rows when attention preloads."""
+    preload when that stage preloads, and the attention's first K/V rows when attention preloads.
+
+    ``kv_prefetch`` (a candidate, ``generate(plan, kv_prefetch=True)``; not in packages until it is measured on a
+    GPU): before the barrier that precedes split-KV attention, each CTA also asks L2 for the cached K/V rows of
+    its first attention work item (``bodies.split_kv_prefetch``). That stage always has the next GEMV's prefetch
+    too, so its ``prefetch`` phase (:func:`stage_phases`) exists either way."""
     calls = []
     following = next((s for s in plan.stages if s.index == stage.index + 1), None)
+    if kv_prefetch and following is not None and following.kind == "attention" and kv_splits(plan):
+        calls.append(_kv_prefetch_call(plan))
     if following is not None and following.kind == "attention" and _attention_preloads(plan):
         calls.append("bodies.attention_preload(k_cache[layer, None, None, None, None], v_cache[layer, None, None, "
                      "None, None], pre_kv, pos, cta, tidx, BATCH, N_HEADS, N_KV_HEADS, HEAD_DIM)")
@@ -511,6 +522,13 @@ def _before_barrier_calls(plan: Plan, stage: Stage) -> list[str]:
         calls.append(f"bodies.gemv_preload({weight}, pre_{next_name}, {_warp_index(next_stage)}, lane, TOTAL_WARPS, "
                      f"{rows}, {cols}, {next_stage.tiling.per_tile}, {next_stage.tiling.unroll})")
     return calls
+
+
+def _kv_prefetch_call(plan: Plan) -> str:
+    """L2 prefetch of the cached K/V rows of this CTA's first split-KV work item (as ``split_kv_attention``
+    deals them)."""
+    return ("bodies.split_kv_prefetch(k_cache[layer, None, None, None, None], v_cache[layer, None, None, None, None], "
+            f"pos, {_first_key(plan)}, cta, tidx, BATCH, N_KV_HEADS, HEAD_DIM, CTAS, THREADS, KV_SPLITS, MIN_CHUNK)")
 
 
 def _gemv_shape(plan: Plan, stage_name: str) -> tuple[int, int]:

@@ -316,12 +316,16 @@ def assemble_timings(candidates: Sequence[Candidate], results: dict[str, Samples
 
 @dataclass
 class TimingInputs:
-    """Token ids and positions shared by every candidate, on the device."""
+    """Token ids and positions shared by every candidate, on the device; ``host_tokens`` holds the same ids as
+    host ints, the form the megakernel's ``step`` takes without a device round trip (given a CUDA tensor it
+    copies the ids to the host to check them: one sync per call, which the graphed baselines, fed device
+    tensors, never pay)."""
 
     prompt: object  # LongTensor [B, P]
     tokens: list  # inner x LongTensor [B]
     positions: list[int]
     position_tensors: list  # inner x LongTensor [1]
+    host_tokens: list[list[int]] = field(default_factory=list)  # inner x [B] ints
 
     @classmethod
     def make(cls, decoder, settings: TimingSettings) -> "TimingInputs":
@@ -338,13 +342,14 @@ class TimingInputs:
         return cls(prompt=ids[:, :settings.prefill],
                    tokens=[ids[:, settings.prefill + i].contiguous() for i in range(settings.inner)],
                    positions=positions,
-                   position_tensors=[torch.tensor([p], dtype=torch.long, device=decoder.device) for p in positions])
+                   position_tensors=[torch.tensor([p], dtype=torch.long, device=decoder.device) for p in positions],
+                   host_tokens=ids[:, settings.prefill:].T.tolist())
 
 
 def megakernel_candidate(decoder, inputs: TimingInputs) -> Candidate:
     decoder.reset()
     decoder.prefill(inputs.prompt)
-    return Candidate("megabake", "megabake", lambda i: decoder.step(inputs.tokens[i], inputs.positions[i]))
+    return Candidate("megabake", "megabake", lambda i: decoder.step(inputs.host_tokens[i], inputs.positions[i]))
 
 
 def baseline_candidate(name: str, model, inputs: TimingInputs, capacity: int) -> Candidate:

@@ -176,6 +176,43 @@ def _online_softmax_chunk(keys: cute.Tensor, values: cute.Tensor, s_q: cute.Tens
 
 
 @cute.jit
+def split_kv_prefetch(k_cache: cute.Tensor, v_cache: cute.Tensor, pos: Int32, first_key: Int32, cta: Int32,
+                      tidx: Int32, batch: cutlass.Constexpr[int], n_kv_heads: cutlass.Constexpr[int],
+                      head_dim: cutlass.Constexpr[int], ctas: cutlass.Constexpr[int],
+                      threads: cutlass.Constexpr[int], splits: cutlass.Constexpr[int],
+                      min_chunk: cutlass.Constexpr[int]):
+    """Ask L2 for the cached K and V rows of this CTA's first :func:`split_kv_attention` work item (same dealing:
+    item ``cta``, split-major; same chunking of positions [first_key, pos]), one ``prefetch.global.L2`` per
+    128-byte line over the CTA's threads.
+
+    Issued before the grid barrier that precedes attention (a candidate: ``generate(plan, kv_prefetch=True)``):
+    the cached rows do not depend on that barrier, so their DRAM latency overlaps the wait and attention's loads
+    hit L2. This step's row (``pos``) is not written yet and is left out. A prefetch has no effect on results."""
+    groups = batch * n_kv_heads
+    n = pos + 1
+    visible = n - first_key
+    chunk = (visible + splits - 1) // splits
+    chunk = cutlass.max(((chunk + min_chunk - 1) // min_chunk) * min_chunk, min_chunk)
+    active = (visible + chunk - 1) // chunk
+    split = cta // groups
+    if cta < groups * splits and split < active:
+        g = cta - split * groups
+        b = g // n_kv_heads
+        kvh = g - b * n_kv_heads
+        start = first_key + split * chunk
+        end = cutlass.min(start + chunk, pos)  # the cached rows of the item's chunk
+        elements_per_line = 128 * 8 // k_cache.element_type.width
+        lines_per_row = (head_dim + elements_per_line - 1) // elements_per_line
+        for i in range(start * lines_per_row + tidx, end * lines_per_row, threads):
+            row = i // lines_per_row
+            line = i - row * lines_per_row
+            cute.arch.prefetch((k_cache[b, kvh, row, None].iterator + line * elements_per_line).llvm_ptr,
+                               cache_level="L2")
+            cute.arch.prefetch((v_cache[b, kvh, row, None].iterator + line * elements_per_line).llvm_ptr,
+                               cache_level="L2")
+
+
+@cute.jit
 def split_kv_attention(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Tensor, rope_sin: cute.Tensor,
                        k_cache: cute.Tensor, v_cache: cute.Tensor, attn: cute.Tensor, part: cute.Tensor,
                        counts: cute.Tensor, pos: Int32, first_key: Int32, s_att: cute.Tensor, cta: Int32, tidx: Int32,
