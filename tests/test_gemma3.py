@@ -53,9 +53,12 @@ def test_a_model_with_one_table_has_no_table_index():
 
 def test_gemma3_matches_eager_fp32_past_its_window(tiny_gemma3):
     """150 advancing steps over window 48: local layers slide, the global one rotates with base 1M. (Keys of the
-    sixth layer differ from eager's by fp32 rounding, ~5e-5 on values of order 1.)"""
+    sixth layer differ from eager's by fp32 rounding, ~5e-5 on values of order 1; the logits by up to 2e-5 rel-L2
+    at step 96 with torch 2.13.0's CPU wheel of session 15, where 1e-5 had passed before: rounding, against the
+    O(1) of a wrong table, next test.)"""
     model = tiny_gemma3.model
-    assert_matches_eager(model, reference_executor_for(tiny_gemma3.plan, model), steps=150, cache_atol=2e-4)
+    assert_matches_eager(model, reference_executor_for(tiny_gemma3.plan, model), steps=150, tol=5e-5,
+                         cache_atol=2e-4)
 
 
 def test_rotating_the_global_layer_with_the_local_table_would_be_caught(tiny_gemma3):

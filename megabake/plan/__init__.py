@@ -244,9 +244,10 @@ GATED_DEFAULT_ACTIVATIONS = ("silu", "gelu_tanh")
 
 
 def _with_gated_write(tuning: dict[str, GemvTuning], act: str) -> dict[str, GemvTuning]:
-    """``tuning`` with the gated write (+gated) on its gate/up stage where that tiling allows it and the model's
-    activation is in ``GATED_DEFAULT_ACTIVATIONS``; ``tuning`` unchanged otherwise."""
-    if act not in GATED_DEFAULT_ACTIVATIONS:
+    """``tuning`` with the gated write (+gated) on its gate/up stage where that tiling allows it, the model's
+    activation is in ``GATED_DEFAULT_ACTIVATIONS`` and the feature has passed on a GPU (``gated_gemv`` in
+    ``GPU_VERIFIED_FEATURES``, session 15); ``tuning`` unchanged otherwise."""
+    if act not in GATED_DEFAULT_ACTIVATIONS or "gated_gemv" not in GPU_VERIFIED_FEATURES:
         return tuning
     try:
         gate_up = dataclasses.replace(tuning["norm_gate_up"], gated=True)
