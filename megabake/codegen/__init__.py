@@ -528,7 +528,7 @@ def _kv_prefetch_call(plan: Plan) -> str:
     """L2 prefetch of the cached K/V rows of this CTA's first split-KV work item (as ``split_kv_attention``
     deals them)."""
     return ("bodies.split_kv_prefetch(k_cache[layer, None, None, None, None], v_cache[layer, None, None, None, None], "
-            f"pos, {_first_key(plan)}, cta, tidx, BATCH, N_KV_HEADS, HEAD_DIM, CTAS, THREADS, KV_SPLITS, MIN_CHUNK)")
+            f"pos, {_first_key(plan)}, cta, tidx, BATCH, N_KV_HEADS, HEAD_DIM, THREADS, KV_SPLITS, MIN_CHUNK)")
 
 
 def _gemv_shape(plan: Plan, stage_name: str) -> tuple[int, int]:

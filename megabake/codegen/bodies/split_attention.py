@@ -178,9 +178,8 @@ def _online_softmax_chunk(keys: cute.Tensor, values: cute.Tensor, s_q: cute.Tens
 @cute.jit
 def split_kv_prefetch(k_cache: cute.Tensor, v_cache: cute.Tensor, pos: Int32, first_key: Int32, cta: Int32,
                       tidx: Int32, batch: cutlass.Constexpr[int], n_kv_heads: cutlass.Constexpr[int],
-                      head_dim: cutlass.Constexpr[int], ctas: cutlass.Constexpr[int],
-                      threads: cutlass.Constexpr[int], splits: cutlass.Constexpr[int],
-                      min_chunk: cutlass.Constexpr[int]):
+                      head_dim: cutlass.Constexpr[int], threads: cutlass.Constexpr[int],
+                      splits: cutlass.Constexpr[int], min_chunk: cutlass.Constexpr[int]):
     """Ask L2 for the cached K and V rows of this CTA's first :func:`split_kv_attention` work item (same dealing:
     item ``cta``, split-major; same chunking of positions [first_key, pos]), one ``prefetch.global.L2`` per
     128-byte line over the CTA's threads.
