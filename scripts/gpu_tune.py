@@ -15,7 +15,8 @@ barrier="red")``; rows ``<variant>@red``) and with the L2 prefetch of cached K/V
 precedes attention (``generate(plan, kv_prefetch=True)``; rows ``<variant>@kvpf``), same logits required
 (``--barriers`` is the older name). ``--position 4000 --capacity 4096`` times the step at a long context.
 ``--batch 8`` times batched steps (``mma``: the tensor-core GEMV); ``--phases`` adds each variant's clocks per
-phase of each stage (staging, GEMV, prefetch, barrier wait). Writes OUT/tune-<preset>-b<batch>.json; prints a short table per preset last.
+phase of each stage (staging, GEMV, prefetch, barrier wait). Writes OUT/tune-<preset>-b<batch>.json; prints a
+short table per preset last.
 """
 
 from __future__ import annotations
@@ -149,13 +150,13 @@ def sync_call(decoder, token, pos: int, reps: int) -> tuple[float, float]:
 BUILDS = {"atom": {}, "red": {"barrier": "red"}, "red-fence": {"barrier": "red-fence"}, "kvpf": {"kv_prefetch": True}}
 
 
-def timeline(plan, model, tokens, phases: bool = False, barrier: str = "atom") -> dict[str, float]:
+def timeline(plan, model, tokens, phases: bool = False, build: str = "atom") -> dict[str, float]:
     """Microseconds per stage kind (CTA 0, summed over layers) of one step; with ``phases`` per
     ``<stage>.<phase>`` (staging, GEMV, prefetch, barrier wait: ``codegen.stage_phases``)."""
     from megabake.codegen import TIMELINE_PHASES, generate
     from megabake.runtime import MegakernelDecoder
 
-    source = generate(plan, timeline=TIMELINE_PHASES if phases else True, **BUILDS[barrier]).source
+    source = generate(plan, timeline=TIMELINE_PHASES if phases else True, **BUILDS[build]).source
     decoder = MegakernelDecoder(plan, source, model, device="cuda", use_graph=False)
     for p in range(len(tokens)):
         decoder.step(tokens[p], p)
@@ -170,7 +171,7 @@ def timeline(plan, model, tokens, phases: bool = False, barrier: str = "atom") -
 
 
 def sweep(name: str, chosen: list[str], reps: int, capacity: int, batch: int = 1, phases: bool = False,
-          barriers: tuple[str, ...] = ("atom",), ctas: int | None = None, composite: bool = True,
+          builds: tuple[str, ...] = ("atom",), ctas: int | None = None, composite: bool = True,
           position: int | None = None) -> dict:
     import torch
 
@@ -196,9 +197,9 @@ def sweep(name: str, chosen: list[str], reps: int, capacity: int, batch: int = 1
         tuning = tuning_for(candidates[variant], default_plan)
         row, timelines[variant] = measure_variant(variant, tuning, context, default_logits)
         rows.append(row)
-        for barrier in [b for b in barriers if b != "atom"]:  # the variant again with each other build (BUILDS)
-            row, timelines[f"{variant}@{barrier}"] = measure_variant(f"{variant}@{barrier}", tuning, context,
-                                                                     default_logits, barrier=barrier)
+        for build in [b for b in builds if b != "atom"]:  # the variant again with each other build (BUILDS)
+            row, timelines[f"{variant}@{build}"] = measure_variant(f"{variant}@{build}", tuning, context,
+                                                                   default_logits, build=build)
             rows.append(row)
         if variant in ATTENTION_PRELOAD_VARIANTS:
             with_attention = f"{variant}+attn"
@@ -233,7 +234,7 @@ def build_tuned_plan(context: dict, tuning: dict, attention_preload: bool = Fals
 
 
 def measure_variant(variant: str, tuning: dict, context: dict, default_logits: list,
-                    attention_preload: bool = False, barrier: str = "atom") -> tuple[dict, dict]:
+                    attention_preload: bool = False, build: str = "atom") -> tuple[dict, dict]:
     """Build, check (poisoned logits, vs the first variant, the first one also vs the CPU reference), time, and
     read one step's per-stage clocks. Errors become the row's ``error``: one variant must not end the sweep."""
     import torch
@@ -246,7 +247,7 @@ def measure_variant(variant: str, tuning: dict, context: dict, default_logits: l
     pos = len(tokens) - 1
     try:
         plan = build_tuned_plan(context, tuning, attention_preload)
-        decoder = MegakernelDecoder(plan, generate(plan, **BUILDS[barrier]).source, model, device="cuda")
+        decoder = MegakernelDecoder(plan, generate(plan, **BUILDS[build]).source, model, device="cuda")
         for p in range(len(tokens)):
             decoder.buffers["logits"].fill_(float("nan"))  # poison
             logits = decoder.step(tokens[p], p).float().cpu().clone()
@@ -256,15 +257,15 @@ def measure_variant(variant: str, tuning: dict, context: dict, default_logits: l
             row["rel_l2_vs_cpu_reference"] = vs_reference(decoder, plan, tokens)
         reference = default_logits[0]
         row["rel_l2_vs_default"] = float((logits - reference).norm() / reference.norm())
-        timed_at = context.get("position") or pos  # --position: a long context (the cache rows are whatever is there)
+        timed_at = pos if context.get("position") is None else context["position"]  # --position: a long context
         row["position"] = timed_at
         row["gpu_ms"] = time_replays(decoder, tokens[pos], timed_at, reps)
         row["sync_ms"], row["host_us"] = sync_call(decoder, tokens[pos], timed_at, reps)
         del decoder
-        stages = timeline(plan, model, tokens, barrier=barrier)
+        stages = timeline(plan, model, tokens, build=build)
         if context.get("phases"):
             row["phases_us"] = {k: round(v, 1) for k, v in timeline(plan, model, tokens, phases=True,
-                                                                     barrier=barrier).items()}
+                                                                     build=build).items()}
         row["build_s"] = round(time.perf_counter() - started, 1)
     except Exception as exc:
         row, stages = {"variant": variant, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}, {}
@@ -311,7 +312,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1, help="sequences per step (mma: at most 8, bf16-staged)")
     parser.add_argument("--phases", action="store_true",
                         help="also time every phase of every stage (staging, GEMV, prefetch, barrier wait)")
-    parser.add_argument("--builds", "--barriers", dest="barriers", nargs="+", default=["atom"], choices=list(BUILDS),
+    parser.add_argument("--builds", "--barriers", dest="builds", nargs="+", default=["atom"], choices=list(BUILDS),
                         help="code-generation options to build each variant with (BUILDS: grid-barrier arrivals of "
                              "codegen.BARRIER_ARRIVALS, kvpf = the K/V L2 prefetch): 'atom red kvpf' adds "
                              "<variant>@red and <variant>@kvpf rows per variant, checked against the default's logits")
@@ -328,7 +329,7 @@ def main() -> None:
     opt_in_experimental(args.variants)
     results = []
     for name in args.presets:
-        result = sweep(name, args.variants, args.reps, args.capacity, args.batch, args.phases, tuple(args.barriers),
+        result = sweep(name, args.variants, args.reps, args.capacity, args.batch, args.phases, tuple(args.builds),
                        args.ctas, not args.no_composite, args.position)
         (args.out / f"tune-{name}-b{args.batch}.json").write_text(json.dumps(result, indent=1))
         results.append(result)

@@ -275,7 +275,9 @@ def test_megakernel_candidate_steps_on_host_ints_equal_to_the_shared_device_toke
 
     class Decoder:
         batch, capacity, device, vocab_size = 2, 64, torch.device("cpu"), 500
-        calls: list = []
+
+        def __init__(self):
+            self.calls = []
 
         def reset(self):
             pass
