@@ -10,10 +10,11 @@ fastest in that stage, and is measured the same way; its spec is printed (a ``tu
 
     source .cute/activate.sh && python3 scripts/gpu_tune.py smollm-135m llama-3.2-1b --out $OUT
 
-``--builds atom red kvpf`` also builds each variant with the fire-and-forget grid-barrier arrival (``generate(plan,
-barrier="red")``; rows ``<variant>@red``) and with the L2 prefetch of cached K/V rows before the barrier that
-precedes attention (``generate(plan, kv_prefetch=True)``; rows ``<variant>@kvpf``), same logits required
-(``--barriers`` is the older name). ``--position 4000 --capacity 4096`` times the step at a long context.
+``--builds atom red no-kvpf`` also builds each variant with the fire-and-forget grid-barrier arrival
+(``generate(plan, barrier="red")``; rows ``<variant>@red``) and without the L2 prefetch of cached K/V rows before
+the barrier that precedes attention (``generate(plan, kv_prefetch=False)``, the default until session 16; rows
+``<variant>@no-kvpf``), same logits required (``--barriers`` is the older name). ``--ctas N`` runs the persistent
+grid on N CTAs instead of one per SM. ``--position 4000 --capacity 4096`` times the step at a long context.
 ``--batch 8`` times batched steps (``mma``: the tensor-core GEMV); ``--phases`` adds each variant's clocks per
 phase of each stage (staging, GEMV, prefetch, barrier wait). Writes OUT/tune-<preset>-b<batch>.json; prints a
 short table per preset last.
@@ -117,7 +118,10 @@ def vs_reference(decoder, plan, tokens) -> float:
 def time_replays(decoder, token, pos: int, reps: int) -> float:
     import torch
 
-    decoder.step(token, pos)  # captures the graph
+    # step() alternates two staging rows (one graph each) and _graph replays row 0's: stage pos in both rows,
+    # or a --position sweep would replay the position of the last checked step that used row 0
+    decoder.step(token, pos)  # captures the graphs
+    decoder.step(token, pos)
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):
@@ -147,7 +151,8 @@ def sync_call(decoder, token, pos: int, reps: int) -> tuple[float, float]:
 
 
 # code-generation options a variant can be built with besides the default ("atom"): name -> generate() keywords
-BUILDS = {"atom": {}, "red": {"barrier": "red"}, "red-fence": {"barrier": "red-fence"}, "kvpf": {"kv_prefetch": True}}
+BUILDS = {"atom": {}, "red": {"barrier": "red"}, "red-fence": {"barrier": "red-fence"},
+          "no-kvpf": {"kv_prefetch": False}}
 
 
 def timeline(plan, model, tokens, phases: bool = False, build: str = "atom") -> dict[str, float]:
@@ -314,8 +319,9 @@ def main() -> None:
                         help="also time every phase of every stage (staging, GEMV, prefetch, barrier wait)")
     parser.add_argument("--builds", "--barriers", dest="builds", nargs="+", default=["atom"], choices=list(BUILDS),
                         help="code-generation options to build each variant with (BUILDS: grid-barrier arrivals of "
-                             "codegen.BARRIER_ARRIVALS, kvpf = the K/V L2 prefetch): 'atom red kvpf' adds "
-                             "<variant>@red and <variant>@kvpf rows per variant, checked against the default's logits")
+                             "codegen.BARRIER_ARRIVALS; no-kvpf = without the K/V L2 prefetch): 'atom red no-kvpf' "
+                             "adds <variant>@red and <variant>@no-kvpf rows per variant, checked against the first "
+                             "variant's logits")
     parser.add_argument("--position", type=int, default=None,
                         help="time the step at this position (< --capacity) instead of the last checked one")
     parser.add_argument("--no-composite", action="store_true",

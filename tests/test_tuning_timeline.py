@@ -3,6 +3,8 @@ bf16 cast, and the order in which the verifier builds its baselines."""
 
 from __future__ import annotations
 
+import difflib
+
 import pytest
 import torch
 
@@ -218,12 +220,13 @@ def test_attention_preload_loads_cached_rows_before_the_barrier(tiny):
 
 
 def test_kv_prefetch_asks_l2_for_cached_rows_before_the_barrier_that_precedes_attention(tiny):
-    """``generate(plan, kv_prefetch=True)``: one ``split_kv_prefetch`` per layer, after the QKV GEMV and before
-    the grid barrier that precedes split-KV attention (sliding-window layers pass their first key); it compiles
-    for sm_90a with prefetch.global.L2 of the cache; the default kernel and the unsplit attention have none."""
+    """The default build (``kv_prefetch=True`` since session 16): one ``split_kv_prefetch`` per layer, after the
+    QKV GEMV and before the grid barrier that precedes split-KV attention (sliding-window layers pass their first
+    key); it compiles for sm_90a; ``kv_prefetch=False`` and the unsplit attention have none, and the prefetch is
+    the only difference between the two builds."""
     from megabake.runtime.compile import compile_check
 
-    source = generate(tiny.plan, kv_prefetch=True).source
+    source = generate(tiny.plan).source
     lines = source.splitlines()
     prefetch = [i for i, line in enumerate(lines) if "bodies.split_kv_prefetch(" in line]
     assert len(prefetch) == 1  # inside the layer loop
@@ -232,8 +235,13 @@ def test_kv_prefetch_asks_l2_for_cached_rows_before_the_barrier_that_precedes_at
     qkv = max(i for i, line in enumerate(lines) if "bodies.gemv_rows" in line and i < prefetch[0])
     assert qkv < prefetch[0] < barrier < attention
     assert "first_key=0" in "\n".join(lines[prefetch[0]:barrier])
-    assert "split_kv_prefetch" not in tiny.generated.kernel_source
-    assert generate(tiny.plan).source == tiny.generated.source  # the default build is unchanged
+    assert "bodies.split_kv_prefetch(" in tiny.generated.kernel_source
+    without = generate(tiny.plan, kv_prefetch=False).source
+    assert "bodies.split_kv_prefetch(" not in without and "def split_kv_prefetch(" not in without
+    kernel, kernel_without = source.split("\n# ====")[0].splitlines(), without.split("\n# ====")[0].splitlines()
+    edits = [op for op in difflib.SequenceMatcher(a=kernel_without, b=kernel, autojunk=False).get_opcodes()
+             if op[0] != "equal"]
+    assert [(tag, j1) for tag, _, _, j1, _ in edits] == [("insert", prefetch[0])]  # the call, nothing else
     result = compile_check(tiny.plan, load_module(source))
     assert result.ok, result.error
 
@@ -247,7 +255,7 @@ def test_kv_prefetch_of_a_sliding_window_starts_at_the_window():
 
     compiled = compile_preset("tiny-mistral", capacity=512)
     assert any(compiled.plan.windows)
-    kernel = generate(compiled.plan, kv_prefetch=True).source.split("\n# ====")[0]
+    kernel = generate(compiled.plan).source.split("\n# ====")[0]
     call = kernel[kernel.index("bodies.split_kv_prefetch("):]
     assert "first_key=cutlass.max(pos + 1 - attn_window[layer], 0)" in call[:call.index("bodies.", 10)]
 

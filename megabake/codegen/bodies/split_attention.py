@@ -175,6 +175,14 @@ def _online_softmax_chunk(keys: cute.Tensor, values: cute.Tensor, s_q: cute.Tens
             l[h] = total
 
 
+def split_chunk(visible: Int32, splits: cutlass.Constexpr[int], min_chunk: cutlass.Constexpr[int]) -> Int32:
+    """Positions per split-KV work item at this step: ``visible`` positions over ``splits`` items, rounded up to
+    a multiple of ``min_chunk`` (short contexts stay in one item). Shared by :func:`split_kv_prefetch` and
+    :func:`split_kv_attention`, which must deal the same chunks."""
+    chunk = (visible + splits - 1) // splits
+    return cutlass.max(((chunk + min_chunk - 1) // min_chunk) * min_chunk, min_chunk)
+
+
 @cute.jit
 def split_kv_prefetch(k_cache: cute.Tensor, v_cache: cute.Tensor, pos: Int32, first_key: Int32, cta: Int32,
                       tidx: Int32, batch: cutlass.Constexpr[int], n_kv_heads: cutlass.Constexpr[int],
@@ -190,8 +198,7 @@ def split_kv_prefetch(k_cache: cute.Tensor, v_cache: cute.Tensor, pos: Int32, fi
     groups = batch * n_kv_heads
     n = pos + 1
     visible = n - first_key
-    chunk = (visible + splits - 1) // splits
-    chunk = cutlass.max(((chunk + min_chunk - 1) // min_chunk) * min_chunk, min_chunk)
+    chunk = split_chunk(visible, splits, min_chunk)
     active = (visible + chunk - 1) // chunk
     split = cta // groups
     if cta < groups * splits and split < active:
@@ -261,8 +268,7 @@ def split_kv_attention(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Te
     s_weight = cute.make_tensor(s_part.iterator, cute.make_layout((group, splits)))  # reuses s_part when merging
     n = pos + 1
     visible = n - first_key
-    chunk = (visible + splits - 1) // splits
-    chunk = cutlass.max(((chunk + min_chunk - 1) // min_chunk) * min_chunk, min_chunk)
+    chunk = split_chunk(visible, splits, min_chunk)
     active = (visible + chunk - 1) // chunk
     m = cute.make_rmem_tensor(cute.make_layout(group), Float32)
     l = cute.make_rmem_tensor(cute.make_layout(group), Float32)

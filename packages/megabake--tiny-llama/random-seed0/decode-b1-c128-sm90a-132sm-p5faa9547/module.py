@@ -96,6 +96,10 @@ def megakernel(
             out=qkv, gwarp=swarp, lane=lane, total_warps=TOTAL_WARPS, rows=QKV_ROWS, cols=HIDDEN, batch=BATCH,
             per_tile=ROWS_PER_TILE['norm_qkv'], accumulate=False, unroll=GEMV_UNROLL['norm_qkv'], has_bias=False,
             stages=4, prefilled=True, act=0)
+        bodies.split_kv_prefetch(
+            k_cache=k_cache[layer, None, None, None, None], v_cache=v_cache[layer, None, None, None, None], pos=pos,
+            first_key=0, cta=cta, tidx=tidx, batch=BATCH, n_kv_heads=N_KV_HEADS, head_dim=HEAD_DIM, threads=THREADS,
+            splits=KV_SPLITS, min_chunk=MIN_CHUNK)
         bodies.prefetch_rows(
             weight=w_o[layer, None, None], gwarp=swarp, lane=lane, total_warps=TOTAL_WARPS, rows=256, cols=256,
             per_tile=2, max_tiles=1)
@@ -695,6 +699,49 @@ def _online_softmax_chunk(keys: cute.Tensor, values: cute.Tensor, s_q: cute.Tens
             l[h] = total
 
 
+def split_chunk(visible: Int32, splits: cutlass.Constexpr[int], min_chunk: cutlass.Constexpr[int]) -> Int32:
+    """Positions per split-KV work item at this step: ``visible`` positions over ``splits`` items, rounded up to
+    a multiple of ``min_chunk`` (short contexts stay in one item). Shared by :func:`split_kv_prefetch` and
+    :func:`split_kv_attention`, which must deal the same chunks."""
+    chunk = (visible + splits - 1) // splits
+    return cutlass.max(((chunk + min_chunk - 1) // min_chunk) * min_chunk, min_chunk)
+
+
+@cute.jit
+def split_kv_prefetch(k_cache: cute.Tensor, v_cache: cute.Tensor, pos: Int32, first_key: Int32, cta: Int32,
+                      tidx: Int32, batch: cutlass.Constexpr[int], n_kv_heads: cutlass.Constexpr[int],
+                      head_dim: cutlass.Constexpr[int], threads: cutlass.Constexpr[int],
+                      splits: cutlass.Constexpr[int], min_chunk: cutlass.Constexpr[int]):
+    """Ask L2 for the cached K and V rows of this CTA's first :func:`split_kv_attention` work item (same dealing:
+    item ``cta``, split-major; same chunking of positions [first_key, pos]), one ``prefetch.global.L2`` per
+    128-byte line over the CTA's threads.
+
+    Issued before the grid barrier that precedes attention (a candidate: ``generate(plan, kv_prefetch=True)``):
+    the cached rows do not depend on that barrier, so their DRAM latency overlaps the wait and attention's loads
+    hit L2. This step's row (``pos``) is not written yet and is left out. A prefetch has no effect on results."""
+    groups = batch * n_kv_heads
+    n = pos + 1
+    visible = n - first_key
+    chunk = split_chunk(visible, splits, min_chunk)
+    active = (visible + chunk - 1) // chunk
+    split = cta // groups
+    if cta < groups * splits and split < active:
+        g = cta - split * groups
+        b = g // n_kv_heads
+        kvh = g - b * n_kv_heads
+        start = first_key + split * chunk
+        end = cutlass.min(start + chunk, pos)  # the cached rows of the item's chunk
+        elements_per_line = 128 * 8 // k_cache.element_type.width
+        lines_per_row = (head_dim + elements_per_line - 1) // elements_per_line
+        for i in range(start * lines_per_row + tidx, end * lines_per_row, threads):
+            row = i // lines_per_row
+            line = i - row * lines_per_row
+            cute.arch.prefetch((k_cache[b, kvh, row, None].iterator + line * elements_per_line).llvm_ptr,
+                               cache_level="L2")
+            cute.arch.prefetch((v_cache[b, kvh, row, None].iterator + line * elements_per_line).llvm_ptr,
+                               cache_level="L2")
+
+
 @cute.jit
 def split_kv_attention(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Tensor, rope_sin: cute.Tensor,
                        k_cache: cute.Tensor, v_cache: cute.Tensor, attn: cute.Tensor, part: cute.Tensor,
@@ -745,8 +792,7 @@ def split_kv_attention(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Te
     s_weight = cute.make_tensor(s_part.iterator, cute.make_layout((group, splits)))  # reuses s_part when merging
     n = pos + 1
     visible = n - first_key
-    chunk = (visible + splits - 1) // splits
-    chunk = cutlass.max(((chunk + min_chunk - 1) // min_chunk) * min_chunk, min_chunk)
+    chunk = split_chunk(visible, splits, min_chunk)
     active = (visible + chunk - 1) // chunk
     m = cute.make_rmem_tensor(cute.make_layout(group), Float32)
     l = cute.make_rmem_tensor(cute.make_layout(group), Float32)
@@ -885,3 +931,4 @@ class bodies:
     prefetch_rows = staticmethod(prefetch_rows)
     rmsnorm_to_smem = staticmethod(rmsnorm_to_smem)
     split_kv_attention = staticmethod(split_kv_attention)
+    split_kv_prefetch = staticmethod(split_kv_prefetch)
