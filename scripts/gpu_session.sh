@@ -7,16 +7,17 @@
 #          (the real-weights tests need the GGUF on the device: README "Running the GPU tests")
 #   smoke: kernel vs CPU reference executor + step latency per preset       -> OUT/smoke-*.json     (~1-3 min)
 #   mma: the tensor-core GEMV tests (-k mma_gemv: "-k mma" also matches every gemma test) -> OUT/pytest-gpu-mma.log
-#   candidates: session 15's A/B candidate (the K/V L2 prefetch before attention's barrier, generate(plan,
-#          kv_prefetch=True)): its GPU test + gpu_tune of the first two presets, ring-gated vs @kvpf, at position 2
-#          (capacity 128) and at position 4000 (capacity 4096) -> OUT/pytest-gpu-candidates.log,
-#          OUT/tune-candidates-{short,long}.log, OUT/{short,long}/tune-*.json (~5 min)
+#   candidates: session 16's questions: the default build at one CTA per SM vs 96 and 66 CTAs (short context), and
+#          with vs without the K/V L2 prefetch at position 2000 / 4000 (SmolLM / Llama-1B)
+#          -> OUT/tune-ctas*.log, OUT/tune-long-*.log, OUT/{ctas*,long}/tune-*.json (~6 min)
 #   hang-probe: the tensor-core cases' steps with the barrier watchdog (scripts/gpu_hang_probe.py; a tool for
 #          chasing a kernel that never reaches a grid barrier)                   -> OUT/hang-probe.json (~3 min)
 #   bench: decode benchmark table + chart, all presets in one process          -> OUT/bench/  (~2.5 min per preset;
 #          4 presets need two calls: the second with BENCH_RESUME, see below)
 #   tune:  GEMV tiling / preload / pipeline sweep with per-stage clocks (scripts/gpu_tune.py) -> OUT/tune-*.json
 #          (~2 min per preset for all 17 variants; VARIANTS="default t2u4-pipe ..." picks some)
+#   tests-parallel: tests1, tests2 and tests3 at once, as three pytest processes on the one GPU (their CPU-bound
+#          setup, random init and CuTe DSL compiles, overlaps; kernels time-share the GPU)         (~8 min)
 # A device call is limited to 10 minutes: pick parts with PARTS (default "tests1"), e.g.
 #   source .cute/activate.sh && PARTS=tests2 bash scripts/gpu_session.sh "$OUT"
 #   source .cute/activate.sh && PARTS=bench bash scripts/gpu_session.sh "$OUT" smollm-135m llama-3.2-1b
@@ -31,39 +32,64 @@ mkdir -p "$OUT"
 summary=()
 
 [[ " $PARTS " == *" tests "* ]] && PARTS="$PARTS tests1 tests2 tests3"
-run_tests() {  # name, -k expression, files...: one pytest run with its own limit and summary line
+run_tests() {  # name, -k expression, files...: one pytest run with its own limit; its summary line goes to a file
   local name=$1 select=$2
   shift 2
   # faulthandler_timeout: a test past 150 s dumps every thread's stack into the log (a kernel hang shows as a
   # wait in .cpu() / synchronize)
   timeout "${TEST_LIMIT:-580}" python3 -m pytest -m gpu -q -p no:cacheprovider --durations=10 -o faulthandler_timeout=150 -k "$select" "$@" \
     >"$OUT/pytest-gpu-$name.log" 2>&1
-  summary+=("pytest -m gpu ($name): rc=$? $(grep -E '[0-9]+ (passed|failed)' "$OUT/pytest-gpu-$name.log" | tail -1)")
+  echo "pytest -m gpu ($name): rc=$? $(grep -E '[0-9]+ (passed|failed)' "$OUT/pytest-gpu-$name.log" | tail -1)" \
+    >"$OUT/.summary-$name"
 }
+collect_tests() {  # the summary lines of the pytest runs, in the order they were asked for
+  local name
+  for name in "$@"; do
+    [[ -f "$OUT/.summary-$name" ]] && summary+=("$(cat "$OUT/.summary-$name")") && rm -f "$OUT/.summary-$name"
+  done
+}
+# the three parts of the GPU tests: name, -k expression, files
+TESTS1=(numerics "not tilings and (numerics or launch)" tests/test_gpu_decode.py)
+TESTS2=(kernels "not tilings and not numerics and not launch" tests/test_gpu_decode.py)
+TESTS3=(rest "tilings or hub or precompiled or verify or cold or environment or stand_in or baselines or hand_captured or timing"
+        tests/test_gpu_decode.py tests/test_hub_gpu.py tests/test_precompiled_gpu.py tests/test_verify_gpu.py)
+if [[ " $PARTS " == *" tests-parallel "* ]]; then
+  threads=$(( $(nproc) / 3 ))
+  ((threads > 0)) || threads=1
+  OMP_NUM_THREADS=$threads run_tests "${TESTS1[@]}" &
+  OMP_NUM_THREADS=$threads run_tests "${TESTS2[@]}" &
+  OMP_NUM_THREADS=$threads run_tests "${TESTS3[@]}" &
+  wait
+  collect_tests numerics kernels rest
+fi
 if [[ " $PARTS " == *" tests1 "* ]]; then
-  run_tests numerics "not tilings and (numerics or launch)" tests/test_gpu_decode.py
+  run_tests "${TESTS1[@]}"
 fi
 if [[ " $PARTS " == *" tests2 "* ]]; then
-  run_tests kernels "not tilings and not numerics and not launch" tests/test_gpu_decode.py
+  run_tests "${TESTS2[@]}"
 fi
 if [[ " $PARTS " == *" tests3 "* ]]; then
-  run_tests rest "tilings or hub or precompiled or verify or cold or environment or stand_in or baselines or hand_captured or timing" \
-    tests/test_gpu_decode.py tests/test_hub_gpu.py tests/test_precompiled_gpu.py tests/test_verify_gpu.py
+  run_tests "${TESTS3[@]}"
 fi
 if [[ " $PARTS " == *" mma "* ]]; then
   run_tests mma "mma_gemv" tests/test_gpu_decode.py
 fi
+collect_tests numerics kernels rest mma
 if [[ " $PARTS " == *" candidates "* ]]; then
-  # session 15's candidate, built without a GPU: each CTA asks L2 for its first split-KV chunk's cached K/V rows
-  # before the barrier that precedes attention. Its GPU test (bit-identical logits), then the default build
-  # (ring-gated, the bake's tiling since session 15) against @kvpf at a short and a long context
-  TEST_LIMIT=200 run_tests candidates "kv_prefetch" tests/test_gpu_decode.py
-  for context in "short 128 2" "long 4096 4000"; do
-    read -r label capacity position <<<"$context"
-    timeout 200 python3 scripts/gpu_tune.py "${PRESETS[@]:0:2}" --variants ring-gated --builds atom kvpf \
-      --no-composite --capacity "$capacity" --position "$position" --out "$OUT/$label" \
-      >"$OUT/tune-candidates-$label.log" 2>&1
-    summary+=("candidates tune ($label): rc=$?" "$(grep -E '^(==|\|)' "$OUT/tune-candidates-$label.log")")
+  # session 16's questions. (1) Fewer CTAs: a grid barrier costs ~1 us whatever the stage (docs/PERF.md, phases
+  # table); with fewer CTAs fewer arrive and poll, each streams more weights. The default build at one CTA per SM
+  # against 96 and 66 CTAs, short context. (2) The K/V L2 prefetch (the default since session 16) against the
+  # build without it at a long context, timed at that position (each preset at its largest bucket it allows).
+  for ctas in "" 96 66; do
+    timeout 170 python3 scripts/gpu_tune.py "${PRESETS[@]:0:2}" --variants ring-gated --no-composite \
+      ${ctas:+--ctas $ctas} --out "$OUT/ctas${ctas:-all}" >"$OUT/tune-ctas${ctas:-all}.log" 2>&1
+    summary+=("candidates tune (ctas ${ctas:-one per SM}): rc=$?" "$(grep -E '^(==|\|)' "$OUT/tune-ctas${ctas:-all}.log")")
+  done
+  for context in "smollm-135m 2048 2000" "llama-3.2-1b 4096 4000"; do
+    read -r preset capacity position <<<"$context"
+    timeout 150 python3 scripts/gpu_tune.py "$preset" --variants ring-gated --builds atom no-kvpf --no-composite \
+      --capacity "$capacity" --position "$position" --out "$OUT/long" >"$OUT/tune-long-$preset.log" 2>&1
+    summary+=("candidates tune (long, $preset): rc=$?" "$(grep -E '^(==|\|)' "$OUT/tune-long-$preset.log")")
   done
 fi
 if [[ " $PARTS " == *" hang-probe "* ]]; then

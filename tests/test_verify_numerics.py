@@ -184,6 +184,19 @@ def test_steps_max_fills_capacity(model):
     assert numerics["pass"], numerics["failures"]
 
 
+def test_stand_in_step_takes_host_ints_like_the_megakernel(model):
+    """The timing harness feeds every megakernel-like candidate host ints (``TimingInputs.host_tokens``): the
+    stand-in must take them as ``MegakernelDecoder.step`` does, and give what a tensor of the same ids gives."""
+    ids = [7]
+    with_ints = EagerDecoder(model, capacity=CAPACITY)
+    with_tensor = EagerDecoder(model, capacity=CAPACITY)
+    for position in range(3):
+        got = with_ints.step(ids, position).clone()
+        want = with_tensor.step(torch.tensor(ids), position)
+        assert torch.equal(got, want)
+        ids = [int(got.argmax(-1)[0])]
+
+
 @pytest.fixture(scope="module")
 def baked_tiny(tmp_path_factory):
     from megabake.baking import bake

@@ -32,6 +32,7 @@ import hashlib
 import importlib.util
 import json
 import platform
+import os
 import sys
 import tempfile
 import time
@@ -71,8 +72,10 @@ def load_module(source: str | Path, name: str | None = None) -> types.ModuleType
     directory = Path(tempfile.gettempdir()) / "megabake-modules"
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{name}.py"
-    if not path.exists() or path.read_text() != text:
-        path.write_text(text)
+    if not path.exists() or path.read_text() != text:  # written whole, then renamed: another process importing
+        partial = path.with_name(f"{path.name}.{os.getpid()}.partial")  # the same module never reads half a file
+        partial.write_text(text)
+        os.replace(partial, path)
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # CuTe DSL inspects the source of decorated functions

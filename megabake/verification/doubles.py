@@ -2,7 +2,7 @@
 
 Contract: ``EagerDecoder(model, *, batch=1, capacity=128, exact=True, perturb=None)`` behaves like
 ``MegakernelDecoder`` for verification: ``model``, ``batch``, ``capacity``, ``vocab_size``, ``device``,
-``weight_bytes``, ``reset()``, ``prefill(ids[B, P]) -> [B, V]``, ``step(ids[B], position) -> fp32 [B, V]``
+``weight_bytes``, ``reset()``, ``prefill(ids[B, P]) -> [B, V]``, ``step(ids[B] or B ints, position) -> fp32 [B, V]``
 (a view of a static buffer) and ``kv_cache() -> (keys, values)`` each ``[L, B, KVH, C, D]`` bf16.
 ``exact=True`` computes with an fp32 copy of the weights (closer to fp32 than eager bf16 is: numerics
 must pass); ``exact=False`` runs ``model`` itself. ``perturb(step_index, logits) -> logits`` injects
@@ -49,8 +49,10 @@ class EagerDecoder:
             raise ValueError(f"prompt batch {prompt_ids.shape[0]} != bucket batch {self.batch}")
         return self._runner.prefill(prompt_ids)
 
-    def step(self, token_ids: torch.Tensor, position: int) -> torch.Tensor:
-        logits = self._runner.step(token_ids, position)
+    def step(self, token_ids, position: int) -> torch.Tensor:
+        """``token_ids``: a [B] tensor or B ints, as ``MegakernelDecoder.step`` takes them (the timing harness
+        passes host ints, so that no candidate pays a device-to-host copy per call)."""
+        logits = self._runner.step(torch.as_tensor(token_ids), position)
         if self._perturb is not None:
             logits = self._perturb(self._steps, logits)
         self._steps += 1
