@@ -7,9 +7,9 @@
 #          (the real-weights tests need the GGUF on the device: README "Running the GPU tests")
 #   smoke: kernel vs CPU reference executor + step latency per preset       -> OUT/smoke-*.json     (~1-3 min)
 #   mma: the tensor-core GEMV tests (-k mma_gemv: "-k mma" also matches every gemma test) -> OUT/pytest-gpu-mma.log
-#   candidates: session 16's questions: the default build at one CTA per SM vs 96 and 66 CTAs (short context), and
-#          with vs without the K/V L2 prefetch at position 2000 / 4000 (SmolLM / Llama-1B)
-#          -> OUT/tune-ctas*.log, OUT/tune-long-*.log, OUT/{ctas*,long}/tune-*.json (~6 min)
+#   candidates: session 16's candidate, the split-KV merge's preload (generate(plan, merge_preload=True)): its GPU
+#          test, then the default build with and without it at position 2000 (SmolLM) / 4000 (Llama-1B)
+#          -> OUT/pytest-gpu-candidates.log, OUT/tune-long-*.log, OUT/long/tune-*.json (~4 min)
 #   hang-probe: the tensor-core cases' steps with the barrier watchdog (scripts/gpu_hang_probe.py; a tool for
 #          chasing a kernel that never reaches a grid barrier)                   -> OUT/hang-probe.json (~3 min)
 #   bench: decode benchmark table + chart, all presets in one process          -> OUT/bench/  (~2.5 min per preset;
@@ -76,20 +76,17 @@ if [[ " $PARTS " == *" mma "* ]]; then
 fi
 collect_tests numerics kernels rest mma
 if [[ " $PARTS " == *" candidates "* ]]; then
-  # session 16's questions. (1) Fewer CTAs: a grid barrier costs ~1 us whatever the stage (docs/PERF.md, phases
-  # table); with fewer CTAs fewer arrive and poll, each streams more weights. The default build at one CTA per SM
-  # against 96 and 66 CTAs, short context. (2) The K/V L2 prefetch (the default since session 16) against the
-  # build without it at a long context, timed at that position (each preset at its largest bucket it allows).
-  for ctas in "" 96 66; do
-    timeout 170 python3 scripts/gpu_tune.py "${PRESETS[@]:0:2}" --variants ring-gated --no-composite \
-      ${ctas:+--ctas $ctas} --out "$OUT/ctas${ctas:-all}" >"$OUT/tune-ctas${ctas:-all}.log" 2>&1
-    summary+=("candidates tune (ctas ${ctas:-one per SM}): rc=$?" "$(grep -E '^(==|\|)' "$OUT/tune-ctas${ctas:-all}.log")")
-  done
+  # session 16's candidate, built without a GPU: the split-KV merge's preload (generate(plan, merge_preload=True):
+  # the last arrival loads its first partial outputs, and each split's max and sum once, in one L2 round trip).
+  # Its GPU test (bit-identical logits with up to 32 active splits), then the default build against it at a long
+  # context, each preset at the largest bucket it allows, timed at that position (clocks per stage there too)
+  TEST_LIMIT=240 run_tests candidates "merge_preload" tests/test_gpu_decode.py
+  collect_tests candidates
   for context in "smollm-135m 2048 2000" "llama-3.2-1b 4096 4000"; do
     read -r preset capacity position <<<"$context"
-    timeout 150 python3 scripts/gpu_tune.py "$preset" --variants ring-gated --builds atom no-kvpf --no-composite \
-      --capacity "$capacity" --position "$position" --out "$OUT/long" >"$OUT/tune-long-$preset.log" 2>&1
-    summary+=("candidates tune (long, $preset): rc=$?" "$(grep -E '^(==|\|)' "$OUT/tune-long-$preset.log")")
+    timeout 150 python3 scripts/gpu_tune.py "$preset" --variants ring-gated --builds atom merge-preload \
+      --no-composite --capacity "$capacity" --position "$position" --out "$OUT/long" >"$OUT/tune-long-$preset.log" 2>&1
+    summary+=("candidates tune (long, $preset): rc=$?" "$(grep -E '^(==|\||timeline)' "$OUT/tune-long-$preset.log")")
   done
 fi
 if [[ " $PARTS " == *" hang-probe "* ]]; then

@@ -13,7 +13,8 @@ fastest in that stage, and is measured the same way; its spec is printed (a ``tu
 ``--builds atom red no-kvpf`` also builds each variant with the fire-and-forget grid-barrier arrival
 (``generate(plan, barrier="red")``; rows ``<variant>@red``) and without the L2 prefetch of cached K/V rows before
 the barrier that precedes attention (``generate(plan, kv_prefetch=False)``, the default until session 16; rows
-``<variant>@no-kvpf``), same logits required (``--barriers`` is the older name). ``--ctas N`` runs the persistent
+``<variant>@no-kvpf``), and ``merge-preload`` the split-KV merge that loads its first partials at once
+(``generate(plan, merge_preload=True)``, a candidate), same logits required (``--barriers`` is the older name). ``--ctas N`` runs the persistent
 grid on N CTAs instead of one per SM. ``--position 4000 --capacity 4096`` times the step at a long context.
 ``--batch 8`` times batched steps (``mma``: the tensor-core GEMV); ``--phases`` adds each variant's clocks per
 phase of each stage (staging, GEMV, prefetch, barrier wait). Writes OUT/tune-<preset>-b<batch>.json; prints a
@@ -152,12 +153,14 @@ def sync_call(decoder, token, pos: int, reps: int) -> tuple[float, float]:
 
 # code-generation options a variant can be built with besides the default ("atom"): name -> generate() keywords
 BUILDS = {"atom": {}, "red": {"barrier": "red"}, "red-fence": {"barrier": "red-fence"},
-          "no-kvpf": {"kv_prefetch": False}}
+          "no-kvpf": {"kv_prefetch": False}, "merge-preload": {"merge_preload": True}}
 
 
-def timeline(plan, model, tokens, phases: bool = False, build: str = "atom") -> dict[str, float]:
-    """Microseconds per stage kind (CTA 0, summed over layers) of one step; with ``phases`` per
-    ``<stage>.<phase>`` (staging, GEMV, prefetch, barrier wait: ``codegen.stage_phases``)."""
+def timeline(plan, model, tokens, phases: bool = False, build: str = "atom",
+             position: int | None = None) -> dict[str, float]:
+    """Microseconds per stage kind (CTA 0, summed over layers) of one step at ``position`` (default: the last
+    checked one); with ``phases`` per ``<stage>.<phase>`` (staging, GEMV, prefetch, barrier wait:
+    ``codegen.stage_phases``)."""
     from megabake.codegen import TIMELINE_PHASES, generate
     from megabake.runtime import MegakernelDecoder
 
@@ -166,7 +169,7 @@ def timeline(plan, model, tokens, phases: bool = False, build: str = "atom") -> 
     for p in range(len(tokens)):
         decoder.step(tokens[p], p)
     for _ in range(3):
-        decoder.step(tokens[-1], len(tokens) - 1)
+        decoder.step(tokens[-1], len(tokens) - 1 if position is None else position)
     by_kind: dict[str, float] = {}
     for label, us in decoder.stage_timeline():
         kind = ".".join(label.split(".")[-2:]) if phases else label.split(".")[-1]
@@ -267,10 +270,10 @@ def measure_variant(variant: str, tuning: dict, context: dict, default_logits: l
         row["gpu_ms"] = time_replays(decoder, tokens[pos], timed_at, reps)
         row["sync_ms"], row["host_us"] = sync_call(decoder, tokens[pos], timed_at, reps)
         del decoder
-        stages = timeline(plan, model, tokens, build=build)
+        stages = timeline(plan, model, tokens, build=build, position=context.get("position"))
         if context.get("phases"):
-            row["phases_us"] = {k: round(v, 1) for k, v in timeline(plan, model, tokens, phases=True,
-                                                                     build=build).items()}
+            row["phases_us"] = {k: round(v, 1) for k, v in timeline(plan, model, tokens, phases=True, build=build,
+                                                                     position=context.get("position")).items()}
         row["build_s"] = round(time.perf_counter() - started, 1)
     except Exception as exc:
         row, stages = {"variant": variant, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}, {}
@@ -319,7 +322,8 @@ def main() -> None:
                         help="also time every phase of every stage (staging, GEMV, prefetch, barrier wait)")
     parser.add_argument("--builds", "--barriers", dest="builds", nargs="+", default=["atom"], choices=list(BUILDS),
                         help="code-generation options to build each variant with (BUILDS: grid-barrier arrivals of "
-                             "codegen.BARRIER_ARRIVALS; no-kvpf = without the K/V L2 prefetch): 'atom red no-kvpf' "
+                             "codegen.BARRIER_ARRIVALS; no-kvpf = without the K/V L2 prefetch; merge-preload = the "
+                             "split-KV merge's preload): 'atom red no-kvpf' "
                              "adds <variant>@red and <variant>@no-kvpf rows per variant, checked against the first "
                              "variant's logits")
     parser.add_argument("--position", type=int, default=None,

@@ -365,25 +365,18 @@ def test_red_barrier_gives_bit_identical_logits_over_graph_replays():
     assert torch.equal(results[1], results[0]) and torch.equal(results[2], results[0])
 
 
-@pytest.mark.parametrize("preset,batch", [("smollm-135m", 1), ("tiny-mistral", 2)])
-def test_kv_prefetch_gives_bit_identical_logits_at_split_boundaries_and_capacity(preset, batch):
-    """``generate(plan, kv_prefetch=True)`` (L2 prefetch of each CTA's first split-KV chunk before the barrier
-    that precedes attention; session 15, written without a GPU) only asks L2 for rows: from one random 1024-slot
-    cache, one step at positions near 0, around the split boundary of 128 and at capacity - 1 gives exactly the
-    default kernel's logits (tiny-mistral: a sliding window, so chunks start past 0)."""
+def _logits_over_random_cache(compiled, positions, batch: int, builds: list[dict]) -> list[torch.Tensor]:
+    """Per build (``generate`` keyword arguments): the logits of one step at each of ``positions`` over the same
+    random KV cache (seeded), poisoned before each step."""
     from megabake.codegen import generate
-    from megabake.runtime import MegakernelDecoder, gpu_info
+    from megabake.runtime import MegakernelDecoder
 
-    layers = 4 if preset == "smollm-135m" else None
-    compiled = compile_preset(preset, layers=layers, vocab=4096 if layers else None, batch=batch, capacity=1024,
-                              ctas=gpu_info().sm_count)
-    positions = (0, 1, 2, 127, 128, 129, 700, 1023)
     generator = torch.Generator().manual_seed(35)
     tokens = torch.randint(1, compiled.plan.dims.vocab, (len(positions), batch), generator=generator)
     results = []
-    for kv_prefetch in (False, True):
-        decoder = MegakernelDecoder(compiled.plan, generate(compiled.plan, kv_prefetch=kv_prefetch).source,
-                                    compiled.model, device="cuda")
+    for build in builds:
+        decoder = MegakernelDecoder(compiled.plan, generate(compiled.plan, **build).source, compiled.model,
+                                    device="cuda")
         cache_generator = torch.Generator().manual_seed(36)
         for name in ("k_cache", "v_cache"):
             buffer = decoder.buffers[name]
@@ -394,8 +387,43 @@ def test_kv_prefetch_gives_bit_identical_logits_at_split_boundaries_and_capacity
             steps.append(decoder.step(token, position).cpu().clone())
         results.append(torch.stack(steps))
         del decoder
-    assert torch.isfinite(results[0]).all()
-    assert torch.equal(results[1], results[0])
+    return results
+
+
+@pytest.mark.parametrize("preset,batch", [("smollm-135m", 1), ("tiny-mistral", 2)])
+def test_kv_prefetch_gives_bit_identical_logits_at_split_boundaries_and_capacity(preset, batch):
+    """The K/V L2 prefetch (the default build since session 16; ``kv_prefetch=False`` leaves it out) only asks
+    L2 for rows: from one random 1024-slot cache, one step at positions near 0, around the split boundary of 128
+    and at capacity - 1 gives exactly the logits of the build without it (tiny-mistral: a sliding window, so
+    chunks start past 0)."""
+    from megabake.runtime import gpu_info
+
+    layers = 4 if preset == "smollm-135m" else None
+    compiled = compile_preset(preset, layers=layers, vocab=4096 if layers else None, batch=batch, capacity=1024,
+                              ctas=gpu_info().sm_count)
+    without, default = _logits_over_random_cache(compiled, (0, 1, 2, 127, 128, 129, 700, 1023), batch,
+                                                 [{"kv_prefetch": False}, {}])
+    assert torch.isfinite(without).all()
+    assert torch.equal(default, without)
+
+
+@pytest.mark.parametrize("preset,batch,capacity", [("tiny-phi4", 1, 4096), ("gemma-2b", 1, 1024),
+                                                   ("tiny-mistral", 2, 1024)])
+def test_merge_preload_gives_bit_identical_logits_with_many_splits(preset, batch, capacity):
+    """``generate(plan, merge_preload=True)`` (session 16, written without a GPU): the last arrival of a split-KV
+    group loads its first partial outputs before the merge weights exist, and each split's max and sum once; same
+    sums in the same order, so the same bits as the default merge. Cases: tiny-phi4 at capacity 4096 (2 KV groups:
+    up to 32 active splits, past the 16 preloaded), gemma-2b (one KV head, 8 outputs per thread: 2 preloaded
+    splits, then blocks of 8), tiny-mistral b2 (sliding window)."""
+    from megabake.runtime import gpu_info
+
+    layers = 2 if preset == "gemma-2b" else None
+    compiled = compile_preset(preset, layers=layers, vocab=4096 if layers else None, batch=batch,
+                              capacity=capacity, ctas=gpu_info().sm_count)
+    positions = sorted({0, 1, 127, 128, 129, 700, 1023, capacity // 2, capacity // 2 + 1, capacity - 1})
+    default, preloaded = _logits_over_random_cache(compiled, positions, batch, [{}, {"merge_preload": True}])
+    assert torch.isfinite(default).all()
+    assert torch.equal(preloaded, default)
 
 
 def _assert_bf16_steps_match(compiled):

@@ -250,6 +250,38 @@ def test_kv_prefetch_asks_l2_for_cached_rows_before_the_barrier_that_precedes_at
     assert "split_kv_prefetch(" not in generate(unsplit, kv_prefetch=True).source.split("\n# ====")[0]
 
 
+@pytest.mark.parametrize("preset", ["tiny-llama", "gemma-2b"])
+def test_merge_preload_is_a_flag_of_split_kv_attention_and_compiles(preset):
+    """``generate(plan, merge_preload=True)`` (a candidate): the split-KV attention call's last argument turns
+    the merge's preload on; nothing else in the kernel changes; it compiles for sm_90a with one output per
+    thread (tiny-llama) and with eight (gemma-2b's head_dim 256: 2 preloaded splits, then blocks of 8)."""
+    from megabake.runtime.compile import compile_check
+
+    compiled = compile_preset(preset, layers=2, vocab=512, capacity=1024)
+    default = generate(compiled.plan).source.split("\n# ====")[0]
+    preloaded = generate(compiled.plan, merge_preload=True).source.split("\n# ====")[0]
+    changed = [(a, b) for a, b in zip(default.splitlines(), preloaded.splitlines()) if a != b]
+    assert len(default.splitlines()) == len(preloaded.splitlines()) and len(changed) == 1
+    assert changed[0][0].strip() == "merge_preload=False)" and changed[0][1].strip() == "merge_preload=True)"
+    result = compile_check(compiled.plan, load_module(generate(compiled.plan, merge_preload=True).source))
+    assert result.ok, result.error
+
+
+def test_merge_preload_refuses_splits_that_overflow_the_attention_scratch(tiny):
+    """The preload keeps each split's max and sum (2 x splits per head) in the warps' partial scratch of
+    (head_dim + 2) x warps floats: a plan with more splits than half of that is refused, naming the sizes."""
+    import dataclasses
+
+    attention = next(s for s in tiny.plan.stages if s.kind == "attention")
+    too_many = (tiny.plan.dims.head_dim + 2) * tiny.plan.warps // 2 + 1
+    wide = dataclasses.replace(attention, tiling=dataclasses.replace(attention.tiling,
+                                                                      tiles=attention.tiling.units * too_many))
+    plan = dataclasses.replace(tiny.plan, stages=[wide if s is attention else s for s in tiny.plan.stages])
+    with pytest.raises(ValueError, match=f"2 x {too_many} splits"):
+        generate(plan, merge_preload=True)
+    generate(plan)  # the default merge has room for them
+
+
 def test_kv_prefetch_of_a_sliding_window_starts_at_the_window():
     from tests.compiler_fixtures import compile_preset
 

@@ -180,15 +180,29 @@ BARRIER_ARRIVALS = {"atom": "bodies.grid_barrier(barrier, tidx, CTAS)",
                     "red-fence": "bodies.grid_barrier_red(barrier, bar_next, tidx, CTAS, True)"}
 
 
+@dataclass(frozen=True)
+class BuildOptions:
+    """Code-generation choices that change module.py but not the plan (same buffers, same plan hash): the grid
+    barrier's call (``BARRIER_ARRIVALS`` or a watchdog's), the K/V L2 prefetch (:func:`_before_barrier_calls`) and
+    the split-KV merge's preload (``bodies.split_kv_attention``; a candidate, off by default)."""
+
+    barrier: str = BARRIER_ARRIVALS["atom"]
+    kv_prefetch: bool = True
+    merge_preload: bool = False
+
+
 def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str = False,
              self_contained: bool = True, watchdog: bool = False, barrier: str = "atom",
-             kv_prefetch: bool = True) -> GeneratedModule:
+             kv_prefetch: bool = True, merge_preload: bool = False) -> GeneratedModule:
     if watchdog and timeline:
         raise ValueError("a watchdog build has no timeline: build them separately")
     if barrier not in BARRIER_ARRIVALS:
         raise ValueError(f"barrier={barrier!r}: use one of {sorted(BARRIER_ARRIVALS)}")
     if watchdog and barrier != "atom":
         raise ValueError("a watchdog build has its own barrier (bodies.grid_barrier_watched): leave barrier='atom'")
+    if merge_preload and 2 * kv_splits(plan) > (plan.dims.head_dim + 2) * plan.warps:
+        raise ValueError(f"merge_preload keeps 2 x {kv_splits(plan)} splits' max and sum per head in the attention "
+                         f"scratch, which holds {(plan.dims.head_dim + 2) * plan.warps}: build without it")
     plan_hash = plan_hash or plan.hash
     w = _Writer(keyword_calls=True)
     _header(w, plan, plan_hash, kernel_arguments(plan), self_contained)
@@ -247,20 +261,21 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
         w("bar_next[0] = cutlass.Int64(0)  # 0: the launch's first barrier asks the counter", 1)
     w("pos = position[0]", 1)
     _timeline_store(w, 1, bool(timeline), "1")
-    barrier = ("bodies.grid_barrier_watched(barrier, tidx, CTAS, cta, WATCH_POLLS)" if watchdog
-               else BARRIER_ARRIVALS[barrier])
+    options = BuildOptions(barrier=("bodies.grid_barrier_watched(barrier, tidx, CTAS, cta, WATCH_POLLS)" if watchdog
+                                    else BARRIER_ARRIVALS[barrier]), kv_prefetch=kv_prefetch,
+                           merge_preload=merge_preload)
     if phases:
-        _phase_timed_stages(w, plan, prologue, per_layer, epilogue, barrier, kv_prefetch)
+        _phase_timed_stages(w, plan, prologue, per_layer, epilogue, options)
     else:
         for i, stage in enumerate(prologue):
-            _stage(w, plan, stage, 1, layer_var=None, barrier=barrier, kv_prefetch=kv_prefetch)
+            _stage(w, plan, stage, 1, layer_var=None, options=options)
             _timeline_store(w, 1, timeline, str(2 + i))
         w("for layer in range(LAYERS):", 1)
         for j, stage in enumerate(per_layer):
-            _stage(w, plan, stage, 2, layer_var="layer", barrier=barrier, kv_prefetch=kv_prefetch)
+            _stage(w, plan, stage, 2, layer_var="layer", options=options)
             _timeline_store(w, 2, timeline, f"{2 + len(prologue) + j} + layer * {len(per_layer)}")
         for e, stage in enumerate(epilogue):
-            _stage(w, plan, stage, 1, layer_var=None, barrier=barrier, kv_prefetch=kv_prefetch)
+            _stage(w, plan, stage, 1, layer_var=None, options=options)
             _timeline_store(w, 1, timeline, str(2 + len(prologue) + len(per_layer) * plan.dims.layers + e))
     w("")
     _launcher(w, arguments)
@@ -376,10 +391,9 @@ def _entry(plan: Plan, stage: Stage, layer_var, kind: str, name: str) -> dict:
 
 
 def _stage(w: _Writer, plan: Plan, stage: Stage, indent: int, layer_var, clocks: list[str] | None = None,
-           barrier: str = "bodies.grid_barrier(barrier, tidx, CTAS)", kv_prefetch: bool = False) -> None:
-    """One stage's body calls and the grid barrier after it (``barrier``: its call; a watchdog build's differs);
-    ``clocks`` (a phases timeline): the barrier slot each phase's end is stored in (:func:`stage_phases`);
-    ``kv_prefetch``: see :func:`_before_barrier_calls`."""
+           options: BuildOptions = BuildOptions()) -> None:
+    """One stage's body calls and the grid barrier after it (``options.barrier``: its call); ``clocks`` (a phases
+    timeline): the barrier slot each phase's end is stored in (:func:`stage_phases`)."""
     def clock() -> None:
         if clocks:
             _timeline_store(w, indent, True, clocks.pop(0))
@@ -387,32 +401,31 @@ def _stage(w: _Writer, plan: Plan, stage: Stage, indent: int, layer_var, clocks:
     prefix = "layer[*]." if stage.scope == "layer" else ""
     w.begin(_entry(plan, stage, layer_var, "barrier_interval", f"{prefix}{stage.name}"))
     w(f"# ---- stage {stage.index}: {stage.name} ({stage.scope}) ----", indent)
-    calls = _body_calls(plan, stage)
+    calls = _body_calls(plan, stage, options.merge_preload)
     for body, call in calls:
         w.begin(_entry(plan, stage, layer_var, "body_call", f"{prefix}{stage.name}.{body}"))
         w(call, indent)
         w.end()
         clock()
     if stage.barrier_after:
-        before = _before_barrier_calls(plan, stage, kv_prefetch)
+        before = _before_barrier_calls(plan, stage, options.kv_prefetch)
         for call in before:
             w(call, indent)
         if before:
             clock()
-        w(barrier, indent)
+        w(options.barrier, indent)
         clock()
     w.end()
 
 
 def _phase_timed_stages(w: _Writer, plan: Plan, prologue: list[Stage], per_layer: list[Stage],
-                        epilogue: list[Stage], barrier: str, kv_prefetch: bool = False) -> None:
+                        epilogue: list[Stage], options: BuildOptions) -> None:
     """The stages of a ``timeline="phases"`` build: a clock after every phase, into consecutive slots (the layer
     loop's slots repeat every ``per_layer_slots``)."""
     slot = 2
     for stage in prologue:
         count = len(stage_phases(plan, stage))
-        _stage(w, plan, stage, 1, layer_var=None, clocks=[str(slot + k) for k in range(count)], barrier=barrier,
-               kv_prefetch=kv_prefetch)
+        _stage(w, plan, stage, 1, layer_var=None, clocks=[str(slot + k) for k in range(count)], options=options)
         slot += count
     per_layer_slots = sum(len(stage_phases(plan, stage)) for stage in per_layer)
     w("for layer in range(LAYERS):", 1)
@@ -420,13 +433,12 @@ def _phase_timed_stages(w: _Writer, plan: Plan, prologue: list[Stage], per_layer
     for stage in per_layer:
         count = len(stage_phases(plan, stage))
         clocks = [f"{slot + offset + k} + layer * {per_layer_slots}" for k in range(count)]
-        _stage(w, plan, stage, 2, layer_var="layer", clocks=clocks, barrier=barrier, kv_prefetch=kv_prefetch)
+        _stage(w, plan, stage, 2, layer_var="layer", clocks=clocks, options=options)
         offset += count
     slot += per_layer_slots * plan.dims.layers
     for stage in epilogue:
         count = len(stage_phases(plan, stage))
-        _stage(w, plan, stage, 1, layer_var=None, clocks=[str(slot + k) for k in range(count)], barrier=barrier,
-               kv_prefetch=kv_prefetch)
+        _stage(w, plan, stage, 1, layer_var=None, clocks=[str(slot + k) for k in range(count)], options=options)
         slot += count
 
 
@@ -559,7 +571,7 @@ def _warp_index(stage: Stage) -> str:
     return "swarp" if stage.tiling.spread else "gwarp"
 
 
-def _attention_call(plan: Plan) -> tuple[str, str]:
+def _attention_call(plan: Plan, merge_preload: bool = False) -> tuple[str, str]:
     if kv_splits(plan):
         norms = "qk_norms[layer, None, None]" if plan.has_head_norms else "qkv"
         if plan.dims.whole_qk_norm:
@@ -571,7 +583,7 @@ def _attention_call(plan: Plan) -> tuple[str, str]:
                 "s_att, cta, tidx, "
                 f"BATCH, N_HEADS, N_KV_HEADS, HEAD_DIM, CTAS, THREADS, ATTN_SCALE, {plan.has_head_norms}, EPS, "
                 f"KV_SPLITS, ATT_UNROLL, MIN_CHUNK, {'ROTARY_DIM' if plan.dims.rotary_dim else 'HEAD_DIM'}, "
-                f"{plan.dims.whole_qk_norm})")
+                f"{plan.dims.whole_qk_norm}, {merge_preload})")
     caches = (f"{_rope_arguments(plan)}, k_cache[layer, None, None, None, None], "
               "v_cache[layer, None, None, None, None], "
               "attn, pos, s_att, s_red, cta, tidx, BATCH, N_HEADS, N_KV_HEADS, HEAD_DIM, CAPACITY, CTAS, THREADS, "
@@ -666,13 +678,13 @@ def _gemv_stage_calls(plan: Plan, stage: Stage) -> list[tuple[str, str]]:
     return calls
 
 
-def _body_calls(plan: Plan, stage: Stage) -> list[tuple[str, str]]:
-    """(body name, call text) of one stage, from the stage table."""
+def _body_calls(plan: Plan, stage: Stage, merge_preload: bool = False) -> list[tuple[str, str]]:
+    """(body name, call text) of one stage, from the stage table (``merge_preload``: :class:`BuildOptions`)."""
     spec = spec_of(stage, plan)
     if spec.gemv is not None:
         return _gemv_stage_calls(plan, stage)
     if stage.kind == "attention":
-        return [_attention_call(plan)]
+        return [_attention_call(plan, merge_preload)]
     if spec.writes != ("x",):  # post-norm layouts: the residual starts in x_mid, the pending MLP output is zero
         target, pending = spec.writes
         scaled = "_scaled" if plan.dims.embed_scale != 1.0 else ""

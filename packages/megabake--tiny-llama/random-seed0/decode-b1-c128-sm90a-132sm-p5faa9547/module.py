@@ -113,7 +113,8 @@ def megakernel(
             v_cache=v_cache[layer, None, None, None, None], attn=attn, part=attn_part, counts=attn_count, pos=pos,
             first_key=0, s_att=s_att, cta=cta, tidx=tidx, batch=BATCH, n_heads=N_HEADS, n_kv_heads=N_KV_HEADS,
             head_dim=HEAD_DIM, ctas=CTAS, threads=THREADS, scale=ATTN_SCALE, has_qk_norm=False, eps=EPS,
-            splits=KV_SPLITS, unroll=ATT_UNROLL, min_chunk=MIN_CHUNK, rotary_dim=HEAD_DIM, whole_qk_norm=False)
+            splits=KV_SPLITS, unroll=ATT_UNROLL, min_chunk=MIN_CHUNK, rotary_dim=HEAD_DIM, whole_qk_norm=False,
+            merge_preload=False)
         bodies.grid_barrier(barrier=barrier, tidx=tidx, ctas=CTAS)
         # ---- stage 3: o_residual (layer) ----
         bodies.copy_to_smem(src=attn, s_vec=s_vec, tidx=tidx, batch=BATCH, width=Q_ROWS, threads=THREADS)
@@ -540,6 +541,7 @@ def _gated_act(gate: Float32, up: Float32, act: cutlass.Constexpr[int]) -> Float
 # ------------------------------------------------------------------------------ split-KV (flash) decoding
 ATT_NEG = -1.0e30  # "no position yet": finite, so merging two empty partial softmaxes gives 0, never NaN
 MERGE_UNROLL = 8  # split partials each thread loads at once per output when the last arrival merges the splits
+PRELOAD_LOADS = 16  # partial outputs a thread loads before the merge weights exist (_merge_splits' preload)
 
 
 @cute.jit
@@ -752,9 +754,11 @@ def split_kv_attention(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Te
                        scale: cutlass.Constexpr[float], has_qk_norm: cutlass.Constexpr[bool],
                        eps: cutlass.Constexpr[float], splits: cutlass.Constexpr[int],
                        unroll: cutlass.Constexpr[int], min_chunk: cutlass.Constexpr[int],
-                       rotary_dim: cutlass.Constexpr[int], whole_qk_norm: cutlass.Constexpr[bool]):
+                       rotary_dim: cutlass.Constexpr[int], whole_qk_norm: cutlass.Constexpr[bool],
+                       merge_preload: cutlass.Constexpr[bool]):
     """Flash decoding: RoPE + KV append + attention over positions [first_key, pos], the cached keys split across
-    CTAs (``first_key`` is 0, or where the layer's sliding window starts).
+    CTAs (``first_key`` is 0, or where the layer's sliding window starts). ``merge_preload``: the merging item
+    loads its first partials at once (:func:`_merge_splits`; a candidate, ``generate(plan, merge_preload=True)``).
 
     Work items are (split, batch, KV head), split-major, dealt to CTAs. At this step the ``pos + 1 - first_key``
     visible positions are cut into ``active`` chunks of ``chunk`` positions (a multiple of ``min_chunk``, which is the positions
@@ -857,19 +861,25 @@ def split_kv_attention(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Te
                         part[b, head, split, head_dim + 1] = total
             if active > 1:
                 _merge_splits(attn, part, counts, s_flag, s_weight, b, kvh, g, active, tidx, group, head_dim,
-                              threads)
+                              threads, splits, merge_preload)
             cute.arch.sync_threads()
 
 
 @cute.jit
 def _merge_splits(attn: cute.Tensor, part: cute.Tensor, counts: cute.Tensor, s_flag: cute.Tensor,
                   s_weight: cute.Tensor, b: Int32, kvh: Int32, g: Int32, active: Int32, tidx: Int32,
-                  group: cutlass.Constexpr[int], head_dim: cutlass.Constexpr[int], threads: cutlass.Constexpr[int]):
+                  group: cutlass.Constexpr[int], head_dim: cutlass.Constexpr[int], threads: cutlass.Constexpr[int],
+                  splits: cutlass.Constexpr[int], preload: cutlass.Constexpr[bool]):
     """Arrive at group ``g``'s counter (release: this CTA's partials first); the last of ``active`` arrivals
     (acquire: everyone's partials visible) resets the counter and merges the partials into ``attn``: one warp
     per head turns the splits' (max, sum) into weights exp(m_s - max) / total in ``s_weight`` [group, splits],
     then each thread sums its outputs over the splits, ``MERGE_UNROLL`` splits x all its outputs loaded at once
-    (the merge is one L2 round trip per ``MERGE_UNROLL`` splits, not one per split and output)."""
+    (the merge is one L2 round trip per ``MERGE_UNROLL`` splits, not one per split and output).
+
+    With ``preload`` the same sums, in the same order (same bits), cost one L2 round trip after the arrival
+    instead of three or more: each thread loads the partial outputs of its first ``PRELOAD_LOADS // outputs per
+    thread`` splits before the weights are computed, and the weight warps load each split's max and sum once,
+    together (kept in shared memory after ``s_weight``: ``2 * group * splits`` floats of the warps' scratch)."""
     cute.arch.sync_threads()
     if tidx == 0:
         cute.arch.fence_acq_rel_gpu()
@@ -883,27 +893,57 @@ def _merge_splits(attn: cute.Tensor, part: cute.Tensor, counts: cute.Tensor, s_f
     if s_flag[0] > 0.5:
         lane = tidx % WARP
         warp = tidx // WARP
+        outputs = group * head_dim
+        per_thread = (outputs + threads - 1) // threads
+        first_loads = 0  # splits whose partial outputs are loaded before the weights (preload)
+        if cutlass.const_expr(preload):
+            first_loads = max(1, PRELOAD_LOADS // per_thread)
+            early = cute.make_rmem_tensor(cute.make_layout((per_thread, first_loads)), Float32)
+            for j in cutlass.range_constexpr(per_thread):  # names of their own: h, d are staged loops' below
+                early_i = cutlass.min(tidx + j * threads, outputs - 1)
+                early_h = early_i // head_dim
+                for u in cutlass.range_constexpr(first_loads):
+                    early[j, u] = part[b, kvh * group + early_h, cutlass.min(u, active - 1),
+                                       early_i - early_h * head_dim]
+        s_sums = cute.make_tensor(s_weight.iterator + group * splits, cute.make_layout((group, splits)))  # preload
         for h in range(warp, group, threads // WARP):
             head = kvh * group + h
             top = Float32(ATT_NEG)
             for s in range(lane, active, WARP):
-                top = cute.arch.fmax(top, part[b, head, s, head_dim])
+                if cutlass.const_expr(preload):  # max and sum in one round trip, kept for the next loop
+                    m_s = part[b, head, s, head_dim]
+                    s_weight[h, s] = m_s
+                    s_sums[h, s] = part[b, head, s, head_dim + 1]
+                    top = cute.arch.fmax(top, m_s)
+                else:
+                    top = cute.arch.fmax(top, part[b, head, s, head_dim])
             top = cute.arch.warp_reduction_max(top)
             total = Float32(0.0)
-            for s in range(lane, active, WARP):
-                weight = cute.math.exp(part[b, head, s, head_dim] - top)
-                s_weight[h, s] = weight
-                total = total + part[b, head, s, head_dim + 1] * weight
+            for s in range(lane, active, WARP):  # each lane reads back only what it wrote: no barrier needed
+                if cutlass.const_expr(preload):
+                    weight = cute.math.exp(s_weight[h, s] - top)
+                    s_weight[h, s] = weight
+                    total = total + s_sums[h, s] * weight
+                else:
+                    weight = cute.math.exp(part[b, head, s, head_dim] - top)
+                    s_weight[h, s] = weight
+                    total = total + part[b, head, s, head_dim + 1] * weight
             inverse = Float32(1.0) / cute.arch.warp_reduction_sum(total)
             for s in range(lane, active, WARP):  # the lane that wrote each weight rescales it: no barrier needed
                 s_weight[h, s] = s_weight[h, s] * inverse
         cute.arch.sync_threads()
-        outputs = group * head_dim
-        per_thread = (outputs + threads - 1) // threads
         out = cute.make_rmem_tensor(cute.make_layout(per_thread), Float32)
         for j in cutlass.range_constexpr(per_thread):
             out[j] = Float32(0.0)
-        for first in range(0, active, MERGE_UNROLL):
+        if cutlass.const_expr(preload):
+            for j in cutlass.range_constexpr(per_thread):
+                early_h = cutlass.min(tidx + j * threads, outputs - 1) // head_dim
+                for u in cutlass.range_constexpr(first_loads):
+                    early_weight = s_weight[early_h, cutlass.min(u, active - 1)]
+                    if u >= active:
+                        early_weight = Float32(0.0)
+                    out[j] = out[j] + early[j, u] * early_weight
+        for first in range(first_loads, active, MERGE_UNROLL):
             for j in cutlass.range_constexpr(per_thread):
                 i = cutlass.min(tidx + j * threads, outputs - 1)
                 h = i // head_dim
