@@ -7,9 +7,11 @@
 #          (the real-weights tests need the GGUF on the device: README "Running the GPU tests")
 #   smoke: kernel vs CPU reference executor + step latency per preset       -> OUT/smoke-*.json     (~1-3 min)
 #   mma: the tensor-core GEMV tests (-k mma_gemv: "-k mma" also matches every gemma test) -> OUT/pytest-gpu-mma.log
-#   candidates: session 16's candidate, the split-KV merge's preload (generate(plan, merge_preload=True)): its GPU
-#          test, then the default build with and without it at position 2000 (SmolLM) / 4000 (Llama-1B)
-#          -> OUT/pytest-gpu-candidates.log, OUT/tune-long-*.log, OUT/long/tune-*.json (~4 min)
+#   candidates: session 16's candidates, the K/V prefetch into L1 (generate(plan, kv_prefetch_l1=True)) and the
+#          split-KV merge's preload (merge_preload=True): their GPU tests, then the default build against the L1
+#          prefetch at position 2 -> OUT/pytest-gpu-candidates.log, OUT/tune-*-p2.log, OUT/p2/ (~5 min)
+#   candidates-long: the default build against both at position 2000 (SmolLM) / 4000 (Llama-1B)
+#          -> OUT/tune-*-p{2000,4000}.log, OUT/p{2000,4000}/ (~5 min)
 #   hang-probe: the tensor-core cases' steps with the barrier watchdog (scripts/gpu_hang_probe.py; a tool for
 #          chasing a kernel that never reaches a grid barrier)                   -> OUT/hang-probe.json (~3 min)
 #   bench: decode benchmark table + chart, all presets in one process          -> OUT/bench/  (~2.5 min per preset;
@@ -75,19 +77,28 @@ if [[ " $PARTS " == *" mma "* ]]; then
   run_tests mma "mma_gemv" tests/test_gpu_decode.py
 fi
 collect_tests numerics kernels rest mma
+tune_candidates() {  # preset capacity position builds...: gpu_tune of the default tiling with candidate builds
+  local preset=$1 capacity=$2 position=$3
+  shift 3
+  local log="$OUT/tune-$preset-p$position.log"
+  timeout 240 python3 scripts/gpu_tune.py "$preset" --variants ring-gated --builds atom "$@" --no-composite \
+    --capacity "$capacity" --position "$position" --out "$OUT/p$position" >"$log" 2>&1
+  summary+=("candidates tune ($preset at $position): rc=$?" "$(grep -E '^(==|\||timeline)' "$log")")
+}
 if [[ " $PARTS " == *" candidates "* ]]; then
-  # session 16's candidate, built without a GPU: the split-KV merge's preload (generate(plan, merge_preload=True):
-  # the last arrival loads its first partial outputs, and each split's max and sum once, in one L2 round trip).
-  # Its GPU test (bit-identical logits with up to 32 active splits), then the default build against it at a long
-  # context, each preset at the largest bucket it allows, timed at that position (clocks per stage there too)
-  TEST_LIMIT=240 run_tests candidates "merge_preload" tests/test_gpu_decode.py
+  # session 16's candidates, built without a GPU: the K/V prefetch into L1 instead of L2 (generate(plan,
+  # kv_prefetch_l1=True)) and the split-KV merge's preload (merge_preload=True: the last arrival loads its first
+  # partial outputs, and each split's max and sum once, in one L2 round trip). Their GPU tests (bit-identical
+  # logits), then the default build against the L1 prefetch at position 2 (no merge there: one split)
+  TEST_LIMIT=240 run_tests candidates "merge_preload or kv_prefetch" tests/test_gpu_decode.py
   collect_tests candidates
-  for context in "smollm-135m 2048 2000" "llama-3.2-1b 4096 4000"; do
-    read -r preset capacity position <<<"$context"
-    timeout 150 python3 scripts/gpu_tune.py "$preset" --variants ring-gated --builds atom merge-preload \
-      --no-composite --capacity "$capacity" --position "$position" --out "$OUT/long" >"$OUT/tune-long-$preset.log" 2>&1
-    summary+=("candidates tune (long, $preset): rc=$?" "$(grep -E '^(==|\||timeline)' "$OUT/tune-long-$preset.log")")
-  done
+  tune_candidates smollm-135m 128 2 kvpf-l1
+  tune_candidates llama-3.2-1b 128 2 kvpf-l1
+fi
+if [[ " $PARTS " == *" candidates-long "* ]]; then
+  # ... and against both at a long context (each preset at the largest bucket it allows), with per-stage clocks there
+  tune_candidates smollm-135m 2048 2000 kvpf-l1 merge-preload
+  tune_candidates llama-3.2-1b 4096 4000 kvpf-l1 merge-preload
 fi
 if [[ " $PARTS " == *" hang-probe "* ]]; then
   # the tensor-core cases' kernel steps built with the barrier watchdog (scripts/gpu_hang_probe.py)

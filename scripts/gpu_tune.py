@@ -13,8 +13,9 @@ fastest in that stage, and is measured the same way; its spec is printed (a ``tu
 ``--builds atom red no-kvpf`` also builds each variant with the fire-and-forget grid-barrier arrival
 (``generate(plan, barrier="red")``; rows ``<variant>@red``) and without the L2 prefetch of cached K/V rows before
 the barrier that precedes attention (``generate(plan, kv_prefetch=False)``, the default until session 16; rows
-``<variant>@no-kvpf``), and ``merge-preload`` the split-KV merge that loads its first partials at once
-(``generate(plan, merge_preload=True)``, a candidate), same logits required (``--barriers`` is the older name). ``--ctas N`` runs the persistent
+``<variant>@no-kvpf``), ``kvpf-l1`` that prefetch into L1 instead (``generate(plan, kv_prefetch_l1=True)``) and
+``merge-preload`` the split-KV merge that loads its first partials at once (``generate(plan, merge_preload=True)``;
+both candidates), same logits required (``--barriers`` is the older name). ``--ctas N`` runs the persistent
 grid on N CTAs instead of one per SM. ``--position 4000 --capacity 4096`` times the step at a long context.
 ``--batch 8`` times batched steps (``mma``: the tensor-core GEMV); ``--phases`` adds each variant's clocks per
 phase of each stage (staging, GEMV, prefetch, barrier wait). Writes OUT/tune-<preset>-b<batch>.json; prints a
@@ -153,7 +154,8 @@ def sync_call(decoder, token, pos: int, reps: int) -> tuple[float, float]:
 
 # code-generation options a variant can be built with besides the default ("atom"): name -> generate() keywords
 BUILDS = {"atom": {}, "red": {"barrier": "red"}, "red-fence": {"barrier": "red-fence"},
-          "no-kvpf": {"kv_prefetch": False}, "merge-preload": {"merge_preload": True}}
+          "no-kvpf": {"kv_prefetch": False}, "kvpf-l1": {"kv_prefetch_l1": True},
+          "merge-preload": {"merge_preload": True}}
 
 
 def timeline(plan, model, tokens, phases: bool = False, build: str = "atom",
@@ -322,8 +324,8 @@ def main() -> None:
                         help="also time every phase of every stage (staging, GEMV, prefetch, barrier wait)")
     parser.add_argument("--builds", "--barriers", dest="builds", nargs="+", default=["atom"], choices=list(BUILDS),
                         help="code-generation options to build each variant with (BUILDS: grid-barrier arrivals of "
-                             "codegen.BARRIER_ARRIVALS; no-kvpf = without the K/V L2 prefetch; merge-preload = the "
-                             "split-KV merge's preload): 'atom red no-kvpf' "
+                             "codegen.BARRIER_ARRIVALS; no-kvpf = without the K/V L2 prefetch; kvpf-l1 = that prefetch "
+                             "into L1; merge-preload = the split-KV merge's preload): 'atom red no-kvpf' "
                              "adds <variant>@red and <variant>@no-kvpf rows per variant, checked against the first "
                              "variant's logits")
     parser.add_argument("--position", type=int, default=None,

@@ -392,8 +392,8 @@ def _logits_over_random_cache(compiled, positions, batch: int, builds: list[dict
 
 @pytest.mark.parametrize("preset,batch", [("smollm-135m", 1), ("tiny-mistral", 2)])
 def test_kv_prefetch_gives_bit_identical_logits_at_split_boundaries_and_capacity(preset, batch):
-    """The K/V L2 prefetch (the default build since session 16; ``kv_prefetch=False`` leaves it out) only asks
-    L2 for rows: from one random 1024-slot cache, one step at positions near 0, around the split boundary of 128
+    """The K/V L2 prefetch (the default build since session 16; ``kv_prefetch=False`` leaves it out) and its
+    candidate into L1 (``kv_prefetch_l1=True``) only ask caches for rows: from one random 1024-slot cache, one step at positions near 0, around the split boundary of 128
     and at capacity - 1 gives exactly the logits of the build without it (tiny-mistral: a sliding window, so
     chunks start past 0)."""
     from megabake.runtime import gpu_info
@@ -401,10 +401,11 @@ def test_kv_prefetch_gives_bit_identical_logits_at_split_boundaries_and_capacity
     layers = 4 if preset == "smollm-135m" else None
     compiled = compile_preset(preset, layers=layers, vocab=4096 if layers else None, batch=batch, capacity=1024,
                               ctas=gpu_info().sm_count)
-    without, default = _logits_over_random_cache(compiled, (0, 1, 2, 127, 128, 129, 700, 1023), batch,
-                                                 [{"kv_prefetch": False}, {}])
+    without, default, into_l1 = _logits_over_random_cache(compiled, (0, 1, 2, 127, 128, 129, 700, 1023), batch,
+                                                          [{"kv_prefetch": False}, {}, {"kv_prefetch_l1": True}])
     assert torch.isfinite(without).all()
     assert torch.equal(default, without)
+    assert torch.equal(into_l1, without)  # the candidate that prefetches into L1 (session 16)
 
 
 @pytest.mark.parametrize("preset,batch,capacity", [("tiny-phi4", 1, 4096), ("gemma-2b", 1, 1024),

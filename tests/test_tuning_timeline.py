@@ -244,6 +244,11 @@ def test_kv_prefetch_asks_l2_for_cached_rows_before_the_barrier_that_precedes_at
     assert [(tag, j1) for tag, _, _, j1, _ in edits] == [("insert", prefetch[0])]  # the call, nothing else
     result = compile_check(tiny.plan, load_module(source))
     assert result.ok, result.error
+    into_l1 = generate(tiny.plan, kv_prefetch_l1=True).source  # a candidate: the same call, the L1 flag set
+    assert into_l1.replace("to_l1=True", "to_l1=False") == source and "to_l1=True" in into_l1
+    assert 'cache_level="L1"' in into_l1 and compile_check(tiny.plan, load_module(into_l1)).ok
+    with pytest.raises(ValueError, match="needs kv_prefetch=True"):
+        generate(tiny.plan, kv_prefetch=False, kv_prefetch_l1=True)
 
     inv_freq, scaling = recover_rotary(tiny.captured, tiny.ir)
     unsplit = build_plan(tiny.ir, inv_freq_buffer=inv_freq, rotary_scaling=scaling, split_kv=False)

@@ -184,22 +184,27 @@ BARRIER_ARRIVALS = {"atom": "bodies.grid_barrier(barrier, tidx, CTAS)",
 class BuildOptions:
     """Code-generation choices that change module.py but not the plan (same buffers, same plan hash): the grid
     barrier's call (``BARRIER_ARRIVALS`` or a watchdog's), the K/V L2 prefetch (:func:`_before_barrier_calls`) and
-    the split-KV merge's preload (``bodies.split_kv_attention``; a candidate, off by default)."""
+    the split-KV merge's preload (``bodies.split_kv_attention``) and the K/V prefetch into L1 instead of L2
+    (``kv_prefetch_l1``): candidates, off by default."""
 
     barrier: str = BARRIER_ARRIVALS["atom"]
     kv_prefetch: bool = True
+    kv_prefetch_l1: bool = False
     merge_preload: bool = False
 
 
 def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str = False,
              self_contained: bool = True, watchdog: bool = False, barrier: str = "atom",
-             kv_prefetch: bool = True, merge_preload: bool = False) -> GeneratedModule:
+             kv_prefetch: bool = True, kv_prefetch_l1: bool = False,
+             merge_preload: bool = False) -> GeneratedModule:
     if watchdog and timeline:
         raise ValueError("a watchdog build has no timeline: build them separately")
     if barrier not in BARRIER_ARRIVALS:
         raise ValueError(f"barrier={barrier!r}: use one of {sorted(BARRIER_ARRIVALS)}")
     if watchdog and barrier != "atom":
         raise ValueError("a watchdog build has its own barrier (bodies.grid_barrier_watched): leave barrier='atom'")
+    if kv_prefetch_l1 and not kv_prefetch:
+        raise ValueError("kv_prefetch_l1 picks where the K/V prefetch lands: it needs kv_prefetch=True")
     if merge_preload and 2 * kv_splits(plan) > (plan.dims.head_dim + 2) * plan.warps:
         raise ValueError(f"merge_preload keeps 2 x {kv_splits(plan)} splits' max and sum per head in the attention "
                          f"scratch, which holds {(plan.dims.head_dim + 2) * plan.warps}: build without it")
@@ -263,7 +268,7 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     _timeline_store(w, 1, bool(timeline), "1")
     options = BuildOptions(barrier=("bodies.grid_barrier_watched(barrier, tidx, CTAS, cta, WATCH_POLLS)" if watchdog
                                     else BARRIER_ARRIVALS[barrier]), kv_prefetch=kv_prefetch,
-                           merge_preload=merge_preload)
+                           kv_prefetch_l1=kv_prefetch_l1, merge_preload=merge_preload)
     if phases:
         _phase_timed_stages(w, plan, prologue, per_layer, epilogue, options)
     else:
@@ -408,7 +413,7 @@ def _stage(w: _Writer, plan: Plan, stage: Stage, indent: int, layer_var, clocks:
         w.end()
         clock()
     if stage.barrier_after:
-        before = _before_barrier_calls(plan, stage, options.kv_prefetch)
+        before = _before_barrier_calls(plan, stage, options.kv_prefetch, options.kv_prefetch_l1)
         for call in before:
             w(call, indent)
         if before:
@@ -501,7 +506,7 @@ def _attention_preloads(plan: Plan) -> bool:
     return any(s.kind == "attention" and s.tiling.preload for s in plan.stages)
 
 
-def _before_barrier_calls(plan: Plan, stage: Stage, kv_prefetch: bool = False) -> list[str]:
+def _before_barrier_calls(plan: Plan, stage: Stage, kv_prefetch: bool = False, to_l1: bool = False) -> list[str]:
     """Issued before a CTA waits at the barrier that ends ``stage``: the next GEMV's L2 prefetch, its register
     preload when that stage preloads, and the attention's first K/V rows when attention preloads.
 
@@ -513,7 +518,7 @@ def _before_barrier_calls(plan: Plan, stage: Stage, kv_prefetch: bool = False) -
     calls = []
     following = next((s for s in plan.stages if s.index == stage.index + 1), None)
     if kv_prefetch and following is not None and following.kind == "attention" and kv_splits(plan):
-        calls.append(_kv_prefetch_call(plan))
+        calls.append(_kv_prefetch_call(plan, to_l1))
     if following is not None and following.kind == "attention" and _attention_preloads(plan):
         calls.append("bodies.attention_preload(k_cache[layer, None, None, None, None], v_cache[layer, None, None, "
                      "None, None], pre_kv, pos, cta, tidx, BATCH, N_HEADS, N_KV_HEADS, HEAD_DIM)")
@@ -537,11 +542,12 @@ def _before_barrier_calls(plan: Plan, stage: Stage, kv_prefetch: bool = False) -
     return calls
 
 
-def _kv_prefetch_call(plan: Plan) -> str:
-    """L2 prefetch of the cached K/V rows of this CTA's first split-KV work item (as ``split_kv_attention``
-    deals them)."""
+def _kv_prefetch_call(plan: Plan, to_l1: bool = False) -> str:
+    """L2 (``to_l1``: L1) prefetch of the cached K/V rows of this CTA's first split-KV work item (as
+    ``split_kv_attention`` deals them)."""
     return ("bodies.split_kv_prefetch(k_cache[layer, None, None, None, None], v_cache[layer, None, None, None, None], "
-            f"pos, {_first_key(plan)}, cta, tidx, BATCH, N_KV_HEADS, HEAD_DIM, THREADS, KV_SPLITS, MIN_CHUNK)")
+            f"pos, {_first_key(plan)}, cta, tidx, BATCH, N_KV_HEADS, HEAD_DIM, THREADS, KV_SPLITS, MIN_CHUNK, "
+            f"{to_l1})")
 
 
 def _gemv_shape(plan: Plan, stage_name: str) -> tuple[int, int]:

@@ -188,14 +188,18 @@ def split_chunk(visible: Int32, splits: cutlass.Constexpr[int], min_chunk: cutla
 def split_kv_prefetch(k_cache: cute.Tensor, v_cache: cute.Tensor, pos: Int32, first_key: Int32, cta: Int32,
                       tidx: Int32, batch: cutlass.Constexpr[int], n_kv_heads: cutlass.Constexpr[int],
                       head_dim: cutlass.Constexpr[int], threads: cutlass.Constexpr[int],
-                      splits: cutlass.Constexpr[int], min_chunk: cutlass.Constexpr[int]):
-    """Ask L2 for the cached K and V rows of this CTA's first :func:`split_kv_attention` work item (same dealing:
-    item ``cta``, split-major; same chunking of positions [first_key, pos]), one ``prefetch.global.L2`` per
-    128-byte line over the CTA's threads.
+                      splits: cutlass.Constexpr[int], min_chunk: cutlass.Constexpr[int],
+                      to_l1: cutlass.Constexpr[bool]):
+    """Ask L2 (``to_l1``: L1, a candidate) for the cached K and V rows of this CTA's first
+    :func:`split_kv_attention` work item (same dealing: item ``cta``, split-major; same chunking of positions
+    [first_key, pos]), one ``prefetch.global`` per 128-byte line over the CTA's threads.
 
     Issued before the grid barrier that precedes attention (a candidate: ``generate(plan, kv_prefetch=True)``):
     the cached rows do not depend on that barrier, so their DRAM latency overlaps the wait and attention's loads
-    hit L2. This step's row (``pos``) is not written yet and is left out. A prefetch has no effect on results."""
+    hit L2. This step's row (``pos``) is not written yet and is left out. A prefetch has no effect on results.
+    With ``to_l1`` the lines land in this SM's L1, so attention's first loads need no L2 round trip: the rows
+    below ``pos`` are not written during the launch (L1 is not coherent across SMs), and this CTA's own write of
+    row ``pos`` is visible to it after its ``bar.sync`` whatever L1 holds."""
     groups = batch * n_kv_heads
     n = pos + 1
     visible = n - first_key
@@ -213,10 +217,16 @@ def split_kv_prefetch(k_cache: cute.Tensor, v_cache: cute.Tensor, pos: Int32, fi
         for i in range(start * lines_per_row + tidx, end * lines_per_row, threads):
             row = i // lines_per_row
             line = i - row * lines_per_row
-            cute.arch.prefetch((k_cache[b, kvh, row, None].iterator + line * elements_per_line).llvm_ptr,
-                               cache_level="L2")
-            cute.arch.prefetch((v_cache[b, kvh, row, None].iterator + line * elements_per_line).llvm_ptr,
-                               cache_level="L2")
+            if cutlass.const_expr(to_l1):
+                cute.arch.prefetch((k_cache[b, kvh, row, None].iterator + line * elements_per_line).llvm_ptr,
+                                   cache_level="L1")
+                cute.arch.prefetch((v_cache[b, kvh, row, None].iterator + line * elements_per_line).llvm_ptr,
+                                   cache_level="L1")
+            else:
+                cute.arch.prefetch((k_cache[b, kvh, row, None].iterator + line * elements_per_line).llvm_ptr,
+                                   cache_level="L2")
+                cute.arch.prefetch((v_cache[b, kvh, row, None].iterator + line * elements_per_line).llvm_ptr,
+                                   cache_level="L2")
 
 
 @cute.jit
