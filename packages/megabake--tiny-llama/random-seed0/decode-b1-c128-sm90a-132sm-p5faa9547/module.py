@@ -719,7 +719,7 @@ def split_kv_prefetch(k_cache: cute.Tensor, v_cache: cute.Tensor, pos: Int32, fi
     :func:`split_kv_attention` work item (same dealing: item ``cta``, split-major; same chunking of positions
     [first_key, pos]), one ``prefetch.global`` per 128-byte line over the CTA's threads.
 
-    Issued before the grid barrier that precedes attention (a candidate: ``generate(plan, kv_prefetch=True)``):
+    Issued before the grid barrier that precedes attention (the default build since session 16):
     the cached rows do not depend on that barrier, so their DRAM latency overlaps the wait and attention's loads
     hit L2. This step's row (``pos``) is not written yet and is left out. A prefetch has no effect on results.
     With ``to_l1`` the lines land in this SM's L1, so attention's first loads need no L2 round trip: the rows
