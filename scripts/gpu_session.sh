@@ -18,8 +18,9 @@
 #          4 presets need two calls: the second with BENCH_RESUME, see below)
 #   tune:  GEMV tiling / preload / pipeline sweep with per-stage clocks (scripts/gpu_tune.py) -> OUT/tune-*.json
 #          (~2 min per preset for all 17 variants; VARIANTS="default t2u4-pipe ..." picks some)
-#   tests-parallel: tests1, tests2 and tests3 at once, as three pytest processes on the one GPU (their CPU-bound
-#          setup, random init and CuTe DSL compiles, overlaps; kernels time-share the GPU)         (~8 min)
+#   tests-parallel: the same tests as tests1-3 at once, as SHARDS (default 4) pytest processes on the one GPU
+#          (pytest --shard I/N, tests/sharding.py: their CPU-bound setup, random init and CuTe DSL compiles,
+#          overlaps; kernels time-share the GPU) -> OUT/pytest-gpu-shard*.log (3 processes: 6.6 min, session 16)
 # A device call is limited to 10 minutes: pick parts with PARTS (default "tests1"), e.g.
 #   source .cute/activate.sh && PARTS=tests2 bash scripts/gpu_session.sh "$OUT"
 #   source .cute/activate.sh && PARTS=bench bash scripts/gpu_session.sh "$OUT" smollm-135m llama-3.2-1b
@@ -39,8 +40,10 @@ run_tests() {  # name, -k expression, files...: one pytest run with its own limi
   shift 2
   # faulthandler_timeout: a test past 150 s dumps every thread's stack into the log (a kernel hang shows as a
   # wait in .cpu() / synchronize)
-  timeout "${TEST_LIMIT:-580}" python3 -m pytest -m gpu -q -p no:cacheprovider --durations=10 -o faulthandler_timeout=150 -k "$select" "$@" \
-    >"$OUT/pytest-gpu-$name.log" 2>&1
+  local selection=()
+  [[ -n "$select" ]] && selection=(-k "$select")
+  timeout "${TEST_LIMIT:-580}" python3 -m pytest -m gpu -q -p no:cacheprovider --durations=10 -o faulthandler_timeout=150 \
+    "${selection[@]}" "$@" >"$OUT/pytest-gpu-$name.log" 2>&1
   echo "pytest -m gpu ($name): rc=$? $(grep -E '[0-9]+ (passed|failed)' "$OUT/pytest-gpu-$name.log" | tail -1)" \
     >"$OUT/.summary-$name"
 }
@@ -56,13 +59,18 @@ TESTS2=(kernels "not tilings and not numerics and not launch" tests/test_gpu_dec
 TESTS3=(rest "tilings or hub or precompiled or verify or cold or environment or stand_in or baselines or hand_captured or timing"
         tests/test_gpu_decode.py tests/test_hub_gpu.py tests/test_precompiled_gpu.py tests/test_verify_gpu.py)
 if [[ " $PARTS " == *" tests-parallel "* ]]; then
-  threads=$(( $(nproc) / 3 ))
+  # SHARDS pytest processes (default 4), each one part of the same selection (tests/sharding.py: tests sharing a
+  # module-scoped fixture stay together, parts balanced by the H200's measured test times)
+  shards=${SHARDS:-4}
+  threads=$(( $(nproc) / shards ))
   ((threads > 0)) || threads=1
-  OMP_NUM_THREADS=$threads run_tests "${TESTS1[@]}" &
-  OMP_NUM_THREADS=$threads run_tests "${TESTS2[@]}" &
-  OMP_NUM_THREADS=$threads run_tests "${TESTS3[@]}" &
+  names=()
+  for ((i = 0; i < shards; i++)); do
+    names+=("shard$i")
+    OMP_NUM_THREADS=$threads run_tests "shard$i" "" --shard "$i/$shards" "${TESTS3[@]:2}" &
+  done
   wait
-  collect_tests numerics kernels rest
+  collect_tests "${names[@]}"
 fi
 if [[ " $PARTS " == *" tests1 "* ]]; then
   run_tests "${TESTS1[@]}"

@@ -1,5 +1,6 @@
 """Shared pytest setup: the gpu marker skips without a Hopper GPU; Hub server fixtures are plugins; a full garbage
-collection after each test module keeps the suite's memory flat."""
+collection after each test module keeps the suite's memory flat; ``--shard I/N`` runs one part of the tests
+(tests/sharding.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,24 @@ def _hopper_available() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
+def pytest_addoption(parser):
+    parser.addoption("--shard", default=None, metavar="I/N",
+                     help="run part I of N (from 0) of the selected tests; tests sharing a module-scoped fixture "
+                          "stay in one part (tests/sharding.py; scripts/gpu_session.sh PARTS=tests-parallel)")
+
+
 def pytest_collection_modifyitems(config, items):
+    if config.getoption("--shard"):
+        from tests.sharding import Shard, select
+
+        try:
+            shard = Shard.parse(config.getoption("--shard"))
+        except ValueError as exc:
+            raise pytest.UsageError(str(exc)) from None
+        kept, dropped = select(items, shard)
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
     if _hopper_available():
         return
     skip = pytest.mark.skip(reason="needs a Hopper (SM90) GPU: run `pytest -m gpu` on the H200")

@@ -1,0 +1,82 @@
+"""``pytest --shard I/N``: run one of N disjoint parts of the selected tests, so that N pytest processes share a
+machine (scripts/gpu_session.sh ``PARTS=tests-parallel`` runs the GPU suite as N processes on one H200: their
+time is mostly CPU work, random init and CuTe DSL compiles, which then overlaps).
+
+Tests that share a module- or session-scoped fixture (with the same parameter, for a parametrized one) stay in
+one part, so no part builds such a fixture that another part also builds for the same tests. Parts are filled
+costliest group first, each group into the part with the least cost so far; ties keep the collection order. A
+test's cost is its seconds in ``SECONDS`` (the GPU suite's slowest tests on the H200, sessions 15-16, setup +
+call), else ``DEFAULT_SECONDS``. Conftest's autouse fixtures (names starting with ``_``) do not group."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_SECONDS = 8.0
+SECONDS = {  # node-id fragment -> seconds (first match wins); from `pytest --durations` of the H200 logs
+    "advancing_steps[gemma-2-2b]": 90.0, "advancing_steps[gemma-3-270m]": 80.0, "advancing_steps[gemma-2b]": 75.0,
+    "advancing_steps[smollm-135m]": 42.0, "advancing_steps[llama-3.2-1b]": 40.0,
+    "bit_identical_logits[llama-3.2-1b]": 51.0, "bit_identical_logits[smollm-135m]": 49.0,
+    "bit_identical_logits[tiny-llama]": 27.0, "test_cold_load_script": 66.0, "test_bake_with_autotune": 40.0,
+    "bf16_staging_kernel_matches_reference_executor_at_long_context[llama-3.2-1b": 32.0,
+    "test_kernel_matches_reference_executor_and_is_stable": 28.0, "test_verify_baked_tiny_package": 25.0,
+    "greedy_tokens_on_the_gpu": 21.0, "agree_with_eager[inductor-graph]": 22.0, "test_load_from_hub": 18.0,
+}
+
+
+def seconds(nodeid: str) -> float:
+    return next((cost for fragment, cost in SECONDS.items() if fragment in nodeid), DEFAULT_SECONDS)
+
+
+@dataclass(frozen=True)
+class Shard:
+    index: int
+    count: int
+
+    @classmethod
+    def parse(cls, text: str) -> "Shard":
+        try:
+            index, count = (int(part) for part in text.split("/"))
+        except ValueError:
+            raise ValueError(f"--shard {text!r}: use I/N, e.g. 0/4 (parts are numbered from 0)") from None
+        if not 0 <= index < count:
+            raise ValueError(f"--shard {text!r}: I must be in [0, N), e.g. 0/{max(count, 1)}")
+        return cls(index, count)
+
+
+def group_key(item) -> str:
+    """Items with the same key share a wider-than-function fixture instance: the module path plus each such
+    fixture's name and parameter; an item with none keys on its own node id."""
+    shared = []
+    fixture_info = getattr(item, "_fixtureinfo", None)
+    for name, definitions in (fixture_info.name2fixturedefs.items() if fixture_info else []):
+        if name.startswith("_") or not definitions or definitions[-1].scope not in ("module", "session", "package"):
+            continue
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        shared.append(f"{name}={params[name]!r}" if name in params else name)
+    if not shared:
+        return item.nodeid
+    return f"{item.nodeid.split('::')[0]}::{','.join(sorted(shared))}"
+
+
+def assign(keys: list[str], costs: list[float], count: int) -> list[int]:
+    """The part of each item, from its group key and cost (see the module docstring)."""
+    groups: dict[str, list[int]] = {}
+    for position, key in enumerate(keys):
+        groups.setdefault(key, []).append(position)
+    loads = [0.0] * count
+    part_of = [0] * len(keys)
+    for members in sorted(groups.values(), key=lambda m: (-sum(costs[i] for i in m), m[0])):
+        part = min(range(count), key=lambda p: (loads[p], p))
+        loads[part] += sum(costs[i] for i in members)
+        for position in members:
+            part_of[position] = part
+    return part_of
+
+
+def select(items: list, shard: Shard) -> tuple[list, list]:
+    """(kept, deselected) items of ``shard``."""
+    parts = assign([group_key(item) for item in items], [seconds(item.nodeid) for item in items], shard.count)
+    kept = [item for item, part in zip(items, parts) if part == shard.index]
+    dropped = [item for item, part in zip(items, parts) if part != shard.index]
+    return kept, dropped
