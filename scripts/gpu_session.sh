@@ -10,8 +10,8 @@
 #   candidates: session 16's candidates, the K/V prefetch into L1 (generate(plan, kv_prefetch_l1=True)) and the
 #          split-KV merge's preload (merge_preload=True): their GPU tests, then the default build against the L1
 #          prefetch at position 2 -> OUT/pytest-gpu-candidates.log, OUT/tune-*-p2.log, OUT/p2/ (~5 min)
-#   candidates-long: the default build against both at position 2000 (SmolLM) / 4000 (Llama-1B)
-#          -> OUT/tune-*-p{2000,4000}.log, OUT/p{2000,4000}/ (~5 min)
+#   candidates-long: the default build against those and the spread merge (spread_merge=True) at position 2000
+#          (SmolLM) / 4000 (Llama-1B, gemma-2b) -> OUT/tune-*-p{2000,4000}.log, OUT/p{2000,4000}/ (~8 min)
 #   hang-probe: the tensor-core cases' steps with the barrier watchdog (scripts/gpu_hang_probe.py; a tool for
 #          chasing a kernel that never reaches a grid barrier)                   -> OUT/hang-probe.json (~3 min)
 #   bench: decode benchmark table + chart, all presets in one process          -> OUT/bench/  (~2.5 min per preset;
@@ -104,9 +104,12 @@ if [[ " $PARTS " == *" candidates "* ]]; then
   tune_candidates llama-3.2-1b 128 2 kvpf-l1
 fi
 if [[ " $PARTS " == *" candidates-long "* ]]; then
-  # ... and against both at a long context (each preset at the largest bucket it allows), with per-stage clocks there
-  tune_candidates smollm-135m 2048 2000 kvpf-l1 merge-preload
-  tune_candidates llama-3.2-1b 4096 4000 kvpf-l1 merge-preload
+  # ... and against all three at a long context (each preset at the largest bucket it allows), with per-stage
+  # clocks there; the spread merge (spread_merge=True: every item merges a slice of its group's outputs) is meant
+  # for one-KV-head models like gemma-2b (63 splits x 2048 outputs through one SM per layer at 4000)
+  tune_candidates smollm-135m 2048 2000 kvpf-l1 merge-preload spread-merge
+  tune_candidates llama-3.2-1b 4096 4000 kvpf-l1 merge-preload spread-merge
+  tune_candidates gemma-2b 4096 4000 merge-preload spread-merge
 fi
 if [[ " $PARTS " == *" hang-probe "* ]]; then
   # the tensor-core cases' kernel steps built with the barrier watchdog (scripts/gpu_hang_probe.py)

@@ -14,8 +14,9 @@ fastest in that stage, and is measured the same way; its spec is printed (a ``tu
 (``generate(plan, barrier="red")``; rows ``<variant>@red``) and without the L2 prefetch of cached K/V rows before
 the barrier that precedes attention (``generate(plan, kv_prefetch=False)``, the default until session 16; rows
 ``<variant>@no-kvpf``), ``kvpf-l1`` that prefetch into L1 instead (``generate(plan, kv_prefetch_l1=True)``) and
-``merge-preload`` the split-KV merge that loads its first partials at once (``generate(plan, merge_preload=True)``;
-both candidates), same logits required (``--barriers`` is the older name). ``--ctas N`` runs the persistent
+``merge-preload`` the split-KV merge that loads its first partials at once (``generate(plan, merge_preload=True)``)
+and ``spread-merge`` the merge shared out over the group's items (``spread_merge=True``; all three candidates),
+same logits required (``--barriers`` is the older name). ``--ctas N`` runs the persistent
 grid on N CTAs instead of one per SM. ``--position 4000 --capacity 4096`` times the step at a long context.
 ``--batch 8`` times batched steps (``mma``: the tensor-core GEMV); ``--phases`` adds each variant's clocks per
 phase of each stage (staging, GEMV, prefetch, barrier wait). Writes OUT/tune-<preset>-b<batch>.json; prints a
@@ -155,7 +156,7 @@ def sync_call(decoder, token, pos: int, reps: int) -> tuple[float, float]:
 # code-generation options a variant can be built with besides the default ("atom"): name -> generate() keywords
 BUILDS = {"atom": {}, "red": {"barrier": "red"}, "red-fence": {"barrier": "red-fence"},
           "no-kvpf": {"kv_prefetch": False}, "kvpf-l1": {"kv_prefetch_l1": True},
-          "merge-preload": {"merge_preload": True}}
+          "merge-preload": {"merge_preload": True}, "spread-merge": {"spread_merge": True}}
 
 
 def timeline(plan, model, tokens, phases: bool = False, build: str = "atom",
@@ -325,7 +326,7 @@ def main() -> None:
     parser.add_argument("--builds", "--barriers", dest="builds", nargs="+", default=["atom"], choices=list(BUILDS),
                         help="code-generation options to build each variant with (BUILDS: grid-barrier arrivals of "
                              "codegen.BARRIER_ARRIVALS; no-kvpf = without the K/V L2 prefetch; kvpf-l1 = that prefetch "
-                             "into L1; merge-preload = the split-KV merge's preload): 'atom red no-kvpf' "
+                             "into L1; merge-preload / spread-merge = split-KV merge candidates): 'atom red no-kvpf' "
                              "adds <variant>@red and <variant>@no-kvpf rows per variant, checked against the first "
                              "variant's logits")
     parser.add_argument("--position", type=int, default=None,

@@ -408,23 +408,31 @@ def test_kv_prefetch_gives_bit_identical_logits_at_split_boundaries_and_capacity
     assert torch.equal(into_l1, without)  # the candidate that prefetches into L1 (session 16)
 
 
-@pytest.mark.parametrize("preset,batch,capacity", [("tiny-phi4", 1, 4096), ("gemma-2b", 1, 1024),
+@pytest.mark.parametrize("preset,batch,capacity", [("tiny-phi4", 1, 4096), ("gemma-2b", 1, 4096),
                                                    ("tiny-mistral", 2, 1024)])
 def test_merge_preload_gives_bit_identical_logits_with_many_splits(preset, batch, capacity):
     """``generate(plan, merge_preload=True)`` (session 16, written without a GPU): the last arrival of a split-KV
     group loads its first partial outputs before the merge weights exist, and each split's max and sum once; same
     sums in the same order, so the same bits as the default merge. Cases: tiny-phi4 at capacity 4096 (2 KV groups:
-    up to 32 active splits, past the 16 preloaded), gemma-2b (one KV head, 8 outputs per thread: 2 preloaded
-    splits, then blocks of 8), tiny-mistral b2 (sliding window)."""
+    up to 32 active splits, past the 16 preloaded), gemma-2b at 4096 (one KV head, 8 outputs per thread: 2
+    preloaded splits, then blocks of 8; up to 64 active splits), tiny-mistral b2 (sliding window). The spread
+    merge (``spread_merge=True``: each active item merges a slice of its group's outputs; gemma-2b from 32 active
+    splits on, the others from 2) is checked in the same run, to fp32 rounding and run to run."""
     from megabake.runtime import gpu_info
 
     layers = 2 if preset == "gemma-2b" else None
     compiled = compile_preset(preset, layers=layers, vocab=4096 if layers else None, batch=batch,
                               capacity=capacity, ctas=gpu_info().sm_count)
     positions = sorted({0, 1, 127, 128, 129, 700, 1023, capacity // 2, capacity // 2 + 1, capacity - 1})
-    default, preloaded = _logits_over_random_cache(compiled, positions, batch, [{}, {"merge_preload": True}])
+    default, preloaded, spread, again = _logits_over_random_cache(
+        compiled, positions, batch, [{}, {"merge_preload": True}, {"spread_merge": True}, {"spread_merge": True}])
     assert torch.isfinite(default).all()
     assert torch.equal(preloaded, default)
+    # the spread merge (session 16, a candidate) sums in another order: equal to fp32 rounding; and a second
+    # kernel gives the same bits (a moving result would be a race in its group wait or counter reset)
+    assert torch.isfinite(spread).all()
+    assert float((spread - default).norm() / default.norm()) < 1e-5
+    assert torch.equal(again, spread)
 
 
 def _assert_bf16_steps_match(compiled):

@@ -267,9 +267,34 @@ def test_merge_preload_is_a_flag_of_split_kv_attention_and_compiles(preset):
     preloaded = generate(compiled.plan, merge_preload=True).source.split("\n# ====")[0]
     changed = [(a, b) for a, b in zip(default.splitlines(), preloaded.splitlines()) if a != b]
     assert len(default.splitlines()) == len(preloaded.splitlines()) and len(changed) == 1
-    assert changed[0][0].strip() == "merge_preload=False)" and changed[0][1].strip() == "merge_preload=True)"
+    assert "merge_preload=False" in changed[0][0]
+    assert changed[0][1] == changed[0][0].replace("merge_preload=False", "merge_preload=True")
     result = compile_check(compiled.plan, load_module(generate(compiled.plan, merge_preload=True).source))
     assert result.ok, result.error
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "gemma-2b"])
+def test_spread_merge_flags_attention_resets_counters_after_its_barrier_and_compiles(preset):
+    """``generate(plan, spread_merge=True)`` (a candidate): the attention call's last argument is set, and the
+    stage after attention starts by zeroing the groups' counters (``split_kv_counts_reset``: the spread merge
+    leaves them at the arrivals); it compiles for sm_90a (one and eight outputs per thread)."""
+    from megabake.runtime.compile import compile_check
+
+    compiled = compile_preset(preset, layers=2, vocab=512, capacity=1024)
+    default = generate(compiled.plan).source.split("\n# ====")[0].splitlines()
+    source = generate(compiled.plan, spread_merge=True).source
+    lines = source.split("\n# ====")[0].splitlines()
+    reset = [i for i, line in enumerate(lines) if "bodies.split_kv_counts_reset(" in line]
+    attention = next(i for i, line in enumerate(lines) if "bodies.split_kv_attention(" in line)
+    barrier_after = next(i for i in range(attention, len(lines)) if "bodies.grid_barrier(" in lines[i])
+    assert len(reset) == 1 and barrier_after < reset[0]  # once per layer, in the stage after attention's barrier
+    assert any("o_residual" in line for line in lines[barrier_after:reset[0]])  # that stage's banner comes first
+    assert [line for line in lines if "counts_reset" not in line and "spread_merge=True" not in line] == \
+        [line for line in default if "spread_merge=False" not in line]
+    result = compile_check(compiled.plan, load_module(source))
+    assert result.ok, result.error
+    with pytest.raises(ValueError, match="pick one"):
+        generate(compiled.plan, spread_merge=True, merge_preload=True)
 
 
 def test_merge_preload_refuses_splits_that_overflow_the_attention_scratch(tiny):

@@ -184,19 +184,21 @@ BARRIER_ARRIVALS = {"atom": "bodies.grid_barrier(barrier, tidx, CTAS)",
 class BuildOptions:
     """Code-generation choices that change module.py but not the plan (same buffers, same plan hash): the grid
     barrier's call (``BARRIER_ARRIVALS`` or a watchdog's), the K/V L2 prefetch (:func:`_before_barrier_calls`) and
-    the split-KV merge's preload (``bodies.split_kv_attention``) and the K/V prefetch into L1 instead of L2
-    (``kv_prefetch_l1``): candidates, off by default."""
+    the split-KV merge's preload (``bodies.split_kv_attention``), the K/V prefetch into L1 instead of L2
+    (``kv_prefetch_l1``) and the spread split-KV merge (``spread_merge``, with ``bodies.split_kv_counts_reset``
+    after the barrier that follows attention): candidates, off by default."""
 
     barrier: str = BARRIER_ARRIVALS["atom"]
     kv_prefetch: bool = True
     kv_prefetch_l1: bool = False
     merge_preload: bool = False
+    spread_merge: bool = False
 
 
 def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str = False,
              self_contained: bool = True, watchdog: bool = False, barrier: str = "atom",
-             kv_prefetch: bool = True, kv_prefetch_l1: bool = False,
-             merge_preload: bool = False) -> GeneratedModule:
+             kv_prefetch: bool = True, kv_prefetch_l1: bool = False, merge_preload: bool = False,
+             spread_merge: bool = False) -> GeneratedModule:
     if watchdog and timeline:
         raise ValueError("a watchdog build has no timeline: build them separately")
     if barrier not in BARRIER_ARRIVALS:
@@ -208,6 +210,12 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     if merge_preload and 2 * kv_splits(plan) > (plan.dims.head_dim + 2) * plan.warps:
         raise ValueError(f"merge_preload keeps 2 x {kv_splits(plan)} splits' max and sum per head in the attention "
                          f"scratch, which holds {(plan.dims.head_dim + 2) * plan.warps}: build without it")
+    if spread_merge and merge_preload:
+        raise ValueError("spread_merge and merge_preload are two ways to merge the splits: pick one")
+    scratch = (plan.dims.head_dim + 2) * (plan.dims.n_heads // plan.dims.n_kv_heads) * plan.warps
+    if spread_merge and kv_splits(plan) and 3 * plan.threads > scratch:
+        raise ValueError(f"spread_merge meets in 3 x {plan.threads} floats of the attention scratch, which holds "
+                         f"{scratch} for this model: build without it")
     plan_hash = plan_hash or plan.hash
     w = _Writer(keyword_calls=True)
     _header(w, plan, plan_hash, kernel_arguments(plan), self_contained)
@@ -268,7 +276,7 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     _timeline_store(w, 1, bool(timeline), "1")
     options = BuildOptions(barrier=("bodies.grid_barrier_watched(barrier, tidx, CTAS, cta, WATCH_POLLS)" if watchdog
                                     else BARRIER_ARRIVALS[barrier]), kv_prefetch=kv_prefetch,
-                           kv_prefetch_l1=kv_prefetch_l1, merge_preload=merge_preload)
+                           kv_prefetch_l1=kv_prefetch_l1, merge_preload=merge_preload, spread_merge=spread_merge)
     if phases:
         _phase_timed_stages(w, plan, prologue, per_layer, epilogue, options)
     else:
@@ -406,7 +414,10 @@ def _stage(w: _Writer, plan: Plan, stage: Stage, indent: int, layer_var, clocks:
     prefix = "layer[*]." if stage.scope == "layer" else ""
     w.begin(_entry(plan, stage, layer_var, "barrier_interval", f"{prefix}{stage.name}"))
     w(f"# ---- stage {stage.index}: {stage.name} ({stage.scope}) ----", indent)
-    calls = _body_calls(plan, stage, options.merge_preload)
+    calls = _body_calls(plan, stage, options.merge_preload, options.spread_merge)
+    previous = next((s for s in plan.stages if s.index == stage.index - 1), None)
+    if options.spread_merge and previous is not None and previous.kind == "attention" and kv_splits(plan):
+        w(f"bodies.split_kv_counts_reset({ATTN_COUNT}, cta, tidx, BATCH * N_KV_HEADS, THREADS)", indent)
     for body, call in calls:
         w.begin(_entry(plan, stage, layer_var, "body_call", f"{prefix}{stage.name}.{body}"))
         w(call, indent)
@@ -577,7 +588,7 @@ def _warp_index(stage: Stage) -> str:
     return "swarp" if stage.tiling.spread else "gwarp"
 
 
-def _attention_call(plan: Plan, merge_preload: bool = False) -> tuple[str, str]:
+def _attention_call(plan: Plan, merge_preload: bool = False, spread_merge: bool = False) -> tuple[str, str]:
     if kv_splits(plan):
         norms = "qk_norms[layer, None, None]" if plan.has_head_norms else "qkv"
         if plan.dims.whole_qk_norm:
@@ -589,7 +600,7 @@ def _attention_call(plan: Plan, merge_preload: bool = False) -> tuple[str, str]:
                 "s_att, cta, tidx, "
                 f"BATCH, N_HEADS, N_KV_HEADS, HEAD_DIM, CTAS, THREADS, ATTN_SCALE, {plan.has_head_norms}, EPS, "
                 f"KV_SPLITS, ATT_UNROLL, MIN_CHUNK, {'ROTARY_DIM' if plan.dims.rotary_dim else 'HEAD_DIM'}, "
-                f"{plan.dims.whole_qk_norm}, {merge_preload})")
+                f"{plan.dims.whole_qk_norm}, {merge_preload}, {spread_merge})")
     caches = (f"{_rope_arguments(plan)}, k_cache[layer, None, None, None, None], "
               "v_cache[layer, None, None, None, None], "
               "attn, pos, s_att, s_red, cta, tidx, BATCH, N_HEADS, N_KV_HEADS, HEAD_DIM, CAPACITY, CTAS, THREADS, "
@@ -684,13 +695,14 @@ def _gemv_stage_calls(plan: Plan, stage: Stage) -> list[tuple[str, str]]:
     return calls
 
 
-def _body_calls(plan: Plan, stage: Stage, merge_preload: bool = False) -> list[tuple[str, str]]:
-    """(body name, call text) of one stage, from the stage table (``merge_preload``: :class:`BuildOptions`)."""
+def _body_calls(plan: Plan, stage: Stage, merge_preload: bool = False,
+                spread_merge: bool = False) -> list[tuple[str, str]]:
+    """(body name, call text) of one stage, from the stage table (the merge options: :class:`BuildOptions`)."""
     spec = spec_of(stage, plan)
     if spec.gemv is not None:
         return _gemv_stage_calls(plan, stage)
     if stage.kind == "attention":
-        return [_attention_call(plan, merge_preload)]
+        return [_attention_call(plan, merge_preload, spread_merge)]
     if spec.writes != ("x",):  # post-norm layouts: the residual starts in x_mid, the pending MLP output is zero
         target, pending = spec.writes
         scaled = "_scaled" if plan.dims.embed_scale != 1.0 else ""

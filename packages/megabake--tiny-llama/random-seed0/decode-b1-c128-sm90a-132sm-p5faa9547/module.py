@@ -114,7 +114,7 @@ def megakernel(
             first_key=0, s_att=s_att, cta=cta, tidx=tidx, batch=BATCH, n_heads=N_HEADS, n_kv_heads=N_KV_HEADS,
             head_dim=HEAD_DIM, ctas=CTAS, threads=THREADS, scale=ATTN_SCALE, has_qk_norm=False, eps=EPS,
             splits=KV_SPLITS, unroll=ATT_UNROLL, min_chunk=MIN_CHUNK, rotary_dim=HEAD_DIM, whole_qk_norm=False,
-            merge_preload=False)
+            merge_preload=False, spread_merge=False)
         bodies.grid_barrier(barrier=barrier, tidx=tidx, ctas=CTAS)
         # ---- stage 3: o_residual (layer) ----
         bodies.copy_to_smem(src=attn, s_vec=s_vec, tidx=tidx, batch=BATCH, width=Q_ROWS, threads=THREADS)
@@ -542,6 +542,8 @@ def _gated_act(gate: Float32, up: Float32, act: cutlass.Constexpr[int]) -> Float
 ATT_NEG = -1.0e30  # "no position yet": finite, so merging two empty partial softmaxes gives 0, never NaN
 MERGE_UNROLL = 8  # split partials each thread loads at once per output when the last arrival merges the splits
 PRELOAD_LOADS = 16  # partial outputs a thread loads before the merge weights exist (_merge_splits' preload)
+SPREAD_LANES = 8  # threads per output that share out a group's splits in the spread merge (_merge_spread)
+SPREAD_LOADS = 8  # splits each of them loads at once (8 x 8: up to 64 splits in one L2 round trip)
 
 
 @cute.jit
@@ -765,10 +767,12 @@ def split_kv_attention(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Te
                        eps: cutlass.Constexpr[float], splits: cutlass.Constexpr[int],
                        unroll: cutlass.Constexpr[int], min_chunk: cutlass.Constexpr[int],
                        rotary_dim: cutlass.Constexpr[int], whole_qk_norm: cutlass.Constexpr[bool],
-                       merge_preload: cutlass.Constexpr[bool]):
+                       merge_preload: cutlass.Constexpr[bool], spread_merge: cutlass.Constexpr[bool]):
     """Flash decoding: RoPE + KV append + attention over positions [first_key, pos], the cached keys split across
     CTAs (``first_key`` is 0, or where the layer's sliding window starts). ``merge_preload``: the merging item
     loads its first partials at once (:func:`_merge_splits`; a candidate, ``generate(plan, merge_preload=True)``).
+    ``spread_merge``: every active item of a group merges a slice of its outputs (:func:`_merge_spread`, a
+    candidate) where that takes at most two passes, instead of the last arrival merging them all.
 
     Work items are (split, batch, KV head), split-major, dealt to CTAs. At this step the ``pos + 1 - first_key``
     visible positions are cut into ``active`` chunks of ``chunk`` positions (a multiple of ``min_chunk``, which is the positions
@@ -870,8 +874,16 @@ def split_kv_attention(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Te
                         part[b, head, split, head_dim] = top
                         part[b, head, split, head_dim + 1] = total
             if active > 1:
-                _merge_splits(attn, part, counts, s_flag, s_weight, b, kvh, g, active, tidx, group, head_dim,
-                              threads, splits, merge_preload)
+                if cutlass.const_expr(spread_merge):
+                    if active * 2 * (threads // SPREAD_LANES) >= group * head_dim:  # at most two passes each
+                        _merge_spread(attn, part, counts, s_part, b, kvh, g, split, active, tidx, group, head_dim,
+                                      threads)
+                    else:
+                        _merge_splits(attn, part, counts, s_flag, s_weight, b, kvh, g, active, tidx, group,
+                                      head_dim, threads, splits, merge_preload)
+                else:
+                    _merge_splits(attn, part, counts, s_flag, s_weight, b, kvh, g, active, tidx, group, head_dim,
+                                  threads, splits, merge_preload)
             cute.arch.sync_threads()
 
 
@@ -968,6 +980,86 @@ def _merge_splits(attn: cute.Tensor, part: cute.Tensor, counts: cute.Tensor, s_f
             i = tidx + j * threads
             if i < outputs:
                 attn[b, kvh * outputs + i] = out[j]
+
+
+@cute.jit
+def _merge_spread(attn: cute.Tensor, part: cute.Tensor, counts: cute.Tensor, s_scratch: cute.Tensor, b: Int32,
+                  kvh: Int32, g: Int32, split: Int32, active: Int32, tidx: Int32, group: cutlass.Constexpr[int],
+                  head_dim: cutlass.Constexpr[int], threads: cutlass.Constexpr[int]):
+    """The spread merge (a candidate, ``generate(plan, spread_merge=True)``): every active item of group ``g``
+    arrives at the group's counter (release) and waits (acquire) until all ``active`` have, then merges its own
+    slice of the group's ``group * head_dim`` outputs (item ``split`` takes the ``split``-th of ``active`` equal
+    slices), so no CTA reads every split's partials: the last-arrival merge reads splits x outputs partials through
+    one SM (gemma-2b at 4000 positions: 63 x 2048 floats, ~0.5 MB per layer).
+
+    Per output ``SPREAD_LANES`` threads share out the splits, ``SPREAD_LOADS`` at once (one L2 round trip for up
+    to 64 splits), keep an online softmax merge (max, sum, accumulator) each, and meet in shared memory
+    (``s_scratch``: 3 x ``threads`` floats). The counter is not reset here (others may still be polling it):
+    ``split_kv_counts_reset`` zeroes it after the grid barrier that follows attention."""
+    cute.arch.sync_threads()
+    if tidx == 0:
+        cute.arch.fence_acq_rel_gpu()
+        cute.arch.atomic_add((counts.iterator + g).llvm_ptr, Int32(1), sem="release", scope="gpu")
+        seen = cute.arch.load((counts.iterator + g).llvm_ptr, Int32, sem="acquire", scope="gpu")
+        while seen < active:
+            seen = cute.arch.load((counts.iterator + g).llvm_ptr, Int32, sem="acquire", scope="gpu")
+    cute.arch.sync_threads()
+    outputs = group * head_dim
+    rows = threads // SPREAD_LANES  # outputs per pass
+    lane_set = tidx // rows  # which share of the splits this thread merges
+    r = tidx - lane_set * rows
+    s_max = cute.make_tensor(s_scratch.iterator, cute.make_layout((SPREAD_LANES, rows)))
+    s_sum = cute.make_tensor(s_scratch.iterator + threads, cute.make_layout((SPREAD_LANES, rows)))
+    s_out = cute.make_tensor(s_scratch.iterator + 2 * threads, cute.make_layout((SPREAD_LANES, rows)))
+    m_u = cute.make_rmem_tensor(cute.make_layout(SPREAD_LOADS), Float32)
+    l_u = cute.make_rmem_tensor(cute.make_layout(SPREAD_LOADS), Float32)
+    v_u = cute.make_rmem_tensor(cute.make_layout(SPREAD_LOADS), Float32)
+    per_item = (outputs + active - 1) // active
+    first = split * per_item
+    last = cutlass.min(first + per_item, outputs)
+    for base in range(first, last, rows):
+        o = cutlass.min(base + r, outputs - 1)
+        h = o // head_dim
+        d = o - h * head_dim
+        head = kvh * group + h
+        top = Float32(ATT_NEG)
+        total = Float32(0.0)
+        out = Float32(0.0)
+        for s0 in range(lane_set * SPREAD_LOADS, active, SPREAD_LANES * SPREAD_LOADS):
+            for u in cutlass.range_constexpr(SPREAD_LOADS):
+                s = cutlass.min(s0 + u, active - 1)  # a clamped repeat of a real split: it leaves the max as is
+                m_u[u] = part[b, head, s, head_dim]
+                l_u[u] = part[b, head, s, head_dim + 1]
+                v_u[u] = part[b, head, s, d]
+            new_top = top
+            for u in cutlass.range_constexpr(SPREAD_LOADS):
+                new_top = cute.arch.fmax(new_top, m_u[u])
+            correction = cute.math.exp(top - new_top)
+            total = total * correction
+            out = out * correction
+            for u in cutlass.range_constexpr(SPREAD_LOADS):
+                weight = cute.math.exp(m_u[u] - new_top)
+                if s0 + u >= active:
+                    weight = Float32(0.0)
+                total = total + l_u[u] * weight
+                out = out + v_u[u] * weight
+            top = new_top
+        s_max[lane_set, r] = top
+        s_sum[lane_set, r] = total
+        s_out[lane_set, r] = out
+        cute.arch.sync_threads()
+        if lane_set == 0 and base + r < last:
+            overall = s_max[0, r]
+            for j in cutlass.range_constexpr(1, SPREAD_LANES):
+                overall = cute.arch.fmax(overall, s_max[j, r])
+            merged_sum = Float32(0.0)
+            merged_out = Float32(0.0)
+            for j in cutlass.range_constexpr(SPREAD_LANES):
+                weight = cute.math.exp(s_max[j, r] - overall)  # a share without splits: ATT_NEG, weight 0
+                merged_sum = merged_sum + s_sum[j, r] * weight
+                merged_out = merged_out + s_out[j, r] * weight
+            attn[b, kvh * outputs + o] = merged_out / merged_sum
+        cute.arch.sync_threads()
 
 
 class bodies:
