@@ -21,6 +21,8 @@ SECONDS = {  # node-id fragment -> seconds (first match wins); from `pytest --du
     "bf16_staging_kernel_matches_reference_executor_at_long_context[llama-3.2-1b": 32.0,
     "test_kernel_matches_reference_executor_and_is_stable": 28.0, "test_verify_baked_tiny_package": 25.0,
     "greedy_tokens_on_the_gpu": 21.0, "agree_with_eager[inductor-graph]": 22.0, "test_load_from_hub": 18.0,
+    # estimates (session 16's candidate tests, not yet timed: one kernel build per build option compared)
+    "many_splits[gemma-2b": 70.0, "many_splits": 35.0, "kv_prefetch_gives_bit_identical": 25.0,
 }
 
 
