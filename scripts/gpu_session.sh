@@ -85,11 +85,11 @@ if [[ " $PARTS " == *" mma "* ]]; then
   run_tests mma "mma_gemv" tests/test_gpu_decode.py
 fi
 collect_tests numerics kernels rest mma
-tune_candidates() {  # preset capacity position builds...: gpu_tune of the default tiling with candidate builds
+tune_candidates() {  # preset capacity position builds...: gpu_tune of the bake's default plan with candidate builds
   local preset=$1 capacity=$2 position=$3
   shift 3
   local log="$OUT/tune-$preset-p$position.log"
-  timeout 240 python3 scripts/gpu_tune.py "$preset" --variants ring-gated --builds atom "$@" --no-composite \
+  timeout 240 python3 scripts/gpu_tune.py "$preset" --variants bake --builds atom "$@" --no-composite \
     --capacity "$capacity" --position "$position" --out "$OUT/p$position" >"$log" 2>&1
   summary+=("candidates tune ($preset at $position): rc=$?" "$(grep -E '^(==|\||timeline)' "$log")")
 }

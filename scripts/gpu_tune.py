@@ -32,6 +32,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+BAKE_DEFAULT = None  # variant value: build_plan's own default tuning (tuning=None)
+
+
 @dataclass(frozen=True)
 class Balanced:
     """A variant whose rows per tile are chosen per stage for tile balance (``autotune.balanced_tuning``)."""
@@ -41,7 +44,8 @@ class Balanced:
 
 def variants() -> dict:
     """name -> GemvTuning applied to every GEMV stage (the bake autotuner's candidates plus deeper unrolls and
-    pipelined K loops), or :class:`Balanced` (rows per tile chosen per stage)."""
+    pipelined K loops), :class:`Balanced` (rows per tile chosen per stage), or ``BAKE_DEFAULT`` (the plan
+    `megabake bake` builds)."""
     from megabake.plan import GemvTuning
     from megabake.runtime.autotune import CANDIDATES
 
@@ -63,7 +67,10 @@ def variants() -> dict:
             "mma": GemvTuning(8, 8, mma=True),
             # the activation in the plain gate/up GEMV's write (ring-gated: the default since session 15)
             "gated": GemvTuning(2, 4, gated=True),
-            "ring-gated": GemvTuning(2, 4, spread=True, preload=True, stages=4, gated=True)}
+            "ring-gated": GemvTuning(2, 4, spread=True, preload=True, stages=4, gated=True),
+            # what `megabake bake` plans by default for this bucket (ring-gated where its shared memory fits a
+            # 4-stage ring, a shallower ring or the tensor cores elsewhere)
+            "bake": BAKE_DEFAULT}
 
 
 # also measured with attention preload
@@ -86,9 +93,11 @@ def opt_in_experimental(chosen: list[str]) -> None:
     os.environ[EXPERIMENTAL_LAYOUTS_ENV] = " ".join(dict.fromkeys(current + wanted))
 
 
-def tuning_for(variant, default_plan) -> dict:
+def tuning_for(variant, default_plan) -> dict | None:
     from megabake.runtime.autotune import balanced_tuning, uniform_tuning
 
+    if variant is BAKE_DEFAULT:
+        return None
     if isinstance(variant, Balanced):
         return balanced_tuning(default_plan, variant.base)
     return uniform_tuning(variant)
@@ -217,7 +226,7 @@ def sweep(name: str, chosen: list[str], reps: int, capacity: int, batch: int = 1
             row, timelines[with_attention] = measure_variant(with_attention, tuning, context, default_logits,
                                                              attention_preload=True)
             rows.append(row)
-    uniform = {k: v for k, v in candidates.items() if not isinstance(v, Balanced)}
+    uniform = {k: v for k, v in candidates.items() if not isinstance(v, Balanced) and v is not BAKE_DEFAULT}
     timed = {r["variant"]: timelines[r["variant"]] for r in rows
              if _usable(r) and timelines.get(r["variant"]) and r["variant"] in uniform}
     if timed and composite:

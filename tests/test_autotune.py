@@ -177,5 +177,7 @@ def test_every_gpu_tune_variant_builds_a_plan(monkeypatch):
     module.opt_in_experimental(list(module.variants()))
     for name, variant in module.variants().items():
         for attention_preload in ((False, True) if name in module.ATTENTION_PRELOAD_VARIANTS else (False,)):
-            build_plan(compiled.ir, inv_freq_buffer=inv_freq, rotary_scaling=scaling, attention_preload=attention_preload,
-                       tuning=module.tuning_for(variant, compiled.plan))
+            plan = build_plan(compiled.ir, inv_freq_buffer=inv_freq, rotary_scaling=scaling,
+                              attention_preload=attention_preload, tuning=module.tuning_for(variant, compiled.plan))
+            if name == "bake":  # the variant that times what `megabake bake` plans
+                assert [s.tiling for s in plan.stages] == [s.tiling for s in compiled.plan.stages]
