@@ -393,9 +393,9 @@ def _logits_over_random_cache(compiled, positions, batch: int, builds: list[dict
 @pytest.mark.parametrize("preset,batch", [("smollm-135m", 1), ("tiny-mistral", 2)])
 def test_kv_prefetch_gives_bit_identical_logits_at_split_boundaries_and_capacity(preset, batch):
     """The K/V L2 prefetch (the default build since session 16; ``kv_prefetch=False`` leaves it out) and its
-    candidate into L1 (``kv_prefetch_l1=True``) only ask caches for rows: from one random 1024-slot cache, one step at positions near 0, around the split boundary of 128
-    and at capacity - 1 gives exactly the logits of the build without it (tiny-mistral: a sliding window, so
-    chunks start past 0)."""
+    candidate into L1 (``kv_prefetch_l1=True``) only ask caches for rows: from one random 1024-slot cache, one
+    step at positions near 0, around the split boundary of 128 and at capacity - 1 gives exactly the logits of
+    the build without it (tiny-mistral: a sliding window, so chunks start past 0)."""
     from megabake.runtime import gpu_info
 
     layers = 4 if preset == "smollm-135m" else None
@@ -428,10 +428,12 @@ def test_merge_preload_gives_bit_identical_logits_with_many_splits(preset, batch
         compiled, positions, batch, [{}, {"merge_preload": True}, {"spread_merge": True}, {"spread_merge": True}])
     assert torch.isfinite(default).all()
     assert torch.equal(preloaded, default)
-    # the spread merge (session 16, a candidate) sums in another order: equal to fp32 rounding; and a second
+    # the spread merge (session 16, a candidate) sums in another order: equal to fp32 rounding (bf16-staged
+    # plans, the batched default, round those differences to bf16: 1e-2 as in _assert_steps_match); and a second
     # kernel gives the same bits (a moving result would be a race in its group wait or counter reset)
+    tolerance = 1e-2 if compiled.plan.staging_dtype == "bfloat16" else 1e-5
     assert torch.isfinite(spread).all()
-    assert float((spread - default).norm() / default.norm()) < 1e-5
+    assert float((spread - default).norm() / default.norm()) < tolerance
     assert torch.equal(again, spread)
 
 
