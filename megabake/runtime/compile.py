@@ -31,8 +31,8 @@ import ast
 import hashlib
 import importlib.util
 import json
-import platform
 import os
+import platform
 import sys
 import tempfile
 import time

@@ -2,8 +2,8 @@
 
 Contract: ``EagerDecoder(model, *, batch=1, capacity=128, exact=True, perturb=None)`` behaves like
 ``MegakernelDecoder`` for verification: ``model``, ``batch``, ``capacity``, ``vocab_size``, ``device``,
-``weight_bytes``, ``reset()``, ``prefill(ids[B, P]) -> [B, V]``, ``step(ids[B] or B ints, position) -> fp32 [B, V]``
-(a view of a static buffer) and ``kv_cache() -> (keys, values)`` each ``[L, B, KVH, C, D]`` bf16.
+``weight_bytes``, ``reset()``, ``prefill(ids[B, P]) -> [B, V]``, ``step(ids[B] or B ints, position) ->
+fp32 [B, V]`` (a view of a static buffer) and ``kv_cache() -> (keys, values)`` each ``[L, B, KVH, C, D]`` bf16.
 ``exact=True`` computes with an fp32 copy of the weights (closer to fp32 than eager bf16 is: numerics
 must pass); ``exact=False`` runs ``model`` itself. ``perturb(step_index, logits) -> logits`` injects
 errors (tests of the failure path). It lets the verify harness run where no megakernel exists: CPU tests,
