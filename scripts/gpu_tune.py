@@ -13,10 +13,11 @@ fastest in that stage, and is measured the same way; its spec is printed (a ``tu
 ``--builds atom red no-kvpf`` also builds each variant with the fire-and-forget grid-barrier arrival
 (``generate(plan, barrier="red")``; rows ``<variant>@red``) and without the L2 prefetch of cached K/V rows before
 the barrier that precedes attention (``generate(plan, kv_prefetch=False)``, the default until session 16; rows
-``<variant>@no-kvpf``), ``kvpf-l1`` that prefetch into L1 instead (``generate(plan, kv_prefetch_l1=True)``) and
-``merge-preload`` the split-KV merge that loads its first partials at once (``generate(plan, merge_preload=True)``)
-and ``spread-merge`` the merge shared out over the group's items (``spread_merge=True``; all three candidates),
-same logits required (``--barriers`` is the older name). ``--ctas N`` runs the persistent
+``<variant>@no-kvpf``), ``kvpf-l1`` that prefetch into L1 instead (``generate(plan, kv_prefetch_l1=True)``, a
+candidate), and the split-KV merges one at a time (the default picks per plan, ``codegen.default_merge``):
+``last-merge`` the plain last-arrival merge (the default until session 17), ``merge-preload`` that merge loading
+its first partials at once, ``spread-merge`` the merge shared out over the group's items; same logits required
+(``--barriers`` is the older name). ``--ctas N`` runs the persistent
 grid on N CTAs instead of one per SM. ``--position 4000 --capacity 4096`` times the step at a long context.
 ``--batch 8`` times batched steps (``mma``: the tensor-core GEMV); ``--phases`` adds each variant's clocks per
 phase of each stage (staging, GEMV, prefetch, barrier wait). Writes OUT/tune-<preset>-b<batch>.json; prints a
@@ -165,7 +166,9 @@ def sync_call(decoder, token, pos: int, reps: int) -> tuple[float, float]:
 # code-generation options a variant can be built with besides the default ("atom"): name -> generate() keywords
 BUILDS = {"atom": {}, "red": {"barrier": "red"}, "red-fence": {"barrier": "red-fence"},
           "no-kvpf": {"kv_prefetch": False}, "kvpf-l1": {"kv_prefetch_l1": True},
-          "merge-preload": {"merge_preload": True}, "spread-merge": {"spread_merge": True}}
+          "last-merge": {"merge_preload": False, "spread_merge": False},
+          "merge-preload": {"merge_preload": True, "spread_merge": False},
+          "spread-merge": {"merge_preload": False, "spread_merge": True}}
 
 
 def timeline(plan, model, tokens, phases: bool = False, build: str = "atom",
@@ -334,10 +337,10 @@ def main() -> None:
                         help="also time every phase of every stage (staging, GEMV, prefetch, barrier wait)")
     parser.add_argument("--builds", "--barriers", dest="builds", nargs="+", default=["atom"], choices=list(BUILDS),
                         help="code-generation options to build each variant with (BUILDS: grid-barrier arrivals of "
-                             "codegen.BARRIER_ARRIVALS; no-kvpf = without the K/V L2 prefetch; kvpf-l1 = that prefetch "
-                             "into L1; merge-preload / spread-merge = split-KV merge candidates): 'atom red no-kvpf' "
-                             "adds <variant>@red and <variant>@no-kvpf rows per variant, checked against the first "
-                             "variant's logits")
+                             "codegen.BARRIER_ARRIVALS; no-kvpf = without the K/V L2 prefetch; kvpf-l1 = that "
+                             "prefetch into L1; last-merge / merge-preload / spread-merge = one split-KV merge "
+                             "only): 'atom red no-kvpf' adds <variant>@red and <variant>@no-kvpf rows per variant, "
+                             "checked against the first variant's logits")
     parser.add_argument("--position", type=int, default=None,
                         help="time the step at this position (< --capacity) instead of the last checked one")
     parser.add_argument("--no-composite", action="store_true",

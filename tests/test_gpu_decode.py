@@ -411,23 +411,28 @@ def test_kv_prefetch_gives_bit_identical_logits_at_split_boundaries_and_capacity
 @pytest.mark.parametrize("preset,batch,capacity", [("tiny-phi4", 1, 4096), ("gemma-2b", 1, 4096),
                                                    ("tiny-mistral", 2, 1024)])
 def test_merge_preload_gives_bit_identical_logits_with_many_splits(preset, batch, capacity):
-    """``generate(plan, merge_preload=True)`` (session 16, written without a GPU): the last arrival of a split-KV
-    group loads its first partial outputs before the merge weights exist, and each split's max and sum once; same
-    sums in the same order, so the same bits as the default merge. Cases: tiny-phi4 at capacity 4096 (2 KV groups:
-    up to 32 active splits, past the 16 preloaded), gemma-2b at 4096 (one KV head, 8 outputs per thread: 2
-    preloaded splits, then blocks of 8; up to 64 active splits), tiny-mistral b2 (sliding window). The spread
-    merge (``spread_merge=True``: each active item merges a slice of its group's outputs; gemma-2b from 32 active
-    splits on, the others from 2) is checked in the same run, to fp32 rounding and run to run."""
+    """``merge_preload=True`` (session 16; the default wherever it fits since session 17): the last arrival of a
+    split-KV group loads its first partial outputs before the merge weights exist, and each split's max and sum
+    once; same sums in the same order, so the same bits as the plain last-arrival merge. Cases: tiny-phi4 at
+    capacity 4096 (2 KV groups: up to 32 active splits, past the 16 preloaded), gemma-2b at 4096 (one KV head, 8
+    outputs per thread: 2 preloaded splits, then blocks of 8; up to 64 active splits), tiny-mistral b2 (sliding
+    window). The spread merge (``spread_merge=True``: each active item merges a slice of its group's outputs;
+    gemma-2b from 32 active splits on, the others from 2) is checked in the same run, to fp32 rounding and run to
+    run; the default build (``codegen.default_merge``: gemma-2b spreads and preloads, the others preload) gives
+    the bits of the spread merge where it spreads, else those of the plain merge."""
+    from megabake.codegen import default_merge
     from megabake.runtime import gpu_info
 
     layers = 2 if preset == "gemma-2b" else None
     compiled = compile_preset(preset, layers=layers, vocab=4096 if layers else None, batch=batch,
                               capacity=capacity, ctas=gpu_info().sm_count)
     positions = sorted({0, 1, 127, 128, 129, 700, 1023, capacity // 2, capacity // 2 + 1, capacity - 1})
-    default, preloaded, spread, again = _logits_over_random_cache(
-        compiled, positions, batch, [{}, {"merge_preload": True}, {"spread_merge": True}, {"spread_merge": True}])
+    only = [{"merge_preload": False, "spread_merge": False}, {"merge_preload": True, "spread_merge": False},
+            {"merge_preload": False, "spread_merge": True}, {"merge_preload": False, "spread_merge": True}, {}]
+    default, preloaded, spread, again, chosen = _logits_over_random_cache(compiled, positions, batch, only)
     assert torch.isfinite(default).all()
     assert torch.equal(preloaded, default)
+    assert torch.equal(chosen, spread if default_merge(compiled.plan)[1] else default)
     # the spread merge (session 16, a candidate) sums in another order: equal to fp32 rounding (bf16-staged
     # plans, the batched default, round those differences to bf16: 1e-2 as in _assert_steps_match); and a second
     # kernel gives the same bits (a moving result would be a race in its group wait or counter reset)

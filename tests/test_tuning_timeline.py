@@ -10,7 +10,7 @@ import torch
 
 from megabake.codegen import generate, timeline_labels
 from megabake.errors import MegaBakeError, PlanError
-from megabake.plan import DEFAULT_TUNING, GEMV_STAGES, GemvTuning, Plan, build_plan
+from megabake.plan import DEFAULT_TUNING, GEMV_STAGES, GemvTuning, Plan, build_plan, kv_splits
 from megabake.plan.reference import reference_executor_for
 from megabake.plan.rotary import exact_inv_freq, recover_rotary
 from megabake.runtime.compile import load_module
@@ -257,31 +257,60 @@ def test_kv_prefetch_asks_l2_for_cached_rows_before_the_barrier_that_precedes_at
 
 @pytest.mark.parametrize("preset", ["tiny-llama", "gemma-2b"])
 def test_merge_preload_is_a_flag_of_split_kv_attention_and_compiles(preset):
-    """``generate(plan, merge_preload=True)`` (a candidate): the split-KV attention call's last argument turns
-    the merge's preload on; nothing else in the kernel changes; it compiles for sm_90a with one output per
-    thread (tiny-llama) and with eight (gemma-2b's head_dim 256: 2 preloaded splits, then blocks of 8)."""
+    """``generate(plan, merge_preload=True)`` (the default wherever it fits since session 17): the split-KV
+    attention call's argument turns the merge's preload on; nothing else in the kernel changes; it compiles for
+    sm_90a with one output per thread (tiny-llama) and with eight (gemma-2b's head_dim 256: 2 preloaded splits,
+    then blocks of 8)."""
     from megabake.runtime.compile import compile_check
 
     compiled = compile_preset(preset, layers=2, vocab=512, capacity=1024)
-    default = generate(compiled.plan).source.split("\n# ====")[0]
+    plain = generate(compiled.plan, merge_preload=False).source.split("\n# ====")[0]
     preloaded = generate(compiled.plan, merge_preload=True).source.split("\n# ====")[0]
-    changed = [(a, b) for a, b in zip(default.splitlines(), preloaded.splitlines()) if a != b]
-    assert len(default.splitlines()) == len(preloaded.splitlines()) and len(changed) == 1
+    changed = [(a, b) for a, b in zip(plain.splitlines(), preloaded.splitlines()) if a != b]
+    assert len(plain.splitlines()) == len(preloaded.splitlines()) and len(changed) == 1
     assert "merge_preload=False" in changed[0][0]
     assert changed[0][1] == changed[0][0].replace("merge_preload=False", "merge_preload=True")
     result = compile_check(compiled.plan, load_module(generate(compiled.plan, merge_preload=True).source))
     assert result.ok, result.error
 
 
-@pytest.mark.parametrize("preset", ["tiny-llama", "gemma-2b"])
-def test_spread_merge_flags_attention_resets_counters_after_its_barrier_and_compiles(preset):
-    """``generate(plan, spread_merge=True)`` (a candidate): the attention call's last argument is set, and the
-    stage after attention starts by zeroing the groups' counters (``split_kv_counts_reset``: the spread merge
-    leaves them at the arrivals); it compiles for sm_90a (one and eight outputs per thread)."""
+@pytest.mark.parametrize("preset,spread", [("tiny-llama", False), ("gemma-2b", True)])
+def test_default_merge_preloads_and_spreads_only_wide_groups(preset, spread):
+    """The default build (session 17, measured on the H200) preloads the merge wherever it fits and spreads it
+    only over groups of SPREAD_MERGE_MIN_OUTPUTS outputs or more (gemma-2b: 8 query heads x 256 on one KV head;
+    tiny-llama: 2 x 64): the default module is the one asked for with those flags, the spread one compiles
+    together with the preload (the preloaded last-arrival merge runs where too few splits are active), and a
+    plan without splits has neither argument."""
+    from megabake.codegen import SPREAD_MERGE_MIN_OUTPUTS, default_merge
     from megabake.runtime.compile import compile_check
 
     compiled = compile_preset(preset, layers=2, vocab=512, capacity=1024)
-    default = generate(compiled.plan).source.split("\n# ====")[0].splitlines()
+    dims = compiled.plan.dims
+    assert (dims.n_heads // dims.n_kv_heads * dims.head_dim >= SPREAD_MERGE_MIN_OUTPUTS) == spread
+    assert default_merge(compiled.plan) == (True, spread)
+    source = generate(compiled.plan).source
+    assert source == generate(compiled.plan, merge_preload=True, spread_merge=spread).source
+    assert f"merge_preload=True, spread_merge={spread})" in source
+    assert ("bodies.split_kv_counts_reset(" in source.split("\n# ====")[0]) == spread
+    if spread:
+        result = compile_check(compiled.plan, load_module(source))
+        assert result.ok, result.error
+    short = compile_preset(preset, layers=2, vocab=512, capacity=128)
+    if not kv_splits(short.plan):
+        assert default_merge(short.plan) == (True, False)
+        assert "merge_preload" not in generate(short.plan).source.split("\n# ====")[0]
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "gemma-2b"])
+def test_spread_merge_flags_attention_resets_counters_after_its_barrier_and_compiles(preset):
+    """``generate(plan, spread_merge=True)`` (the default for wide groups since session 17): the attention call's
+    last argument is set, and the stage after attention starts by zeroing the groups' counters
+    (``split_kv_counts_reset``: the spread merge leaves them at the arrivals); it compiles for sm_90a (one and
+    eight outputs per thread)."""
+    from megabake.runtime.compile import compile_check
+
+    compiled = compile_preset(preset, layers=2, vocab=512, capacity=1024)
+    default = generate(compiled.plan, spread_merge=False).source.split("\n# ====")[0].splitlines()
     source = generate(compiled.plan, spread_merge=True).source
     lines = source.split("\n# ====")[0].splitlines()
     reset = [i for i, line in enumerate(lines) if "bodies.split_kv_counts_reset(" in line]
@@ -293,8 +322,6 @@ def test_spread_merge_flags_attention_resets_counters_after_its_barrier_and_comp
         [line for line in default if "spread_merge=False" not in line]
     result = compile_check(compiled.plan, load_module(source))
     assert result.ok, result.error
-    with pytest.raises(ValueError, match="pick one"):
-        generate(compiled.plan, spread_merge=True, merge_preload=True)
 
 
 def test_merge_preload_refuses_splits_that_overflow_the_attention_scratch(tiny):

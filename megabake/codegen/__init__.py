@@ -185,8 +185,9 @@ class BuildOptions:
     """Code-generation choices that change module.py but not the plan (same buffers, same plan hash): the grid
     barrier's call (``BARRIER_ARRIVALS`` or a watchdog's), the K/V L2 prefetch (:func:`_before_barrier_calls`) and
     the split-KV merge's preload (``bodies.split_kv_attention``), the K/V prefetch into L1 instead of L2
-    (``kv_prefetch_l1``) and the spread split-KV merge (``spread_merge``, with ``bodies.split_kv_counts_reset``
-    after the barrier that follows attention): candidates, off by default."""
+    (``kv_prefetch_l1``, a candidate, off by default) and the spread split-KV merge (``spread_merge``, with
+    ``bodies.split_kv_counts_reset`` after the barrier that follows attention). :func:`generate` picks the two
+    merge options per plan (:func:`default_merge`)."""
 
     barrier: str = BARRIER_ARRIVALS["atom"]
     kv_prefetch: bool = True
@@ -195,10 +196,41 @@ class BuildOptions:
     spread_merge: bool = False
 
 
+# A KV group's outputs (query heads per KV head x head_dim) from which the spread merge is the default: on the H200
+# (session 17, position 2000 / 4000) it took gemma-2b (2048 outputs) from 1.918 to 1.787 ms per step, while the
+# preloaded last-arrival merge was faster for SmolLM-135M (192: 0.483 vs 0.493 ms) and even for Llama-3.2-1B
+# (256: 0.932 vs 0.930 ms, noise).
+SPREAD_MERGE_MIN_OUTPUTS = 1024
+
+
+def merge_preload_fits(plan: Plan) -> bool:
+    """The preload keeps 2 x splits floats per head (each split's max and sum) in the attention scratch."""
+    return 2 * kv_splits(plan) <= (plan.dims.head_dim + 2) * plan.warps
+
+
+def spread_merge_fits(plan: Plan) -> bool:
+    """The spread merge meets in 3 x threads floats of the attention scratch."""
+    group = plan.dims.n_heads // plan.dims.n_kv_heads
+    return not kv_splits(plan) or 3 * plan.threads <= (plan.dims.head_dim + 2) * group * plan.warps
+
+
+def default_merge(plan: Plan) -> tuple[bool, bool]:
+    """(merge_preload, spread_merge) of a default build: the preload wherever it fits (same bits as the plain
+    last-arrival merge, one L2 round trip instead of three: SmolLM-135M at 2000 positions 0.503 -> 0.483 ms, H200
+    session 17); the spread merge for groups of ``SPREAD_MERGE_MIN_OUTPUTS`` outputs or more (the one-KV-head
+    Gemmas), which then runs wherever enough splits are active and the preloaded merge elsewhere."""
+    group_outputs = plan.dims.n_heads // plan.dims.n_kv_heads * plan.dims.head_dim
+    spread = bool(kv_splits(plan)) and group_outputs >= SPREAD_MERGE_MIN_OUTPUTS and spread_merge_fits(plan)
+    return merge_preload_fits(plan), spread
+
+
 def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str = False,
              self_contained: bool = True, watchdog: bool = False, barrier: str = "atom",
-             kv_prefetch: bool = True, kv_prefetch_l1: bool = False, merge_preload: bool = False,
-             spread_merge: bool = False) -> GeneratedModule:
+             kv_prefetch: bool = True, kv_prefetch_l1: bool = False, merge_preload: bool | None = None,
+             spread_merge: bool | None = None) -> GeneratedModule:
+    """module.py of ``plan``. ``merge_preload`` / ``spread_merge``: None picks them per plan
+    (:func:`default_merge`); True asks for one (refused where the attention scratch cannot hold it), False
+    leaves it out (both False: the plain last-arrival merge of sessions 10-16)."""
     if watchdog and timeline:
         raise ValueError("a watchdog build has no timeline: build them separately")
     if barrier not in BARRIER_ARRIVALS:
@@ -207,15 +239,16 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
         raise ValueError("a watchdog build has its own barrier (bodies.grid_barrier_watched): leave barrier='atom'")
     if kv_prefetch_l1 and not kv_prefetch:
         raise ValueError("kv_prefetch_l1 picks where the K/V prefetch lands: it needs kv_prefetch=True")
-    if merge_preload and 2 * kv_splits(plan) > (plan.dims.head_dim + 2) * plan.warps:
+    if merge_preload and not merge_preload_fits(plan):
         raise ValueError(f"merge_preload keeps 2 x {kv_splits(plan)} splits' max and sum per head in the attention "
                          f"scratch, which holds {(plan.dims.head_dim + 2) * plan.warps}: build without it")
-    if spread_merge and merge_preload:
-        raise ValueError("spread_merge and merge_preload are two ways to merge the splits: pick one")
     scratch = (plan.dims.head_dim + 2) * (plan.dims.n_heads // plan.dims.n_kv_heads) * plan.warps
-    if spread_merge and kv_splits(plan) and 3 * plan.threads > scratch:
+    if spread_merge and not spread_merge_fits(plan):
         raise ValueError(f"spread_merge meets in 3 x {plan.threads} floats of the attention scratch, which holds "
                          f"{scratch} for this model: build without it")
+    preload_default, spread_default = default_merge(plan)
+    merge_preload = preload_default if merge_preload is None else merge_preload
+    spread_merge = spread_default if spread_merge is None else spread_merge
     plan_hash = plan_hash or plan.hash
     w = _Writer(keyword_calls=True)
     _header(w, plan, plan_hash, kernel_arguments(plan), self_contained)

@@ -114,7 +114,7 @@ def megakernel(
             first_key=0, s_att=s_att, cta=cta, tidx=tidx, batch=BATCH, n_heads=N_HEADS, n_kv_heads=N_KV_HEADS,
             head_dim=HEAD_DIM, ctas=CTAS, threads=THREADS, scale=ATTN_SCALE, has_qk_norm=False, eps=EPS,
             splits=KV_SPLITS, unroll=ATT_UNROLL, min_chunk=MIN_CHUNK, rotary_dim=HEAD_DIM, whole_qk_norm=False,
-            merge_preload=False, spread_merge=False)
+            merge_preload=True, spread_merge=False)
         bodies.grid_barrier(barrier=barrier, tidx=tidx, ctas=CTAS)
         # ---- stage 3: o_residual (layer) ----
         bodies.copy_to_smem(src=attn, s_vec=s_vec, tidx=tidx, batch=BATCH, width=Q_ROWS, threads=THREADS)
