@@ -245,9 +245,9 @@ def split_kv_attention(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Te
                        merge_preload: cutlass.Constexpr[bool], spread_merge: cutlass.Constexpr[bool]):
     """Flash decoding: RoPE + KV append + attention over positions [first_key, pos], the cached keys split across
     CTAs (``first_key`` is 0, or where the layer's sliding window starts). ``merge_preload``: the merging item
-    loads its first partials at once (:func:`_merge_splits`; a candidate, ``generate(plan, merge_preload=True)``).
-    ``spread_merge``: every active item of a group merges a slice of its outputs (:func:`_merge_spread`, a
-    candidate) where that takes at most two passes, instead of the last arrival merging them all.
+    loads its first partials at once (:func:`_merge_splits`). ``spread_merge``: every active item of a group
+    merges a slice of its outputs (:func:`_merge_spread`) where that takes at most two passes, instead of the last
+    arrival merging them all. ``codegen.default_merge`` picks both per plan.
 
     Work items are (split, batch, KV head), split-major, dealt to CTAs. At this step the ``pos + 1 - first_key``
     visible positions are cut into ``active`` chunks of ``chunk`` positions (a multiple of ``min_chunk``, which is the positions
@@ -461,11 +461,11 @@ def _merge_splits(attn: cute.Tensor, part: cute.Tensor, counts: cute.Tensor, s_f
 def _merge_spread(attn: cute.Tensor, part: cute.Tensor, counts: cute.Tensor, s_scratch: cute.Tensor, b: Int32,
                   kvh: Int32, g: Int32, split: Int32, active: Int32, tidx: Int32, group: cutlass.Constexpr[int],
                   head_dim: cutlass.Constexpr[int], threads: cutlass.Constexpr[int]):
-    """The spread merge (a candidate, ``generate(plan, spread_merge=True)``): every active item of group ``g``
-    arrives at the group's counter (release) and waits (acquire) until all ``active`` have, then merges its own
-    slice of the group's ``group * head_dim`` outputs (item ``split`` takes the ``split``-th of ``active`` equal
-    slices), so no CTA reads every split's partials: the last-arrival merge reads splits x outputs partials through
-    one SM (gemma-2b at 4000 positions: 63 x 2048 floats, ~0.5 MB per layer).
+    """The spread merge (``generate(plan, spread_merge=True)``, the default for wide groups): every active item of
+    group ``g`` arrives at the group's counter (release) and waits (acquire) until all ``active`` have, then
+    merges its own slice of the group's ``group * head_dim`` outputs (item ``split`` takes the ``split``-th of
+    ``active`` equal slices), so no CTA reads every split's partials: the last-arrival merge reads splits x outputs
+    partials through one SM (gemma-2b at 4000 positions: 63 x 2048 floats, ~0.5 MB per layer).
 
     Per output ``SPREAD_LANES`` threads share out the splits, ``SPREAD_LOADS`` at once (one L2 round trip for up
     to 64 splits), keep an online softmax merge (max, sum, accumulator) each, and meet in shared memory
