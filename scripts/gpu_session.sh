@@ -7,11 +7,12 @@
 #          (the real-weights tests need the GGUF on the device: README "Running the GPU tests")
 #   smoke: kernel vs CPU reference executor + step latency per preset       -> OUT/smoke-*.json     (~1-3 min)
 #   mma: the tensor-core GEMV tests (-k mma_gemv: "-k mma" also matches every gemma test) -> OUT/pytest-gpu-mma.log
-#   candidates: session 16's candidates, the K/V prefetch into L1 (generate(plan, kv_prefetch_l1=True)) and the
-#          split-KV merge's preload (merge_preload=True): their GPU tests, then the default build against the L1
-#          prefetch at position 2 -> OUT/pytest-gpu-candidates.log, OUT/tune-*-p2.log, OUT/p2/ (~5 min)
-#   candidates-long: the default build against those and the spread merge (spread_merge=True) at position 2000
-#          (SmolLM) / 4000 (Llama-1B, gemma-2b) -> OUT/tune-*-p{2000,4000}.log, OUT/p{2000,4000}/ (~8 min)
+#   candidates: the GPU tests of the K/V prefetch and split-KV merge builds, then the default build against the
+#          remaining candidate, the K/V prefetch into L1 (generate(plan, kv_prefetch_l1=True)), at position 2
+#          -> OUT/pytest-gpu-candidates.log, OUT/tune-*-p2.log, OUT/p2/ (~5 min)
+#   candidates-long: the default build against that and each split-KV merge alone (gpu_tune builds merge-preload,
+#          spread-merge) at position 2000 (SmolLM) / 4000 (Llama-1B, gemma-2b) -> OUT/tune-*-p{2000,4000}.log,
+#          OUT/p{2000,4000}/ (5 min, session 17)
 #   hang-probe: the tensor-core cases' steps with the barrier watchdog (scripts/gpu_hang_probe.py; a tool for
 #          chasing a kernel that never reaches a grid barrier)                   -> OUT/hang-probe.json (~3 min)
 #   bench: decode benchmark table + chart, all presets in one process          -> OUT/bench/  (~2.5 min per preset;
@@ -94,19 +95,18 @@ tune_candidates() {  # preset capacity position builds...: gpu_tune of the bake'
   summary+=("candidates tune ($preset at $position): rc=$?" "$(grep -E '^(==|\||timeline)' "$log")")
 }
 if [[ " $PARTS " == *" candidates "* ]]; then
-  # session 16's candidates, built without a GPU: the K/V prefetch into L1 instead of L2 (generate(plan,
-  # kv_prefetch_l1=True)) and the split-KV merge's preload (merge_preload=True: the last arrival loads its first
-  # partial outputs, and each split's max and sum once, in one L2 round trip). Their GPU tests (bit-identical
-  # logits), then the default build against the L1 prefetch at position 2 (no merge there: one split)
+  # the K/V prefetch into L1 instead of L2 (generate(plan, kv_prefetch_l1=True), a candidate since session 16)
+  # and the split-KV merges (the preload and the spread merge: the default per plan since session 17). Their GPU
+  # tests (bit-identical logits), then the default build against the L1 prefetch at position 2 (no merge there)
   TEST_LIMIT=240 run_tests candidates "merge_preload or kv_prefetch" tests/test_gpu_decode.py
   collect_tests candidates
   tune_candidates smollm-135m 128 2 kvpf-l1
   tune_candidates llama-3.2-1b 128 2 kvpf-l1
 fi
 if [[ " $PARTS " == *" candidates-long "* ]]; then
-  # ... and against all three at a long context (each preset at the largest bucket it allows), with per-stage
-  # clocks there; the spread merge (spread_merge=True: every item merges a slice of its group's outputs) is meant
-  # for one-KV-head models like gemma-2b (63 splits x 2048 outputs through one SM per layer at 4000)
+  # ... and against it and each merge alone at a long context (each preset at the largest bucket it allows),
+  # with per-stage clocks there; the default spreads the merge only for one-KV-head models like gemma-2b (63
+  # splits x 2048 outputs through one SM per layer at 4000) and preloads it elsewhere (codegen.default_merge)
   tune_candidates smollm-135m 2048 2000 kvpf-l1 merge-preload spread-merge
   tune_candidates llama-3.2-1b 4096 4000 kvpf-l1 merge-preload spread-merge
   tune_candidates gemma-2b 4096 4000 merge-preload spread-merge

@@ -5,7 +5,7 @@ time is mostly CPU work, random init and CuTe DSL compiles, which then overlaps)
 Tests that share a module- or session-scoped fixture (with the same parameter, for a parametrized one) stay in
 one part, so no part builds such a fixture that another part also builds for the same tests. Parts are filled
 costliest group first, each group into the part with the least cost so far; ties keep the collection order. A
-test's cost is its seconds in ``SECONDS`` (the GPU suite's slowest tests on the H200, sessions 15-16, setup +
+test's cost is its seconds in ``SECONDS`` (the GPU suite's slowest tests on the H200, sessions 15-17, setup +
 call), else ``DEFAULT_SECONDS``. Conftest's autouse fixtures (names starting with ``_``) do not group."""
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ SECONDS = {  # node-id fragment -> seconds (first match wins); from `pytest --du
     "bf16_staging_kernel_matches_reference_executor_at_long_context[llama-3.2-1b": 32.0,
     "test_kernel_matches_reference_executor_and_is_stable": 28.0, "test_verify_baked_tiny_package": 25.0,
     "greedy_tokens_on_the_gpu": 21.0, "agree_with_eager[inductor-graph]": 22.0, "test_load_from_hub": 18.0,
-    # estimates (session 16's candidate tests, not yet timed: one kernel build per build option compared)
-    "many_splits[gemma-2b": 70.0, "many_splits": 35.0, "kv_prefetch_gives_bit_identical": 25.0,
+    # the merge and K/V prefetch tests, session 17 (4 shards at once: calls take longer than alone)
+    "many_splits[gemma-2b": 25.0, "many_splits": 15.0, "kv_prefetch_gives_bit_identical": 14.0,
 }
 
 
