@@ -242,8 +242,8 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     if merge_preload and not merge_preload_fits(plan):
         raise ValueError(f"merge_preload keeps 2 x {kv_splits(plan)} splits' max and sum per head in the attention "
                          f"scratch, which holds {(plan.dims.head_dim + 2) * plan.warps}: build without it")
-    scratch = (plan.dims.head_dim + 2) * (plan.dims.n_heads // plan.dims.n_kv_heads) * plan.warps
     if spread_merge and not spread_merge_fits(plan):
+        scratch = (plan.dims.head_dim + 2) * (plan.dims.n_heads // plan.dims.n_kv_heads) * plan.warps
         raise ValueError(f"spread_merge meets in 3 x {plan.threads} floats of the attention scratch, which holds "
                          f"{scratch} for this model: build without it")
     preload_default, spread_default = default_merge(plan)
