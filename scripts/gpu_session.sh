@@ -13,6 +13,8 @@
 #   candidates-long: the default build against that and each split-KV merge alone (gpu_tune builds merge-preload,
 #          spread-merge) at position 2000 (SmolLM) / 4000 (Llama-1B, gemma-2b) -> OUT/tune-*-p{2000,4000}.log,
 #          OUT/p{2000,4000}/ (5 min, session 17)
+#   slices: the default build (split-KV head slices) against head_slices=False at position 16 (gemma-2b,
+#          SmolLM, Llama-1B) -> OUT/tune-*-p16.log, OUT/p16/ (~5 min, session 18)
 #   hang-probe: the tensor-core cases' steps with the barrier watchdog (scripts/gpu_hang_probe.py; a tool for
 #          chasing a kernel that never reaches a grid barrier)                   -> OUT/hang-probe.json (~3 min)
 #   bench: decode benchmark table + chart, all presets in one process          -> OUT/bench/  (~2.5 min per preset;
@@ -110,6 +112,13 @@ if [[ " $PARTS " == *" candidates-long "* ]]; then
   tune_candidates smollm-135m 2048 2000 kvpf-l1 merge-preload spread-merge
   tune_candidates llama-3.2-1b 4096 4000 kvpf-l1 merge-preload spread-merge
   tune_candidates gemma-2b 4096 4000 merge-preload spread-merge
+fi
+if [[ " $PARTS " == *" slices "* ]]; then
+  # split-KV head slices (session 18, the default): against head_slices=False at a short context, per-stage
+  # clocks included (gemma-2b: 8 query heads on one KV head; SmolLM 3 and Llama-1B 4 per KV head)
+  tune_candidates gemma-2b 4096 16 no-slices
+  tune_candidates smollm-135m 128 16 no-slices
+  tune_candidates llama-3.2-1b 128 16 no-slices
 fi
 if [[ " $PARTS " == *" hang-probe "* ]]; then
   # the tensor-core cases' kernel steps built with the barrier watchdog (scripts/gpu_hang_probe.py)

@@ -168,7 +168,8 @@ BUILDS = {"atom": {}, "red": {"barrier": "red"}, "red-fence": {"barrier": "red-f
           "no-kvpf": {"kv_prefetch": False}, "kvpf-l1": {"kv_prefetch_l1": True},
           "last-merge": {"merge_preload": False, "spread_merge": False},
           "merge-preload": {"merge_preload": True, "spread_merge": False},
-          "spread-merge": {"merge_preload": False, "spread_merge": True}}
+          "spread-merge": {"merge_preload": False, "spread_merge": True},
+          "no-slices": {"head_slices": False}}
 
 
 def timeline(plan, model, tokens, phases: bool = False, build: str = "atom",

@@ -415,6 +415,62 @@ def _split_tiny():
     return compile_preset("tiny-llama", capacity=1024)
 
 
+@pytest.mark.parametrize("position,slices", [(0, 2), (128, 2), (129, 2), (300, 1), (1023, 1)])
+def test_head_slices_match_eager_fp32_on_both_sides_of_where_they_stop(position, slices):
+    """Head slices (session 18): on 8 CTAs the tiny model's 2 KV groups get 4 splits each, and the 2 query heads
+    of a group are dealt over 2 items while at most 2 splits are active (positions below 256: one split, or two
+    that merge per (group, slice)), one item per group above that. After an eager prefill of ``position`` tokens
+    one step matches eager fp32 in both regimes, and every slice of the split holding the position appended the
+    same key."""
+    from megabake.plan import slices_at
+    from megabake.runtime import MegakernelDecoder
+    from megabake.verification.numerics import rel_l2, teacher_tokens
+    from megabake.verification.reference import ReferenceDecoder
+
+    compiled = _sliced_tiny()
+    tiling = next(s.tiling for s in compiled.plan.stages if s.kind == "attention")
+    assert (tiling.units, tiling.tiles, tiling.head_slices) == (2, 8, 2)
+    per_split = -(-(position + 1) // 4)  # positions over 4 splits, rounded up to whole 128-position chunks
+    active = -(-(position + 1) // max(128, -(-per_split // 128) * 128))
+    assert slices_at(tiling, active) == slices
+    decoder = MegakernelDecoder(compiled.plan, compiled.generated.source, compiled.model, device="cpu")
+    eager = ReferenceDecoder(compiled.model, capacity=1024, fp32=True)
+    tokens = teacher_tokens(1, position + 1, compiled.model.config.vocab_size, seed=position + 5)
+    if position:
+        decoder.prefill(tokens[:, :position])
+        eager.prefill(tokens[:, :position])
+    assert rel_l2(decoder.step(tokens[:, position], position).clone(), eager.step(tokens[:, position], position)) < 1e-5
+    k_ours, _ = decoder.kv_cache()
+    k_eager, _ = eager.kv_cache()
+    assert torch.allclose(k_ours[:, :, :, position], k_eager[:, :, :, position].float(), atol=1e-5)
+
+
+@functools.lru_cache(maxsize=1)
+def _sliced_tiny():
+    return compile_preset("tiny-llama", capacity=1024, ctas=8)
+
+
+def test_head_slices_are_planned_only_for_groups_of_several_query_heads():
+    """The plan records ``head_slices`` (the largest divisor of a group's query heads that fits the splits) and
+    sizes the arrival counters per (group, slice); a model with one query head per KV head (tiny-phi3) has no
+    slices, and its plan.json does not name them (plans made before them keep their hash). The module's
+    ``HEAD_SLICES`` constant is 1 when built with ``head_slices=False``."""
+    from megabake.codegen import generate
+    from megabake.plan import ATTN_COUNT, slices_at
+
+    gemma = compile_preset("gemma-2b", layers=2, vocab=512, capacity=1024)
+    tiling = next(s.tiling for s in gemma.plan.stages if s.kind == "attention")
+    assert tiling.head_slices == 8 and gemma.plan.buffer(ATTN_COUNT).shape == [8]
+    splits = tiling.tiles // tiling.units
+    assert [slices_at(tiling, a) for a in (1, splits // 8, splits // 8 + 1)] == [8, 8, 1]
+    assert "\nHEAD_SLICES = 8\n" in gemma.generated.source
+    assert "\nHEAD_SLICES = 1\n" in generate(gemma.plan, head_slices=False).source
+    phi = compile_preset("phi-3-mini", layers=2, vocab=512, capacity=1024)
+    tiling = next(s.tiling for s in phi.plan.stages if s.kind == "attention")
+    assert tiling.head_slices == 0 and "head_slices" not in phi.plan.to_json()
+    assert phi.plan.buffer(ATTN_COUNT).shape == [phi.plan.batch * phi.plan.dims.n_kv_heads]
+
+
 def test_generate_stops_at_eos_samples_by_seed_and_streams(tiny):
     """megabake.generation on the reference backend: greedy = HF, EOS stops, same seed = same sample, streamer."""
     import torch

@@ -442,6 +442,36 @@ def test_merge_preload_gives_bit_identical_logits_with_many_splits(preset, batch
     assert torch.equal(again, spread)
 
 
+@pytest.mark.parametrize("preset,batch,capacity", [("gemma-2b", 1, 4096), ("smollm-135m", 1, 1024),
+                                                   ("tiny-mistral", 2, 1024)])
+def test_head_slices_give_bit_identical_logits_near_0_at_split_boundaries_and_at_capacity(preset, batch, capacity):
+    """Head slices (session 18, the default): where few splits are active, a KV group's query heads are dealt
+    over ``head_slices`` items that each score the same K/V rows for their heads. Per head the sums are those of
+    the build without them (``head_slices=False``), in the same order: from one random cache, one step at
+    positions near 0, around split boundaries, where the slices stop and at capacity - 1 gives the same bits
+    (the merge chosen per plan aside: the spread merge runs from fewer active splits on a slice's smaller group,
+    so the default gemma-2b build is compared with and without slices to fp32 rounding). Cases: gemma-2b (8 query
+    heads on one KV head, 8 slices), SmolLM (3 heads per group, 3 KV groups), tiny-mistral b2 (a sliding window:
+    chunks start past 0)."""
+    from megabake.plan import slices_at
+    from megabake.runtime import gpu_info
+
+    layers = 2 if preset in ("gemma-2b", "smollm-135m") else None
+    compiled = compile_preset(preset, layers=layers, vocab=4096 if layers else None, batch=batch,
+                              capacity=capacity, ctas=gpu_info().sm_count)
+    tiling = next(s.tiling for s in compiled.plan.stages if s.kind == "attention")
+    assert tiling.head_slices > 1 and slices_at(tiling, 1) == tiling.head_slices
+    positions = sorted({0, 1, 2, 63, 64, 65, 127, 128, 129, 700, 1023, capacity // 2, capacity - 1})
+    builds = [{"head_slices": False, "spread_merge": False}, {"spread_merge": False}, {"head_slices": False}, {},
+              {}]
+    unsliced, sliced, default_unsliced, default, again = _logits_over_random_cache(compiled, positions, batch, builds)
+    assert torch.isfinite(unsliced).all()
+    assert torch.equal(sliced, unsliced)
+    assert torch.equal(again, default)  # a moving result would be a race between the slices' appends
+    tolerance = 1e-2 if compiled.plan.staging_dtype == "bfloat16" else 1e-5
+    assert float((default - default_unsliced).norm() / default_unsliced.norm()) < tolerance
+
+
 def _assert_bf16_steps_match(compiled):
     """A bf16-staged kernel against the reference executor over a random 1024-slot cache, one step at each of
     positions 0, 1, 2, 127, 128, 129, 700, 1023.

@@ -290,7 +290,7 @@ def test_default_merge_preloads_and_spreads_only_wide_groups(preset, spread):
     assert default_merge(compiled.plan) == (True, spread)
     source = generate(compiled.plan).source
     assert source == generate(compiled.plan, merge_preload=True, spread_merge=spread).source
-    assert f"merge_preload=True, spread_merge={spread})" in source
+    assert f"merge_preload=True, spread_merge={spread}, head_slices=HEAD_SLICES)" in source
     assert ("bodies.split_kv_counts_reset(" in source.split("\n# ====")[0]) == spread
     if spread:
         result = compile_check(compiled.plan, load_module(source))
@@ -318,7 +318,8 @@ def test_spread_merge_flags_attention_resets_counters_after_its_barrier_and_comp
     barrier_after = next(i for i in range(attention, len(lines)) if "bodies.grid_barrier(" in lines[i])
     assert len(reset) == 1 and barrier_after < reset[0]  # once per layer, in the stage after attention's barrier
     assert any("o_residual" in line for line in lines[barrier_after:reset[0]])  # that stage's banner comes first
-    assert [line for line in lines if "counts_reset" not in line and "spread_merge=True" not in line] == \
+    reset_end = next(i for i in range(reset[0], len(lines)) if lines[i].endswith(")"))  # the call, wrapped or not
+    assert [line for line in lines[:reset[0]] + lines[reset_end + 1:] if "spread_merge=True" not in line] == \
         [line for line in default if "spread_merge=False" not in line]
     result = compile_check(compiled.plan, load_module(source))
     assert result.ok, result.error

@@ -6,6 +6,14 @@ cached positions (short contexts stay in one split; at most ``(head_dim + 2) * w
 weights [group, splits] reuse the warps' partial scratch), partial softmax results merged exactly through
 ``ATTN_PART`` by the last arrival counted in ``ATTN_COUNT``; ``heads`` gives each (batch, head) one CTA (the
 layout attention preload needs). ``kv_splits(plan or tiling)`` is the number of splits per group (0 unsplit).
+
+Head slices: where a KV group has several query heads, the tiling also records ``head_slices`` (the largest
+divisor of the group's query heads that is at most the splits): at a step whose ``active`` splits leave room
+(``active * head_slices <= splits``, :func:`slices_at`), each (split, batch, KV head) item is dealt as
+``head_slices`` items of ``group / head_slices`` query heads each, so a short context is not one CTA per KV group
+doing every head of it (gemma-2b: 8 query heads on one KV head). Every slice of the split that holds this step's
+position appends the same new key and value; each (group, slice) merges its own heads, with its own counter in
+``ATTN_COUNT``. Per head the sums are the same as unsliced, in the same order.
 """
 
 from __future__ import annotations
@@ -18,7 +26,7 @@ SPLIT_KV_UNROLL = 4  # K and V rows in flight per lane group and iteration
 SPLIT_KV_MIN_CHUNK = 64  # fewest positions per split (rounded up to a CTA pass x unroll: 128 at head_dim 64);
 # short contexts stay in one split (no merge). H200, gemma-2b at 4000 positions: 64 -> 1.972 ms, 128 -> 2.025
 ATTN_PART = "attn_part"  # split-KV partials [B, heads, splits, head_dim + 2]: accumulator, max, sum
-ATTN_COUNT = "attn_count"  # split-KV arrival counters [B * kv_heads] (int32, reset by the last arrival)
+ATTN_COUNT = "attn_count"  # split-KV arrival counters [B * kv_heads * head slices] (int32, reset after use)
 
 
 def attention_tiling(dims: ModelDims, batch: int, ctas: int, threads: int, split_kv: bool) -> Tiling:
@@ -31,7 +39,21 @@ def attention_tiling(dims: ModelDims, batch: int, ctas: int, threads: int, split
     stride = warps * (WARP // lane_slots)  # positions one CTA pass covers
     step = stride * SPLIT_KV_UNROLL
     min_chunk = -(-SPLIT_KV_MIN_CHUNK // step) * step
-    return Tiling("kv_splits", groups, min_chunk, groups * splits, unroll=SPLIT_KV_UNROLL)
+    return Tiling("kv_splits", groups, min_chunk, groups * splits, unroll=SPLIT_KV_UNROLL,
+                  head_slices=_head_slices(dims.n_heads // dims.n_kv_heads, splits))
+
+
+def _head_slices(group: int, splits: int) -> int:
+    """The largest divisor of ``group`` query heads that is at most ``splits`` (0 where that is 1: no slices)."""
+    slices = max(s for s in range(1, group + 1) if group % s == 0 and s <= splits)
+    return slices if slices > 1 else 0
+
+
+def slices_at(tiling: Tiling, active: int) -> int:
+    """Head slices of a split-KV step with ``active`` splits: the tiling's ``head_slices`` while they fit in the
+    items (``active * head_slices <= splits``), else 1 (one item per (split, batch, KV head))."""
+    slices = tiling.head_slices
+    return slices if slices > 1 and active * slices <= kv_splits(tiling) else 1
 
 
 def kv_splits(plan_or_tiling) -> int:
@@ -48,7 +70,7 @@ def split_kv_buffers(dims: ModelDims, batch: int, stages: list[Stage]) -> list[B
     if not splits:
         return []
     return [Buffer(ATTN_PART, "workspace", "float32", [batch, dims.n_heads, splits, dims.head_dim + 2]),
-            Buffer(ATTN_COUNT, "sync", "int32", [batch * dims.n_kv_heads])]
+            Buffer(ATTN_COUNT, "sync", "int32", [batch * dims.n_kv_heads * max(1, tiling.head_slices)])]
 
 
 def check_attention_preload(dims: ModelDims, batch: int, ctas: int) -> None:

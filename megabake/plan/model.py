@@ -124,6 +124,9 @@ class Tiling:
     # GEMV (the gate/up stage, plain register tiling): its 2-row pairs are a gate row and its up row (packed
     # with ``interleave`` 1) and it writes act(gate) * up once, as the tensor-core path does (experimental).
     gated: bool = False
+    # split-KV attention: 0, or the slices a KV group's query heads are dealt in when few splits are active (short
+    # contexts): item (split, batch, KV head, slice) takes group / head_slices query heads (``plan.attention``)
+    head_slices: int = 0
 
 
 @dataclass
@@ -179,7 +182,7 @@ class Plan:
     def to_dict(self) -> dict:
         data = asdict(self)
         for stage in data["stages"]:  # only tilings that use them name these: older plans keep bytes and hash
-            for flag in ("spread", "preload", "pipeline", "stages", "mma", "gated"):
+            for flag in ("spread", "preload", "pipeline", "stages", "mma", "gated", "head_slices"):
                 if not stage["tiling"].get(flag):
                     stage["tiling"].pop(flag, None)
         if data["dims"]["embed_scale"] == 1.0:  # recorded only where it scales: older plans keep their hash

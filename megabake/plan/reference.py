@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from . import Plan, Stage, WARP
+from .attention import slices_at
 from .packing import torch_dtype
 from .stages import VectorInput, norm_slot, spec_of
 
@@ -235,9 +236,10 @@ class ReferenceExecutor:
         return torch.stack(queries), _rope(k, cos, sin, d.rotated), qkv[b, v_off:v_off + d.head_dim]
 
     def _split_kv_attention(self, stage, layer, position):
-        """Mirror of ``bodies.split_kv_attention``: (split, batch, KV head) items over CTAs, each a partial softmax
-        (max, sum, accumulator) over its chunk for every query head of the group, merged exactly. The chunks cover
-        the visible keys: [0, position], or the layer's sliding window (position - window, position]."""
+        """Mirror of ``bodies.split_kv_attention``: (split, batch, KV head, head slice) items over CTAs, each a
+        partial softmax (max, sum, accumulator) over its chunk for the query heads of its slice of the group (all
+        of them where ``slices_at`` gives 1), merged exactly per (group, slice). The chunks cover the visible keys:
+        [0, position], or the layer's sliding window (position - window, position]."""
         d, plan = self.plan.dims, self.plan
         groups, splits = stage.tiling.units, stage.tiling.tiles // stage.tiling.units
         group = d.n_heads // d.n_kv_heads
@@ -246,33 +248,38 @@ class ReferenceExecutor:
         minimum = stage.tiling.per_tile
         chunk = max(_ceil_div(_ceil_div(n - first_key, splits), minimum) * minimum, minimum)
         active = _ceil_div(n - first_key, chunk)
+        slices = slices_at(stage.tiling, active)
+        heads = group // slices
         owners, partials = {}, {}
         for item in range(groups * splits):
-            split, g = divmod(item, groups)
+            split, virtual = divmod(item, groups * slices)
             owners[item] = (item % plan.ctas, 0)
             if split >= active:
                 continue
+            g, slice_ = divmod(virtual, slices)
             b, kvh = divmod(g, d.n_kv_heads)
             start = first_key + split * chunk
             end = min(start + chunk, n)
             queries, k_new, v_new = self._roped_group(layer, b, kvh, position)
+            queries = queries[slice_ * heads:(slice_ + 1) * heads]
             kc, vc = self.buffers["k_cache"][layer, b, kvh], self.buffers["v_cache"][layer, b, kvh]
-            if end == n:  # the split holding `position` appends this step's key and value
+            if end == n:  # every slice of the split holding `position` appends this step's key and value
                 kc[position], vc[position] = k_new.to(self.cache_dtype), v_new.to(self.cache_dtype)
-            scores = queries @ kc[start:end].float().T  # [G, chunk]
+            scores = queries @ kc[start:end].float().T  # [heads, chunk]
             top = scores.max(dim=1).values
             weights = torch.exp(scores - top[:, None])
-            partials[(g, split)] = (top, weights.sum(dim=1), weights @ vc[start:end].float())
+            partials[(virtual, split)] = (top, weights.sum(dim=1), weights @ vc[start:end].float())
         attn = self.buffers["attn"]
-        for g in range(groups):
+        for virtual in range(groups * slices):
+            g, slice_ = divmod(virtual, slices)
             b, kvh = divmod(g, d.n_kv_heads)
-            parts = [partials[(g, s)] for s in range(active)]
+            parts = [partials[(virtual, s)] for s in range(active)]
             top = torch.stack([p[0] for p in parts]).max(dim=0).values
             scale = [torch.exp(p[0] - top) for p in parts]
             total = sum(p[1] * c for p, c in zip(parts, scale))
             out = sum(p[2] * c[:, None] for p, c in zip(parts, scale)) / total[:, None]
-            first = kvh * group * d.head_dim
-            attn[b, first:first + group * d.head_dim] = out.reshape(-1)
+            first = (kvh * group + slice_ * heads) * d.head_dim
+            attn[b, first:first + heads * d.head_dim] = out.reshape(-1)
         self.tile_owners[stage.name] = owners
 
 

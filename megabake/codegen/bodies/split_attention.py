@@ -24,13 +24,16 @@ SPREAD_LOADS = 8  # splits each of them loads at once (8 x 8: up to 64 splits in
 @cute.jit
 def _rope_group(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Tensor, rope_sin: cute.Tensor,
                 k_cache: cute.Tensor, v_cache: cute.Tensor, s_q: cute.Tensor, s_inv: cute.Tensor, b: Int32,
-                kvh: Int32, pos: Int32, owns_new: Int32, tidx: Int32, n_heads: cutlass.Constexpr[int],
+                kvh: Int32, head0: Int32, pos: Int32, owns_new: Int32, tidx: Int32, n_heads: cutlass.Constexpr[int],
                 n_kv_heads: cutlass.Constexpr[int], head_dim: cutlass.Constexpr[int],
                 threads: cutlass.Constexpr[int], scale: cutlass.Constexpr[float],
                 has_qk_norm: cutlass.Constexpr[bool], eps: cutlass.Constexpr[float],
-                rotary_dim: cutlass.Constexpr[int], whole_qk_norm: cutlass.Constexpr[bool]):
-    """The group's roped queries (pre-scaled by ``scale``) into ``s_q`` [group * head_dim]; the CTA whose split
-    holds ``pos`` (``owns_new``) also ropes this step's key and appends it and the value to the cache.
+                rotary_dim: cutlass.Constexpr[int], whole_qk_norm: cutlass.Constexpr[bool],
+                group: cutlass.Constexpr[int]):
+    """Query heads ``head0 .. head0 + group - 1`` of KV head ``kvh`` (all its query heads, or one head slice of
+    them), roped and pre-scaled by ``scale``, into ``s_q`` [group * head_dim]; a CTA whose split holds ``pos``
+    (``owns_new``) also ropes this step's key and appends it and the value to the cache (with head slices, every
+    slice of that split writes the same bits).
     With ``has_qk_norm`` (Qwen3) q and k are RMS-normalised per head first (one warp per head); with
     ``whole_qk_norm`` too (OLMo-2) over the whole q and k projections (warp 0 and the last warp; ``qk_norm`` is
     then the layer's [q_rows + kv_rows] weights, at the offsets of the qkv row). Feature d pairs
@@ -38,7 +41,6 @@ def _rope_group(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Tensor, r
     warps = threads // WARP
     lane = tidx % WARP
     warp = tidx // WARP
-    group = n_heads // n_kv_heads
     half = rotary_dim // 2
     q_rows = n_heads * head_dim
     kv_rows = n_kv_heads * head_dim
@@ -61,7 +63,7 @@ def _rope_group(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Tensor, r
         for h in range(warp, group + 1, warps):
             offset = q_rows + kvh * head_dim
             if h < group:
-                offset = (kvh * group + h) * head_dim
+                offset = (head0 + h) * head_dim
             total = Float32(0.0)
             for i in cutlass.range_constexpr(head_dim // WARP):
                 value = qkv[b, offset + lane + i * WARP]
@@ -82,7 +84,7 @@ def _rope_group(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Tensor, r
         s = rope_sin[pos, d]
         offset = q_rows + kvh * head_dim
         if h < group:
-            offset = (kvh * group + h) * head_dim
+            offset = (head0 + h) * head_dim
         x_d = qkv[b, offset + d]
         x_p = qkv[b, offset + partner]
         if cutlass.const_expr(whole_qk_norm):
@@ -191,10 +193,11 @@ def split_kv_prefetch(k_cache: cute.Tensor, v_cache: cute.Tensor, pos: Int32, fi
                       tidx: Int32, batch: cutlass.Constexpr[int], n_kv_heads: cutlass.Constexpr[int],
                       head_dim: cutlass.Constexpr[int], threads: cutlass.Constexpr[int],
                       splits: cutlass.Constexpr[int], min_chunk: cutlass.Constexpr[int],
-                      to_l1: cutlass.Constexpr[bool]):
+                      head_slices: cutlass.Constexpr[int], to_l1: cutlass.Constexpr[bool]):
     """Ask L2 (``to_l1``: L1, a candidate) for the cached K and V rows of this CTA's first
-    :func:`split_kv_attention` work item (same dealing: item ``cta``, split-major; same chunking of positions
-    [first_key, pos]), one ``prefetch.global`` per 128-byte line over the CTA's threads.
+    :func:`split_kv_attention` work item (same dealing: item ``cta``, split-major, head slices where they fit;
+    same chunking of positions [first_key, pos]), one ``prefetch.global`` per 128-byte line over the CTA's
+    threads.
 
     Issued before the grid barrier that precedes attention (the default build since session 16):
     the cached rows do not depend on that barrier, so their DRAM latency overlaps the wait and attention's loads
@@ -207,9 +210,13 @@ def split_kv_prefetch(k_cache: cute.Tensor, v_cache: cute.Tensor, pos: Int32, fi
     visible = n - first_key
     chunk = split_chunk(visible, splits, min_chunk)
     active = (visible + chunk - 1) // chunk
-    split = cta // groups
+    slices = Int32(1)
+    if cutlass.const_expr(head_slices > 1):
+        if active * head_slices <= splits:
+            slices = Int32(head_slices)
+    split = cta // (groups * slices)
     if cta < groups * splits and split < active:
-        g = cta - split * groups
+        g = (cta - split * groups * slices) // slices
         b = g // n_kv_heads
         kvh = g - b * n_kv_heads
         start = first_key + split * chunk
@@ -242,7 +249,8 @@ def split_kv_attention(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Te
                        eps: cutlass.Constexpr[float], splits: cutlass.Constexpr[int],
                        unroll: cutlass.Constexpr[int], min_chunk: cutlass.Constexpr[int],
                        rotary_dim: cutlass.Constexpr[int], whole_qk_norm: cutlass.Constexpr[bool],
-                       merge_preload: cutlass.Constexpr[bool], spread_merge: cutlass.Constexpr[bool]):
+                       merge_preload: cutlass.Constexpr[bool], spread_merge: cutlass.Constexpr[bool],
+                       head_slices: cutlass.Constexpr[int]):
     """Flash decoding: RoPE + KV append + attention over positions [first_key, pos], the cached keys split across
     CTAs (``first_key`` is 0, or where the layer's sliding window starts). ``merge_preload``: the merging item
     loads its first partials at once (:func:`_merge_splits`). ``spread_merge``: every active item of a group
@@ -250,21 +258,65 @@ def split_kv_attention(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Te
     arrival merging them all. ``codegen.default_merge`` picks both per plan.
 
     Work items are (split, batch, KV head), split-major, dealt to CTAs. At this step the ``pos + 1 - first_key``
-    visible positions are cut into ``active`` chunks of ``chunk`` positions (a multiple of ``min_chunk``, which is the positions
-    one CTA pass covers x ``unroll``: short contexts stay in one split). An active item ropes its group's
-    queries, scores every cached key row once for all the group's query heads (GQA packing), keeps an online
-    softmax (max, sum, accumulator) per head and lane group, and merges them across lane groups (shuffles) and
-    warps (shared memory). With one active split it writes the normalised output; otherwise it stores its
-    partial (acc, max, sum) in ``part[b, head, split, :]``, and the last item of its group to arrive (an
-    acq_rel counter in ``counts``, reset by that item) merges every split's partial into ``attn``.
+    visible positions are cut into ``active`` chunks of ``chunk`` positions (a multiple of ``min_chunk``, which
+    is the positions one CTA pass covers x ``unroll``: short contexts stay in one split). Where
+    ``active * head_slices <= splits`` (short contexts; ``plan.attention``), each item is dealt as
+    ``head_slices`` items (split, batch, KV head, slice) of ``group / head_slices`` query heads each, so more
+    CTAs share the step's attention: :func:`_split_kv_items` is the same code for a slice as for a whole group.
+    """
+    group = n_heads // n_kv_heads
+    visible = pos + 1 - first_key
+    chunk = split_chunk(visible, splits, min_chunk)
+    active = (visible + chunk - 1) // chunk
+    if cutlass.const_expr(head_slices > 1):
+        if active * head_slices <= splits:
+            _split_kv_items(qkv, qk_norm, rope_cos, rope_sin, k_cache, v_cache, attn, part, counts, pos, first_key,
+                            chunk, active, s_att, cta, tidx, batch, n_heads, n_kv_heads, head_dim, ctas, threads,
+                            scale, has_qk_norm, eps, splits, unroll, rotary_dim, whole_qk_norm, merge_preload,
+                            spread_merge, group // head_slices, head_slices)
+        else:
+            _split_kv_items(qkv, qk_norm, rope_cos, rope_sin, k_cache, v_cache, attn, part, counts, pos, first_key,
+                            chunk, active, s_att, cta, tidx, batch, n_heads, n_kv_heads, head_dim, ctas, threads,
+                            scale, has_qk_norm, eps, splits, unroll, rotary_dim, whole_qk_norm, merge_preload,
+                            spread_merge, group, 1)
+    else:
+        _split_kv_items(qkv, qk_norm, rope_cos, rope_sin, k_cache, v_cache, attn, part, counts, pos, first_key,
+                        chunk, active, s_att, cta, tidx, batch, n_heads, n_kv_heads, head_dim, ctas, threads, scale,
+                        has_qk_norm, eps, splits, unroll, rotary_dim, whole_qk_norm, merge_preload, spread_merge,
+                        group, 1)
 
-    s_att layout (fp32): [0, G*D) roped q | 8 slots: per-head inverse RMS (Qwen3) | flag | then
-    (D + 2) x G x warps partial outputs (accumulator, max, sum).
+
+@cute.jit
+def _split_kv_items(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Tensor, rope_sin: cute.Tensor,
+                    k_cache: cute.Tensor, v_cache: cute.Tensor, attn: cute.Tensor, part: cute.Tensor,
+                    counts: cute.Tensor, pos: Int32, first_key: Int32, chunk: Int32, active: Int32,
+                    s_att: cute.Tensor, cta: Int32, tidx: Int32, batch: cutlass.Constexpr[int],
+                    n_heads: cutlass.Constexpr[int], n_kv_heads: cutlass.Constexpr[int],
+                    head_dim: cutlass.Constexpr[int], ctas: cutlass.Constexpr[int], threads: cutlass.Constexpr[int],
+                    scale: cutlass.Constexpr[float], has_qk_norm: cutlass.Constexpr[bool],
+                    eps: cutlass.Constexpr[float], splits: cutlass.Constexpr[int], unroll: cutlass.Constexpr[int],
+                    rotary_dim: cutlass.Constexpr[int], whole_qk_norm: cutlass.Constexpr[bool],
+                    merge_preload: cutlass.Constexpr[bool], spread_merge: cutlass.Constexpr[bool],
+                    heads: cutlass.Constexpr[int], slices: cutlass.Constexpr[int]):
+    """This CTA's work items of :func:`split_kv_attention` at this step, ``slices`` head slices of ``heads`` query
+    heads each per (split, batch, KV head) (1 slice: the whole group). Item ``i`` is split ``i // (groups x
+    slices)``, then (batch, KV head, slice); the ``heads`` query heads of a slice are a "virtual KV group" of
+    their own: partials, merge and arrival counter (``counts[(batch x kv_heads + kv head) x slices + slice]``).
+
+    An active item ropes its heads' queries, scores every cached key row of its chunk once for all of them (GQA
+    packing), keeps an online softmax (max, sum, accumulator) per head and lane group, and merges them across
+    lane groups (shuffles) and warps (shared memory). With one active split it writes the normalised output;
+    otherwise it stores its partial (acc, max, sum) in ``part[b, head, split, :]``, and the last item of its
+    virtual group to arrive (an acq_rel counter in ``counts``, reset by that item) merges every split's partial
+    into ``attn`` (or, with the spread merge, all its items merge a share each).
+
+    s_att layout (fp32): [0, H*D) roped q | 8 slots: per-head inverse RMS (Qwen3) | flag | then
+    (D + 2) x H x warps partial outputs (accumulator, max, sum), H = ``heads``: within the scratch the plan sizes
+    for a whole group.
     """
     warps = threads // WARP
     lane = tidx % WARP
     warp = tidx // WARP
-    group = n_heads // n_kv_heads
     lanes_per_pos = head_dim // VEC
     lane_slots = 1 << (lanes_per_pos - 1).bit_length()  # a lane group: lanes_per_pos padded to a power of two
     pos_per_warp = WARP // lane_slots
@@ -277,42 +329,42 @@ def split_kv_attention(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Te
             writer = Int32(1)
     width = head_dim + 2
     groups = batch * n_kv_heads
-    s_q = cute.make_tensor(s_att.iterator, cute.make_layout(group * head_dim))
-    s_inv = cute.make_tensor(s_att.iterator + group * head_dim, cute.make_layout(group + 1))
-    s_flag = cute.make_tensor(s_att.iterator + group * head_dim + 8 * ((group + 8) // 8), cute.make_layout(1))
-    s_part = cute.make_tensor(s_att.iterator + group * head_dim + 8 * ((group + 8) // 8) + 8,
-                              cute.make_layout((width, group, warps)))
-    s_weight = cute.make_tensor(s_part.iterator, cute.make_layout((group, splits)))  # reuses s_part when merging
+    virtual_groups = groups * slices
+    s_q = cute.make_tensor(s_att.iterator, cute.make_layout(heads * head_dim))
+    s_inv = cute.make_tensor(s_att.iterator + heads * head_dim, cute.make_layout(heads + 1))
+    s_flag = cute.make_tensor(s_att.iterator + heads * head_dim + 8 * ((heads + 8) // 8), cute.make_layout(1))
+    s_part = cute.make_tensor(s_att.iterator + heads * head_dim + 8 * ((heads + 8) // 8) + 8,
+                              cute.make_layout((width, heads, warps)))
+    s_weight = cute.make_tensor(s_part.iterator, cute.make_layout((heads, splits)))  # reuses s_part when merging
     n = pos + 1
-    visible = n - first_key
-    chunk = split_chunk(visible, splits, min_chunk)
-    active = (visible + chunk - 1) // chunk
-    m = cute.make_rmem_tensor(cute.make_layout(group), Float32)
-    l = cute.make_rmem_tensor(cute.make_layout(group), Float32)
-    acc = cute.make_rmem_tensor(cute.make_layout(group * VEC), Float32)
+    m = cute.make_rmem_tensor(cute.make_layout(heads), Float32)
+    l = cute.make_rmem_tensor(cute.make_layout(heads), Float32)
+    acc = cute.make_rmem_tensor(cute.make_layout(heads * VEC), Float32)
     other = cute.make_rmem_tensor(cute.make_layout(VEC), Float32)
     for item in range(cta, groups * splits, ctas):
-        split = item // groups
-        g = item - split * groups
+        split = item // virtual_groups
+        vg = item - split * virtual_groups  # (batch, KV head, slice)
         if split < active:
+            g = vg // slices
             b = g // n_kv_heads
             kvh = g - b * n_kv_heads
+            vkvh = vg - b * n_kv_heads * slices  # kvh x slices + slice: the slice's heads start at vkvh x heads
             start = first_key + split * chunk
             end = cutlass.min(start + chunk, n)
             owns_new = Int32(0)
             if end == n:
                 owns_new = Int32(1)
-            _rope_group(qkv, qk_norm, rope_cos, rope_sin, k_cache, v_cache, s_q, s_inv, b, kvh, pos, owns_new,
-                        tidx, n_heads, n_kv_heads, head_dim, threads, scale, has_qk_norm, eps, rotary_dim,
-                        whole_qk_norm)
-            for h in cutlass.range_constexpr(group):
+            _rope_group(qkv, qk_norm, rope_cos, rope_sin, k_cache, v_cache, s_q, s_inv, b, kvh, vkvh * heads, pos,
+                        owns_new, tidx, n_heads, n_kv_heads, head_dim, threads, scale, has_qk_norm, eps, rotary_dim,
+                        whole_qk_norm, heads)
+            for h in cutlass.range_constexpr(heads):
                 m[h] = Float32(ATT_NEG)
                 l[h] = Float32(0.0)
-            for e in cutlass.range_constexpr(group * VEC):
+            for e in cutlass.range_constexpr(heads * VEC):
                 acc[e] = Float32(0.0)
             _online_softmax_chunk(k_cache[b, kvh, None, None], v_cache[b, kvh, None, None], s_q, m, l, acc,
-                                  start + warp * pos_per_warp, end, grp, sub, group, lanes_per_pos, stride, unroll)
-            for h in cutlass.range_constexpr(group):  # lane groups of a warp: butterfly merge
+                                  start + warp * pos_per_warp, end, grp, sub, heads, lanes_per_pos, stride, unroll)
+            for h in cutlass.range_constexpr(heads):  # lane groups of a warp: butterfly merge
                 offset = lane_slots
                 while cutlass.const_expr(offset < WARP):
                     m_o = cute.arch.shuffle_sync_bfly(m[h], offset)
@@ -328,7 +380,7 @@ def split_kv_attention(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Te
                         s_part[head_dim, h, warp] = m[h]
                         s_part[head_dim + 1, h, warp] = l[h]
             cute.arch.sync_threads()
-            for i in range(tidx, group * head_dim, threads):  # warps: merge, then output or partial
+            for i in range(tidx, heads * head_dim, threads):  # warps: merge, then output or partial
                 h = i // head_dim
                 d = i - h * head_dim
                 top = s_part[head_dim, h, 0]
@@ -340,7 +392,7 @@ def split_kv_attention(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Te
                     weight = cute.math.exp(s_part[head_dim, h, w] - top)
                     total = total + s_part[head_dim + 1, h, w] * weight
                     out = out + s_part[d, h, w] * weight
-                head = kvh * group + h
+                head = vkvh * heads + h
                 if active == 1:
                     attn[b, head * head_dim + d] = out / total
                 else:
@@ -350,14 +402,14 @@ def split_kv_attention(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Te
                         part[b, head, split, head_dim + 1] = total
             if active > 1:
                 if cutlass.const_expr(spread_merge):
-                    if active * 2 * (threads // SPREAD_LANES) >= group * head_dim:  # at most two passes each
-                        _merge_spread(attn, part, counts, s_part, b, kvh, g, split, active, tidx, group, head_dim,
+                    if active * 2 * (threads // SPREAD_LANES) >= heads * head_dim:  # at most two passes each
+                        _merge_spread(attn, part, counts, s_part, b, vkvh, vg, split, active, tidx, heads, head_dim,
                                       threads)
                     else:
-                        _merge_splits(attn, part, counts, s_flag, s_weight, b, kvh, g, active, tidx, group,
+                        _merge_splits(attn, part, counts, s_flag, s_weight, b, vkvh, vg, active, tidx, heads,
                                       head_dim, threads, splits, merge_preload)
                 else:
-                    _merge_splits(attn, part, counts, s_flag, s_weight, b, kvh, g, active, tidx, group, head_dim,
+                    _merge_splits(attn, part, counts, s_flag, s_weight, b, vkvh, vg, active, tidx, heads, head_dim,
                                   threads, splits, merge_preload)
             cute.arch.sync_threads()
 
@@ -367,7 +419,8 @@ def _merge_splits(attn: cute.Tensor, part: cute.Tensor, counts: cute.Tensor, s_f
                   s_weight: cute.Tensor, b: Int32, kvh: Int32, g: Int32, active: Int32, tidx: Int32,
                   group: cutlass.Constexpr[int], head_dim: cutlass.Constexpr[int], threads: cutlass.Constexpr[int],
                   splits: cutlass.Constexpr[int], preload: cutlass.Constexpr[bool]):
-    """Arrive at group ``g``'s counter (release: this CTA's partials first); the last of ``active`` arrivals
+    """Arrive at group ``g``'s counter (release: this CTA's partials first; ``g``, ``kvh``, ``group`` name a
+    virtual group of :func:`_split_kv_items`, whose heads start at ``kvh * group``); the last of ``active`` arrivals
     (acquire: everyone's partials visible) resets the counter and merges the partials into ``attn``: one warp
     per head turns the splits' (max, sum) into weights exp(m_s - max) / total in ``s_weight`` [group, splits],
     then each thread sums its outputs over the splits, ``MERGE_UNROLL`` splits x all its outputs loaded at once
