@@ -142,15 +142,22 @@ if [[ " $PARTS " == *" bench "* ]]; then
     cp "$BENCH_RESUME"/*-report.json "$work"/ 2>/dev/null
     resume=(--resume)
   fi
-  timeout 560 python3 benchmarks/decode.py --presets "${PRESETS[@]}" --out "$work" "${resume[@]}" ${BENCH_ARGS:-} \
+  read -r -a bench_args <<<"${BENCH_ARGS:-}"  # BENCH_ARGS is a list of words
+  timeout 560 python3 benchmarks/decode.py --presets "${PRESETS[@]}" --out "$work" "${resume[@]}" "${bench_args[@]}" \
     >"$OUT/bench.log" 2>&1
   rc=$?
   mkdir -p "$OUT/bench"
+  # decode.md / decode.png / results.json without --positions; matrix.md (and the archive's matrix.*) with it
   cp "$work"/decode.md "$work"/decode.png "$work"/results.json "$work"/decode.log "$work"/matrix.md "$OUT/bench"/ \
     2>/dev/null
   # matrix mode (--positions): its chart, JSON and per-cell timings travel in the archive too
-  (cd "$work" && tar -czf "$OUT/bench/artifacts.tar.gz" --transform 's,^,bench/,' \
-    $(ls -d *-report.json *-package.tar.gz matrix.png matrix.json matrix 2>/dev/null))
+  (
+    cd "$work" || exit
+    shopt -s nullglob
+    archived=(./*-report.json ./*-package.tar.gz)
+    for name in matrix.png matrix.json matrix; do [[ -e $name ]] && archived+=("./$name"); done
+    tar -czf "$OUT/bench/artifacts.tar.gz" --transform 's,^\./,bench/,' "${archived[@]}"
+  )
   summary+=("bench: rc=$rc" "$(cat "$work/decode.md" "$work/matrix.md" 2>/dev/null)")
 fi
 if [[ " $PARTS " == *" tune "* ]]; then
