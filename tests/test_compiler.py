@@ -422,7 +422,7 @@ def test_head_slices_match_eager_fp32_on_both_sides_of_where_they_stop(position,
     that merge per (group, slice)), one item per group above that. After an eager prefill of ``position`` tokens
     one step matches eager fp32 in both regimes, and every slice of the split holding the position appended the
     same key."""
-    from megabake.plan import slices_at
+    from megabake.plan import slices_at, split_chunks
     from megabake.runtime import MegakernelDecoder
     from megabake.verification.numerics import rel_l2, teacher_tokens
     from megabake.verification.reference import ReferenceDecoder
@@ -430,9 +430,7 @@ def test_head_slices_match_eager_fp32_on_both_sides_of_where_they_stop(position,
     compiled = _sliced_tiny()
     tiling = next(s.tiling for s in compiled.plan.stages if s.kind == "attention")
     assert (tiling.units, tiling.tiles, tiling.head_slices) == (2, 8, 2)
-    per_split = -(-(position + 1) // 4)  # positions over 4 splits, rounded up to whole 128-position chunks
-    active = -(-(position + 1) // max(128, -(-per_split // 128) * 128))
-    assert slices_at(tiling, active) == slices
+    assert slices_at(tiling, split_chunks(tiling, position + 1)[1]) == slices
     decoder = MegakernelDecoder(compiled.plan, compiled.generated.source, compiled.model, device="cpu")
     eager = ReferenceDecoder(compiled.model, capacity=1024, fp32=True)
     tokens = teacher_tokens(1, position + 1, compiled.model.config.vocab_size, seed=position + 5)
@@ -452,7 +450,7 @@ def _sliced_tiny():
 
 def test_head_slices_are_planned_only_for_groups_of_several_query_heads():
     """The plan records ``head_slices`` (the largest divisor of a group's query heads that fits the splits) and
-    sizes the arrival counters per (group, slice); a model with one query head per KV head (tiny-phi3) has no
+    sizes the arrival counters per (group, slice); a model with one query head per KV head (Phi-3-mini) has no
     slices, and its plan.json does not name them (plans made before them keep their hash). The module's
     ``HEAD_SLICES`` constant is 1 when built with ``head_slices=False``."""
     from megabake.codegen import generate

@@ -49,6 +49,15 @@ def _head_slices(group: int, splits: int) -> int:
     return slices if slices > 1 else 0
 
 
+def split_chunks(tiling: Tiling, visible: int) -> tuple[int, int]:
+    """(positions per split, active splits) of a split-KV step over ``visible`` positions, as the kernel cuts them
+    (``bodies.split_chunk``): the positions over the splits, rounded up to whole ``per_tile`` chunks."""
+    minimum = tiling.per_tile
+    per_split = -(-visible // kv_splits(tiling))
+    chunk = max(-(-per_split // minimum) * minimum, minimum)
+    return chunk, -(-visible // chunk)
+
+
 def slices_at(tiling: Tiling, active: int) -> int:
     """Head slices of a split-KV step with ``active`` splits: the tiling's ``head_slices`` while they fit in the
     items (``active * head_slices <= splits``), else 1 (one item per (split, batch, KV head))."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from . import Plan, Stage, WARP
-from .attention import slices_at
+from .attention import slices_at, split_chunks
 from .packing import torch_dtype
 from .stages import VectorInput, norm_slot, spec_of
 
@@ -245,9 +245,7 @@ class ReferenceExecutor:
         group = d.n_heads // d.n_kv_heads
         n = position + 1
         first_key = max(n - plan.attn_window_table()[layer], 0) if plan.has_windows else 0  # sliding window
-        minimum = stage.tiling.per_tile
-        chunk = max(_ceil_div(_ceil_div(n - first_key, splits), minimum) * minimum, minimum)
-        active = _ceil_div(n - first_key, chunk)
+        chunk, active = split_chunks(stage.tiling, n - first_key)
         slices = slices_at(stage.tiling, active)
         heads = group // slices
         owners, partials = {}, {}
@@ -288,10 +286,6 @@ _ACTIVATIONS = {  # the model's activation in act(gate) * up (megabake.plan.stag
     "gelu_tanh": lambda g: torch.nn.functional.gelu(g, approximate="tanh"),
     "gelu": torch.nn.functional.gelu,
 }
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotated: int) -> torch.Tensor:
