@@ -448,6 +448,56 @@ def _sliced_tiny():
     return compile_preset("tiny-llama", capacity=1024, ctas=8)
 
 
+@functools.lru_cache(maxsize=1)
+def _long_sliced_tiny():
+    return compile_preset("tiny-gemma", capacity=1024, ctas=12)
+
+
+@pytest.mark.parametrize("position,dealt", [(100, (128, 1, 4)), (600, (128, 5, 2)), (800, (384, 3, 4)),
+                                             (1023, (384, 3, 4))])
+def test_long_context_slices_match_eager_fp32(position, dealt):
+    """Head slices at long contexts (session 19, ``plan.split_schedule``): tiny-gemma's 4 query heads on one KV
+    head over 12 splits are dealt as 2 slices of 2 heads over the same 128-position chunks at 600 positions, and
+    as 4 slices of one head over 3 chunks of 384 at 800 (the short-context rule deals one item per split from
+    385 positions on). After an eager prefill one step matches eager fp32 in each regime."""
+    from megabake.plan import split_schedule
+    from megabake.runtime import MegakernelDecoder
+    from megabake.verification.numerics import rel_l2, teacher_tokens
+    from megabake.verification.reference import ReferenceDecoder
+
+    compiled = _long_sliced_tiny()
+    tiling = next(s.tiling for s in compiled.plan.stages if s.kind == "attention")
+    step = split_schedule(tiling, position + 1)
+    assert (step.chunk, step.active, step.slices) == dealt
+    assert split_schedule(tiling, position + 1, long_slices=False).slices == (4 if position < 384 else 1)
+    decoder = MegakernelDecoder(compiled.plan, compiled.generated.source, compiled.model, device="cpu")
+    eager = ReferenceDecoder(compiled.model, capacity=1024, fp32=True)
+    tokens = teacher_tokens(1, position + 1, compiled.model.config.vocab_size, seed=position + 7)
+    decoder.prefill(tokens[:, :position])
+    eager.prefill(tokens[:, :position])
+    assert rel_l2(decoder.step(tokens[:, position], position).clone(), eager.step(tokens[:, position], position)) < 1e-5
+
+
+@pytest.mark.parametrize("preset,ctas", [("smollm-135m", 132), ("gemma-2b", 132), ("qwen2.5-0.5b", 132),
+                                         ("llama-3.2-1b", 132), ("tiny-gemma", 12), ("tiny-llama", 8)])
+def test_split_schedule_covers_the_keys_within_the_items_and_never_adds_work(preset, ctas):
+    """At every context up to 8192 positions the long-context dealing covers the visible keys exactly (the last
+    chunk holds the newest key), fits its items in the splits, gives each item no more work (positions x query
+    heads) than the short-context rule, and deals exactly as that rule wherever that rule slices."""
+    from megabake.plan import kv_splits, split_schedule
+
+    compiled = compile_preset(preset, layers=1, vocab=256, capacity=2048, ctas=ctas)  # the tiling is not the bucket's
+    tiling = next(s.tiling for s in compiled.plan.stages if s.kind == "attention")
+    splits, group = kv_splits(tiling), compiled.plan.dims.n_heads // compiled.plan.dims.n_kv_heads
+    for visible in range(1, 8193):
+        new, old = split_schedule(tiling, visible), split_schedule(tiling, visible, long_slices=False)
+        assert (new.active - 1) * new.chunk < visible <= new.active * new.chunk
+        assert new.active * new.slices <= splits and group % new.slices == 0
+        assert new.chunk * group // new.slices <= old.chunk * group // old.slices
+        if old.slices > 1:
+            assert new == old
+
+
 def test_head_slices_are_planned_only_for_groups_of_several_query_heads():
     """The plan records ``head_slices`` (the largest divisor of a group's query heads that fits the splits) and
     sizes the arrival counters per (group, slice); a model with one query head per KV head (Phi-3-mini) has no

@@ -14,9 +14,17 @@ divisor of the group's query heads that is at most the splits): at a step whose 
 doing every head of it (gemma-2b: 8 query heads on one KV head). Every slice of the split that holds this step's
 position appends the same new key and value; each (group, slice) merges its own heads, with its own counter in
 ``ATTN_COUNT``. Per head the sums are the same as unsliced, in the same order.
+
+Long contexts (:func:`split_schedule`, session 19): where the splits are all in use, a step may still deal
+``s`` slices (any divisor of ``head_slices``) over fewer, longer splits (at most ``splits // s`` of them) when
+that gives each item less work, positions x query heads: SmolLM-135M at 2000 positions reads 128 positions for
+3 heads per item unsliced and 256 positions for 1 head with 3 slices. Where the short-context rule above deals
+slices, this one deals the same (the same chunk, the same bits).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from ..errors import PlanError
 from .model import WARP, Buffer, ModelDims, Plan, Stage, Tiling
@@ -27,6 +35,8 @@ SPLIT_KV_MIN_CHUNK = 64  # fewest positions per split (rounded up to a CTA pass 
 # short contexts stay in one split (no merge). H200, gemma-2b at 4000 positions: 64 -> 1.972 ms, 128 -> 2.025
 ATTN_PART = "attn_part"  # split-KV partials [B, heads, splits, head_dim + 2]: accumulator, max, sum
 ATTN_COUNT = "attn_count"  # split-KV arrival counters [B * kv_heads * head slices] (int32, reset after use)
+LONG_SLICES = True  # the default dealing deals head slices at long contexts too (split_schedule): the kernel's
+# default build (codegen.generate's long_slices) and the reference executor read it, so they deal alike
 
 
 def attention_tiling(dims: ModelDims, batch: int, ctas: int, threads: int, split_kv: bool) -> Tiling:
@@ -49,20 +59,55 @@ def _head_slices(group: int, splits: int) -> int:
     return slices if slices > 1 else 0
 
 
+def split_chunk(visible: int, splits: int, minimum: int) -> int:
+    """Positions per split-KV item when ``visible`` positions are cut into at most ``splits`` items: the fewest
+    whole ``minimum`` chunks that do it (as the kernel: ``bodies.split_chunk``)."""
+    per_split = -(-visible // splits)
+    return max(-(-per_split // minimum) * minimum, minimum)
+
+
 def split_chunks(tiling: Tiling, visible: int) -> tuple[int, int]:
-    """(positions per split, active splits) of a split-KV step over ``visible`` positions, as the kernel cuts them
-    (``bodies.split_chunk``): the positions over the splits, rounded up to whole ``per_tile`` chunks."""
-    minimum = tiling.per_tile
-    per_split = -(-visible // kv_splits(tiling))
-    chunk = max(-(-per_split // minimum) * minimum, minimum)
+    """(positions per split, active splits) of a split-KV step over ``visible`` positions with one item per
+    (split, batch, KV head): the positions over the splits, rounded up to whole ``per_tile`` chunks."""
+    chunk = split_chunk(visible, kv_splits(tiling), tiling.per_tile)
     return chunk, -(-visible // chunk)
 
 
 def slices_at(tiling: Tiling, active: int) -> int:
-    """Head slices of a split-KV step with ``active`` splits: the tiling's ``head_slices`` while they fit in the
-    items (``active * head_slices <= splits``), else 1 (one item per (split, batch, KV head))."""
+    """Head slices of a split-KV step with ``active`` splits under the short-context rule: the tiling's
+    ``head_slices`` while they fit in the items (``active * head_slices <= splits``), else 1."""
     slices = tiling.head_slices
     return slices if slices > 1 and active * slices <= kv_splits(tiling) else 1
+
+
+@dataclass(frozen=True)
+class SplitStep:
+    """How one split-KV step deals its ``visible`` positions: ``active`` chunks of ``chunk`` positions, each
+    chunk as ``slices`` items of group / slices query heads."""
+
+    chunk: int
+    active: int
+    slices: int
+
+
+def split_schedule(tiling: Tiling, visible: int, long_slices: bool = LONG_SLICES) -> SplitStep:
+    """The kernel's dealing of a split-KV step (``bodies.split_schedule``). Without ``long_slices``: the chunks of
+    :func:`split_chunks`, sliced by :func:`slices_at`. With it, each divisor ``s`` of ``head_slices`` is tried
+    with its smallest chunk that needs at most ``splits // s`` splits, and the one whose items do the least work
+    (chunk x heads per item) is dealt, the fewest slices on a tie. Where the first rule slices, both agree."""
+    chunk, active = split_chunks(tiling, visible)
+    slices = slices_at(tiling, active)
+    if not long_slices or tiling.head_slices <= 1:
+        return SplitStep(chunk, active, slices)
+    splits, best = kv_splits(tiling), None
+    for s in range(1, tiling.head_slices + 1):
+        if tiling.head_slices % s == 0:
+            size = split_chunk(visible, splits // s, tiling.per_tile)
+            work = size * (tiling.head_slices // s)
+            if best is None or work < best[0]:
+                best = (work, size, s)
+    _, chunk, slices = best
+    return SplitStep(chunk, -(-visible // chunk), slices)
 
 
 def kv_splits(plan_or_tiling) -> int:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from . import Plan, Stage, WARP
-from .attention import slices_at, split_chunks
+from .attention import split_schedule
 from .packing import torch_dtype
 from .stages import VectorInput, norm_slot, spec_of
 
@@ -238,15 +238,15 @@ class ReferenceExecutor:
     def _split_kv_attention(self, stage, layer, position):
         """Mirror of ``bodies.split_kv_attention``: (split, batch, KV head, head slice) items over CTAs, each a
         partial softmax (max, sum, accumulator) over its chunk for the query heads of its slice of the group (all
-        of them where ``slices_at`` gives 1), merged exactly per (group, slice). The chunks cover the visible keys:
-        [0, position], or the layer's sliding window (position - window, position]."""
+        of them where ``split_schedule`` deals one slice), merged exactly per (group, slice). The chunks cover the
+        visible keys: [0, position], or the layer's sliding window (position - window, position]."""
         d, plan = self.plan.dims, self.plan
         groups, splits = stage.tiling.units, stage.tiling.tiles // stage.tiling.units
         group = d.n_heads // d.n_kv_heads
         n = position + 1
         first_key = max(n - plan.attn_window_table()[layer], 0) if plan.has_windows else 0  # sliding window
-        chunk, active = split_chunks(stage.tiling, n - first_key)
-        slices = slices_at(stage.tiling, active)
+        dealt = split_schedule(stage.tiling, n - first_key)
+        chunk, active, slices = dealt.chunk, dealt.active, dealt.slices
         heads = group // slices
         owners, partials = {}, {}
         for item in range(groups * splits):
