@@ -16,7 +16,7 @@
 #   slices: the default build (split-KV head slices) against head_slices=False at position 16 (gemma-2b,
 #          SmolLM, Llama-1B) -> OUT/tune-*-p16.log, OUT/p16/ (~5 min, session 18)
 #   long-slices: the default build (head slices at long contexts too) against long_slices=False at 2000 (SmolLM) /
-#          4000 (gemma-2b, Qwen2.5-0.5B) / 1000 (Llama-1B) -> OUT/tune-*-p*.log, OUT/p*/ (~6 min, session 19)
+#          4000 (gemma-2b, Qwen2.5-0.5B) -> OUT/tune-*-p*.log, OUT/p*/ (~5 min, session 19)
 #   hang-probe: the tensor-core cases' steps with the barrier watchdog (scripts/gpu_hang_probe.py; a tool for
 #          chasing a kernel that never reaches a grid barrier)                   -> OUT/hang-probe.json (~3 min)
 #   bench: decode benchmark table + chart, all presets in one process          -> OUT/bench/  (~2.5 min per preset;
@@ -128,7 +128,6 @@ if [[ " $PARTS " == *" long-slices "* ]]; then
   tune_candidates smollm-135m 2048 2000 short-slices
   tune_candidates gemma-2b 4096 4000 short-slices
   tune_candidates qwen2.5-0.5b 4096 4000 short-slices
-  tune_candidates llama-3.2-1b 4096 1000 short-slices
 fi
 if [[ " $PARTS " == *" hang-probe "* ]]; then
   # the tensor-core cases' kernel steps built with the barrier watchdog (scripts/gpu_hang_probe.py)
