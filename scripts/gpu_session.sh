@@ -17,6 +17,8 @@
 #          SmolLM, Llama-1B) -> OUT/tune-*-p16.log, OUT/p16/ (~5 min, session 18)
 #   long-slices: the default build (head slices at long contexts too) against long_slices=False at 2000 (SmolLM) /
 #          4000 (gemma-2b, Qwen2.5-0.5B) -> OUT/tune-*-p*.log, OUT/p*/ (~5 min, session 19)
+#   pass-chunks: the GPU test of split-KV chunks in whole CTA passes (a candidate), then the default build against
+#          it at 2000 (SmolLM) / 4000 (Qwen2.5-0.5B) -> OUT/pytest-gpu-pass-chunks.log, OUT/tune-*-p*.log (~5 min?)
 #   hang-probe: the tensor-core cases' steps with the barrier watchdog (scripts/gpu_hang_probe.py; a tool for
 #          chasing a kernel that never reaches a grid barrier)                   -> OUT/hang-probe.json (~3 min)
 #   bench: decode benchmark table + chart, all presets in one process          -> OUT/bench/  (~2.5 min per preset;
@@ -128,6 +130,14 @@ if [[ " $PARTS " == *" long-slices "* ]]; then
   tune_candidates smollm-135m 2048 2000 short-slices
   tune_candidates gemma-2b 4096 4000 short-slices
   tune_candidates qwen2.5-0.5b 4096 4000 short-slices
+fi
+if [[ " $PARTS " == *" pass-chunks "* ]]; then
+  # split-KV chunks in whole CTA passes (generate(plan, pass_chunks=True), a candidate since session 19): its GPU
+  # test, then the default build against it where the two cut differently
+  TEST_LIMIT=240 run_tests pass-chunks "pass_chunks" tests/test_gpu_decode.py
+  collect_tests pass-chunks
+  tune_candidates smollm-135m 2048 2000 pass-chunks
+  tune_candidates qwen2.5-0.5b 4096 4000 pass-chunks
 fi
 if [[ " $PARTS " == *" hang-probe "* ]]; then
   # the tensor-core cases' kernel steps built with the barrier watchdog (scripts/gpu_hang_probe.py)

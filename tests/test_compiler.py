@@ -480,22 +480,31 @@ def test_long_context_slices_match_eager_fp32(position, dealt):
 
 @pytest.mark.parametrize("preset,ctas", [("smollm-135m", 132), ("gemma-2b", 132), ("qwen2.5-0.5b", 132),
                                          ("llama-3.2-1b", 132), ("tiny-gemma", 12), ("tiny-llama", 8)])
-def test_split_schedule_covers_the_keys_within_the_items_and_never_adds_work(preset, ctas):
+@pytest.mark.parametrize("pass_chunks", [False, True])
+def test_split_schedule_covers_the_keys_within_the_items_and_never_adds_work(preset, ctas, pass_chunks):
     """At every context up to 8192 positions the long-context dealing covers the visible keys exactly (the last
     chunk holds the newest key), fits its items in the splits, gives each item no more work (positions x query
-    heads) than the short-context rule, and deals exactly as that rule wherever that rule slices."""
-    from megabake.plan import kv_splits, split_schedule
+    heads) than the short-context rule, and deals exactly as that rule wherever that rule slices; with chunks in
+    whole CTA passes (``pass_chunks``, a candidate) too, its chunks are whole passes and never longer than whole
+    ``per_tile`` chunks."""
+    from megabake.plan import chunk_quantum, kv_splits, split_schedule
 
     compiled = compile_preset(preset, layers=1, vocab=256, capacity=2048, ctas=ctas)  # the tiling is not the bucket's
     tiling = next(s.tiling for s in compiled.plan.stages if s.kind == "attention")
     splits, group = kv_splits(tiling), compiled.plan.dims.n_heads // compiled.plan.dims.n_kv_heads
+    quantum = chunk_quantum(compiled.plan, pass_chunks)
+    assert tiling.per_tile % quantum == 0 and (quantum < tiling.per_tile) == pass_chunks
     for visible in range(1, 8193):
-        new, old = split_schedule(tiling, visible), split_schedule(tiling, visible, long_slices=False)
+        new = split_schedule(tiling, visible, quantum=quantum)
+        old = split_schedule(tiling, visible, long_slices=False, quantum=quantum)
         assert (new.active - 1) * new.chunk < visible <= new.active * new.chunk
-        assert new.active * new.slices <= splits and group % new.slices == 0
+        assert new.active * new.slices <= splits and group % new.slices == 0 and new.chunk % quantum == 0
         assert new.chunk * group // new.slices <= old.chunk * group // old.slices
         if old.slices > 1:
             assert new == old
+        if pass_chunks:
+            whole = split_schedule(tiling, visible)
+            assert new.chunk * group // new.slices <= whole.chunk * group // whole.slices
 
 
 def test_head_slices_are_planned_only_for_groups_of_several_query_heads():

@@ -488,6 +488,33 @@ def test_head_slices_give_bit_identical_logits_near_0_at_split_boundaries_and_at
     assert float((default - default_unsliced).norm() / default_unsliced.norm()) < tolerance
 
 
+@pytest.mark.parametrize("preset,capacity", [("smollm-135m", 2048), ("qwen2.5-0.5b", 4096)])
+def test_pass_chunks_give_the_default_logits_where_they_cut_alike_and_close_where_not(preset, capacity):
+    """Split-KV chunks in whole CTA passes (``generate(plan, pass_chunks=True)``, a candidate since session 19:
+    SmolLM at 2000 positions deals 13 chunks of 160 instead of 8 of 256): from one random cache, one step at
+    positions near 0, at split boundaries and near capacity gives the default build's bits where both cut the
+    same chunks, and its logits to fp32 rounding where not; a second run gives the same bits (a moving result
+    would be a race)."""
+    from megabake.plan import chunk_quantum, split_schedule
+    from megabake.runtime import gpu_info
+
+    compiled = compile_preset(preset, layers=2, vocab=4096, capacity=capacity, ctas=gpu_info().sm_count)
+    tiling = next(s.tiling for s in compiled.plan.stages if s.kind == "attention")
+    positions = sorted({0, 1, 127, 128, 129, 1023, 2000, capacity // 2, capacity - 1})
+    default, passes, again = _logits_over_random_cache(compiled, positions, 1, [{}, {"pass_chunks": True},
+                                                                                {"pass_chunks": True}])
+    assert torch.isfinite(default).all() and torch.equal(again, passes)
+    quantum = chunk_quantum(compiled.plan, True)
+    recut = 0
+    for i, position in enumerate(positions):
+        if split_schedule(tiling, position + 1) == split_schedule(tiling, position + 1, quantum=quantum):
+            assert torch.equal(passes[i], default[i]), position
+        else:
+            recut += 1
+            assert float((passes[i] - default[i]).norm() / default[i].norm()) < 1e-5, position
+    assert recut  # SmolLM at 2000 / 2047, Qwen2.5 at 2048 / 4095
+
+
 def _assert_bf16_steps_match(compiled):
     """A bf16-staged kernel against the reference executor over a random 1024-slot cache, one step at each of
     positions 0, 1, 2, 127, 128, 129, 700, 1023.

@@ -34,8 +34,8 @@ import os
 from ..errors import PlanError
 from ..ir import Embedding, IRGraph, Linear, RMSNorm, RotaryTable
 from .attention import (ATTN_COUNT, ATTN_PART, SPLIT_KV_MIN_CHUNK, SPLIT_KV_UNROLL,  # noqa: F401
-                        SplitStep, attention_tiling, check_attention_preload, kv_splits, slices_at,
-                        split_chunks, split_kv_buffers, split_schedule)
+                        SplitStep, attention_tiling, check_attention_preload, chunk_quantum, kv_splits,
+                        slices_at, split_chunks, split_kv_buffers, split_schedule)
 from .memory import STAGING_BYTES, check_shared_memory, smem_bytes, smem_floats, staging_dtype  # noqa: F401
 from .model import (PLAN_VERSION, WARP, Buffer, LayerBinding, ModelDims, PackedWeight, Plan,  # noqa: F401
                     Rotary, Stage, Tiling, plan_from_dict)

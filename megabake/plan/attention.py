@@ -37,6 +37,8 @@ ATTN_PART = "attn_part"  # split-KV partials [B, heads, splits, head_dim + 2]: a
 ATTN_COUNT = "attn_count"  # split-KV arrival counters [B * kv_heads * head slices] (int32, reset after use)
 LONG_SLICES = True  # the default dealing deals head slices at long contexts too (split_schedule): the kernel's
 # default build (codegen.generate's long_slices) and the reference executor read it, so they deal alike
+PASS_CHUNKS = False  # a candidate (session 19, not yet measured): chunks above the minimum in whole CTA passes
+# instead of whole per_tile chunks (chunk_quantum); read like LONG_SLICES by the kernel's default and the reference
 
 
 def attention_tiling(dims: ModelDims, batch: int, ctas: int, threads: int, split_kv: bool) -> Tiling:
@@ -45,12 +47,25 @@ def attention_tiling(dims: ModelDims, batch: int, ctas: int, threads: int, split
     groups = batch * dims.n_kv_heads
     warps = threads // WARP
     splits = max(1, min(ctas // groups, (dims.head_dim + 2) * warps))  # the merge's weights fit the warps' scratch
-    lane_slots = 1 << (dims.head_dim // 8 - 1).bit_length()  # lanes per cached row, padded to a power of two
-    stride = warps * (WARP // lane_slots)  # positions one CTA pass covers
-    step = stride * SPLIT_KV_UNROLL
+    step = cta_pass(dims, threads) * SPLIT_KV_UNROLL
     min_chunk = -(-SPLIT_KV_MIN_CHUNK // step) * step
     return Tiling("kv_splits", groups, min_chunk, groups * splits, unroll=SPLIT_KV_UNROLL,
                   head_slices=_head_slices(dims.n_heads // dims.n_kv_heads, splits))
+
+
+def cta_pass(dims: ModelDims, threads: int) -> int:
+    """Cached positions one pass of a CTA covers in ``bodies._online_softmax_chunk``: a lane group per row (its
+    lanes padded to a power of two), so 32 / lane group rows per warp."""
+    lane_slots = 1 << (dims.head_dim // 8 - 1).bit_length()
+    return threads // WARP * (WARP // lane_slots)
+
+
+def chunk_quantum(plan: Plan, pass_chunks: bool = PASS_CHUNKS) -> int:
+    """What a split-KV chunk longer than the minimum is rounded up to: whole ``per_tile`` chunks (CTA pass x
+    unroll), or with ``pass_chunks`` whole CTA passes (SmolLM-135M at 2000 positions in 3 one-head slices: 13
+    chunks of 160 instead of 8 of 256; the loop already ends mid-unroll where a chunk does)."""
+    tiling = next(s.tiling for s in plan.stages if s.kind == "attention")
+    return cta_pass(plan.dims, plan.threads) if pass_chunks else tiling.per_tile
 
 
 def _head_slices(group: int, splits: int) -> int:
@@ -59,17 +74,20 @@ def _head_slices(group: int, splits: int) -> int:
     return slices if slices > 1 else 0
 
 
-def split_chunk(visible: int, splits: int, minimum: int) -> int:
+def split_chunk(visible: int, splits: int, minimum: int, quantum: int | None = None) -> int:
     """Positions per split-KV item when ``visible`` positions are cut into at most ``splits`` items: the fewest
-    whole ``minimum`` chunks that do it (as the kernel: ``bodies.split_chunk``)."""
+    that do it, rounded up to a multiple of ``quantum`` (default ``minimum``), at least ``minimum`` (as the
+    kernel: ``bodies.split_chunk``)."""
+    quantum = quantum or minimum
     per_split = -(-visible // splits)
-    return max(-(-per_split // minimum) * minimum, minimum)
+    return max(-(-per_split // quantum) * quantum, minimum)
 
 
-def split_chunks(tiling: Tiling, visible: int) -> tuple[int, int]:
+def split_chunks(tiling: Tiling, visible: int, quantum: int | None = None) -> tuple[int, int]:
     """(positions per split, active splits) of a split-KV step over ``visible`` positions with one item per
-    (split, batch, KV head): the positions over the splits, rounded up to whole ``per_tile`` chunks."""
-    chunk = split_chunk(visible, kv_splits(tiling), tiling.per_tile)
+    (split, batch, KV head): the positions over the splits, rounded up to whole ``quantum`` (default
+    ``per_tile``) chunks."""
+    chunk = split_chunk(visible, kv_splits(tiling), tiling.per_tile, quantum)
     return chunk, -(-visible // chunk)
 
 
@@ -90,19 +108,21 @@ class SplitStep:
     slices: int
 
 
-def split_schedule(tiling: Tiling, visible: int, long_slices: bool = LONG_SLICES) -> SplitStep:
-    """The kernel's dealing of a split-KV step (``bodies.split_schedule``). Without ``long_slices``: the chunks of
-    :func:`split_chunks`, sliced by :func:`slices_at`. With it, each divisor ``s`` of ``head_slices`` is tried
-    with its smallest chunk that needs at most ``splits // s`` splits, and the one whose items do the least work
-    (chunk x heads per item) is dealt, the fewest slices on a tie. Where the first rule slices, both agree."""
-    chunk, active = split_chunks(tiling, visible)
+def split_schedule(tiling: Tiling, visible: int, long_slices: bool = LONG_SLICES,
+                   quantum: int | None = None) -> SplitStep:
+    """The kernel's dealing of a split-KV step (``bodies.split_schedule``; ``quantum``: :func:`chunk_quantum`,
+    default the tiling's ``per_tile``). Without ``long_slices``: the chunks of :func:`split_chunks`, sliced by
+    :func:`slices_at`. With it, each divisor ``s`` of ``head_slices`` is tried with its smallest chunk that needs
+    at most ``splits // s`` splits, and the one whose items do the least work (chunk x heads per item) is dealt,
+    the fewest slices on a tie. Where the first rule slices, both agree."""
+    chunk, active = split_chunks(tiling, visible, quantum)
     slices = slices_at(tiling, active)
     if not long_slices or tiling.head_slices <= 1:
         return SplitStep(chunk, active, slices)
     splits, best = kv_splits(tiling), None
     for s in range(1, tiling.head_slices + 1):
         if tiling.head_slices % s == 0:
-            size = split_chunk(visible, splits // s, tiling.per_tile)
+            size = split_chunk(visible, splits // s, tiling.per_tile, quantum)
             work = size * (tiling.head_slices // s)
             if best is None or work < best[0]:
                 best = (work, size, s)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from . import Plan, Stage, WARP
-from .attention import split_schedule
+from .attention import chunk_quantum, split_schedule
 from .packing import torch_dtype
 from .stages import VectorInput, norm_slot, spec_of
 
@@ -245,7 +245,7 @@ class ReferenceExecutor:
         group = d.n_heads // d.n_kv_heads
         n = position + 1
         first_key = max(n - plan.attn_window_table()[layer], 0) if plan.has_windows else 0  # sliding window
-        dealt = split_schedule(stage.tiling, n - first_key)
+        dealt = split_schedule(stage.tiling, n - first_key, quantum=chunk_quantum(plan))
         chunk, active, slices = dealt.chunk, dealt.active, dealt.slices
         heads = group // slices
         owners, partials = {}, {}

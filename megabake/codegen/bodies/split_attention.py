@@ -180,17 +180,20 @@ def _online_softmax_chunk(keys: cute.Tensor, values: cute.Tensor, s_q: cute.Tens
             l[h] = total
 
 
-def split_chunk(visible: Int32, splits: cutlass.Constexpr[int], min_chunk: cutlass.Constexpr[int]) -> Int32:
+def split_chunk(visible: Int32, splits: cutlass.Constexpr[int], min_chunk: cutlass.Constexpr[int],
+                quantum: cutlass.Constexpr[int]) -> Int32:
     """Positions per split-KV work item at this step: ``visible`` positions over ``splits`` items, rounded up to
-    a multiple of ``min_chunk`` (short contexts stay in one item). Shared by :func:`split_kv_prefetch` and
-    :func:`split_kv_attention`, which must deal the same chunks."""
+    a multiple of ``quantum`` (``min_chunk``, or a CTA pass: ``plan.chunk_quantum``), at least ``min_chunk``
+    (short contexts stay in one item). Shared by :func:`split_kv_prefetch` and :func:`split_kv_attention`, which
+    must deal the same chunks."""
     chunk = (visible + splits - 1) // splits
-    return cutlass.max(((chunk + min_chunk - 1) // min_chunk) * min_chunk, min_chunk)
+    return cutlass.max(((chunk + quantum - 1) // quantum) * quantum, min_chunk)
 
 
 @cute.jit
 def split_schedule(visible: Int32, splits: cutlass.Constexpr[int], min_chunk: cutlass.Constexpr[int],
-                   head_slices: cutlass.Constexpr[int], long_slices: cutlass.Constexpr[bool]):
+                   quantum: cutlass.Constexpr[int], head_slices: cutlass.Constexpr[int],
+                   long_slices: cutlass.Constexpr[bool]):
     """(chunk, active, slices) of a split-KV step over ``visible`` positions, as ``plan.attention.split_schedule``
     deals them (the reference executor mirrors it): ``active`` chunks of ``chunk`` positions, each as ``slices``
     items of group / slices query heads. Without ``long_slices`` the chunks of :func:`split_chunk` over every
@@ -198,7 +201,7 @@ def split_schedule(visible: Int32, splits: cutlass.Constexpr[int], min_chunk: cu
     ``head_slices`` with its smallest chunk over at most ``splits // s`` splits, the least work per item (chunk x
     heads) winning, the fewest slices on a tie. Shared by :func:`split_kv_prefetch` and
     :func:`split_kv_attention`, which must deal the same items."""
-    chunk = split_chunk(visible, splits, min_chunk)
+    chunk = split_chunk(visible, splits, min_chunk, quantum)
     active = (visible + chunk - 1) // chunk
     slices = Int32(1)
     if cutlass.const_expr(head_slices > 1):
@@ -206,7 +209,7 @@ def split_schedule(visible: Int32, splits: cutlass.Constexpr[int], min_chunk: cu
             least = chunk * head_slices
             for s in cutlass.range_constexpr(2, head_slices + 1):
                 if cutlass.const_expr(head_slices % s == 0):
-                    size = split_chunk(visible, splits // s, min_chunk)
+                    size = split_chunk(visible, splits // s, min_chunk, quantum)
                     if size * (head_slices // s) < least:
                         least = size * (head_slices // s)
                         chunk = size
@@ -223,8 +226,8 @@ def split_kv_prefetch(k_cache: cute.Tensor, v_cache: cute.Tensor, pos: Int32, fi
                       tidx: Int32, batch: cutlass.Constexpr[int], n_kv_heads: cutlass.Constexpr[int],
                       head_dim: cutlass.Constexpr[int], threads: cutlass.Constexpr[int],
                       splits: cutlass.Constexpr[int], min_chunk: cutlass.Constexpr[int],
-                      head_slices: cutlass.Constexpr[int], long_slices: cutlass.Constexpr[bool],
-                      to_l1: cutlass.Constexpr[bool]):
+                      quantum: cutlass.Constexpr[int], head_slices: cutlass.Constexpr[int],
+                      long_slices: cutlass.Constexpr[bool], to_l1: cutlass.Constexpr[bool]):
     """Ask L2 (``to_l1``: L1, a candidate) for the cached K and V rows of this CTA's first
     :func:`split_kv_attention` work item (same dealing, :func:`split_schedule`: item ``cta``, split-major; same
     chunking of positions [first_key, pos]), one ``prefetch.global`` per 128-byte line over the CTA's
@@ -239,7 +242,7 @@ def split_kv_prefetch(k_cache: cute.Tensor, v_cache: cute.Tensor, pos: Int32, fi
     groups = batch * n_kv_heads
     n = pos + 1
     visible = n - first_key
-    chunk, active, slices = split_schedule(visible, splits, min_chunk, head_slices, long_slices)
+    chunk, active, slices = split_schedule(visible, splits, min_chunk, quantum, head_slices, long_slices)
     split = cta // (groups * slices)
     if cta < groups * splits and split < active:
         g = (cta - split * groups * slices) // slices
@@ -274,9 +277,10 @@ def split_kv_attention(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Te
                        scale: cutlass.Constexpr[float], has_qk_norm: cutlass.Constexpr[bool],
                        eps: cutlass.Constexpr[float], splits: cutlass.Constexpr[int],
                        unroll: cutlass.Constexpr[int], min_chunk: cutlass.Constexpr[int],
-                       rotary_dim: cutlass.Constexpr[int], whole_qk_norm: cutlass.Constexpr[bool],
-                       merge_preload: cutlass.Constexpr[bool], spread_merge: cutlass.Constexpr[bool],
-                       head_slices: cutlass.Constexpr[int], long_slices: cutlass.Constexpr[bool]):
+                       quantum: cutlass.Constexpr[int], rotary_dim: cutlass.Constexpr[int],
+                       whole_qk_norm: cutlass.Constexpr[bool], merge_preload: cutlass.Constexpr[bool],
+                       spread_merge: cutlass.Constexpr[bool], head_slices: cutlass.Constexpr[int],
+                       long_slices: cutlass.Constexpr[bool]):
     """Flash decoding: RoPE + KV append + attention over positions [first_key, pos], the cached keys split across
     CTAs (``first_key`` is 0, or where the layer's sliding window starts). ``merge_preload``: the merging item
     loads its first partials at once (:func:`_merge_splits`). ``spread_merge``: every active item of a group
@@ -284,8 +288,9 @@ def split_kv_attention(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Te
     arrival merging them all. ``codegen.default_merge`` picks both per plan.
 
     Work items are (split, batch, KV head), split-major, dealt to CTAs. At this step the ``pos + 1 - first_key``
-    visible positions are cut into ``active`` chunks of ``chunk`` positions (a multiple of ``min_chunk``, which
-    is the positions one CTA pass covers x ``unroll``: short contexts stay in one split), each dealt as ``slices``
+    visible positions are cut into ``active`` chunks of ``chunk`` positions (at least ``min_chunk``, which is the
+    positions one CTA pass covers x ``unroll``: short contexts stay in one split; a multiple of ``quantum``, that
+    or a CTA pass), each dealt as ``slices``
     items (split, batch, KV head, slice) of ``group / slices`` query heads (:func:`split_schedule`: at short
     contexts ``head_slices`` while they fit the items; with ``long_slices`` also fewer, longer splits of
     smaller slices where that gives each item less work), so more CTAs share the step's attention:
@@ -294,7 +299,7 @@ def split_kv_attention(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Te
     """
     group = n_heads // n_kv_heads
     visible = pos + 1 - first_key
-    chunk, active, slices = split_schedule(visible, splits, min_chunk, head_slices, long_slices)
+    chunk, active, slices = split_schedule(visible, splits, min_chunk, quantum, head_slices, long_slices)
     if cutlass.const_expr(head_slices <= 1):
         _split_kv_items(qkv, qk_norm, rope_cos, rope_sin, k_cache, v_cache, attn, part, counts, pos, first_key,
                         chunk, active, s_att, cta, tidx, batch, n_heads, n_kv_heads, head_dim, ctas, threads, scale,
