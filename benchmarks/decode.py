@@ -355,7 +355,7 @@ def write_outputs(rows: list[Row], out: Path) -> str:
 # offline checks, not models; Gemma 3's per-layer rotary tables wait for their H200 run).
 DEFAULT_PRESETS = ("smollm-135m", "llama-3.2-1b", "qwen2.5-0.5b", "qwen3-0.6b", "gemma-2b", "gemma-2-2b", "gemma-3-270m",
                    "gemma-3-1b", "smollm-1.7b", "mistral-7b", "phi-3-mini", "phi-4-mini",
-                   "olmo-2-1b")
+                   "olmo-2-1b", "granite-3.1-2b")
 
 
 def parse_args(argv=None):

@@ -81,6 +81,10 @@ _GEMMA3 = dict(hidden_activation="gelu_pytorch_tanh", rms_norm_eps=1e-6, query_p
                max_position_embeddings=32768, attention_bias=False, tie_word_embeddings=True,
                rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
                                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
+# Granite = Llama + four scalars (ibm-granite/granite-3.1-2b-instruct's values; the tiny preset shares them)
+_GRANITE = dict(_LLAMA_COMMON, embedding_multiplier=12.0, attention_multiplier=0.015625, residual_multiplier=0.22,
+                logits_scaling=8.0, pad_token_id=0, bos_token_id=0, eos_token_id=0, tie_word_embeddings=True)
+
 
 def _long_rope(head_dim: int, partial: float, original: int, positions: int) -> dict:
     """transformers' ``longrope`` parameters with one short and one long factor per rotated frequency (a smooth
@@ -463,6 +467,27 @@ PRESETS: dict[str, Preset] = {
                 attention_bias=False,
                 tie_word_embeddings=True,
             ),
+        ),
+        Preset(
+            name="tiny-granite",
+            model_id="megabake/tiny-granite",
+            architecture="GraniteForCausalLM",
+            description="2-layer Granite (hidden 256, 4/2 heads x 64): Llama with an embedding multiplier (12), "
+                        "attention multiplier 1/64 as the softmax scale, residual multiplier 0.22 on the o and down "
+                        "outputs and logits divided by 8, tied",
+            config=dict(_GRANITE, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, vocab_size=512, max_position_embeddings=4096, rope_theta=10000.0),
+        ),
+        Preset(
+            name="granite-3.1-2b",
+            model_id="ibm-granite/granite-3.1-2b-instruct",
+            architecture="GraniteForCausalLM",
+            description="granite-3.1-2b shape: hidden 2048, 40 layers, 32/8 heads x 64, intermediate 8192, vocab "
+                        "49155, RoPE base 5M, 131072 positions, multipliers (embedding 12, attention 1/64, residual "
+                        "0.22, logits / 8), tied",
+            config=dict(_GRANITE, hidden_size=2048, intermediate_size=8192, num_hidden_layers=40,
+                        num_attention_heads=32, num_key_value_heads=8, vocab_size=49155,
+                        max_position_embeddings=131072, rope_theta=5000000.0),
         ),
     ]
 }

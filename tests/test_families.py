@@ -2,7 +2,8 @@
 advancing steps (split-KV boundaries included), and the CuTe DSL compile of the generated module for sm_90a.
 
 Gemma (tiny-gemma, gemma-2b shapes): GeGLU with tanh GELU, embedding scaled by sqrt(hidden) as the model
-rounds it, RMSNorm with (1 + weight), head_dim 256 and a single KV head.
+rounds it, RMSNorm with (1 + weight), head_dim 256 and a single KV head. Granite (tiny-granite): Llama plus four
+scalars, folded into the plan (embedding scale, softmax scale, the packed o/down weights' and final norm's scale).
 """
 
 from __future__ import annotations
@@ -395,23 +396,90 @@ def test_gemma3_text_layers_bake_with_the_sandwich_layout_and_head_norms():
     assert_matches_eager(model, reference_executor_for(plan, model), steps=24)
 
 
-def test_a_division_by_a_scalar_outside_soft_capping_is_refused_saying_so():
-    """The div of a soft-capping is accepted only when tanh and the same * cap follow: any other ``x / c`` is refused
-    at its consumer, which names the division."""
+class Halve(torch.nn.Module):
+    """``inner(x) / 2``: a division by a scalar wrapped around a module."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x) / 2.0
+
+
+def test_a_division_by_a_scalar_outside_soft_capping_or_a_linear_is_refused_saying_so():
+    """The div of a soft-capping is accepted only when tanh and the same * cap follow, and a Linear's output divided
+    by a scalar is the Linear's output scale (Granite's logits): any other ``x / c`` (here an RMSNorm's output) is
+    refused at its consumer, which names the division."""
     from megabake.compiler import compile_step
     from megabake.errors import UnsupportedGraphError
-    from megabake.presets import get_preset
 
-    class Halve(torch.nn.Module):
-        def __init__(self, inner):
-            super().__init__()
-            self.inner = inner
+    model = get_preset("tiny-llama").build_model()
+    model.model.layers[0].input_layernorm = Halve(model.model.layers[0].input_layernorm)
+    with pytest.raises(UnsupportedGraphError, match=r"mul_3 / 2 \(a division by a scalar lowers only as part of "
+                                                    r"soft-capping c \* tanh\(x / c\) or as a Linear's output scale"):
+        compile_step(model, capacity=32)
 
-        def forward(self, x):
-            return self.inner(x) / 2.0
+
+# ------------------------------------------------------------------------------------------- Granite
+@pytest.fixture(scope="module")
+def tiny_granite():
+    return compile_preset("tiny-granite", capacity=160, ctas=4)
+
+
+def test_granite_plan_folds_its_four_multipliers(tiny_granite):
+    """Granite is Llama plus four scalars, none of them new kernel code: embedding_multiplier is the embedding scale
+    (Gemma's), attention_multiplier the softmax scale, residual_multiplier is folded into the packed o and down
+    weights, and 1 / logits_scaling into the fp32 final norm (the LM head is the tied embedding, so not there)."""
+    from megabake.ir import Linear
+    from megabake.plan.packing import pack_weights
+
+    plan, model = tiny_granite.plan, tiny_granite.model
+    config = model.config
+    scaled = {op.hf_module: op.scale for op in tiny_granite.ir.of_kind(Linear) if op.scale != 1.0}
+    assert scaled == {**{f"model.layers.{i}.{m}": 0.22 for i in (0, 1) for m in ("self_attn.o_proj", "mlp.down_proj")},
+                      "lm_head": 1 / 8}
+    assert plan.layout == "pre_norm" and plan.tied_lm_head and not plan.dims.final_softcap
+    assert plan.dims.embed_scale == config.embedding_multiplier == 12.0
+    assert plan.dims.attn_scale == config.attention_multiplier == 0.015625 != plan.dims.head_dim ** -0.5
+    assert {p.buffer: p.scale for p in plan.packed if p.scale != 1.0} == {"w_o": 0.22, "w_down": 0.22,
+                                                                        "final_norm": 0.125}
+    assert [p.get("scale") for p in plan.to_dict()["packed"]] == [None, None, 0.22, None, 0.22, None, 0.125]
+    assert type(plan).from_json(plan.to_json()).hash == plan.hash
+    weights = pack_weights(plan, model.get_parameter, dtype=torch.bfloat16)
+    down = model.model.layers[1].mlp.down_proj.weight
+    assert torch.equal(weights["w_down"][1], (down.float() * 0.22).to(torch.bfloat16))  # in fp32, one rounding
+    assert torch.equal(weights["final_norm"], model.model.norm.weight.float() * 0.125)
+    assert torch.equal(weights["embed"], model.model.embed_tokens.weight.to(torch.bfloat16))  # the tied head: as is
+    source = tiny_granite.generated.source
+    assert "EMBED_SCALE = 12.0" in source and "ATTN_SCALE = 0.015625" in source and "FINAL_SOFTCAP" not in source
+
+
+def test_granite_matches_eager_fp32_past_a_kv_split(tiny_granite):
+    errors = assert_matches_eager(tiny_granite.model, reference_executor_for(tiny_granite.plan, tiny_granite.model),
+                                  steps=140)
+    assert max(errors) < 1e-5
+
+
+@pytest.mark.parametrize("buffer", ["w_o", "w_down", "final_norm"])
+def test_granite_without_a_folded_scale_would_be_caught(tiny_granite, buffer):
+    """The same plan with one folded multiplier left out does not match eager: the test can fail."""
+    plan = dataclasses.replace(tiny_granite.plan, packed=[dataclasses.replace(p, scale=1.0) if p.buffer == buffer
+                                                          else p for p in tiny_granite.plan.packed])
+    with pytest.raises(AssertionError, match="step 0"):
+        assert_matches_eager(tiny_granite.model, reference_executor_for(plan, tiny_granite.model), steps=2)
+
+
+def test_a_scaled_linear_folds_only_when_every_layer_scales_it_alike():
+    """``o_proj(x) / 2`` in every layer is a Linear output scale folded into w_o (and matches eager); in one layer
+    only, the packed weight cannot hold it and the plan refuses, naming the scales."""
+    from megabake.errors import PlanError
 
     model = get_preset("tiny-llama").build_model()
     model.model.layers[0].self_attn.o_proj = Halve(model.model.layers[0].self_attn.o_proj)
-    with pytest.raises(UnsupportedGraphError, match=r"linear_3 / 2 \(a division by a scalar lowers only as part "
-                                                    r"of soft-capping"):
-        compile_step(model, capacity=32)
+    with pytest.raises(PlanError, match=r"o scale their outputs by \[0.5, 1.0\] .* packed weight w_o"):
+        compile_model(model, capacity=32)
+    model.model.layers[1].self_attn.o_proj = Halve(model.model.layers[1].self_attn.o_proj)
+    plan = compile_model(model, capacity=32).plan
+    assert next(p for p in plan.packed if p.buffer == "w_o").scale == 0.5
+    assert_matches_eager(model, reference_executor_for(plan, model), steps=8)

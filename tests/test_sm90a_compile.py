@@ -26,6 +26,14 @@ def _streams_gemvs_through_the_ring(copies_per_k_step: int) -> Callable[[str], b
         and "cp.async.wait_group" in ptx
 
 
+def _granite_folds(plan: Plan) -> bool:
+    """Granite's four multipliers are plan data (Llama's kernel): embedding and softmax scales, the packed o/down
+    weights' scale and 1 / logits_scaling on the final norm."""
+    scales = {packed.buffer: packed.scale for packed in plan.packed if packed.scale != 1.0}
+    return plan.dims.embed_scale == 12.0 and plan.dims.attn_scale == 0.015625 and plan.tied_lm_head \
+        and scales == {"w_o": 0.22, "w_down": 0.22, "final_norm": 0.125}
+
+
 @dataclass(frozen=True)
 class Shape:
     preset: str
@@ -63,6 +71,9 @@ SHAPES = [
     *[Shape(name, capacity=1024, plan_holds=lambda p: p.layout == "post_norm" and p.dims.whole_qk_norm,
             why="OLMo-2: norms after attention and MLP, q/k norms over the whole projection")
       for name in ("tiny-olmo2", "olmo-2-1b")],
+    *[Shape(name, plan_holds=_granite_folds, ptx_holds=_streams_gemvs_through_the_ring(3),
+            why="Granite: Llama with its multipliers folded into the plan (32/8 heads x 64, vocab 49155)")
+      for name in ("tiny-granite", "granite-3.1-2b")],
 ]
 
 

@@ -30,6 +30,11 @@ Fields beyond the Llama basics (all defaulted, so a Llama-family IR is unchanged
   its ``hf_module`` is the fused projection's module. The fused Linear itself is dropped from ``ops`` when every
   use of its output is such a slice (downstream sees separate q/k/v, gate/up projections); it is kept when its
   whole output is also used directly.
+* ``Linear.scale`` (1.0 unless scaled): ``linear(x) * c`` or ``linear(x) / c`` where ``c`` is a scalar constant (a
+  Python number or a one-element constant) is one Linear op with ``scale = c`` (``1 / c``); the mul/div joins its
+  ``fx_nodes`` and its ``out`` is the mul/div's output (Granite's ``residual_multiplier`` on the o and down
+  outputs, its logits ``/ logits_scaling``). A division whose result feeds a tanh is a soft-capping's, not a
+  scale. The unscaled output must have no other use; a scaled fused projection's row-range Linears keep its scale.
 
 Inference no-ops lower to nothing (the value passes through unchanged): layout and dtype changes (view,
 reshape, transpose, permute, expand, to/_to_copy, type_as, clone, contiguous, alias, detach, lift_fresh_copy),
@@ -97,6 +102,7 @@ class Linear(Op):
     out_features: int = 0
     in_features: int = 0
     weight_rows: tuple[int, int] | None = None  # None: the whole weight; (start, stop): those rows (and bias)
+    scale: float = 1.0  # the output times this scalar (weight and bias alike; Granite's residual_multiplier)
 
 
 @dataclass
@@ -673,6 +679,20 @@ class _Lowering:
         del self.embeddings[emb.name]
         return Act(node.name)
 
+    def linear_scale(self, node, out: Act, factor: float):
+        """``linear(x) * c`` (``factor`` c) or ``linear(x) / c`` (``factor`` 1 / c): fold ``c`` into the Linear op."""
+        op = self.linears[out.name]
+        others = self.consumers(out.name) - {node.name}
+        if others:
+            self.fail(node, f"linear scale: {op.hf_module or op.weight}'s output is scaled by {factor:g} and also "
+                      f"used unscaled by {sorted(others)} (only a scale of its only use folds into the Linear op)")
+        op.scale *= factor
+        op.out = node.name
+        op.fx_nodes.append(node.name)
+        del self.linears[out.name]
+        self.linears[node.name] = op
+        return Act(node.name)
+
     def split(self, node, args):
         """split / split_with_sizes / chunk of a Linear's output along its features: row ranges of its weight."""
         x = args[0]
@@ -717,7 +737,7 @@ class _Lowering:
         op = Linear(id=f"linear_{self.counter}", out=node.name, fx_nodes=[*fused.fx_nodes, *covered],
                     hf_module=fused.hf_module, source=source_line(node), inp=fused.inp, weight=fused.weight,
                     bias=fused.bias, out_features=stop - start, in_features=fused.in_features,
-                    weight_rows=(base + start, base + stop))
+                    weight_rows=(base + start, base + stop), scale=fused.scale)
         self.ops.append(op)
         self.linears[node.name] = op
         self.fused[fused.id] = fused
@@ -795,7 +815,7 @@ def _describe(value) -> str:
     if isinstance(value, Partial) and value.kind in ("capped_div", "capped_tanh"):
         step = "/" if value.kind == "capped_div" else "tanh of /"
         return (f"activation {value.args[0]} {step} {value.args[1]:g} (a division by a scalar lowers only as part "
-                "of soft-capping c * tanh(x / c))")
+                "of soft-capping c * tanh(x / c) or as a Linear's output scale)")
     if isinstance(value, Partial):
         return f"partial {value.kind}"
     if isinstance(value, Position):
@@ -1057,14 +1077,31 @@ def _mul(lw: _Lowering, node, args):
     for x, y in ((a, b), (b, a)):
         if isinstance(x, Act) and x.name in lw.embeddings and not isinstance(y, (Partial, Rotary)):
             return lw.embedding_scale(node, x, y)
+        factor = _scalar_constant(y)
+        if isinstance(x, Act) and x.name in lw.linears and factor is not None:
+            return lw.linear_scale(node, x, factor)
+    return None
+
+
+def _scalar_constant(value) -> float | None:
+    """A Python number or a one-element constant tensor as a float; None for anything else."""
+    if _scalar(value):
+        return float(value)
+    if isinstance(value, Const) and value.value.numel() == 1:
+        return float(value.value.detach().reshape(()).float().item())
     return None
 
 
 def _div(lw: _Lowering, node, args):
-    """``x / cap`` with a scalar cap: the first node of a soft-capping ``cap * tanh(x / cap)``."""
-    x, cap = _finish(args[0]), args[1]
-    if isinstance(x, Act) and isinstance(cap, (int, float)) and not isinstance(cap, bool) and cap > 0:
-        return Partial("capped_div", (x.name, float(cap), [node.name]))
+    """``x / c`` with a scalar ``c``: a scaled Linear's output (``Linear.scale = 1 / c``) unless a tanh follows, else
+    the first node of a soft-capping ``cap * tanh(x / cap)``."""
+    x, cap = _finish(args[0]), _scalar_constant(args[1])
+    if not isinstance(x, Act) or not cap:
+        return None
+    if x.name in lw.linears and not any(lw.nodes[n].target is aten.tanh.default for n in lw.consumers(node.name)):
+        return lw.linear_scale(node, x, 1.0 / cap)
+    if _scalar(args[1]) and cap > 0:
+        return Partial("capped_div", (x.name, cap, [node.name]))
     return None
 
 

@@ -14,7 +14,9 @@ between consecutive stages. RMSNorm of one row is recomputed by every CTA that n
 barrier. Linear biases become per-stage fp32 buffers (``STAGE_BIAS``, zeros for a projection without one)
 that the GEMV adds as it writes; a plan without biases has no such buffers, and its kernel is the same as
 before biases existed. Qwen3's per-head q/k RMSNorm (before RoPE) is recognised through the norm and packed
-as ``qk_norms`` for the attention stage.
+as ``qk_norms`` for the attention stage. A projection's scalar output scale (``Linear.scale``: Granite's
+residual_multiplier) is folded into its stage's packed weight and bias (``PackedWeight.scale``), the LM head's
+(Granite's logits / logits_scaling) into the final norm's; the kernel never sees them.
 
 Layout of the package: ``model`` (the data classes), ``recognise`` (IR -> blocks), ``stages`` (the stage
 table), ``attention`` (split-KV tiling), ``memory`` (shared memory), ``tuning`` (GEMV tilings and the default
@@ -479,10 +481,13 @@ def _packing(layout: Layout, blocks: list[Block], embed: Embedding, final_norm: 
         return [[_weight_source(block.ops[role]) for role in roles] for block in blocks]
 
     packs = [PackedWeight("embed", False, [[(embed.table, 0)]])]
-    packs += [PackedWeight(spec.gemv.weight, True, per_layer(spec.gemv.roles), _interleave(spec, gated_block))
+    packs += [PackedWeight(spec.gemv.weight, True, per_layer(spec.gemv.roles), _interleave(spec, gated_block),
+                           _output_scale(spec, blocks))
               for spec in layout.layer_gemvs]
+    # the LM head's output scale (Granite's logits / logits_scaling) folds into the fp32 final norm: the head may be
+    # the tied embedding, and its input row is rmsnorm(x) * final_norm, linear in the norm weight
     packs += [PackedWeight("norms", True, per_layer(layout.norm_roles)),
-              PackedWeight("final_norm", False, [[(final_norm.weight, 0)]])]
+              PackedWeight("final_norm", False, [[(final_norm.weight, 0)]], scale=lm_head.scale)]
     if not tied:
         packs.append(PackedWeight("lm_head", False, [[(lm_head.weight, 0)]]))
     return packs
@@ -493,6 +498,17 @@ def _weight_source(op) -> tuple:
     one (Phi-3's qkv_proj / gate_up_proj, ``Linear.weight_rows``)."""
     rows = getattr(op, "weight_rows", None)
     return (op.weight, *rows) if rows else (op.weight, 0)
+
+
+def _output_scale(spec: StageSpec, blocks: list[Block]) -> float:
+    """The scale of a GEMV stage's projection outputs (``Linear.scale``; Granite's residual_multiplier on o and
+    down), folded into its packed weight and bias: one for all its projections in every layer."""
+    scales = {block.ops[role].scale for block in blocks for role in spec.gemv.roles}
+    if len(scales) > 1:
+        raise PlanError(f"the projections {'/'.join(spec.gemv.roles)} scale their outputs by {sorted(scales)} (in "
+                        f"different layers or projections); a scale folds into their packed weight {spec.gemv.weight} "
+                        "only when it is the same for all of them in every layer")
+    return scales.pop()
 
 
 def _biased_stages(blocks: list[Block]) -> list[str]:
@@ -519,7 +535,7 @@ def _bias_packing(layout: Layout, blocks: list[Block], biased: list[str], gated_
         return (lin.bias, *rows) if rows else (lin.bias, 0)
 
     return [PackedWeight(spec.gemv.bias, True, [[part(block.ops[role]) for role in spec.gemv.roles] for block in blocks],
-                         _interleave(spec, gated_block))
+                         _interleave(spec, gated_block), _output_scale(spec, blocks))
             for spec in layout.layer_gemvs if spec.name in biased]
 
 

@@ -4,7 +4,8 @@ Contract: a :class:`Plan` is pure data (ints, floats, strings, lists, dicts); ``
 text (sorted keys, fixed indent) and ``plan.hash`` the sha256 of it; ``Plan.from_json`` / ``plan_from_dict`` read
 it back. Stage tilings record only the flags a tiling uses, so plans made before a flag existed keep their bytes
 and hash; likewise a ``Rotary`` names ``long_inv_freq`` / ``long_from`` (long-RoPE past its original range) only
-when it switches. Building a plan from IR is ``megabake.plan.build_plan``.
+when it switches, and a ``PackedWeight`` its ``interleave`` and ``scale`` only where they are not the identity.
+Building a plan from IR is ``megabake.plan.build_plan``.
 """
 
 from __future__ import annotations
@@ -93,6 +94,10 @@ class PackedWeight:
     # > 0: each layer's concatenated rows reordered in blocks of this many rows, alternating between the first and
     # the second half (a gated GEMV's gate | up, ``stages.GATED_BLOCK``); 0 (left out of plan.json): as concatenated
     interleave: int = 0
+    # every packed value times this (in fp32, before the cast to the buffer's dtype): the projections' output scale
+    # (``Linear.scale``: Granite's residual_multiplier on w_o / w_down), or the LM head's folded into final_norm
+    # (Granite's 1 / logits_scaling; the head may be the tied embedding); 1.0 (left out of plan.json): unscaled
+    scale: float = 1.0
 
 
 @dataclass
@@ -205,6 +210,8 @@ class Plan:
         for packed in data["packed"]:
             if not packed["interleave"]:
                 packed.pop("interleave")
+            if packed["scale"] == 1.0:
+                packed.pop("scale")
         for rotary in [data["rotary"], *data.get("rope_tables", [])]:  # long-RoPE fields only when switched
             for key in ("long_inv_freq", "long_from"):
                 if not rotary[key]:
@@ -304,7 +311,7 @@ def plan_from_dict(data: dict) -> Plan:
     data["dims"] = ModelDims(**data["dims"])
     data["buffers"] = [Buffer(**b) for b in data["buffers"]]
     data["packed"] = [PackedWeight(p["buffer"], p["per_layer"], [[tuple(s) for s in layer] for layer in p["sources"]],
-                                   p.get("interleave", 0)) for p in data["packed"]]
+                                   p.get("interleave", 0), p.get("scale", 1.0)) for p in data["packed"]]
     data["stages"] = [Stage(**{**s, "tiling": Tiling(**s["tiling"])}) for s in data["stages"]]
     data["layers"] = [LayerBinding(**layer) for layer in data["layers"]]
     data["rotary"] = Rotary(**data["rotary"])

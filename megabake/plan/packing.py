@@ -3,8 +3,9 @@
 Contract: ``pack_weights(plan, lookup, dtype=..., device=...)`` returns ``{buffer name: tensor}`` for every
 weight buffer of the plan, built only from the plan's :class:`PackedWeight` sources (HF parameter fqns,
 concatenated along rows, stacked per layer; ``(fqn, start, stop)`` takes rows of a fused parameter; ``("", n)``
-sources are n zero rows; ``interleave`` reorders a layer's rows by :func:`interleave_halves`). Norm weights are
-packed in fp32 with the plan's weight offset folded in (Gemma's ``1 + w``); biases are packed in fp32.
+sources are n zero rows; ``interleave`` reorders a layer's rows by :func:`interleave_halves`; ``scale``, when not 1,
+multiplies every value in fp32 before the one cast to the buffer's dtype). Norm weights are packed in fp32 with the
+plan's weight offset folded in (Gemma's ``1 + w``, before any scale); biases are packed in fp32.
 ``rotary_tables(plan, inv_freq)`` evaluates cos/sin for every cache slot: row p from ``inv_freq`` (the model's
 buffer, :func:`plan_inv_freqs`), or, for a long-RoPE table past its original range, from the plan's
 ``long_inv_freq`` where ``p >= long_from`` (transformers' switch to the long factors at that position).
@@ -36,12 +37,15 @@ def pack_weights(plan: Plan, lookup: Callable[[str], torch.Tensor], *, dtype: to
         buf = plan.buffer(spec.buffer)
         is_norm = spec.buffer in NORM_BUFFERS
         target = torch.float32 if buf.dtype == "float32" else (dtype or torch_dtype(buf.dtype))
+        work = target if spec.scale == 1.0 else torch.float32  # a folded scale multiplies in fp32, then one cast
         layers = []
         for sources in spec.sources:
-            parts = [_source_rows(lookup, source).detach().to(device=device, dtype=target) if source[0] else
-                     torch.zeros(source[1], dtype=target, device=device) for source in sources]
+            parts = [_source_rows(lookup, source).detach().to(device=device, dtype=work) if source[0] else
+                     torch.zeros(source[1], dtype=work, device=device) for source in sources]
             if is_norm:
                 parts = [p + plan.dims.norm_offset for p in parts]
+            if spec.scale != 1.0:
+                parts = [(p * spec.scale).to(target) for p in parts]
             stacked = is_norm and len(parts) > 1 and len(buf.shape) == (3 if spec.per_layer else 2)
             rows = torch.stack(parts) if stacked else torch.cat(parts, dim=0)
             layers.append(interleave_halves(rows, spec.interleave) if spec.interleave else rows)
