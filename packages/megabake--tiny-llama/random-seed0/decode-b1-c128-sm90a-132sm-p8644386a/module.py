@@ -39,6 +39,8 @@ KV_SPLITS = 66
 ATT_UNROLL = 4
 MIN_CHUNK = 128
 HEAD_SLICES = 2
+LONG_SLICES = True
+CHUNK_QUANTUM = 128
 RING_STAGES = 4
 RING_VECTORS = 8
 EPS = 1e-05
@@ -100,7 +102,8 @@ def megakernel(
         bodies.split_kv_prefetch(
             k_cache=k_cache[layer, None, None, None, None], v_cache=v_cache[layer, None, None, None, None], pos=pos,
             first_key=0, cta=cta, tidx=tidx, batch=BATCH, n_kv_heads=N_KV_HEADS, head_dim=HEAD_DIM, threads=THREADS,
-            splits=KV_SPLITS, min_chunk=MIN_CHUNK, head_slices=HEAD_SLICES, to_l1=False)
+            splits=KV_SPLITS, min_chunk=MIN_CHUNK, quantum=CHUNK_QUANTUM, head_slices=HEAD_SLICES,
+            long_slices=LONG_SLICES, to_l1=False)
         bodies.prefetch_rows(
             weight=w_o[layer, None, None], gwarp=swarp, lane=lane, total_warps=TOTAL_WARPS, rows=256, cols=256,
             per_tile=2, max_tiles=1)
@@ -114,8 +117,9 @@ def megakernel(
             v_cache=v_cache[layer, None, None, None, None], attn=attn, part=attn_part, counts=attn_count, pos=pos,
             first_key=0, s_att=s_att, cta=cta, tidx=tidx, batch=BATCH, n_heads=N_HEADS, n_kv_heads=N_KV_HEADS,
             head_dim=HEAD_DIM, ctas=CTAS, threads=THREADS, scale=ATTN_SCALE, has_qk_norm=False, eps=EPS,
-            splits=KV_SPLITS, unroll=ATT_UNROLL, min_chunk=MIN_CHUNK, rotary_dim=HEAD_DIM, whole_qk_norm=False,
-            merge_preload=True, spread_merge=False, head_slices=HEAD_SLICES)
+            splits=KV_SPLITS, unroll=ATT_UNROLL, min_chunk=MIN_CHUNK, quantum=CHUNK_QUANTUM, rotary_dim=HEAD_DIM,
+            whole_qk_norm=False, merge_preload=True, spread_merge=False, head_slices=HEAD_SLICES,
+            long_slices=LONG_SLICES)
         bodies.grid_barrier(barrier=barrier, tidx=tidx, ctas=CTAS)
         # ---- stage 3: o_residual (layer) ----
         bodies.copy_to_smem(src=attn, s_vec=s_vec, tidx=tidx, batch=BATCH, width=Q_ROWS, threads=THREADS)
@@ -706,12 +710,45 @@ def _online_softmax_chunk(keys: cute.Tensor, values: cute.Tensor, s_q: cute.Tens
             l[h] = total
 
 
-def split_chunk(visible: Int32, splits: cutlass.Constexpr[int], min_chunk: cutlass.Constexpr[int]) -> Int32:
+def split_chunk(visible: Int32, splits: cutlass.Constexpr[int], min_chunk: cutlass.Constexpr[int],
+                quantum: cutlass.Constexpr[int]) -> Int32:
     """Positions per split-KV work item at this step: ``visible`` positions over ``splits`` items, rounded up to
-    a multiple of ``min_chunk`` (short contexts stay in one item). Shared by :func:`split_kv_prefetch` and
-    :func:`split_kv_attention`, which must deal the same chunks."""
+    a multiple of ``quantum`` (``min_chunk``, or a CTA pass: ``plan.chunk_quantum``), at least ``min_chunk``
+    (short contexts stay in one item). Shared by :func:`split_kv_prefetch` and :func:`split_kv_attention`, which
+    must deal the same chunks."""
     chunk = (visible + splits - 1) // splits
-    return cutlass.max(((chunk + min_chunk - 1) // min_chunk) * min_chunk, min_chunk)
+    return cutlass.max(((chunk + quantum - 1) // quantum) * quantum, min_chunk)
+
+
+@cute.jit
+def split_schedule(visible: Int32, splits: cutlass.Constexpr[int], min_chunk: cutlass.Constexpr[int],
+                   quantum: cutlass.Constexpr[int], head_slices: cutlass.Constexpr[int],
+                   long_slices: cutlass.Constexpr[bool]):
+    """(chunk, active, slices) of a split-KV step over ``visible`` positions, as ``plan.attention.split_schedule``
+    deals them (the reference executor mirrors it): ``active`` chunks of ``chunk`` positions, each as ``slices``
+    items of group / slices query heads. Without ``long_slices`` the chunks of :func:`split_chunk` over every
+    split, sliced by ``head_slices`` where ``active * head_slices <= splits``. With it, each divisor ``s`` of
+    ``head_slices`` with its smallest chunk over at most ``splits // s`` splits, the least work per item (chunk x
+    heads) winning, the fewest slices on a tie. Shared by :func:`split_kv_prefetch` and
+    :func:`split_kv_attention`, which must deal the same items."""
+    chunk = split_chunk(visible, splits, min_chunk, quantum)
+    active = (visible + chunk - 1) // chunk
+    slices = Int32(1)
+    if cutlass.const_expr(head_slices > 1):
+        if cutlass.const_expr(long_slices):
+            least = chunk * head_slices
+            for s in cutlass.range_constexpr(2, head_slices + 1):
+                if cutlass.const_expr(head_slices % s == 0):
+                    size = split_chunk(visible, splits // s, min_chunk, quantum)
+                    if size * (head_slices // s) < least:
+                        least = size * (head_slices // s)
+                        chunk = size
+                        slices = Int32(s)
+            active = (visible + chunk - 1) // chunk
+        else:
+            if active * head_slices <= splits:
+                slices = Int32(head_slices)
+    return chunk, active, slices
 
 
 @cute.jit
@@ -719,10 +756,11 @@ def split_kv_prefetch(k_cache: cute.Tensor, v_cache: cute.Tensor, pos: Int32, fi
                       tidx: Int32, batch: cutlass.Constexpr[int], n_kv_heads: cutlass.Constexpr[int],
                       head_dim: cutlass.Constexpr[int], threads: cutlass.Constexpr[int],
                       splits: cutlass.Constexpr[int], min_chunk: cutlass.Constexpr[int],
-                      head_slices: cutlass.Constexpr[int], to_l1: cutlass.Constexpr[bool]):
+                      quantum: cutlass.Constexpr[int], head_slices: cutlass.Constexpr[int],
+                      long_slices: cutlass.Constexpr[bool], to_l1: cutlass.Constexpr[bool]):
     """Ask L2 (``to_l1``: L1, a candidate) for the cached K and V rows of this CTA's first
-    :func:`split_kv_attention` work item (same dealing: item ``cta``, split-major, head slices where they fit;
-    same chunking of positions [first_key, pos]), one ``prefetch.global`` per 128-byte line over the CTA's
+    :func:`split_kv_attention` work item (same dealing, :func:`split_schedule`: item ``cta``, split-major; same
+    chunking of positions [first_key, pos]), one ``prefetch.global`` per 128-byte line over the CTA's
     threads.
 
     Issued before the grid barrier that precedes attention (the default build since session 16):
@@ -734,12 +772,7 @@ def split_kv_prefetch(k_cache: cute.Tensor, v_cache: cute.Tensor, pos: Int32, fi
     groups = batch * n_kv_heads
     n = pos + 1
     visible = n - first_key
-    chunk = split_chunk(visible, splits, min_chunk)
-    active = (visible + chunk - 1) // chunk
-    slices = Int32(1)
-    if cutlass.const_expr(head_slices > 1):
-        if active * head_slices <= splits:
-            slices = Int32(head_slices)
+    chunk, active, slices = split_schedule(visible, splits, min_chunk, quantum, head_slices, long_slices)
     split = cta // (groups * slices)
     if cta < groups * splits and split < active:
         g = (cta - split * groups * slices) // slices
@@ -774,9 +807,10 @@ def split_kv_attention(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Te
                        scale: cutlass.Constexpr[float], has_qk_norm: cutlass.Constexpr[bool],
                        eps: cutlass.Constexpr[float], splits: cutlass.Constexpr[int],
                        unroll: cutlass.Constexpr[int], min_chunk: cutlass.Constexpr[int],
-                       rotary_dim: cutlass.Constexpr[int], whole_qk_norm: cutlass.Constexpr[bool],
-                       merge_preload: cutlass.Constexpr[bool], spread_merge: cutlass.Constexpr[bool],
-                       head_slices: cutlass.Constexpr[int]):
+                       quantum: cutlass.Constexpr[int], rotary_dim: cutlass.Constexpr[int],
+                       whole_qk_norm: cutlass.Constexpr[bool], merge_preload: cutlass.Constexpr[bool],
+                       spread_merge: cutlass.Constexpr[bool], head_slices: cutlass.Constexpr[int],
+                       long_slices: cutlass.Constexpr[bool]):
     """Flash decoding: RoPE + KV append + attention over positions [first_key, pos], the cached keys split across
     CTAs (``first_key`` is 0, or where the layer's sliding window starts). ``merge_preload``: the merging item
     loads its first partials at once (:func:`_merge_splits`). ``spread_merge``: every active item of a group
@@ -784,32 +818,31 @@ def split_kv_attention(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Te
     arrival merging them all. ``codegen.default_merge`` picks both per plan.
 
     Work items are (split, batch, KV head), split-major, dealt to CTAs. At this step the ``pos + 1 - first_key``
-    visible positions are cut into ``active`` chunks of ``chunk`` positions (a multiple of ``min_chunk``, which
-    is the positions one CTA pass covers x ``unroll``: short contexts stay in one split). Where
-    ``active * head_slices <= splits`` (short contexts; ``plan.attention``), each item is dealt as
-    ``head_slices`` items (split, batch, KV head, slice) of ``group / head_slices`` query heads each, so more
-    CTAs share the step's attention: :func:`_split_kv_items` is the same code for a slice as for a whole group.
+    visible positions are cut into ``active`` chunks of ``chunk`` positions (at least ``min_chunk``, which is the
+    positions one CTA pass covers x ``unroll``: short contexts stay in one split; a multiple of ``quantum``, that
+    or a CTA pass), each dealt as ``slices``
+    items (split, batch, KV head, slice) of ``group / slices`` query heads (:func:`split_schedule`: at short
+    contexts ``head_slices`` while they fit the items; with ``long_slices`` also fewer, longer splits of
+    smaller slices where that gives each item less work), so more CTAs share the step's attention:
+    :func:`_split_kv_items` is the same code for a slice as for a whole group, built once per slice count the
+    schedule can deal.
     """
     group = n_heads // n_kv_heads
     visible = pos + 1 - first_key
-    chunk = split_chunk(visible, splits, min_chunk)
-    active = (visible + chunk - 1) // chunk
-    if cutlass.const_expr(head_slices > 1):
-        if active * head_slices <= splits:
-            _split_kv_items(qkv, qk_norm, rope_cos, rope_sin, k_cache, v_cache, attn, part, counts, pos, first_key,
-                            chunk, active, s_att, cta, tidx, batch, n_heads, n_kv_heads, head_dim, ctas, threads,
-                            scale, has_qk_norm, eps, splits, unroll, rotary_dim, whole_qk_norm, merge_preload,
-                            spread_merge, group // head_slices, head_slices)
-        else:
-            _split_kv_items(qkv, qk_norm, rope_cos, rope_sin, k_cache, v_cache, attn, part, counts, pos, first_key,
-                            chunk, active, s_att, cta, tidx, batch, n_heads, n_kv_heads, head_dim, ctas, threads,
-                            scale, has_qk_norm, eps, splits, unroll, rotary_dim, whole_qk_norm, merge_preload,
-                            spread_merge, group, 1)
-    else:
+    chunk, active, slices = split_schedule(visible, splits, min_chunk, quantum, head_slices, long_slices)
+    if cutlass.const_expr(head_slices <= 1):
         _split_kv_items(qkv, qk_norm, rope_cos, rope_sin, k_cache, v_cache, attn, part, counts, pos, first_key,
                         chunk, active, s_att, cta, tidx, batch, n_heads, n_kv_heads, head_dim, ctas, threads, scale,
                         has_qk_norm, eps, splits, unroll, rotary_dim, whole_qk_norm, merge_preload, spread_merge,
                         group, 1)
+    else:
+        for s in cutlass.range_constexpr(1, head_slices + 1):
+            if cutlass.const_expr(head_slices % s == 0 and (long_slices or s == 1 or s == head_slices)):
+                if slices == s:
+                    _split_kv_items(qkv, qk_norm, rope_cos, rope_sin, k_cache, v_cache, attn, part, counts, pos,
+                                    first_key, chunk, active, s_att, cta, tidx, batch, n_heads, n_kv_heads,
+                                    head_dim, ctas, threads, scale, has_qk_norm, eps, splits, unroll, rotary_dim,
+                                    whole_qk_norm, merge_preload, spread_merge, group // s, s)
 
 
 @cute.jit
