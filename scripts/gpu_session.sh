@@ -19,6 +19,8 @@
 #          4000 (gemma-2b, Qwen2.5-0.5B) -> OUT/tune-*-p*.log, OUT/p*/ (~5 min, session 19)
 #   pass-chunks: the GPU test of split-KV chunks in whole CTA passes (a candidate), then the default build against
 #          it at 2000 (SmolLM) / 4000 (Qwen2.5-0.5B) -> OUT/pytest-gpu-pass-chunks.log, OUT/tune-*-p*.log (~5 min?)
+#   kv-pipeline: the GPU test of split-KV K/V loads one iteration ahead (a candidate), then the default build
+#          against it at 4000 (OLMo-2-1B, Llama-1B) / 2000 (SmolLM) -> OUT/pytest-gpu-kv-pipeline.log, OUT/tune-* (~6 min?)
 #   hang-probe: the tensor-core cases' steps with the barrier watchdog (scripts/gpu_hang_probe.py; a tool for
 #          chasing a kernel that never reaches a grid barrier)                   -> OUT/hang-probe.json (~3 min)
 #   bench: decode benchmark table + chart, all presets in one process          -> OUT/bench/  (~2.5 min per preset;
@@ -138,6 +140,15 @@ if [[ " $PARTS " == *" pass-chunks "* ]]; then
   collect_tests pass-chunks
   tune_candidates smollm-135m 2048 2000 pass-chunks
   tune_candidates qwen2.5-0.5b 4096 4000 pass-chunks
+fi
+if [[ " $PARTS " == *" kv-pipeline "* ]]; then
+  # split-KV K/V rows loaded one loop iteration ahead (generate(plan, kv_pipeline=True), a candidate since session
+  # 19): its GPU test (the same bits), then the default build against it at long contexts (MHA models first)
+  TEST_LIMIT=240 run_tests kv-pipeline "kv_pipeline" tests/test_gpu_decode.py
+  collect_tests kv-pipeline
+  tune_candidates olmo-2-1b 4096 4000 kv-pipeline
+  tune_candidates smollm-135m 2048 2000 kv-pipeline
+  tune_candidates llama-3.2-1b 4096 4000 kv-pipeline
 fi
 if [[ " $PARTS " == *" hang-probe "* ]]; then
   # the tensor-core cases' kernel steps built with the barrier watchdog (scripts/gpu_hang_probe.py)

@@ -41,6 +41,7 @@ MIN_CHUNK = 128
 HEAD_SLICES = 2
 LONG_SLICES = True
 CHUNK_QUANTUM = 128
+KV_PIPELINE = False
 RING_STAGES = 4
 RING_VECTORS = 8
 EPS = 1e-05
@@ -119,7 +120,7 @@ def megakernel(
             head_dim=HEAD_DIM, ctas=CTAS, threads=THREADS, scale=ATTN_SCALE, has_qk_norm=False, eps=EPS,
             splits=KV_SPLITS, unroll=ATT_UNROLL, min_chunk=MIN_CHUNK, quantum=CHUNK_QUANTUM, rotary_dim=HEAD_DIM,
             whole_qk_norm=False, merge_preload=True, spread_merge=False, head_slices=HEAD_SLICES,
-            long_slices=LONG_SLICES)
+            long_slices=LONG_SLICES, kv_pipeline=KV_PIPELINE)
         bodies.grid_barrier(barrier=barrier, tidx=tidx, ctas=CTAS)
         # ---- stage 3: o_residual (layer) ----
         bodies.copy_to_smem(src=attn, s_vec=s_vec, tidx=tidx, batch=BATCH, width=Q_ROWS, threads=THREADS)
@@ -655,13 +656,19 @@ def _merge_into(m: cute.Tensor, l: cute.Tensor, acc: cute.Tensor, h: cutlass.Con
 def _online_softmax_chunk(keys: cute.Tensor, values: cute.Tensor, s_q: cute.Tensor, m: cute.Tensor,
                           l: cute.Tensor, acc: cute.Tensor, first: Int32, end: Int32, grp: Int32, sub: Int32,
                           group: cutlass.Constexpr[int], lanes_per_pos: cutlass.Constexpr[int],
-                          stride: cutlass.Constexpr[int], unroll: cutlass.Constexpr[int]):
+                          stride: cutlass.Constexpr[int], unroll: cutlass.Constexpr[int],
+                          pipeline: cutlass.Constexpr[bool]):
     """Lane group ``grp`` of a warp takes positions first + grp, first + grp + stride, ... < end: ``unroll`` K and
     V rows in flight, every query head of the group scored against each key row once loaded (GQA packing),
     online softmax per head. The loop bounds depend on the warp only (``first``), never on the lane group:
     every lane runs the same iterations, so the lane-group shuffles stay converged; positions past ``end``
     load a clamped row and are masked out. When ``lanes_per_pos`` is not a power of two (head_dim 96: 12) a lane
-    group spans the next power of two and its spare lanes load a clamped slice and score 0."""
+    group spans the next power of two and its spare lanes load a clamped slice and score 0.
+
+    ``pipeline`` (a candidate, session 19): the next iteration's K and V rows are loaded (as stored, bf16) before
+    this iteration's rows are scored, so their latency overlaps the arithmetic instead of following it (long
+    chunks: OLMo-2-1B at 4000 positions runs 8 iterations per item). Same values, same arithmetic order: the
+    same bits."""
     lane_slots = 1 << (lanes_per_pos - 1).bit_length()
     row_slice = sub
     live = Float32(1.0)
@@ -672,11 +679,27 @@ def _online_softmax_chunk(keys: cute.Tensor, values: cute.Tensor, s_q: cute.Tens
     kf = cute.make_rmem_tensor(cute.make_layout((VEC, unroll)), Float32)
     vf = cute.make_rmem_tensor(cute.make_layout((VEC, unroll)), Float32)
     scores = cute.make_rmem_tensor(cute.make_layout(unroll), Float32)
-    for base in range(first, end, stride * unroll):
+    kn = cute.make_rmem_tensor(cute.make_layout((VEC, unroll)), keys.element_type)  # pipeline: next rows
+    vn = cute.make_rmem_tensor(cute.make_layout((VEC, unroll)), values.element_type)
+    if cutlass.const_expr(pipeline):
         for u in cutlass.range_constexpr(unroll):
-            t = cutlass.min(base + grp + u * stride, end - 1)
-            kf[(None, u)].store(cute.zipped_divide(keys[t, None], (VEC,))[(None, row_slice)].load().to(Float32))
-            vf[(None, u)].store(cute.zipped_divide(values[t, None], (VEC,))[(None, row_slice)].load().to(Float32))
+            t0 = cutlass.min(first + grp + u * stride, end - 1)
+            kn[(None, u)].store(cute.zipped_divide(keys[t0, None], (VEC,))[(None, row_slice)].load())
+            vn[(None, u)].store(cute.zipped_divide(values[t0, None], (VEC,))[(None, row_slice)].load())
+    for base in range(first, end, stride * unroll):
+        if cutlass.const_expr(pipeline):
+            for u in cutlass.range_constexpr(unroll):
+                kf[(None, u)].store(kn[(None, u)].load().to(Float32))
+                vf[(None, u)].store(vn[(None, u)].load().to(Float32))
+            for u in cutlass.range_constexpr(unroll):  # the next iteration's rows (clamped past the end: unused)
+                tn = cutlass.min(base + stride * unroll + grp + u * stride, end - 1)
+                kn[(None, u)].store(cute.zipped_divide(keys[tn, None], (VEC,))[(None, row_slice)].load())
+                vn[(None, u)].store(cute.zipped_divide(values[tn, None], (VEC,))[(None, row_slice)].load())
+        else:
+            for u in cutlass.range_constexpr(unroll):
+                t = cutlass.min(base + grp + u * stride, end - 1)
+                kf[(None, u)].store(cute.zipped_divide(keys[t, None], (VEC,))[(None, row_slice)].load().to(Float32))
+                vf[(None, u)].store(cute.zipped_divide(values[t, None], (VEC,))[(None, row_slice)].load().to(Float32))
         for h in cutlass.range_constexpr(group):
             qv = cute.zipped_divide(s_q, (VEC,))[(None, h * lanes_per_pos + row_slice)].load()
             top = m[h]
@@ -810,7 +833,7 @@ def split_kv_attention(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Te
                        quantum: cutlass.Constexpr[int], rotary_dim: cutlass.Constexpr[int],
                        whole_qk_norm: cutlass.Constexpr[bool], merge_preload: cutlass.Constexpr[bool],
                        spread_merge: cutlass.Constexpr[bool], head_slices: cutlass.Constexpr[int],
-                       long_slices: cutlass.Constexpr[bool]):
+                       long_slices: cutlass.Constexpr[bool], kv_pipeline: cutlass.Constexpr[bool]):
     """Flash decoding: RoPE + KV append + attention over positions [first_key, pos], the cached keys split across
     CTAs (``first_key`` is 0, or where the layer's sliding window starts). ``merge_preload``: the merging item
     loads its first partials at once (:func:`_merge_splits`). ``spread_merge``: every active item of a group
@@ -834,7 +857,7 @@ def split_kv_attention(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Te
         _split_kv_items(qkv, qk_norm, rope_cos, rope_sin, k_cache, v_cache, attn, part, counts, pos, first_key,
                         chunk, active, s_att, cta, tidx, batch, n_heads, n_kv_heads, head_dim, ctas, threads, scale,
                         has_qk_norm, eps, splits, unroll, rotary_dim, whole_qk_norm, merge_preload, spread_merge,
-                        group, 1)
+                        group, 1, kv_pipeline)
     else:
         for s in cutlass.range_constexpr(1, head_slices + 1):
             if cutlass.const_expr(head_slices % s == 0 and (long_slices or s == 1 or s == head_slices)):
@@ -842,7 +865,7 @@ def split_kv_attention(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Te
                     _split_kv_items(qkv, qk_norm, rope_cos, rope_sin, k_cache, v_cache, attn, part, counts, pos,
                                     first_key, chunk, active, s_att, cta, tidx, batch, n_heads, n_kv_heads,
                                     head_dim, ctas, threads, scale, has_qk_norm, eps, splits, unroll, rotary_dim,
-                                    whole_qk_norm, merge_preload, spread_merge, group // s, s)
+                                    whole_qk_norm, merge_preload, spread_merge, group // s, s, kv_pipeline)
 
 
 @cute.jit
@@ -856,7 +879,8 @@ def _split_kv_items(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Tenso
                     eps: cutlass.Constexpr[float], splits: cutlass.Constexpr[int], unroll: cutlass.Constexpr[int],
                     rotary_dim: cutlass.Constexpr[int], whole_qk_norm: cutlass.Constexpr[bool],
                     merge_preload: cutlass.Constexpr[bool], spread_merge: cutlass.Constexpr[bool],
-                    heads: cutlass.Constexpr[int], slices: cutlass.Constexpr[int]):
+                    heads: cutlass.Constexpr[int], slices: cutlass.Constexpr[int],
+                    kv_pipeline: cutlass.Constexpr[bool]):
     """This CTA's work items of :func:`split_kv_attention` at this step, ``slices`` head slices of ``heads`` query
     heads each per (split, batch, KV head) (1 slice: the whole group). Item ``i`` is split ``i // (groups x
     slices)``, then (batch, KV head, slice); the ``heads`` query heads of a slice are a "virtual KV group" of
@@ -922,7 +946,8 @@ def _split_kv_items(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Tenso
             for e in cutlass.range_constexpr(heads * VEC):
                 acc[e] = Float32(0.0)
             _online_softmax_chunk(k_cache[b, kvh, None, None], v_cache[b, kvh, None, None], s_q, m, l, acc,
-                                  start + warp * pos_per_warp, end, grp, sub, heads, lanes_per_pos, stride, unroll)
+                                  start + warp * pos_per_warp, end, grp, sub, heads, lanes_per_pos, stride, unroll,
+                                  kv_pipeline)
             for h in cutlass.range_constexpr(heads):  # lane groups of a warp: butterfly merge
                 offset = lane_slots
                 while cutlass.const_expr(offset < WARP):
