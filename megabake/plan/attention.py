@@ -19,7 +19,9 @@ Long contexts (:func:`split_schedule`, session 19): where the splits are all in 
 ``s`` slices (any divisor of ``head_slices``) over fewer, longer splits (at most ``splits // s`` of them) when
 that gives each item less work, positions x query heads: SmolLM-135M at 2000 positions reads 128 positions for
 3 heads per item unsliced and 256 positions for 1 head with 3 slices. Where the short-context rule above deals
-slices, this one deals the same (the same chunk, the same bits).
+slices, this one deals the same (the same chunk, the same bits). ``LONG_SLICES`` / ``PASS_CHUNKS`` are the
+default dealing that both the kernel's default build and the reference executor read; ``chunk_quantum(plan)`` is
+what chunks are rounded to (whole ``per_tile`` chunks, or with ``PASS_CHUNKS``, a candidate, whole CTA passes).
 """
 
 from __future__ import annotations
