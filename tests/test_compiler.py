@@ -28,6 +28,23 @@ def test_capture_classifies_placeholders(tiny):
     assert "model.layers.0.self_attn.q_proj.weight" in cap.parameters.values()
 
 
+def test_a_captured_model_is_freed_once_its_step_is_dropped():
+    """torch.export's Dynamo capture leaves a compiled function holding the traced graph (and every weight) in a torch
+    module's globals; capture removes it, else each bake leaks its model's size (the CPU suite was OOM-killed)."""
+    import gc
+    import weakref
+
+    from megabake.capture import capture_decode_step
+
+    model = get_preset("tiny-llama").build_model()
+    weight = weakref.ref(model.model.embed_tokens.weight)
+    step = capture_decode_step(model, capacity=16)
+    assert step.program is not None
+    del model, step
+    gc.collect()
+    assert weight() is None, "a captured model's weights outlive the capture"
+
+
 def test_ir_recognises_every_op_kind(tiny):
     counts = tiny.ir.summary()
     assert counts == {"Embedding": 1, "RotaryTable": 1, "RMSNorm": 5, "Linear": 15, "RoPE": 4, "KVAppend": 4,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import sys
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -128,7 +129,8 @@ def capture_decode_step(model, *, batch: int = 1, capacity: int = 128) -> Captur
     exportable = TorchExportableModuleForDecoderOnlyLM(model, batch_size=batch, max_cache_len=capacity)
     input_ids = torch.full((batch, 1), 1, dtype=torch.long, device=device)
     cache_position = torch.tensor([min(3, capacity - 1)], dtype=torch.long, device=device)
-    with warnings.catch_warnings(), _long_rope_as_short_factors(model, capacity) as long_rope:
+    with warnings.catch_warnings(), _long_rope_as_short_factors(model, capacity) as long_rope, \
+            _dropping_dynamo_compiled_functions():
         warnings.simplefilter("ignore")
         try:
             program = exportable.export(input_ids=input_ids, cache_position=cache_position)
@@ -143,6 +145,30 @@ def capture_decode_step(model, *, batch: int = 1, capacity: int = 128) -> Captur
     _classify_placeholders(step)
     step.seconds = time.perf_counter() - started
     return step
+
+
+_DYNAMO_COMPILED_FN_PREFIX = "__compiled_fn_"
+
+
+@contextlib.contextmanager
+def _dropping_dynamo_compiled_functions():
+    """Remove the compiled functions that ``torch.export``'s Dynamo capture installs into the globals of the module it
+    traced (torch 2.13: ``torch._dynamo.functional_export``) and never removes: each one holds the captured graph
+    module and, through it, every weight of the exported model, so each capture leaked its model's size for the life
+    of the process (a CPU test run grew to 24 GB and was OOM-killed; a user baking several buckets paid the same).
+    The ``CapturedStep`` keeps the program; only these stray module-global references go. Every export resets
+    Dynamo's caches before tracing, so no later call can reach a removed name."""
+    def compiled_function_names() -> set[tuple[str, str]]:
+        return {(module_name, key) for module_name, module in list(sys.modules.items())
+                if module_name.startswith("torch") and module is not None
+                for key in list(getattr(module, "__dict__", {})) if key.startswith(_DYNAMO_COMPILED_FN_PREFIX)}
+
+    before = compiled_function_names()
+    try:
+        yield
+    finally:
+        for module_name, key in compiled_function_names() - before:
+            vars(sys.modules[module_name]).pop(key, None)
 
 
 @contextlib.contextmanager
