@@ -74,7 +74,8 @@ def _assert_steps_match(decoder, reference, tokens, positions, tol: float | None
 # tiny-phi4: its long-RoPE original range is 128 positions, so 16 + 240 positions switch to the long factors at 128.
 _NUMERICS = {"smollm-135m": (128, 64), "llama-3.2-1b": (128, 64), "gemma-2b": (512, 240),
              "gemma-2-2b": (512, 240), "tiny-mistral": (320, 240), "gemma-3-270m": (640, 560),
-             "tiny-phi3": (320, 240), "tiny-phi4": (320, 240), "tiny-olmo2": (320, 240)}  # capacity, steps
+             "tiny-phi3": (320, 240), "tiny-phi4": (320, 240), "tiny-olmo2": (320, 240),
+             "tiny-granite": (320, 240)}  # capacity, steps
 
 
 @pytest.fixture(scope="module", params=list(_NUMERICS))
@@ -274,6 +275,19 @@ def test_olmo2_post_norm_kernel_matches_reference_executor_at_long_context(batch
     compiled = compile_preset("tiny-olmo2", batch=batch, capacity=1024, ctas=gpu_info().sm_count)
     assert compiled.plan.layout == "post_norm" and compiled.plan.dims.whole_qk_norm
     _assert_random_cache_steps_match(compiled, compiled.model, seed=19)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_granite_folded_multipliers_kernel_matches_reference_executor_at_long_context(batch):
+    """Granite: Llama's kernel with its four multipliers as plan data (embedding and softmax scales, the residual
+    multiplier packed into w_o / w_down, 1 / logits_scaling into the fp32 final norm of the tied head); random
+    1024-slot cache, around the split boundary and at capacity - 1."""
+    from megabake.runtime import gpu_info
+
+    compiled = compile_preset("tiny-granite", batch=batch, capacity=1024, ctas=gpu_info().sm_count)
+    assert {packed.buffer for packed in compiled.plan.packed if packed.scale != 1.0} == {"w_o", "w_down",
+                                                                                         "final_norm"}
+    _assert_random_cache_steps_match(compiled, compiled.model, seed=23)
 
 
 @pytest.mark.parametrize("preset,batch,layers", [("tiny-llama", 2, None), ("llama-3.2-1b", 8, 2)])
