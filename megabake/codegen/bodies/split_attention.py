@@ -164,6 +164,7 @@ def _online_softmax_chunk(keys: cute.Tensor, values: cute.Tensor, s_q: cute.Tens
                 tn = cutlass.min(base + stride * unroll + grp + u * stride, end - 1)
                 kn[(None, u)].store(cute.zipped_divide(keys[tn, None], (VEC,))[(None, row_slice)].load())
                 vn[(None, u)].store(cute.zipped_divide(values[tn, None], (VEC,))[(None, row_slice)].load())
+            cute.arch.sync_warp()  # a scheduling fence: the compiler otherwise sinks these loads past the scores
         else:
             for u in cutlass.range_constexpr(unroll):
                 t = cutlass.min(base + grp + u * stride, end - 1)
