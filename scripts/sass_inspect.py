@@ -1,13 +1,18 @@
 """Registers, spills and the load/FFMA order of a generated megakernel, on a CPU (no GPU needed).
 
     python3 scripts/sass_inspect.py llama-3.2-1b --tiling 2 4 --flags pipeline preload spread --out /tmp/sass
+    python3 scripts/sass_inspect.py olmo-2-1b --default-tiling --capacity 4096 --build kv-pipeline --loops-with MUFU
 
 Builds a 2-layer stack of the preset's real shapes with one GEMV tiling on every stage (the LM head never
 preloads), compiles module.py for sm_90a with CuTe DSL (PTX kept), assembles it with the local `ptxas`
 (a PTX `.version` newer than that ptxas is lowered to the one it names) and, when `nvdisasm` is found (PATH or
 $NVDISASM; `pip download nvidia-cuda-nvdisasm` has one), writes the SASS and prints the sequence of global
 loads, FFMAs, branches and barriers, run-length encoded: a pipelined GEMV loop shows its 8 `LDG` ahead of its
-FFMAs. These are the local toolchain's choices; the DSL's own toolchain on the GPU may schedule differently.
+FFMAs. ``--default-tiling`` takes the bake's own plan instead, ``--build`` one of ``scripts/gpu_tune.py``'s code
+generation candidates (``kv-pipeline``, ``pass-chunks``, ...), and ``--loops-with OP`` prints only the loops
+(a label to the backward branch that returns to it) whose body holds OP: ``--loops-with MUFU`` shows the split-KV
+attention loop, where the K/V loads should lead the scoring FFMAs. These are the local toolchain's choices; the
+DSL's own toolchain on the GPU may schedule differently.
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def build_ptx(preset_name: str, per_tile: int, unroll: int, flags: list[str], stages: int, out: Path) -> Path:
+def build_ptx(preset_name: str, per_tile: int, unroll: int, flags: list[str], stages: int, out: Path, *,
+              capacity: int = 128, default_tiling: bool = False, build: dict | None = None) -> Path:
     from megabake.capture import capture_decode_step
     from megabake.codegen import generate
     from megabake.ir import lower
@@ -36,15 +42,16 @@ def build_ptx(preset_name: str, per_tile: int, unroll: int, flags: list[str], st
 
     preset = get_preset(preset_name)
     model = dataclasses.replace(preset, config=dict(preset.config, num_hidden_layers=2)).build_model()
-    captured = capture_decode_step(model, batch=1, capacity=128)
+    captured = capture_decode_step(model, batch=1, capacity=capacity)
     ir = lower(captured)
     inv_freq, scaling = recover_rotary(captured, ir)
     chosen = {flag: True for flag in flags}
     tuning = {stage: GemvTuning(per_tile, unroll, stages=stages,
                                 **{k: v for k, v in chosen.items() if not (stage == "norm_lm_head" and k == "preload")})
               for stage in GEMV_STAGES}
-    plan = build_plan(ir, ctas=132, threads=256, inv_freq_buffer=inv_freq, rotary_scaling=scaling, tuning=tuning)
-    result = compile_check(plan, load_module(generate(plan).source), dump_dir=str(out))
+    plan = build_plan(ir, ctas=132, threads=256, inv_freq_buffer=inv_freq, rotary_scaling=scaling,
+                      tuning=None if default_tiling else tuning)
+    result = compile_check(plan, load_module(generate(plan, **(build or {})).source), dump_dir=str(out))
     if not result.ok:
         raise SystemExit(f"CuTe DSL compile failed: {result.error}")
     return max(out.glob("*.ptx"), key=lambda p: p.stat().st_mtime)
@@ -71,19 +78,38 @@ def assemble(ptx: Path, out: Path) -> tuple[Path, str]:
 
 
 def schedule(sass: str) -> str:
-    """Run-length encoded sequence of LDG / FFMA / LDS / BRA / BAR / WARPSYNC instructions."""
+    """Run-length encoded sequence of LDG / FFMA / LDS / SHFL / MUFU / BRA / BAR / WARPSYNC instructions."""
     seq = []
     for line in sass.splitlines():
         match = re.search(r"\*/\s+(@!?P\d\s+)?([A-Z][A-Z0-9.]*)", line)
         if not match:
             continue
         op = match.group(2).split(".")[0]
-        if op in ("LDG", "LDGSTS", "LDGDEPBAR", "DEPBAR", "FFMA", "LDS", "BRA", "BAR", "WARPSYNC", "NOP", "STL", "LDL"):
+        if op in ("LDG", "LDGSTS", "LDGDEPBAR", "DEPBAR", "FFMA", "LDS", "SHFL", "MUFU", "BRA", "BAR", "WARPSYNC", "NOP",
+                  "STL", "LDL"):
             if seq and seq[-1][0] == op:
                 seq[-1][1] += 1
             else:
                 seq.append([op, 1])
     return " ".join(f"{n}{op}" for op, n in seq)
+
+
+def loops_with(sass: str, op: str) -> list[str]:
+    """The schedule (:func:`schedule`) of every innermost loop of ``sass`` whose body holds ``op``: a loop runs
+    from a label to the backward branch that returns to it; one holding another loop (the layer loop) is left out."""
+    lines = sass.splitlines()
+    labels, spans = {}, []
+    for i, line in enumerate(lines):
+        label = re.match(r"\s*\.(L_x_\d+):", line)
+        if label:
+            labels[label.group(1)] = i
+            continue
+        branch = re.search(r"\bBRA\b.*?\.(L_x_\d+)", line)
+        if branch and branch.group(1) in labels:
+            spans.append((labels[branch.group(1)], i))
+    innermost = [(a, b) for a, b in spans if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in spans)]
+    return [schedule("\n".join(lines[a:b + 1])) for a, b in innermost
+            if any(re.search(rf"\b{re.escape(op)}\b", text) for text in lines[a:b + 1])]
 
 
 def main() -> None:
@@ -92,11 +118,24 @@ def main() -> None:
     parser.add_argument("--tiling", nargs=2, type=int, default=[2, 4], metavar=("PER_TILE", "UNROLL"))
     parser.add_argument("--flags", nargs="*", default=[], choices=["spread", "preload", "pipeline"])
     parser.add_argument("--stages", type=int, default=0, help="cp.async ring depth of every GEMV stage (0: none)")
+    parser.add_argument("--capacity", type=int, default=128, help="KV capacity of the bucket (default 128)")
+    parser.add_argument("--default-tiling", action="store_true",
+                        help="the bake's default GEMV tiling instead of --tiling / --flags / --stages")
+    parser.add_argument("--build", default="atom",
+                        help="a code generation candidate of scripts/gpu_tune.py (BUILDS: kv-pipeline, ...)")
+    parser.add_argument("--loops-with", metavar="OP",
+                        help="print only the loops holding this SASS op (MUFU: the split-KV attention loop)")
     parser.add_argument("--out", type=Path, default=Path("/tmp/megabake-sass"))
     args = parser.parse_args()
+    from gpu_tune import BUILDS
+
+    if args.build not in BUILDS:
+        parser.error(f"unknown --build {args.build!r}: choose one of {', '.join(BUILDS)}")
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     args.out.mkdir(parents=True, exist_ok=True)
-    cubin, info = assemble(build_ptx(args.preset, *args.tiling, args.flags, args.stages, args.out), args.out)
+    ptx = build_ptx(args.preset, *args.tiling, args.flags, args.stages, args.out, capacity=args.capacity,
+                    default_tiling=args.default_tiling, build=BUILDS[args.build])
+    cubin, info = assemble(ptx, args.out)
     print("\n".join(line.strip() for line in info.splitlines() if "registers" in line or "spill" in line))
     nvdisasm = os.environ.get("NVDISASM") or shutil.which("nvdisasm")
     if not nvdisasm:
@@ -104,6 +143,10 @@ def main() -> None:
         return
     sass = subprocess.run([nvdisasm, "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
     (args.out / "kernel.sass").write_text(sass)
+    if args.loops_with:
+        print(f"SASS: {args.out / 'kernel.sass'}; loops holding {args.loops_with}:")
+        print("\n".join(loops_with(sass, args.loops_with)) or "none")
+        return
     print(f"SASS: {args.out / 'kernel.sass'}\n{schedule(sass)}")
 
 

@@ -411,6 +411,20 @@ def test_sass_schedule_summary_shows_loads_ahead_of_arithmetic():
         "        /*0180*/                   STL.64 [R1], R12 ;",
     ])
     assert module.schedule(sass) == "2LDG 1NOP 3FFMA 1BRA 1STL"
+    loop = "\n".join([
+        ".L_x_3:",
+        "        /*0200*/                   LDG.E.128 R16, desc[UR16][R6.64] ;",
+        "        /*0210*/                   SHFL.BFLY PT, R3, R2, 0x1, 0x1f ;",
+        "        /*0220*/                   MUFU.EX2 R5, R5 ;",
+        "        /*0230*/              @P1 BRA `(.L_x_3) ;",
+        ".L_x_4:",
+        "        /*0240*/                   FFMA R0, R12, R0, RZ ;",
+        "        /*0250*/              @P2 BRA `(.L_x_4) ;",
+        "        /*0260*/                   BRA `(.L_x_5) ;",
+        "        /*0270*/              @P3 BRA `(.L_x_3) ;",  # an outer loop around both
+    ])
+    assert module.loops_with(loop, "MUFU") == ["1LDG 1SHFL 1MUFU 1BRA"]  # not the loop without one, nor a jump ahead
+    assert module.loops_with(loop, "FFMA") == ["1FFMA 1BRA"]
 
 
 def _pipelined_schedule(rows, kvecs, per_tile, unroll, total_warps, gwarp, warp_size=32):
