@@ -177,6 +177,18 @@ def test_reference_executor_checks_tile_ownership(tiny):
     assert all(0 <= cta < tiny.plan.ctas and 0 <= warp < tiny.plan.warps for cta, warp in owners.values())
 
 
+def test_reference_executor_refuses_a_tiling_that_leaves_rows_unwritten(tiny):
+    """A GEMV tiling one tile short leaves its last rows to nobody: the reference executor's first step says so
+    (the check runs once per stage; later steps write whole rows at once)."""
+    import dataclasses
+
+    stage = next(s for s in tiny.plan.stages if s.name == "o_residual")
+    short = dataclasses.replace(stage, tiling=dataclasses.replace(stage.tiling, tiles=stage.tiling.tiles - 1))
+    plan = dataclasses.replace(tiny.plan, stages=[short if s is stage else s for s in tiny.plan.stages])
+    with pytest.raises(AssertionError, match="o_residual: some output rows written"):
+        reference_executor_for(plan, tiny.model).step(torch.tensor([5]), 0)
+
+
 def test_source_map_points_at_module_lines(tiny):
     lines = tiny.generated.source.splitlines()
     entries = tiny.generated.source_map["entries"]
