@@ -34,7 +34,7 @@ WORKFLOWS = REPO / ".github" / "workflows"
 CI = WORKFLOWS / "ci.yml"
 BAKE = WORKFLOWS / "bake.yml"
 HOPPER = ["self-hosted", "linux", "x64", "hopper"]
-TEST_COMMAND = 'python3 -m pytest -q -m "not gpu"'
+TEST_COMMAND = 'python3 -m pytest -q -m "not gpu" -n 2 --dist loadfile'
 
 # Set-up lines allowed in bake.yml besides `megabake ...` (full-line regular expressions).
 SETUP_WHITELIST = [
