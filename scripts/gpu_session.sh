@@ -21,6 +21,9 @@
 #          it at 2000 (SmolLM) / 4000 (Qwen2.5-0.5B) -> OUT/pytest-gpu-pass-chunks.log, OUT/tune-*-p*.log (~5 min?)
 #   kv-pipeline: the GPU test of split-KV K/V loads one iteration ahead (a candidate), then the default build
 #          against it at 4000 (OLMo-2-1B, Llama-1B) / 2000 (SmolLM) -> OUT/pytest-gpu-kv-pipeline.log, OUT/tune-* (~6 min?)
+#   long-candidates: both candidates' timings without their GPU tests (tests-parallel has them), one build per
+#          preset: kv-pipeline at 4000 (OLMo-2-1B, Llama-1B), kv-pipeline and pass-chunks at 2000 (SmolLM) / 4000
+#          (Qwen2.5-0.5B) -> OUT/tune-*-p*.log, OUT/p*/ (~6 min?)
 #   hang-probe: the tensor-core cases' steps with the barrier watchdog (scripts/gpu_hang_probe.py; a tool for
 #          chasing a kernel that never reaches a grid barrier)                   -> OUT/hang-probe.json (~3 min)
 #   bench: decode benchmark table + chart, all presets in one process          -> OUT/bench/  (~2.5 min per preset;
@@ -148,6 +151,14 @@ if [[ " $PARTS " == *" kv-pipeline "* ]]; then
   collect_tests kv-pipeline
   tune_candidates olmo-2-1b 4096 4000 kv-pipeline
   tune_candidates smollm-135m 2048 2000 kv-pipeline
+  tune_candidates llama-3.2-1b 4096 4000 kv-pipeline
+fi
+if [[ " $PARTS " == *" long-candidates "* ]]; then
+  # both session-19 candidates' timings in one call, sharing each preset's build (their GPU tests run in
+  # tests-parallel): the K/V pipeline where a head streams long chunks, whole-pass chunks where they cut otherwise
+  tune_candidates olmo-2-1b 4096 4000 kv-pipeline
+  tune_candidates smollm-135m 2048 2000 kv-pipeline pass-chunks
+  tune_candidates qwen2.5-0.5b 4096 4000 kv-pipeline pass-chunks
   tune_candidates llama-3.2-1b 4096 4000 kv-pipeline
 fi
 if [[ " $PARTS " == *" hang-probe "* ]]; then
