@@ -32,25 +32,22 @@ sys.path.insert(0, str(ROOT))
 
 def build_ptx(preset_name: str, per_tile: int, unroll: int, flags: list[str], stages: int, out: Path, *,
               capacity: int = 128, default_tiling: bool = False, build: dict | None = None) -> Path:
-    from megabake.capture import capture_decode_step
     from megabake.codegen import generate
-    from megabake.ir import lower
-    from megabake.plan import GEMV_STAGES, GemvTuning, build_plan
-    from megabake.plan.rotary import recover_rotary
+    from megabake.compiler import compile_step
+    from megabake.plan import GEMV_STAGES, GemvTuning
     from megabake.presets import get_preset
     from megabake.runtime.compile import compile_check, load_module
 
     preset = get_preset(preset_name)
     model = dataclasses.replace(preset, config=dict(preset.config, num_hidden_layers=2)).build_model()
-    captured = capture_decode_step(model, batch=1, capacity=capacity)
-    ir = lower(captured)
-    inv_freq, scaling = recover_rotary(captured, ir)
-    chosen = {flag: True for flag in flags}
-    tuning = {stage: GemvTuning(per_tile, unroll, stages=stages,
-                                **{k: v for k, v in chosen.items() if not (stage == "norm_lm_head" and k == "preload")})
-              for stage in GEMV_STAGES}
-    plan = build_plan(ir, ctas=132, threads=256, inv_freq_buffer=inv_freq, rotary_scaling=scaling,
-                      tuning=None if default_tiling else tuning)
+    tuning = None
+    if not default_tiling:
+        chosen = {flag: True for flag in flags}
+        tuning = {stage: GemvTuning(per_tile, unroll, stages=stages,
+                                    **{k: v for k, v in chosen.items()
+                                       if not (stage == "norm_lm_head" and k == "preload")})
+                  for stage in GEMV_STAGES}
+    plan = compile_step(model, capacity=capacity, ctas=132, threads=256, tuning=tuning).plan
     result = compile_check(plan, load_module(generate(plan, **(build or {})).source), dump_dir=str(out))
     if not result.ok:
         raise SystemExit(f"CuTe DSL compile failed: {result.error}")
