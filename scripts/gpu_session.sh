@@ -155,11 +155,12 @@ if [[ " $PARTS " == *" kv-pipeline "* ]]; then
 fi
 if [[ " $PARTS " == *" long-candidates "* ]]; then
   # both session-19 candidates' timings in one call, sharing each preset's build (their GPU tests run in
-  # tests-parallel): the K/V pipeline where a head streams long chunks, whole-pass chunks where they cut otherwise
+  # tests-parallel): the K/V pipeline where a head streams long chunks (the two MHA presets under 1.5x at their
+  # longest context), whole-pass chunks where they cut otherwise
   tune_candidates olmo-2-1b 4096 4000 kv-pipeline
+  tune_candidates smollm-1.7b 2048 2000 kv-pipeline
   tune_candidates smollm-135m 2048 2000 kv-pipeline pass-chunks
   tune_candidates qwen2.5-0.5b 4096 4000 kv-pipeline pass-chunks
-  tune_candidates llama-3.2-1b 4096 4000 kv-pipeline
 fi
 if [[ " $PARTS " == *" hang-probe "* ]]; then
   # the tensor-core cases' kernel steps built with the barrier watchdog (scripts/gpu_hang_probe.py)
