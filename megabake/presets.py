@@ -361,9 +361,9 @@ PRESETS: dict[str, Preset] = {
             name="tiny-olmo2",
             model_id="megabake/tiny-olmo2",
             architecture="Olmo2ForCausalLM",
-            description="2-layer OLMo-2 (hidden 256, 4/2 heads x 64): norms after attention and the MLP only, q/k "
-                        "RMSNorm over the whole projection",
-            config=dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+            description="2-layer OLMo-2 (hidden 256, 2/2 heads x 128: one query head per KV head, as OLMo-2-1B): "
+                        "norms after attention and the MLP only, q/k RMSNorm over the whole projection",
+            config=dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=2,
                         num_key_value_heads=2, vocab_size=1024, max_position_embeddings=4096, rms_norm_eps=1e-6,
                         rope_theta=500000.0, pad_token_id=0, bos_token_id=1, eos_token_id=2,
                         tie_word_embeddings=False),

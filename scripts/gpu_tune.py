@@ -170,7 +170,8 @@ BUILDS = {"atom": {}, "red": {"barrier": "red"}, "red-fence": {"barrier": "red-f
           "merge-preload": {"merge_preload": True, "spread_merge": False},
           "spread-merge": {"merge_preload": False, "spread_merge": True},
           "no-slices": {"head_slices": False}, "short-slices": {"long_slices": False},
-          "pass-chunks": {"pass_chunks": True}, "kv-pipeline": {"kv_pipeline": True}}
+          "pass-chunks": {"pass_chunks": True}, "kv-pipeline": {"kv_pipeline": True},
+          "no-kv-pipeline": {"kv_pipeline": False}}
 
 
 def timeline(plan, model, tokens, phases: bool = False, build: str = "atom",

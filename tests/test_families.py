@@ -269,6 +269,19 @@ def test_olmo2_plans_the_post_norm_layout_with_whole_projection_qk_norms(tiny_ol
     assert "whole_qk_norm" not in compile_preset("qwen3-0.6b", layers=1, vocab=4096, capacity=32).plan.to_dict()["dims"]
 
 
+def test_the_kv_pipeline_is_the_default_for_one_query_head_per_kv_head_of_128_or_more(tiny_olmo2):
+    """``codegen.default_kv_pipeline``: OLMo-2 (one query head per KV head x 128, the tiny preset's shape too)
+    streams split-KV rows one loop iteration ahead; GQA (Qwen3, 128 wide) and narrow MHA heads (SmolLM-1.7B, 64
+    wide) keep the plain loop, where the H200 measured no gain."""
+    from megabake.codegen import default_kv_pipeline
+
+    assert default_kv_pipeline(tiny_olmo2.plan) and "KV_PIPELINE = True" in tiny_olmo2.generated.source
+    for preset, expected in (("olmo-2-1b", True), ("qwen3-0.6b", False), ("smollm-1.7b", False)):
+        compiled = compile_preset(preset, layers=1, vocab=4096, capacity=256)
+        assert default_kv_pipeline(compiled.plan) is expected, preset
+        assert f"KV_PIPELINE = {expected}" in compiled.generated.source, preset
+
+
 def test_olmo2_matches_eager_fp32_past_a_kv_split(tiny_olmo2):
     assert_matches_eager(tiny_olmo2.model, reference_executor_for(tiny_olmo2.plan, tiny_olmo2.model), steps=140)
 

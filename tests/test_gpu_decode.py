@@ -269,11 +269,15 @@ def test_olmo2_post_norm_kernel_matches_reference_executor_at_long_context(batch
     """OLMo-2: norms after attention and the MLP only (the staged row is the new residual) and q/k RMSNorm over
     the whole projection (warp 0 and the last warp of each attention item reduce q and k); random 1024-slot
     cache, around the split boundary and at capacity - 1. Passed on the H200 in session 9 (b1, b2), with
-    tiny-olmo2's 240-step numerics (rel-L2 to fp32 0.0040 vs eager bf16 0.0100, 185 decisive steps agree)."""
+    tiny-olmo2's 240-step numerics (rel-L2 to fp32 0.0040 vs eager bf16 0.0100, 185 decisive steps agree). Since
+    session 21 tiny-olmo2 has OLMo-2-1B's one query head per KV head x 128, so its default build streams the
+    split-KV rows through the K/V pipeline (``codegen.default_kv_pipeline``), checked here too."""
+    from megabake.codegen import default_kv_pipeline
     from megabake.runtime import gpu_info
 
     compiled = compile_preset("tiny-olmo2", batch=batch, capacity=1024, ctas=gpu_info().sm_count)
     assert compiled.plan.layout == "post_norm" and compiled.plan.dims.whole_qk_norm
+    assert default_kv_pipeline(compiled.plan) and "KV_PIPELINE = True" in compiled.generated.source
     _assert_random_cache_steps_match(compiled, compiled.model, seed=19)
 
 

@@ -39,7 +39,7 @@ ATTN_PART = "attn_part"  # split-KV partials [B, heads, splits, head_dim + 2]: a
 ATTN_COUNT = "attn_count"  # split-KV arrival counters [B * kv_heads * head slices] (int32, reset after use)
 LONG_SLICES = True  # the default dealing deals head slices at long contexts too (split_schedule): the kernel's
 # default build (codegen.generate's long_slices) and the reference executor read it, so they deal alike
-PASS_CHUNKS = False  # a candidate (session 19, not yet measured): chunks above the minimum in whole CTA passes
+PASS_CHUNKS = False  # a candidate (session 19; H200 session 21: within noise): chunks in whole CTA passes
 # instead of whole per_tile chunks (chunk_quantum); read like LONG_SLICES by the kernel's default and the reference
 
 
