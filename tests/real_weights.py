@@ -47,10 +47,11 @@ def require_smollm2_gguf() -> Path:
 def _fp32_model_and_tokenizer(path: str):
     from transformers import AutoTokenizer
 
-    from megabake.sources import dequantized_gguf_model
+    from megabake.sources import dequantized_gguf_model, shared_gguf_readers
 
     folder, name = os.path.split(path)
-    return dequantized_gguf_model(Path(path)), AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    with shared_gguf_readers():  # one metadata parse for the config, weights and tokenizer
+        return dequantized_gguf_model(Path(path)), AutoTokenizer.from_pretrained(folder, gguf_file=name)
 
 
 def smollm2_fp32():
