@@ -197,7 +197,13 @@ def shared_gguf_readers():
     new one for the config, another for the weights and another for the tokenizer, and each parses every metadata
     field: SmolLM2-135M's 49k-token vocabulary and merges take ~9 s per parse on a CPU core, ~18 s of a 50 s
     GGUF load. A reader is not changed after it is built (parsed fields, memory-mapped tensors), so sharing it
-    changes nothing else. The ``gguf`` module's name is swapped back on exit; not for concurrent threads."""
+    changes nothing else. The ``gguf`` module's name is swapped back on exit; not for concurrent threads. Without
+    the ``gguf`` package it does nothing (no GGUF file can be read then anyway)."""
+    import importlib.util
+
+    if importlib.util.find_spec("gguf") is None:
+        yield
+        return
     import gguf
 
     original = gguf.GGUFReader

@@ -157,19 +157,22 @@ def run_command(package, prompt, prompt_ids, chat, max_new_tokens, stop, do_samp
       megabake run my-org/SmolLM-135M-megabake --revision main --trust-remote-code --prompt "Once upon a time"
       megabake run packages/megabake--tiny-llama/random-seed0/decode-b1-c128-sm90a-132sm --prompt-ids 1,2,3
     """
+    from megabake.sources import shared_gguf_readers
+
     hub = HubOptions(revision, capacity, allow_unverified, trust_remote_code, endpoint, token)
     ids = check_prompt_options(prompt, prompt_ids, chat, stop)
     sampling = sampling_settings(do_sample, temperature, top_k, top_p, seed)
     asked, device = device, resolve_device(device)
     target = open_target(package, hub, device, model_path)
     tokenizer = None
-    if ids is None:
-        tokenizer = load_tokenizer(target, hub, model_path, chat)
-        ids = encode_prompt(tokenizer, prompt, chat, target)
-    new_tokens = fit_new_tokens(len(ids), max_new_tokens, target)
-    check_ids(ids, target)
-    click.echo(f"[megabake] {backend_note(device, asked)}", err=True)
-    decoder = bind(target, device, model_path)
+    with shared_gguf_readers():  # a package baked from a .gguf file: one parse for its tokenizer and weights
+        if ids is None:
+            tokenizer = load_tokenizer(target, hub, model_path, chat)
+            ids = encode_prompt(tokenizer, prompt, chat, target)
+        new_tokens = fit_new_tokens(len(ids), max_new_tokens, target)
+        check_ids(ids, target)
+        click.echo(f"[megabake] {backend_note(device, asked)}", err=True)
+        decoder = bind(target, device, model_path)
     generation = generate(decoder, ids, new_tokens, tokenizer, stop, sampling)
     echo_stats(generation, decoder.backend)
 
