@@ -27,8 +27,8 @@ SECONDS = {  # node-id fragment -> seconds (first match wins); from `pytest --du
     "head_slices_give_bit_identical_logits_near_0_at_split_boundaries_and_at_capacity[gemma-2b": 34.0,
     "head_slices_give_bit_identical_logits_near_0_at_split_boundaries_and_at_capacity[smollm": 22.0,
     "head_slices_give_bit_identical": 15.0,
-    "pass_chunks_give": 25.0,  # session 19 estimate (3 builds of a 2-layer shape), not yet measured
-    "kv_pipeline_gives_bit_identical": 25.0,  # session 19 estimate, not yet measured
+    "pass_chunks_give": 16.0,  # session 21 (4 shards): 16.4 s Qwen2.5-0.5B, 12.9 SmolLM
+    "kv_pipeline_gives_bit_identical": 12.0,  # session 21 (4 shards): 11.0 s OLMo-2-1B; the others not timed
 }
 
 
