@@ -390,9 +390,9 @@ def parse_args(argv=None):
         args.batches = args.batches or [1]
         if min(args.positions) < 1 or min(args.batches) < 1:
             parser.error("--positions and --batches take positive integers")
-        if args.autotune:
-            parser.error("--autotune times tilings on one bucket; the matrix (--positions / --batches) bakes several: "
-                         "name one with --tiling instead")
+    if args.autotune and (args.tiling or args.attention_preload):
+        parser.error("--autotune chooses the GEMV tiling and attention preload itself; drop --tiling / "
+                     "--attention-preload, or drop --autotune")
     if args.tiling:
         from megabake.baking import normalized_tiling
         from megabake.errors import PlanError

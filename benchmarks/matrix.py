@@ -115,12 +115,14 @@ def _preset_batch(preset: str, batch: int, args) -> list[Cell]:
 
 def _bake_decoder(preset: str, batch: int, capacity: int, args):
     """(package folder, MegakernelDecoder on cuda) of a fresh bake under ``args.out/packages``, with the run's
-    ``--tiling`` / ``--attention-preload`` (``--autotune`` is refused in matrix mode: it times on one bucket)."""
+    ``--tiling`` / ``--attention-preload``, or ``--autotune``: each bucket's GEMV tilings timed on that bucket (the
+    bake then also runs its own numerics and latency check on the GPU, as ``megabake bake --autotune`` does)."""
     from megabake.baking import bake
     from megabake.runtime import MegakernelDecoder
 
+    autotune = bool(getattr(args, "autotune", False))
     baked = bake(preset, batch=batch, capacity=capacity, out=args.out / "packages", reference_steps=1,
-                 run_on_gpu=False, tiling=getattr(args, "tiling", None),
+                 run_on_gpu=autotune, autotune=autotune, tiling=getattr(args, "tiling", None),
                  attention_preload=getattr(args, "attention_preload", False),
                  progress=lambda msg: LOG.info("[bake %s b%d c%d] %s", preset, batch, capacity, msg))
     return baked.path, MegakernelDecoder.from_package(baked.path, model=baked.model, device="cuda")

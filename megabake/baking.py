@@ -91,7 +91,8 @@ def bake(model: str, *, revision: str | None = None, batch: int = 1, capacity: i
         with clock(f"autotune GEMV tilings on {info.name}"):
             tuned = _autotune(build, source.model, progress)
     if tuned:
-        compiled = compiled.replan(tuning=tuned.tuning, attention_preload=tuned.attention_preload)
+        if tuned.build_tuning is not None or tuned.attention_preload:  # else the default plan won: keep it
+            compiled = compiled.replan(tuning=tuned.build_tuning, attention_preload=tuned.attention_preload)
     elif chosen_tuning:
         compiled = compiled.replan(tuning=chosen_tuning(build()), attention_preload=attention_preload)
     plan, generated = compiled.plan, compiled.generated

@@ -50,7 +50,8 @@ def variants() -> dict:
     from megabake.plan import GemvTuning
     from megabake.runtime.autotune import CANDIDATES
 
-    return {"default": GemvTuning(), **{k: v for k, v in CANDIDATES.items() if v != GemvTuning()},
+    uniform = {k: v for k, v in CANDIDATES.items() if v is not None and v != GemvTuning()}  # None: the bake default
+    return {"default": GemvTuning(), **uniform,
             "t2u16": GemvTuning(2, 16), "t1u32": GemvTuning(1, 32),
             # software-pipelined K loops (two chunks per warp in flight, in registers)
             "t2u4-pipe": GemvTuning(2, 4, pipeline=True), "t2u4-pipe-preload": GemvTuning(2, 4, preload=True, pipeline=True),

@@ -51,7 +51,8 @@ def test_autotune_measures_every_candidate_and_records_failures():
     assert set(result.stage_us) == {"a", "b", "per-stage", "attention-preload"}
     assert messages[0].startswith("autotune 1/3: a")
     report = result.report()
-    assert report["tuning"]["norm_qkv"] == {"per_tile": 1, "unroll": 16, "spread": False, "preload": False}
+    assert report["tuning"]["norm_qkv"] == {"per_tile": 1, "unroll": 16, "spread": False, "preload": False,
+                                            "spec": "1x16"}
     assert report["stage_us"]["b"]["norm_qkv"] == 84 and report["chosen"] == "per-stage"
 
 
@@ -68,6 +69,47 @@ def test_a_faster_uniform_candidate_beats_the_per_stage_composite():
     assert result.chosen == "b" and all(t == GemvTuning(1, 16) for t in result.tuning.values())
 
 
+def test_the_plans_own_default_is_a_candidate_and_wins_when_its_step_is_fastest():
+    """Session 22: the candidates had no streaming ring, so `bake --autotune` baked a kernel ~10% slower than the
+    default (SmolLM-1.7B, H200). The default plan (build(None)) is now measured first and kept when fastest."""
+    from megabake.runtime.autotune import CANDIDATES as SHIPPED, DEFAULT
+
+    ring = GemvTuning(2, 4, spread=True, preload=True, stages=4)
+    default_plan = {stage: ring for stage in GEMV_STAGES}
+    built = []
+
+    def build(tuning, attention_preload=False):
+        built.append(tuning)
+        return dict(default_plan if tuning is None else tuning, attention=attention_preload)
+
+    def measure(plan, model):
+        faster_qkv = plan["norm_qkv"] == GemvTuning(1, 16)
+        step = 400 if plan["norm_qkv"] == ring and plan["down_residual"] == ring else 450
+        return dict(_times(norm_qkv=50 if faster_qkv else 90), step=step + (50 if plan["attention"] else 0))
+
+    candidates = {DEFAULT: None, **CANDIDATES}
+    result = autotune(build, object(), candidates=candidates, measure_plan=measure,
+                      tuning_of=lambda plan: {stage: plan[stage] for stage in GEMV_STAGES})
+    assert built[0] is None and list(SHIPPED)[0] == DEFAULT and SHIPPED[DEFAULT] is None
+    assert "per-stage" in result.stage_us  # b's QKV with the ring elsewhere, measured: a slower whole step
+    assert result.chosen == DEFAULT and result.build_tuning is None and not result.attention_preload
+    assert result.tuning["down_residual"] == ring and result.report()["tuning"]["norm_qkv"]["spec"] == ring.spec
+    assert built[-1] is None  # attention preload was tried on the default plan itself
+
+
+def test_plan_tuning_reads_back_the_tiling_a_plan_was_built_with():
+    from megabake.compiler import compile_step
+    from megabake.presets import get_preset
+    from megabake.runtime.autotune import plan_tuning
+
+    compiled = compile_step(get_preset("tiny-llama").build_model(), capacity=64)
+    default = plan_tuning(compiled.plan)
+    assert set(default) == set(GEMV_STAGES) and default["norm_qkv"].stages >= 2  # the streaming ring
+    tuned = {stage: GemvTuning(1, 8, spread=True) for stage in GEMV_STAGES}
+    assert plan_tuning(compiled.plan_for(tuned)) == tuned
+    assert compiled.plan_for(default).hash == compiled.plan.hash  # rebuilding from it gives the same plan
+
+
 def test_attention_preload_is_kept_only_when_the_step_is_faster():
     def measure(plan, model):
         return dict(_times(), step=450 if plan["attention"] else 500)
@@ -82,6 +124,27 @@ def test_attention_preload_is_kept_only_when_the_step_is_faster():
     assert faster.attention_preload and faster.report()["attention_preload"] is True
     refused = autotune(refuse, object(), candidates=CANDIDATES, measure_plan=measure)
     assert not refused.attention_preload and "one (batch, head) tile per CTA" in refused.errors["attention-preload"]
+
+
+def test_attention_preload_is_not_tried_in_a_long_bucket():
+    """Attention preload gives up split-KV attention and the candidates are timed at positions 1-3: in a bucket
+    of 2048 positions it won there (-0.7%) and lost 53% at position 2027 (SmolLM-1.7B, H200, session 22)."""
+    from types import SimpleNamespace
+
+    from megabake.runtime.autotune import ATTENTION_PRELOAD_MAX_CAPACITY
+
+    def build(tuning, attention_preload=False, capacity=2048):
+        return SimpleNamespace(tuning=tuning, attention=attention_preload, capacity=capacity)
+
+    def measure(plan, model):
+        return dict(_times(), step=400 if plan.attention else 500)  # preload would win the short steps
+
+    long = autotune(build, object(), candidates=CANDIDATES, measure_plan=measure)
+    assert not long.attention_preload and "attention-preload" not in long.stage_us
+    assert "not tried: KV capacity 2048" in long.errors["attention-preload"]
+    short = autotune(lambda t, attention_preload=False: build(t, attention_preload, ATTENTION_PRELOAD_MAX_CAPACITY),
+                     object(), candidates=CANDIDATES, measure_plan=measure)
+    assert short.attention_preload
 
 
 def test_autotune_with_nothing_measurable_is_a_clear_error():

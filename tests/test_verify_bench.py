@@ -225,9 +225,9 @@ def test_matrix_mode_buckets_positions_table_and_chart(bench, tmp_path):
     assert (tmp_path / "matrix.png").stat().st_size > 1000
 
 
-def test_matrix_mode_bakes_the_named_tiling_and_refuses_autotune(bench, tmp_path, monkeypatch):
-    """--tiling reaches every bucket the matrix bakes (it was dropped before session 12); --autotune, which
-    times tilings on one bucket, is refused in matrix mode."""
+def test_matrix_mode_bakes_the_named_tiling_or_autotunes_each_bucket(bench, tmp_path, monkeypatch):
+    """--tiling reaches every bucket the matrix bakes (it was dropped before session 12); --autotune makes each
+    bucket's bake time its tilings on the GPU (refused before session 22)."""
     import megabake.baking
     import megabake.runtime
     from benchmarks.matrix import _bake_decoder
@@ -244,8 +244,13 @@ def test_matrix_mode_bakes_the_named_tiling_and_refuses_autotune(bench, tmp_path
                              "8x8+mma", "--out", str(tmp_path)])
     assert _bake_decoder("llama-3.2-1b", 8, 128, args) == (tmp_path, "decoder")
     assert seen["tiling"] == "8x8+mma" and seen["batch"] == 8 and seen["attention_preload"] is False
-    with pytest.raises(SystemExit):
-        bench.parse_args(["--positions", "16", "--autotune", "--out", str(tmp_path)])
+    assert seen["autotune"] is False and seen["run_on_gpu"] is False
+    args = bench.parse_args(["--presets", "smollm-1.7b", "--positions", "16", "2027", "--autotune",
+                             "--out", str(tmp_path)])
+    assert _bake_decoder("smollm-1.7b", 1, 2048, args) == (tmp_path, "decoder")
+    assert seen["autotune"] is True and seen["run_on_gpu"] is True and seen["tiling"] is None
+    with pytest.raises(SystemExit):  # a contradiction must not cost a GPU run
+        bench.parse_args(["--positions", "16", "--autotune", "--tiling", "2x4", "--out", str(tmp_path)])
 
 
 def test_matrix_mode_writes_its_evidence_into_the_package_and_archives_it(bench, tmp_path):

@@ -3,10 +3,15 @@
 Contract: ``autotune(build, model, *, candidates=CANDIDATES, progress=...) -> Autotuned`` takes
 ``build(tuning, attention_preload=False) -> Plan`` (the bake's plan builder), builds one ``timeline=True``
 kernel per candidate tiling, runs a few decode steps on this Hopper GPU and reads each step's per-stage
-clocks (``MegakernelDecoder.stage_timeline``). For every GEMV stage it takes the candidate that spent the
-least time in that stage (median over steps, summed over layers), measures those per-stage winners
-together, and returns them, unless a uniform candidate's whole step was faster (then that one); finally the
-chosen tiling is measured once more with attention preload, kept if the whole step is faster. The
+clocks (``MegakernelDecoder.stage_timeline``). The first candidate, ``default`` (value None), is the plan
+``build(None)`` makes: the kernel a bake without ``--autotune`` ships (the streaming ring since session 6), so
+autotuning can only pick something measured faster than it. For every GEMV stage it takes the candidate that
+spent the least time in that stage (median over steps, summed over layers), measures those per-stage winners
+together, and returns them, unless a whole candidate's step was faster (then that one); finally, in a bucket
+of at most ``ATTENTION_PRELOAD_MAX_CAPACITY`` positions, the chosen tiling is measured once more with attention
+preload, kept if the whole step is faster. Attention preload gives up split-KV attention, and the candidates
+are timed at positions 1-3 only: in a longer bucket it would win there and lose badly at the bucket's long end
+(SmolLM-1.7B, capacity 2048, H200, session 22: -0.7% at position 16, +53% at 2027). The
 measured table comes back with the choice. Tilings never change numerics: every lane sums its K vectors in the same
 order whatever the rows per tile or loads in flight, so the tuned kernel's logits are bit-identical to the
 default's (``choose_tuning`` is pure and runs on a CPU; ``measure`` needs the GPU).
@@ -21,8 +26,10 @@ from typing import Callable
 from ..errors import MegaBakeError
 from ..plan import DEFAULT_TUNING, GEMV_STAGES, GemvTuning, Plan
 
-CANDIDATES: dict[str, GemvTuning] = {  # applied to every GEMV stage; the winner is picked per stage
-    "t2u4": GemvTuning(2, 4),  # the default
+DEFAULT = "default"  # candidate name of the plan's own default tiling (value None: build(None))
+CANDIDATES: dict[str, GemvTuning | None] = {  # applied to every GEMV stage; the winner is picked per stage
+    DEFAULT: None,  # what build_plan picks (the streaming ring where it fits), per stage
+    "t2u4": GemvTuning(2, 4),  # the plain register tiling (the default until session 6)
     "t2u8": GemvTuning(2, 8),
     "t1u8": GemvTuning(1, 8),
     "t1u16": GemvTuning(1, 16),
@@ -36,20 +43,26 @@ STEPS = 3  # timed decode steps per candidate (after one warm-up step)
 TOTAL = "step"  # key of the whole step's time (every stage, as CTA 0 sees it) in a measurement
 COMPOSITE = "per-stage"  # the measurement of the per-stage winners together
 ATTENTION_PRELOAD = "attention-preload"  # the chosen tiling again, with attention's first K/V rows preloaded
+ATTENTION_PRELOAD_MAX_CAPACITY = 256  # larger buckets keep split-KV attention (module doc)
 
 
 @dataclass
 class Autotuned:
-    tuning: dict[str, GemvTuning]
+    tuning: dict[str, GemvTuning]  # per GEMV stage, the tiling baked
     stage_us: dict[str, dict[str, float]]  # candidate -> GEMV stage (and TOTAL) -> microseconds per step
     errors: dict[str, str] = field(default_factory=dict)
     chosen: str = COMPOSITE  # the measured configuration baked: a candidate's name or COMPOSITE
     attention_preload: bool = False  # the chosen tiling measured faster with attention preload
 
+    @property
+    def build_tuning(self) -> dict[str, GemvTuning] | None:
+        """The ``tuning`` to build the baked plan with: None (the plan's own default) when ``default`` won."""
+        return None if self.chosen == DEFAULT else self.tuning
+
     def report(self) -> dict:
         """The ``kernel.autotune`` object of report.json."""
         return {"tuning": {stage: {"per_tile": t.per_tile, "unroll": t.unroll, "spread": t.spread,
-                                   "preload": t.preload}
+                                   "preload": t.preload, "spec": t.spec}
                            for stage, t in self.tuning.items()},
                 "stage_us": self.stage_us, "errors": self.errors, "chosen": self.chosen,
                 "attention_preload": self.attention_preload}
@@ -93,12 +106,31 @@ def uniform_tuning(tiling: GemvTuning) -> dict[str, GemvTuning]:
     return without_lm_head_preload({stage: tiling if stage == "norm_gate_up" else plain for stage in GEMV_STAGES})
 
 
-def choose_tuning(stage_us: dict[str, dict[str, float]], candidates: dict[str, GemvTuning]) -> dict[str, GemvTuning]:
-    """Per GEMV stage, the tiling of the candidate with the least time in it (default where none was timed)."""
+def plan_tuning(plan: Plan) -> dict[str, GemvTuning]:
+    """Per GEMV stage, the tiling ``plan`` was built with (its first layer's; every layer has the same)."""
+    tuning = {}
+    for stage in plan.stages:
+        t = stage.tiling
+        if stage.name in GEMV_STAGES and stage.name not in tuning:
+            tuning[stage.name] = (GemvTuning(t.per_tile, t.unroll, mma=True) if t.mma else
+                                  GemvTuning(t.per_tile, t.unroll, t.spread, t.preload, t.pipeline, t.stages,
+                                             gated=t.gated))
+    return tuning
+
+
+def choose_tuning(stage_us: dict[str, dict[str, float]],
+                  candidates: dict[str, GemvTuning | dict[str, GemvTuning]]) -> dict[str, GemvTuning]:
+    """Per GEMV stage, the tiling of the candidate with the least time in it (default where none was timed).
+    A candidate is one tiling for every stage or, like ``default``, a tiling per stage."""
     chosen = {}
     for stage in GEMV_STAGES:
-        timed = [(times[stage], name) for name, times in stage_us.items() if stage in times]
-        chosen[stage] = uniform_tuning(candidates[min(timed)[1]])[stage] if timed else DEFAULT_TUNING[stage]
+        timed = [(times[stage], name) for name, times in stage_us.items() if stage in times and name in candidates]
+        if not timed:
+            chosen[stage] = DEFAULT_TUNING[stage]
+            continue
+        winner = candidates[min(timed)[1]]
+        per_stage = winner if isinstance(winner, dict) else uniform_tuning(winner)
+        chosen[stage] = per_stage.get(stage, DEFAULT_TUNING[stage])
     return chosen
 
 
@@ -127,36 +159,55 @@ def measure(plan: Plan, model, *, steps: int = STEPS) -> dict[str, float]:
     return times
 
 
-def autotune(build: Callable[[dict], Plan], model, *, candidates: dict[str, GemvTuning] | None = None,
-             measure_plan: Callable = measure, progress: Callable[[str], None] = lambda msg: None) -> Autotuned:
+def _describe(name: str, tiling: GemvTuning | None) -> str:
+    if tiling is None:
+        return f"{name} (the plan's own tiling)"
+    return f"{name} ({tiling.spec}: rows per tile {tiling.per_tile}, {tiling.unroll} loads in flight" \
+           f"{', CTA-major' if tiling.spread else ''}{', preloaded' if tiling.preload else ''})"
+
+
+def autotune(build: Callable[[dict | None], Plan], model, *,
+             candidates: dict[str, GemvTuning | None] | None = None, measure_plan: Callable = measure,
+             tuning_of: Callable[[Plan], dict[str, GemvTuning]] = plan_tuning,
+             progress: Callable[[str], None] = lambda msg: None) -> Autotuned:
     """Measure every candidate tiling (``measure_plan(plan, model)``) and choose per stage (module doc).
 
+    A candidate None is ``build(None)``, the plan's default; ``tuning_of(plan)`` reads its tiling per stage.
     ``model`` is used as given: pass a CUDA bf16 copy (binding a decoder moves a model to the GPU in place)."""
     candidates = candidates or CANDIDATES
-    stage_us, errors = {}, {}
+    stage_us, errors, per_stage = {}, {}, {}
+    capacity = 0  # the bucket's KV capacity, from the plans built (0 where they do not say, as in the unit tests)
     for index, (name, tiling) in enumerate(candidates.items(), 1):
-        progress(f"autotune {index}/{len(candidates)}: {name} (rows per tile {tiling.per_tile}, "
-                 f"{tiling.unroll} loads in flight{', CTA-major' if tiling.spread else ''}"
-                 f"{', preloaded' if tiling.preload else ''})")
+        progress(f"autotune {index}/{len(candidates)}: {_describe(name, tiling)}")
         try:
-            stage_us[name] = measure_plan(build(uniform_tuning(tiling)), model)
+            plan = build(None if tiling is None else uniform_tuning(tiling))
+            capacity = max(capacity, int(getattr(plan, "capacity", 0) or 0))
+            per_stage[name] = tuning_of(plan) if tiling is None else uniform_tuning(tiling)
+            stage_us[name] = measure_plan(plan, model)
         except Exception as exc:  # a tiling that does not compile or run is skipped, and said so
             errors[name] = f"{type(exc).__name__}: {str(exc)[:300]}"
     if not stage_us:
         raise MegaBakeError(f"autotune: no candidate tiling could be measured on this GPU: {errors}")
-    composite = choose_tuning(stage_us, candidates)
-    progress("autotune: the per-stage winners together")
-    try:
-        stage_us[COMPOSITE] = measure_plan(build(composite), model)
-    except Exception as exc:
-        errors[COMPOSITE] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    composite = choose_tuning(stage_us, per_stage)
+    if composite not in per_stage.values():  # the winners are one candidate's tiling: that one was measured
+        progress("autotune: the per-stage winners together")
+        try:
+            stage_us[COMPOSITE] = measure_plan(build(composite), model)
+            per_stage[COMPOSITE] = composite
+        except Exception as exc:
+            errors[COMPOSITE] = f"{type(exc).__name__}: {str(exc)[:300]}"
     # Preloads and prefetches move work across stage boundaries: keep the composite only if the whole step
-    # is faster than every uniform candidate's.
+    # is faster than every candidate's.
     best = min(stage_us, key=lambda name: stage_us[name].get(TOTAL, float("inf")))
-    tuning = composite if best == COMPOSITE or TOTAL not in stage_us[best] else uniform_tuning(candidates[best])
+    tuning = per_stage[best]
+    if capacity > ATTENTION_PRELOAD_MAX_CAPACITY:
+        errors[ATTENTION_PRELOAD] = (f"not tried: KV capacity {capacity} > {ATTENTION_PRELOAD_MAX_CAPACITY}; attention "
+                                     "preload gives up split-KV attention, which the bucket's long end needs")
+        return Autotuned(tuning, stage_us, errors, chosen=best)
     progress("autotune: the chosen tiling with attention preload")
     try:
-        stage_us[ATTENTION_PRELOAD] = measure_plan(build(tuning, attention_preload=True), model)
+        stage_us[ATTENTION_PRELOAD] = measure_plan(build(None if best == DEFAULT else tuning, attention_preload=True),
+                                                   model)
     except Exception as exc:  # e.g. more (batch, head) tiles than CTAs
         errors[ATTENTION_PRELOAD] = f"{type(exc).__name__}: {str(exc)[:300]}"
     preload = (stage_us.get(ATTENTION_PRELOAD, {}).get(TOTAL, float("inf"))

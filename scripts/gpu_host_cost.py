@@ -1,0 +1,152 @@
+"""Where the host cost of a synchronized decode step goes (issue 12: synchronized call <= GPU time + 15 us).
+
+For each preset (random weights) the default megakernel is built and bound, then, interleaved in rounds so a
+drifting clock or a busy host hits every measure alike, medians of:
+
+- ``gpu``: CUDA events around one replay of the step graph (pinned-row copy + kernel), synchronized;
+- ``step``: a synchronized ``MegakernelDecoder.step()`` (what users call) and ``step host``: until it returns;
+- ``replay``: the step graph replayed and synchronized (no Python checks, no staging);
+- ``kernel graph``: a graph of the kernel alone (no input copy node), replayed and synchronized;
+- ``launch``: the compiled kernel launched directly (no graph), synchronized;
+- ``floor`` / ``floor + copy``: a graph of one one-element kernel, without and with a 16-byte pinned
+  host-to-device copy node before it: launch + wake-up latency of any graph on this machine.
+
+``step - gpu`` is the issue's number; ``step - replay`` the Python part; ``replay - kernel graph`` the copy node;
+``kernel graph - gpu`` launch + wake-up of this kernel, to compare with ``floor``.
+
+    source .cute/activate.sh && python3 scripts/gpu_host_cost.py smollm-135m olmo-2-1b --out $OUT
+
+Writes OUT/host-cost.json; prints a table (us) last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+
+def build_decoder(name: str, capacity: int):
+    from megabake.capture import capture_decode_step
+    from megabake.codegen import generate
+    from megabake.ir import lower
+    from megabake.plan import build_plan
+    from megabake.plan.rotary import recover_rotary
+    from megabake.presets import get_preset
+    from megabake.runtime import MegakernelDecoder, gpu_info
+
+    model = get_preset(name).build_model()
+    captured = capture_decode_step(model, capacity=capacity)
+    ir = lower(captured)
+    inv, scale = recover_rotary(captured, ir)
+    plan = build_plan(ir, ctas=gpu_info().sm_count, inv_freq_buffer=inv, rotary_scaling=scale)
+    return MegakernelDecoder(plan, generate(plan).source, model, device="cuda")
+
+
+def synced(action, clock=time.perf_counter) -> float:
+    """Microseconds from before ``action()`` until the GPU has finished it."""
+    import torch
+
+    start = clock()
+    action()
+    torch.cuda.synchronize()
+    return (clock() - start) * 1e6
+
+
+def event_us(action) -> float:
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    action()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3
+
+
+def capture(body):
+    import torch
+
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        body()
+    torch.cuda.synchronize()
+    return graph
+
+
+def measures(decoder, position: int) -> dict:
+    """name -> callable returning one sample (us)."""
+    import torch
+
+    token = [1]
+    decoder.step(token, position)  # captures the step graphs
+    torch.cuda.synchronize()
+    kernel_graph = capture(decoder._launch)
+    scalar = torch.zeros(1, device="cuda")
+    pinned = torch.zeros(4, dtype=torch.int32).pin_memory()
+    device_row = torch.zeros(4, dtype=torch.int32, device="cuda")
+    floor = capture(lambda: scalar.add_(1))
+
+    def copy_then_add():
+        device_row.copy_(pinned, non_blocking=True)
+        scalar.add_(1)
+
+    floor_copy = capture(copy_then_add)
+
+    def step_host() -> float:
+        start = time.perf_counter()
+        decoder.step(token, position)
+        host = (time.perf_counter() - start) * 1e6
+        torch.cuda.synchronize()
+        return host
+
+    return {"gpu": lambda: event_us(decoder._graphs[0].replay),
+            "step": lambda: synced(lambda: decoder.step(token, position)),
+            "step host": step_host,
+            "replay": lambda: synced(decoder._graphs[0].replay),
+            "kernel graph": lambda: synced(kernel_graph.replay),
+            "launch": lambda: synced(decoder._launch),
+            "floor": lambda: synced(floor.replay),
+            "floor + copy": lambda: synced(floor_copy.replay)}
+
+
+def measure_preset(name: str, capacity: int, position: int, rounds: int, per_round: int) -> dict:
+    decoder = build_decoder(name, capacity)
+    named = measures(decoder, position)
+    samples = {key: [] for key in named}
+    for _ in range(rounds):
+        for key, sample in named.items():
+            sample()  # one untimed call: the previous measure's state must not leak into this one
+            samples[key].extend(sample() for _ in range(per_round))
+    medians = {key: statistics.median(values) for key, values in samples.items()}
+    return {"preset": name, "capacity": capacity, "position": position, "median_us": medians,
+            "samples_us": samples}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("presets", nargs="+")
+    parser.add_argument("--capacity", type=int, default=2048)
+    parser.add_argument("--position", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--per-round", type=int, default=30)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = [measure_preset(name, args.capacity, args.position, args.rounds, args.per_round)
+               for name in args.presets]
+    (args.out / "host-cost.json").write_text(json.dumps(results, indent=1))
+    keys = list(results[0]["median_us"])
+    print("| preset | " + " | ".join(keys) + " | step - gpu | step - replay | replay - kernel graph |")
+    print("|---" * (len(keys) + 4) + "|")
+    for r in results:
+        m = r["median_us"]
+        print(f"| {r['preset']} | " + " | ".join(f"{m[k]:.1f}" for k in keys)
+              + f" | {m['step'] - m['gpu']:.1f} | {m['step'] - m['replay']:.1f} | {m['replay'] - m['kernel graph']:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
