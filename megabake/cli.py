@@ -82,8 +82,9 @@ BAKE_EXIT_CODES = exit_codes_help(
               help=f"Decode steps of the first numerical check on a GPU (default {GPU_STEPS}, or fewer if the "
                    f"bucket is small); at most --capacity minus the prefill ({GPU_PREFILL} tokens, or half the "
                    f"capacity under {2 * GPU_PREFILL}).")
-@click.option("--autotune", is_flag=True, help="On a Hopper GPU: time candidate GEMV tilings stage by stage and "
-              "bake the fastest per stage (about a minute; numerics are unchanged). Needs the GPU.")
+@click.option("--autotune", is_flag=True, help="On a Hopper GPU: time the default kernel and candidate GEMV tilings "
+              "stage by stage and bake the fastest whole step (the default, a candidate or the per-stage winners; "
+              "about a minute; numerics are unchanged). Needs the GPU.")
 @click.option("--tiling", default=None, metavar="SPEC",
               help="GEMV tiling of every GEMV stage, PER_TILExUNROLL[+spread][+preload][+pipeline][+ringSTAGES], "
                    "e.g. 2x4+spread+preload (from an earlier --autotune or scripts/gpu_tune.py); 'balanced:SPEC' "
