@@ -108,6 +108,10 @@ def test_plan_tuning_reads_back_the_tiling_a_plan_was_built_with():
     tuned = {stage: GemvTuning(1, 8, spread=True) for stage in GEMV_STAGES}
     assert plan_tuning(compiled.plan_for(tuned)) == tuned
     assert compiled.plan_for(default).hash == compiled.plan.hash  # rebuilding from it gives the same plan
+    batched = compile_step(get_preset("tiny-llama").build_model(), batch=8, capacity=64)
+    on_tensor_cores = plan_tuning(batched.plan)  # the default at batch 8: the tensor-core GEMV
+    assert all(t.mma for t in on_tensor_cores.values())
+    assert batched.plan_for(on_tensor_cores).hash == batched.plan.hash
 
 
 def test_attention_preload_is_kept_only_when_the_step_is_faster():
