@@ -197,8 +197,11 @@ def shared_gguf_readers():
     new one for the config, another for the weights and another for the tokenizer, and each parses every metadata
     field: SmolLM2-135M's 49k-token vocabulary and merges take ~8 s per parse on a CPU core (``load_gguf``
     40.4 -> 24.6 s with one reader instead of three, the same weights bit for bit). A reader is not changed after it is built (parsed fields, memory-mapped tensors), so sharing it
-    changes nothing else. The ``gguf`` module's name is swapped back on exit; not for concurrent threads. Without
-    the ``gguf`` package it does nothing (no GGUF file can be read then anyway)."""
+    changes nothing else. Likewise ``gguf.get_tensor_name_map(arch, layers)``: transformers' weight loading
+    rebuilds that map once per module of the model (~11 ms each, ~4.5 s of SmolLM2-135M's load); it is only read
+    after it is built, so one per (arch, layers) is shared. The ``gguf`` module's names are swapped back on exit;
+    not for concurrent threads. Without the ``gguf`` package it does nothing (no GGUF file can be read then
+    anyway)."""
     import importlib.util
 
     if importlib.util.find_spec("gguf") is None:
@@ -206,20 +209,27 @@ def shared_gguf_readers():
         return
     import gguf
 
-    original = gguf.GGUFReader
+    original_reader, original_name_map = gguf.GGUFReader, gguf.get_tensor_name_map
     readers: dict[tuple, object] = {}
+    name_maps: dict[tuple, object] = {}
 
     def shared_reader(path, mode: str = "r"):
         key = (str(Path(path).resolve()), mode)
         if key not in readers:
-            readers[key] = original(path, mode)
+            readers[key] = original_reader(path, mode)
         return readers[key]
 
-    gguf.GGUFReader = shared_reader
+    def shared_name_map(arch, n_blocks):
+        key = (arch, n_blocks)
+        if key not in name_maps:
+            name_maps[key] = original_name_map(arch, n_blocks)
+        return name_maps[key]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = shared_reader, shared_name_map
     try:
         yield
     finally:
-        gguf.GGUFReader = original
+        gguf.GGUFReader, gguf.get_tensor_name_map = original_reader, original_name_map
 
 
 def gguf_architecture(path: Path) -> str:

@@ -47,3 +47,24 @@ def test_the_reader_name_is_restored_when_the_load_fails(tmp_path):
     with pytest.raises(RuntimeError, match="load failed"), shared_gguf_readers():
         raise RuntimeError("load failed")
     assert gguf.GGUFReader is original
+
+
+def test_one_tensor_name_map_per_architecture_and_depth_inside_the_block():
+    """transformers rebuilds gguf's tensor-name map once per module of the model (~11 ms each): inside the block
+    one map per (architecture, layers) is shared; outside, every call builds a new one again."""
+    import gguf
+
+    from megabake.sources import shared_gguf_readers
+
+    llama = next(arch for arch, name in gguf.MODEL_ARCH_NAMES.items() if name == "llama")
+    qwen2 = next(arch for arch, name in gguf.MODEL_ARCH_NAMES.items() if name == "qwen2")
+    original = gguf.get_tensor_name_map
+    with shared_gguf_readers():
+        from gguf import get_tensor_name_map  # as transformers imports it, at each call
+
+        first = get_tensor_name_map(llama, 4)
+        assert gguf.get_tensor_name_map(llama, 4) is first
+        assert get_tensor_name_map(llama, 6) is not first and get_tensor_name_map(qwen2, 4) is not first
+        assert first.get_name("model.layers.3.self_attn.q_proj") == "blk.3.attn_q"
+    assert gguf.get_tensor_name_map is original
+    assert gguf.get_tensor_name_map(llama, 4) is not gguf.get_tensor_name_map(llama, 4)
