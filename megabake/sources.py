@@ -202,6 +202,7 @@ def shared_gguf_readers():
     after it is built, so one per (arch, layers) is shared. The ``gguf`` module's names are swapped back on exit;
     not for concurrent threads. Without the ``gguf`` package it does nothing (no GGUF file can be read then
     anyway)."""
+    import functools
     import importlib.util
 
     if importlib.util.find_spec("gguf") is None:
@@ -211,7 +212,6 @@ def shared_gguf_readers():
 
     original_reader, original_name_map = gguf.GGUFReader, gguf.get_tensor_name_map
     readers: dict[tuple, object] = {}
-    name_maps: dict[tuple, object] = {}
 
     def shared_reader(path, mode: str = "r"):
         key = (str(Path(path).resolve()), mode)
@@ -219,13 +219,7 @@ def shared_gguf_readers():
             readers[key] = original_reader(path, mode)
         return readers[key]
 
-    def shared_name_map(arch, n_blocks):
-        key = (arch, n_blocks)
-        if key not in name_maps:
-            name_maps[key] = original_name_map(arch, n_blocks)
-        return name_maps[key]
-
-    gguf.GGUFReader, gguf.get_tensor_name_map = shared_reader, shared_name_map
+    gguf.GGUFReader, gguf.get_tensor_name_map = shared_reader, functools.cache(original_name_map)
     try:
         yield
     finally:
@@ -266,6 +260,7 @@ def dequantized_gguf_model(path: Path):
 
 
 def _require_gguf() -> None:
+    import functools
     import importlib.util
 
     if importlib.util.find_spec("gguf") is None:

@@ -180,9 +180,10 @@ def autotune(build: Callable[[dict | None], Plan], model, *,
     for index, (name, tiling) in enumerate(candidates.items(), 1):
         progress(f"autotune {index}/{len(candidates)}: {_describe(name, tiling)}")
         try:
-            plan = build(None if tiling is None else uniform_tuning(tiling))
+            uniform = None if tiling is None else uniform_tuning(tiling)
+            plan = build(uniform)
             capacity = max(capacity, int(getattr(plan, "capacity", 0) or 0))
-            per_stage[name] = tuning_of(plan) if tiling is None else uniform_tuning(tiling)
+            per_stage[name] = tuning_of(plan) if uniform is None else uniform
             stage_us[name] = measure_plan(plan, model)
         except Exception as exc:  # a tiling that does not compile or run is skipped, and said so
             errors[name] = f"{type(exc).__name__}: {str(exc)[:300]}"
