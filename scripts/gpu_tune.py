@@ -16,8 +16,9 @@ the barrier that precedes attention (``generate(plan, kv_prefetch=False)``, the 
 ``<variant>@no-kvpf``), ``kvpf-l1`` that prefetch into L1 instead (``generate(plan, kv_prefetch_l1=True)``, a
 candidate), and the split-KV merges one at a time (the default picks per plan, ``codegen.default_merge``):
 ``last-merge`` the plain last-arrival merge (the default until session 17), ``merge-preload`` that merge loading
-its first partials at once, ``spread-merge`` the merge shared out over the group's items; same logits required
-(``--barriers`` is the older name). ``--ctas N`` runs the persistent
+its first partials at once, ``spread-merge`` the merge shared out over the group's items, ``fold-merge`` the merge
+folded into the O projection's staging (``generate(plan, fold_merge=True)``, a candidate since session 23); the
+same logits required, to 1e-3 (``--barriers`` is the older name). ``--ctas N`` runs the persistent
 grid on N CTAs instead of one per SM. ``--position 4000 --capacity 4096`` times the step at a long context.
 ``--batch 8`` times batched steps (``mma``: the tensor-core GEMV); ``--phases`` adds each variant's clocks per
 phase of each stage (staging, GEMV, prefetch, barrier wait). Writes OUT/tune-<preset>-b<batch>.json; prints a
@@ -172,7 +173,7 @@ BUILDS = {"atom": {}, "red": {"barrier": "red"}, "red-fence": {"barrier": "red-f
           "spread-merge": {"merge_preload": False, "spread_merge": True},
           "no-slices": {"head_slices": False}, "short-slices": {"long_slices": False},
           "pass-chunks": {"pass_chunks": True}, "kv-pipeline": {"kv_pipeline": True},
-          "no-kv-pipeline": {"kv_pipeline": False}}
+          "no-kv-pipeline": {"kv_pipeline": False}, "fold-merge": {"fold_merge": True}}
 
 
 def timeline(plan, model, tokens, phases: bool = False, build: str = "atom",

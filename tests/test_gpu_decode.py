@@ -553,6 +553,43 @@ def test_kv_pipeline_gives_bit_identical_logits(preset, batch, capacity):
     assert torch.equal(pipelined, plain)
 
 
+@pytest.mark.parametrize("preset,batch,capacity", [("smollm-1.7b", 1, 2048), ("olmo-2-1b", 1, 4096),
+                                                   ("smollm-135m", 1, 2048), ("smollm-135m", 2, 2048)])
+def test_fold_merge_gives_the_default_logits(preset, batch, capacity):
+    """The split-KV merge folded into the O projection's staging (``generate(plan, fold_merge=True)``, a
+    candidate since session 23: steps with 2..``fold_splits`` active splits leave their partials unmerged and
+    every CTA merges them as it stages the O projection's input): from one random cache, one step at positions
+    near 0, at split boundaries and near capacity gives the unfolded build's bits until the first step whose
+    staging merges, and its logits to fp32 rounding from there on (another sum order; the K/V that step appends
+    in the second layer carry that rounding into every later step, folded or not: SmolLM-135M at 1024 and 1500
+    merges 9 and 12 splits in attention); a second run gives the same bits (a moving result would be a race).
+    SmolLM-1.7B / OLMo-2-1B: one query head per KV head; SmolLM-135M: head slices, folded and last-arrival merges
+    in one run; batch 2: bf16 staging on the tensor cores."""
+    from megabake.codegen import fold_splits
+    from megabake.plan import split_schedule
+    from megabake.runtime import gpu_info
+
+    compiled = compile_preset(preset, layers=2, vocab=4096, batch=batch, capacity=capacity, ctas=gpu_info().sm_count)
+    tiling = next(s.tiling for s in compiled.plan.stages if s.kind == "attention")
+    fold = fold_splits(compiled.plan)
+    positions = sorted({0, 1, 127, 128, 129, 700, 1023, 1500, 2000, capacity // 2, capacity - 1})
+    default, folded, again = _logits_over_random_cache(compiled, positions, batch,
+                                                       [{"fold_merge": False}, {"fold_merge": True},
+                                                        {"fold_merge": True}])
+    assert torch.isfinite(default).all() and torch.equal(again, folded)
+    merged_in_staging = merged_in_attention = 0
+    for i, position in enumerate(positions):
+        active = split_schedule(tiling, position + 1).active
+        merged_in_staging += 2 <= active <= fold
+        merged_in_attention += active > fold
+        if merged_in_staging:  # this step merged in the staging, or a folded step appended rounded K/V before it
+            assert float((folded[i] - default[i]).norm() / default[i].norm()) < 1e-5, position
+        else:
+            assert torch.equal(folded[i], default[i]), position
+    assert merged_in_staging >= 3  # e.g. SmolLM-1.7B: 2, 3 and 4 active splits at 128+, 700, 2047
+    assert merged_in_attention or preset != "smollm-135m"
+
+
 def _assert_bf16_steps_match(compiled):
     """A bf16-staged kernel against the reference executor over a random 1024-slot cache, one step at each of
     positions 0, 1, 2, 127, 128, 129, 700, 1023.

@@ -341,6 +341,45 @@ def test_merge_preload_refuses_splits_that_overflow_the_attention_scratch(tiny):
     generate(plan)  # the default merge has room for them
 
 
+def test_fold_merge_stages_the_o_projection_from_the_partials_and_leaves_the_default_alone():
+    """``generate(plan, fold_merge=True)`` (a candidate since session 23): attention merges only above
+    ``FOLD_SPLITS`` active splits, the O projection stages its row through ``merge_splits_to_smem`` (which reads
+    the partials, with the same split dealing as attention), and nothing else changes; the default build
+    (``FOLD_MERGE`` off) is the build without it. SmolLM-1.7B: all 4 splits fold (32 heads x 66 floats x 4 B
+    each, 33 KB per CTA); OLMo-2-1B: 8 of 8."""
+    from megabake.codegen import FOLD_MERGE, fold_splits
+
+    compiled = compile_preset("smollm-1.7b", layers=2, vocab=512, capacity=2048)
+    assert fold_splits(compiled.plan) == 4
+    assert fold_splits(compile_preset("olmo-2-1b", layers=2, vocab=512, capacity=4096).plan) == 8
+    plain = generate(compiled.plan, fold_merge=False).source.split("\n# ====")[0]
+    folded = generate(compiled.plan, fold_merge=True).source.split("\n# ====")[0]
+    assert (generate(compiled.plan).source.split("\n# ====")[0] == folded) is FOLD_MERGE
+    assert "\nFOLD_SPLITS = 4\n" in folded and "FOLD_SPLITS" not in plain
+    staging = body_calls(folded, "merge_splits_to_smem")
+    assert len(staging) == 1 and staging[0]["part"] == "attn_part" and staging[0]["fold"] == "FOLD_SPLITS"
+    copies = [c["src"] for c in body_calls(plain, "copy_to_smem")]  # the O projection's row; the gated down's
+    assert copies.count("attn") == 1 and [c["src"] for c in body_calls(folded, "copy_to_smem")] == \
+        [src for src in copies if src != "attn"]
+    assert [c.get("merge_above") for c in body_calls(folded, "split_kv_attention")] == ["FOLD_SPLITS"]
+    assert [c.get("merge_above") for c in body_calls(plain, "split_kv_attention")] == [None]
+    changed = [line for line in difflib.ndiff(plain.splitlines(), folded.splitlines()) if line[:2] in ("- ", "+ ")]
+    assert len(changed) == 8, changed  # the constant, attention's last line (-1 +1), the staging call (-1 +4)
+
+
+@pytest.mark.parametrize("preset,why", [("gemma-2b", "the spread merge is on"),
+                                        ("tiny-llama", "attention is not split")])
+def test_fold_merge_is_refused_where_it_cannot_fold(preset, why):
+    """gemma-2b's one KV head spreads its merge over the items (no partials left to fold); a bucket whose
+    attention is one CTA per head has no splits. Both refusals name the cause and the fix."""
+    split_kv = preset == "gemma-2b"
+    compiled = compile_preset(preset, layers=2, vocab=512, capacity=1024).replan(split_kv=split_kv)
+    assert bool(kv_splits(compiled.plan)) is split_kv
+    with pytest.raises(ValueError, match=f"fold_merge needs .* but {why}.*: build without it"):
+        generate(compiled.plan, fold_merge=True)
+    generate(compiled.plan)  # the default picks what fits
+
+
 def test_kv_prefetch_of_a_sliding_window_starts_at_the_window():
     from tests.compiler_fixtures import compile_preset
 

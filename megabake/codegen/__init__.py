@@ -199,6 +199,7 @@ class BuildOptions:
     kv_prefetch_l1: bool = False
     merge_preload: bool = False
     spread_merge: bool = False
+    fold_splits: int = 0  # fold_merge: the O projection's staging merges up to this many active splits (0: off)
 
 
 # A KV group's outputs (query heads per KV head x head_dim) from which the spread merge is the default: on the H200
@@ -217,6 +218,28 @@ def spread_merge_fits(plan: Plan) -> bool:
     """The spread merge meets in 3 x threads floats of the attention scratch."""
     group = plan.dims.n_heads // plan.dims.n_kv_heads
     return not kv_splits(plan) or 3 * plan.threads <= (plan.dims.head_dim + 2) * group * plan.warps
+
+
+FOLD_MAX_SPLITS = 8  # fold_merge: the most active splits whose partials the O projection's staging merges
+FOLD_MAX_BYTES = 80 * 1024  # ... and the most partial bytes each CTA then reads (batch x heads x splits x (D + 2))
+
+
+def fold_splits(plan: Plan) -> int:
+    """The most active splits a ``fold_merge`` build leaves unmerged for the O projection's staging to merge
+    (``bodies.merge_splits_to_smem``): at most ``FOLD_MAX_SPLITS`` and ``FOLD_MAX_BYTES`` of partials per CTA
+    (SmolLM-1.7B: all 4 of its splits, 33 KB; OLMo-2-1B: 8 of 8, 65 KB); 0 or 1 means it cannot fold."""
+    d = plan.dims
+    per_split = plan.batch * d.n_heads * (d.head_dim + 2) * 4
+    return min(kv_splits(plan), FOLD_MAX_SPLITS, FOLD_MAX_BYTES // per_split)
+
+
+FOLD_MERGE = False  # a candidate (session 23): default_fold_merge folds wherever it can once this is True
+
+
+def default_fold_merge(plan: Plan, spread_merge: bool) -> bool:
+    """Whether a default build folds the split-KV merge into the O projection's staging: where ``FOLD_MERGE`` is
+    on, attention is split, the spread merge is off and :func:`fold_splits` allows 2+."""
+    return FOLD_MERGE and not spread_merge and fold_splits(plan) >= 2
 
 
 def default_merge(plan: Plan) -> tuple[bool, bool]:
@@ -248,7 +271,7 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
              kv_prefetch: bool = True, kv_prefetch_l1: bool = False, merge_preload: bool | None = None,
              spread_merge: bool | None = None, head_slices: bool = True,
              long_slices: bool = LONG_SLICES, pass_chunks: bool = PASS_CHUNKS,
-             kv_pipeline: bool | None = None) -> GeneratedModule:
+             kv_pipeline: bool | None = None, fold_merge: bool | None = None) -> GeneratedModule:
     """module.py of ``plan``. ``merge_preload`` / ``spread_merge``: None picks them per plan
     (:func:`default_merge`); True asks for one (refused where the attention scratch cannot hold it), False
     leaves it out (both False: the plain last-arrival merge of sessions 10-16). ``head_slices=False`` deals
@@ -256,7 +279,9 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     ``long_slices=False`` slices only short contexts, as in session 18; ``pass_chunks`` rounds split-KV chunks to
     whole CTA passes (``plan.chunk_quantum``, a candidate); ``kv_pipeline`` loads each split-KV loop iteration's
     K/V rows one iteration ahead (``bodies._online_softmax_chunk``, the same bits; None picks it per plan:
-    :func:`default_kv_pipeline`)."""
+    :func:`default_kv_pipeline`); ``fold_merge`` leaves steps with 2..:func:`fold_splits` active splits unmerged and
+    merges their partials in the O projection's staging (no arrival counter, no last-arrival chain; None picks it
+    per plan: :func:`default_fold_merge`)."""
     if watchdog and timeline:
         raise ValueError("a watchdog build has no timeline: build them separately")
     if barrier not in BARRIER_ARRIVALS:
@@ -275,11 +300,18 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     preload_default, spread_default = default_merge(plan)
     merge_preload = preload_default if merge_preload is None else merge_preload
     spread_merge = spread_default if spread_merge is None else spread_merge
+    fold_merge = default_fold_merge(plan, spread_merge) if fold_merge is None else fold_merge
+    folded = fold_splits(plan) if fold_merge else 0
+    if fold_merge and (folded < 2 or spread_merge):
+        why = ("the spread merge is on (spread_merge=False turns it off)" if spread_merge else
+               f"at most {folded} split(s) of partials fit {FOLD_MAX_BYTES} bytes per CTA" if kv_splits(plan) else
+               "attention is not split")
+        raise ValueError(f"fold_merge needs 2+ splits to fold and no spread merge, but {why}: build without it")
     kv_pipeline = default_kv_pipeline(plan) if kv_pipeline is None else kv_pipeline
     plan_hash = plan_hash or plan.hash
     w = _Writer(keyword_calls=True)
     _header(w, plan, plan_hash, kernel_arguments(plan), self_contained, head_slices, long_slices, pass_chunks,
-            kv_pipeline)
+            kv_pipeline, folded)
     prologue = [s for s in plan.stages if s.scope == "prologue"]
     per_layer = [s for s in plan.stages if s.scope == "layer"]
     epilogue = [s for s in plan.stages if s.scope == "epilogue"]
@@ -337,7 +369,8 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     _timeline_store(w, 1, bool(timeline), "1")
     options = BuildOptions(barrier=("bodies.grid_barrier_watched(barrier, tidx, CTAS, cta, WATCH_POLLS)" if watchdog
                                     else BARRIER_ARRIVALS[barrier]), kv_prefetch=kv_prefetch,
-                           kv_prefetch_l1=kv_prefetch_l1, merge_preload=merge_preload, spread_merge=spread_merge)
+                           kv_prefetch_l1=kv_prefetch_l1, merge_preload=merge_preload, spread_merge=spread_merge,
+                           fold_splits=folded)
     if phases:
         _phase_timed_stages(w, plan, prologue, per_layer, epilogue, options)
     else:
@@ -378,7 +411,7 @@ def _packed(items: list[str], indent: int) -> list[str]:
 
 def _header(w: _Writer, plan: Plan, plan_hash: str, arguments: list[str], self_contained: bool,
             head_slices: bool = True, long_slices: bool = True, pass_chunks: bool = False,
-            kv_pipeline: bool = False) -> None:
+            kv_pipeline: bool = False, folded: int = 0) -> None:
     d = plan.dims
     w(f'"""Generated by MegaBake from plan {plan_hash[:16]}. Do not edit: re-bake instead.')
     w("")
@@ -419,6 +452,8 @@ def _header(w: _Writer, plan: Plan, plan_hash: str, arguments: list[str], self_c
                        "HEAD_SLICES": max(1, attention.head_slices) if head_slices else 1,
                        "LONG_SLICES": long_slices, "CHUNK_QUANTUM": chunk_quantum(plan, pass_chunks),
                        "KV_PIPELINE": kv_pipeline})
+        if folded:
+            consts["FOLD_SPLITS"] = folded
     ring_stages, ring_vectors = _ring_stages(plan)
     if ring_stages:
         consts.update({"RING_STAGES": ring_stages, "RING_VECTORS": ring_vectors})
@@ -480,7 +515,7 @@ def _stage(w: _Writer, plan: Plan, stage: Stage, indent: int, layer_var, clocks:
     prefix = "layer[*]." if stage.scope == "layer" else ""
     w.begin(_entry(plan, stage, layer_var, "barrier_interval", f"{prefix}{stage.name}"))
     w(f"# ---- stage {stage.index}: {stage.name} ({stage.scope}) ----", indent)
-    calls = _body_calls(plan, stage, options.merge_preload, options.spread_merge)
+    calls = _body_calls(plan, stage, options.merge_preload, options.spread_merge, options.fold_splits)
     previous = next((s for s in plan.stages if s.index == stage.index - 1), None)
     if options.spread_merge and previous is not None and previous.kind == "attention" and kv_splits(plan):
         w(f"bodies.split_kv_counts_reset({ATTN_COUNT}, cta, tidx, BATCH * N_KV_HEADS * HEAD_SLICES, THREADS)",
@@ -655,7 +690,8 @@ def _warp_index(stage: Stage) -> str:
     return "swarp" if stage.tiling.spread else "gwarp"
 
 
-def _attention_call(plan: Plan, merge_preload: bool = False, spread_merge: bool = False) -> tuple[str, str]:
+def _attention_call(plan: Plan, merge_preload: bool = False, spread_merge: bool = False,
+                    folded: int = 0) -> tuple[str, str]:
     if kv_splits(plan):
         norms = "qk_norms[layer, None, None]" if plan.has_head_norms else "qkv"
         if plan.dims.whole_qk_norm:
@@ -668,7 +704,8 @@ def _attention_call(plan: Plan, merge_preload: bool = False, spread_merge: bool 
                 f"BATCH, N_HEADS, N_KV_HEADS, HEAD_DIM, CTAS, THREADS, ATTN_SCALE, {plan.has_head_norms}, EPS, "
                 f"KV_SPLITS, ATT_UNROLL, MIN_CHUNK, CHUNK_QUANTUM, "
                 f"{'ROTARY_DIM' if plan.dims.rotary_dim else 'HEAD_DIM'}, "
-                f"{plan.dims.whole_qk_norm}, {merge_preload}, {spread_merge}, HEAD_SLICES, LONG_SLICES, KV_PIPELINE)")
+                f"{plan.dims.whole_qk_norm}, {merge_preload}, {spread_merge}, HEAD_SLICES, LONG_SLICES, KV_PIPELINE"
+                f"{', FOLD_SPLITS' if folded else ''})")
     caches = (f"{_rope_arguments(plan)}, k_cache[layer, None, None, None, None], "
               "v_cache[layer, None, None, None, None], "
               "attn, pos, s_att, s_red, cta, tidx, BATCH, N_HEADS, N_KV_HEADS, HEAD_DIM, CAPACITY, CTAS, THREADS, "
@@ -712,9 +749,14 @@ def _gemv_label(plan: Plan, stage: Stage) -> str:
     return "gemv_rows_bias" if plan.bias_of(stage.name) else "gemv_rows"
 
 
-def _vector_call(plan: Plan, spec: StageSpec) -> tuple[str, str]:
-    """The body call that stages a GEMV stage's fp32 input row(s) in ``s_vec``."""
+def _vector_call(plan: Plan, spec: StageSpec, folded: int = 0) -> tuple[str, str]:
+    """The body call that stages a GEMV stage's fp32 input row(s) in ``s_vec`` (``folded``: the attention
+    output's staging merges the split-KV partials attention left unmerged)."""
     vector, width = spec.vector, DIMENSION_CONSTANTS[spec.vector.width]
+    if vector.kind == "copy" and vector.source == "attn" and folded:
+        return ("merge_splits_to_smem",
+                f"bodies.merge_splits_to_smem(attn, {ATTN_PART}, s_vec, pos, {_first_key(plan)}, tidx, BATCH, N_HEADS, "
+                "HEAD_DIM, THREADS, KV_SPLITS, MIN_CHUNK, CHUNK_QUANTUM, HEAD_SLICES, LONG_SLICES, FOLD_SPLITS)")
     if vector.kind == "residual_norm":
         return "residual_norm_to_smem", _residual_norm_call(plan, vector, width)
     if vector.kind == "rmsnorm":
@@ -748,14 +790,14 @@ def _residual_norm_call(plan: Plan, vector, width: str) -> str:
             f"tidx, BATCH, {width}, THREADS, EPS, {bool(vector.write_back)}, {bool(vector.norm_role)})")
 
 
-def _gemv_stage_calls(plan: Plan, stage: Stage) -> list[tuple[str, str]]:
+def _gemv_stage_calls(plan: Plan, stage: Stage, folded: int = 0) -> list[tuple[str, str]]:
     spec = spec_of(stage, plan)
     gemv = spec.gemv
     weight = f"{gemv.weight}[layer, None, None]" if spec.per_layer else gemv.weight
     rows, cols = DIMENSION_CONSTANTS[gemv.rows], DIMENSION_CONSTANTS[gemv.cols]
     bias = plan.bias_of(stage.name) if spec.per_layer else None
     gated = GATED_ACT_CODES[plan.dims.act] if gemv.gated else 0  # the gate/up GEMV applies the activation
-    calls = [_vector_call(plan, spec),
+    calls = [_vector_call(plan, spec, folded),
              (_gemv_label(plan, stage), _gemv(weight, gemv.out, rows, cols, stage, gemv.accumulate, bias, gated))]
     if spec.scope == "epilogue" and plan.dims.final_softcap:
         calls.append(("softcap_rows", f"bodies.softcap_rows({gemv.out}, {_warp_index(stage)}, lane, TOTAL_WARPS, "
@@ -764,13 +806,13 @@ def _gemv_stage_calls(plan: Plan, stage: Stage) -> list[tuple[str, str]]:
 
 
 def _body_calls(plan: Plan, stage: Stage, merge_preload: bool = False,
-                spread_merge: bool = False) -> list[tuple[str, str]]:
+                spread_merge: bool = False, folded: int = 0) -> list[tuple[str, str]]:
     """(body name, call text) of one stage, from the stage table (the merge options: :class:`BuildOptions`)."""
     spec = spec_of(stage, plan)
     if spec.gemv is not None:
-        return _gemv_stage_calls(plan, stage)
+        return _gemv_stage_calls(plan, stage, folded)
     if stage.kind == "attention":
-        return [_attention_call(plan, merge_preload, spread_merge)]
+        return [_attention_call(plan, merge_preload, spread_merge, folded)]
     if spec.writes != ("x",):  # post-norm layouts: the residual starts in x_mid, the pending MLP output is zero
         target, pending = spec.writes
         scaled = "_scaled" if plan.dims.embed_scale != 1.0 else ""

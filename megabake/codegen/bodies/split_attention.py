@@ -11,6 +11,7 @@ import cutlass.cute.nvgpu.cpasync as cpasync
 from cutlass import Float32, Int32, Int64
 
 from .common import VEC, WARP
+from .staging import F32_VEC, _f32_vec, _stage_store, copy_to_smem
 
 
 # ------------------------------------------------------------------------------ split-KV (flash) decoding
@@ -303,12 +304,15 @@ def split_kv_attention(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Te
                        quantum: cutlass.Constexpr[int], rotary_dim: cutlass.Constexpr[int],
                        whole_qk_norm: cutlass.Constexpr[bool], merge_preload: cutlass.Constexpr[bool],
                        spread_merge: cutlass.Constexpr[bool], head_slices: cutlass.Constexpr[int],
-                       long_slices: cutlass.Constexpr[bool], kv_pipeline: cutlass.Constexpr[bool]):
+                       long_slices: cutlass.Constexpr[bool], kv_pipeline: cutlass.Constexpr[bool],
+                       merge_above: cutlass.Constexpr[int] = 1):
     """Flash decoding: RoPE + KV append + attention over positions [first_key, pos], the cached keys split across
     CTAs (``first_key`` is 0, or where the layer's sliding window starts). ``merge_preload``: the merging item
     loads its first partials at once (:func:`_merge_splits`). ``spread_merge``: every active item of a group
     merges a slice of its outputs (:func:`_merge_spread`) where that takes at most two passes, instead of the last
-    arrival merging them all. ``codegen.default_merge`` picks both per plan.
+    arrival merging them all. ``codegen.default_merge`` picks both per plan. ``merge_above``: the items merge only
+    where more than that many splits are active; with 2..``merge_above`` (``generate(plan, fold_merge=True)``, a
+    candidate) they only store their partials, and the next stage's staging merges them (:func:`merge_splits_to_smem`).
 
     Work items are (split, batch, KV head), split-major, dealt to CTAs. At this step the ``pos + 1 - first_key``
     visible positions are cut into ``active`` chunks of ``chunk`` positions (at least ``min_chunk``, which is the
@@ -327,7 +331,7 @@ def split_kv_attention(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Te
         _split_kv_items(qkv, qk_norm, rope_cos, rope_sin, k_cache, v_cache, attn, part, counts, pos, first_key,
                         chunk, active, s_att, cta, tidx, batch, n_heads, n_kv_heads, head_dim, ctas, threads, scale,
                         has_qk_norm, eps, splits, unroll, rotary_dim, whole_qk_norm, merge_preload, spread_merge,
-                        group, 1, kv_pipeline)
+                        group, 1, kv_pipeline, merge_above)
     else:
         for s in cutlass.range_constexpr(1, head_slices + 1):
             if cutlass.const_expr(head_slices % s == 0 and (long_slices or s == 1 or s == head_slices)):
@@ -335,7 +339,8 @@ def split_kv_attention(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Te
                     _split_kv_items(qkv, qk_norm, rope_cos, rope_sin, k_cache, v_cache, attn, part, counts, pos,
                                     first_key, chunk, active, s_att, cta, tidx, batch, n_heads, n_kv_heads,
                                     head_dim, ctas, threads, scale, has_qk_norm, eps, splits, unroll, rotary_dim,
-                                    whole_qk_norm, merge_preload, spread_merge, group // s, s, kv_pipeline)
+                                    whole_qk_norm, merge_preload, spread_merge, group // s, s, kv_pipeline,
+                                    merge_above)
 
 
 @cute.jit
@@ -350,7 +355,7 @@ def _split_kv_items(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Tenso
                     rotary_dim: cutlass.Constexpr[int], whole_qk_norm: cutlass.Constexpr[bool],
                     merge_preload: cutlass.Constexpr[bool], spread_merge: cutlass.Constexpr[bool],
                     heads: cutlass.Constexpr[int], slices: cutlass.Constexpr[int],
-                    kv_pipeline: cutlass.Constexpr[bool]):
+                    kv_pipeline: cutlass.Constexpr[bool], merge_above: cutlass.Constexpr[int]):
     """This CTA's work items of :func:`split_kv_attention` at this step, ``slices`` head slices of ``heads`` query
     heads each per (split, batch, KV head) (1 slice: the whole group). Item ``i`` is split ``i // (groups x
     slices)``, then (batch, KV head, slice); the ``heads`` query heads of a slice are a "virtual KV group" of
@@ -361,7 +366,8 @@ def _split_kv_items(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Tenso
     lane groups (shuffles) and warps (shared memory). With one active split it writes the normalised output;
     otherwise it stores its partial (acc, max, sum) in ``part[b, head, split, :]``, and the last item of its
     virtual group to arrive (an acq_rel counter in ``counts``, reset by that item) merges every split's partial
-    into ``attn`` (or, with the spread merge, all its items merge a share each).
+    into ``attn`` (or, with the spread merge, all its items merge a share each); where at most ``merge_above``
+    splits are active the partials stay for the next stage's staging (:func:`merge_splits_to_smem`).
 
     s_att layout (fp32): [0, H*D) roped q | 8 slots: per-head inverse RMS (Qwen3) | flag | then
     (D + 2) x H x warps partial outputs (accumulator, max, sum), H = ``heads``: within the scratch the plan sizes
@@ -454,7 +460,7 @@ def _split_kv_items(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Tenso
                     if d == 0:
                         part[b, head, split, head_dim] = top
                         part[b, head, split, head_dim + 1] = total
-            if active > 1:
+            if active > merge_above:
                 if cutlass.const_expr(spread_merge):
                     if active * 2 * (threads // SPREAD_LANES) >= heads * head_dim:  # at most two passes each
                         _merge_spread(attn, part, counts, s_part, b, vkvh, vg, split, active, tidx, heads, head_dim,
@@ -653,3 +659,66 @@ def split_kv_counts_reset(counts: cute.Tensor, cta: Int32, tidx: Int32, groups: 
     if cta == 0:
         for i in range(tidx, groups, threads):
             counts[i] = Int32(0)
+
+
+@cute.jit
+def merge_splits_to_smem(attn: cute.Tensor, part: cute.Tensor, s_vec: cute.Tensor, pos: Int32, first_key: Int32,
+                         tidx: Int32, batch: cutlass.Constexpr[int], n_heads: cutlass.Constexpr[int],
+                         head_dim: cutlass.Constexpr[int], threads: cutlass.Constexpr[int],
+                         splits: cutlass.Constexpr[int], min_chunk: cutlass.Constexpr[int],
+                         quantum: cutlass.Constexpr[int], head_slices: cutlass.Constexpr[int],
+                         long_slices: cutlass.Constexpr[bool], fold: cutlass.Constexpr[int]):
+    """The O projection's staging with the split-KV merge folded in (``generate(plan, fold_merge=True)``, a
+    candidate): where this step's attention (same dealing, :func:`split_schedule`) left 2..``fold`` active splits
+    unmerged (its ``merge_above``), every CTA merges the partials ``part[b, head, split, :]`` (accumulator, max,
+    sum) of all heads into ``s_vec`` as it stages them; otherwise it copies ``attn`` (:func:`copy_to_smem`). No
+    arrival counter, no last-arrival chain: the grid barrier after attention is the only wait. Each thread loads
+    every split's values of its 4-output vectors at once (one L2 round trip), clamped past ``active`` (weight 0).
+    Same merge as :func:`_merge_splits` up to fp32 rounding (sum order)."""
+    visible = pos + 1 - first_key
+    chunk, active, slices = split_schedule(visible, splits, min_chunk, quantum, head_slices, long_slices)
+    width = n_heads * head_dim
+    if active == 1 or active > fold:
+        copy_to_smem(attn, s_vec, tidx, batch, width, threads)
+    else:
+        nvec = width // F32_VEC
+        slots = (nvec + threads - 1) // threads
+        ms = cute.make_rmem_tensor(cute.make_layout((fold, slots, batch)), Float32)
+        ls = cute.make_rmem_tensor(cute.make_layout((fold, slots, batch)), Float32)
+        ps = cute.make_rmem_tensor(cute.make_layout((F32_VEC, fold, slots, batch)), Float32)
+        for b in cutlass.range_constexpr(batch):
+            for j in cutlass.range_constexpr(slots):
+                o = cutlass.min(tidx + j * threads, nvec - 1) * F32_VEC
+                head = o // head_dim
+                d = o - head * head_dim
+                for s in cutlass.range_constexpr(fold):
+                    split = cutlass.min(Int32(s), active - 1)
+                    ms[s, j, b] = part[b, head, split, head_dim]
+                    ls[s, j, b] = part[b, head, split, head_dim + 1]
+                    for e in cutlass.range_constexpr(F32_VEC):
+                        ps[e, s, j, b] = part[b, head, split, d + e]
+        for b in cutlass.range_constexpr(batch):
+            for j in cutlass.range_constexpr(slots):
+                top = ms[0, j, b]
+                for s in cutlass.range_constexpr(1, fold):
+                    top = cute.arch.fmax(top, ms[s, j, b])  # a clamped repeat leaves the max as is
+                total = Float32(0.0)
+                out = cute.make_rmem_tensor(cute.make_layout(F32_VEC), Float32)
+                for e in cutlass.range_constexpr(F32_VEC):
+                    out[e] = Float32(0.0)
+                for s in cutlass.range_constexpr(fold):
+                    weight = cute.math.exp(ms[s, j, b] - top)
+                    if s >= active:
+                        weight = Float32(0.0)
+                    total = total + ls[s, j, b] * weight
+                    for e in cutlass.range_constexpr(F32_VEC):
+                        out[e] = out[e] + ps[e, s, j, b] * weight
+                inverse = Float32(1.0) / total
+                for e in cutlass.range_constexpr(F32_VEC):
+                    out[e] = out[e] * inverse
+                idx = tidx + j * threads
+                if cutlass.const_expr((j + 1) * threads <= nvec):
+                    _stage_store(s_vec, b, idx, out.load())
+                elif idx < nvec:
+                    _stage_store(s_vec, b, idx, out.load())
+        cute.arch.sync_threads()

@@ -834,12 +834,15 @@ def split_kv_attention(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Te
                        quantum: cutlass.Constexpr[int], rotary_dim: cutlass.Constexpr[int],
                        whole_qk_norm: cutlass.Constexpr[bool], merge_preload: cutlass.Constexpr[bool],
                        spread_merge: cutlass.Constexpr[bool], head_slices: cutlass.Constexpr[int],
-                       long_slices: cutlass.Constexpr[bool], kv_pipeline: cutlass.Constexpr[bool]):
+                       long_slices: cutlass.Constexpr[bool], kv_pipeline: cutlass.Constexpr[bool],
+                       merge_above: cutlass.Constexpr[int] = 1):
     """Flash decoding: RoPE + KV append + attention over positions [first_key, pos], the cached keys split across
     CTAs (``first_key`` is 0, or where the layer's sliding window starts). ``merge_preload``: the merging item
     loads its first partials at once (:func:`_merge_splits`). ``spread_merge``: every active item of a group
     merges a slice of its outputs (:func:`_merge_spread`) where that takes at most two passes, instead of the last
-    arrival merging them all. ``codegen.default_merge`` picks both per plan.
+    arrival merging them all. ``codegen.default_merge`` picks both per plan. ``merge_above``: the items merge only
+    where more than that many splits are active; with 2..``merge_above`` (``generate(plan, fold_merge=True)``, a
+    candidate) they only store their partials, and the next stage's staging merges them (:func:`merge_splits_to_smem`).
 
     Work items are (split, batch, KV head), split-major, dealt to CTAs. At this step the ``pos + 1 - first_key``
     visible positions are cut into ``active`` chunks of ``chunk`` positions (at least ``min_chunk``, which is the
@@ -858,7 +861,7 @@ def split_kv_attention(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Te
         _split_kv_items(qkv, qk_norm, rope_cos, rope_sin, k_cache, v_cache, attn, part, counts, pos, first_key,
                         chunk, active, s_att, cta, tidx, batch, n_heads, n_kv_heads, head_dim, ctas, threads, scale,
                         has_qk_norm, eps, splits, unroll, rotary_dim, whole_qk_norm, merge_preload, spread_merge,
-                        group, 1, kv_pipeline)
+                        group, 1, kv_pipeline, merge_above)
     else:
         for s in cutlass.range_constexpr(1, head_slices + 1):
             if cutlass.const_expr(head_slices % s == 0 and (long_slices or s == 1 or s == head_slices)):
@@ -866,7 +869,8 @@ def split_kv_attention(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Te
                     _split_kv_items(qkv, qk_norm, rope_cos, rope_sin, k_cache, v_cache, attn, part, counts, pos,
                                     first_key, chunk, active, s_att, cta, tidx, batch, n_heads, n_kv_heads,
                                     head_dim, ctas, threads, scale, has_qk_norm, eps, splits, unroll, rotary_dim,
-                                    whole_qk_norm, merge_preload, spread_merge, group // s, s, kv_pipeline)
+                                    whole_qk_norm, merge_preload, spread_merge, group // s, s, kv_pipeline,
+                                    merge_above)
 
 
 @cute.jit
@@ -881,7 +885,7 @@ def _split_kv_items(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Tenso
                     rotary_dim: cutlass.Constexpr[int], whole_qk_norm: cutlass.Constexpr[bool],
                     merge_preload: cutlass.Constexpr[bool], spread_merge: cutlass.Constexpr[bool],
                     heads: cutlass.Constexpr[int], slices: cutlass.Constexpr[int],
-                    kv_pipeline: cutlass.Constexpr[bool]):
+                    kv_pipeline: cutlass.Constexpr[bool], merge_above: cutlass.Constexpr[int]):
     """This CTA's work items of :func:`split_kv_attention` at this step, ``slices`` head slices of ``heads`` query
     heads each per (split, batch, KV head) (1 slice: the whole group). Item ``i`` is split ``i // (groups x
     slices)``, then (batch, KV head, slice); the ``heads`` query heads of a slice are a "virtual KV group" of
@@ -892,7 +896,8 @@ def _split_kv_items(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Tenso
     lane groups (shuffles) and warps (shared memory). With one active split it writes the normalised output;
     otherwise it stores its partial (acc, max, sum) in ``part[b, head, split, :]``, and the last item of its
     virtual group to arrive (an acq_rel counter in ``counts``, reset by that item) merges every split's partial
-    into ``attn`` (or, with the spread merge, all its items merge a share each).
+    into ``attn`` (or, with the spread merge, all its items merge a share each); where at most ``merge_above``
+    splits are active the partials stay for the next stage's staging (:func:`merge_splits_to_smem`).
 
     s_att layout (fp32): [0, H*D) roped q | 8 slots: per-head inverse RMS (Qwen3) | flag | then
     (D + 2) x H x warps partial outputs (accumulator, max, sum), H = ``heads``: within the scratch the plan sizes
@@ -985,7 +990,7 @@ def _split_kv_items(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Tenso
                     if d == 0:
                         part[b, head, split, head_dim] = top
                         part[b, head, split, head_dim + 1] = total
-            if active > 1:
+            if active > merge_above:
                 if cutlass.const_expr(spread_merge):
                     if active * 2 * (threads // SPREAD_LANES) >= heads * head_dim:  # at most two passes each
                         _merge_spread(attn, part, counts, s_part, b, vkvh, vg, split, active, tidx, heads, head_dim,
