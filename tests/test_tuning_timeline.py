@@ -311,7 +311,7 @@ def test_spread_merge_flags_attention_resets_counters_after_its_barrier_and_comp
     from megabake.runtime.compile import compile_check
 
     compiled = compile_preset(preset, layers=2, vocab=512, capacity=1024)
-    default = generate(compiled.plan, spread_merge=False).source.split("\n# ====")[0].splitlines()
+    default = generate(compiled.plan, spread_merge=False, fold_merge=False).source.split("\n# ====")[0].splitlines()
     source = generate(compiled.plan, spread_merge=True).source
     lines = source.split("\n# ====")[0].splitlines()
     reset = [i for i, line in enumerate(lines) if "bodies.split_kv_counts_reset(" in line]
