@@ -24,9 +24,9 @@
 #   long-candidates: both candidates' timings without their GPU tests (tests-parallel has them), one build per
 #          preset: kv-pipeline at 4000 (OLMo-2-1B, Llama-1B), kv-pipeline and pass-chunks at 2000 (SmolLM) / 4000
 #          (Qwen2.5-0.5B) -> OUT/tune-*-p*.log, OUT/p*/ (~6 min?)
-#   fold-merge: its GPU test, then the default build against the split-KV merge folded into the O projection's
-#          staging (a candidate) at 2027 (SmolLM-1.7B) / 4000 (OLMo-2-1B, Phi-3-mini) / 2000 (SmolLM-135M)
-#          -> OUT/pytest-gpu-fold-merge.log, OUT/tune-*-p*.log (6.7 min in session 23)
+#   fold-merge: its GPU test, then the default build (the split-KV merge folded into the O projection's staging
+#          since session 24) against the unfolded one at 2027 (SmolLM-1.7B) / 4000 (OLMo-2-1B, Phi-3-mini) / 2000
+#          (SmolLM-135M) -> OUT/pytest-gpu-fold-merge.log, OUT/tune-*-p*.log (6.7 min in session 23)
 #   hang-probe: the tensor-core cases' steps with the barrier watchdog (scripts/gpu_hang_probe.py; a tool for
 #          chasing a kernel that never reaches a grid barrier)                   -> OUT/hang-probe.json (~3 min)
 #   bench: decode benchmark table + chart, all presets in one process          -> OUT/bench/  (~2.5 min per preset;
@@ -166,15 +166,15 @@ if [[ " $PARTS " == *" long-candidates "* ]]; then
   tune_candidates qwen2.5-0.5b 4096 4000 kv-pipeline pass-chunks
 fi
 if [[ " $PARTS " == *" fold-merge "* ]]; then
-  # the split-KV merge folded into the O projection's staging (generate(plan, fold_merge=True), a candidate since
-  # session 23; its GPU test runs in tests-parallel): the default build against it where 2..fold_splits splits
-  # are active, MHA models first (SmolLM-1.7B: 4 of 4 at 2027; OLMo-2-1B: 8 of 8 at 4000)
+  # the split-KV merge folded into the O projection's staging (generate(plan, fold_merge=True), the default since
+  # session 24; its GPU test runs in tests-parallel): the default build against the unfolded one where
+  # 2..fold_splits splits are active, MHA models first (SmolLM-1.7B: 4 of 4 at 2027; OLMo-2-1B: 8 of 8 at 4000)
   TEST_LIMIT=200 run_tests fold-merge "fold_merge" tests/test_gpu_decode.py
   collect_tests fold-merge
-  tune_candidates smollm-1.7b 2048 2027 fold-merge
-  tune_candidates olmo-2-1b 4096 4000 fold-merge
-  tune_candidates smollm-135m 2048 2000 fold-merge
-  tune_candidates phi-3-mini 4096 4000 fold-merge
+  tune_candidates smollm-1.7b 2048 2027 no-fold-merge
+  tune_candidates olmo-2-1b 4096 4000 no-fold-merge
+  tune_candidates smollm-135m 2048 2000 no-fold-merge
+  tune_candidates phi-3-mini 4096 4000 no-fold-merge
 fi
 if [[ " $PARTS " == *" hang-probe "* ]]; then
   # the tensor-core cases' kernel steps built with the barrier watchdog (scripts/gpu_hang_probe.py)

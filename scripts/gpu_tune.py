@@ -17,7 +17,8 @@ the barrier that precedes attention (``generate(plan, kv_prefetch=False)``, the 
 candidate), and the split-KV merges one at a time (the default picks per plan, ``codegen.default_merge``):
 ``last-merge`` the plain last-arrival merge (the default until session 17), ``merge-preload`` that merge loading
 its first partials at once, ``spread-merge`` the merge shared out over the group's items, ``fold-merge`` the merge
-folded into the O projection's staging (``generate(plan, fold_merge=True)``, a candidate since session 23); the
+folded into the O projection's staging (``generate(plan, fold_merge=True)``, the default since session 24) and
+``no-fold-merge`` the build without it (the default until session 23); the
 same logits required, to 1e-3 (``--barriers`` is the older name). ``--ctas N`` runs the persistent
 grid on N CTAs instead of one per SM. ``--position 4000 --capacity 4096`` times the step at a long context.
 ``--batch 8`` times batched steps (``mma``: the tensor-core GEMV); ``--phases`` adds each variant's clocks per
@@ -173,7 +174,8 @@ BUILDS = {"atom": {}, "red": {"barrier": "red"}, "red-fence": {"barrier": "red-f
           "spread-merge": {"merge_preload": False, "spread_merge": True},
           "no-slices": {"head_slices": False}, "short-slices": {"long_slices": False},
           "pass-chunks": {"pass_chunks": True}, "kv-pipeline": {"kv_pipeline": True},
-          "no-kv-pipeline": {"kv_pipeline": False}, "fold-merge": {"fold_merge": True}}
+          "no-kv-pipeline": {"kv_pipeline": False}, "fold-merge": {"fold_merge": True},
+          "no-fold-merge": {"fold_merge": False}}
 
 
 def timeline(plan, model, tokens, phases: bool = False, build: str = "atom",

@@ -556,8 +556,8 @@ def test_kv_pipeline_gives_bit_identical_logits(preset, batch, capacity):
 @pytest.mark.parametrize("preset,batch,capacity", [("smollm-1.7b", 1, 2048), ("olmo-2-1b", 1, 4096),
                                                    ("smollm-135m", 1, 2048), ("smollm-135m", 2, 2048)])
 def test_fold_merge_gives_the_default_logits(preset, batch, capacity):
-    """The split-KV merge folded into the O projection's staging (``generate(plan, fold_merge=True)``, a
-    candidate since session 23: steps with 2..``fold_splits`` active splits leave their partials unmerged and
+    """The split-KV merge folded into the O projection's staging (``generate(plan, fold_merge=True)``, the
+    default since session 24: steps with 2..``fold_splits`` active splits leave their partials unmerged and
     every CTA merges them as it stages the O projection's input): from one random cache, one step at positions
     near 0, at split boundaries and near capacity gives the unfolded build's bits until the first step whose
     staging merges, and its logits to fp32 rounding from there on (another sum order; the K/V that step appends

@@ -91,12 +91,13 @@ def test_module_compiles_for_sm90a(shape: Shape, tmp_path):
 
 
 @pytest.mark.parametrize("build", [{"pass_chunks": True}, {"long_slices": False}, {"kv_pipeline": True},
-                                   {"fold_merge": True}],
-                         ids=["pass-chunks", "short-slices", "kv-pipeline", "fold-merge"])
+                                   {"fold_merge": False}],
+                         ids=["pass-chunks", "short-slices", "kv-pipeline", "no-fold-merge"])
 def test_split_kv_candidate_builds_compile_for_sm90a(build, tmp_path):
     """The split-KV build options a GPU session times against the default (``gpu_tune.py --builds pass-chunks
-    short-slices kv-pipeline fold-merge``) compile too, on a shape where they deal differently (SmolLM-135M: 3 query
-    heads per KV head)."""
+    short-slices kv-pipeline no-fold-merge``) compile too, on a shape where they deal differently (SmolLM-135M: 3
+    query heads per KV head). The default folds the merge (``FOLD_SPLITS = 8``); ``fold_merge=False`` merges in
+    attention again, as before session 24."""
     pytest.importorskip("cutlass")
     from megabake.codegen import generate
     from megabake.runtime.compile import compile_check, load_module
@@ -104,7 +105,12 @@ def test_split_kv_candidate_builds_compile_for_sm90a(build, tmp_path):
     compiled = compile_preset("smollm-135m", layers=2, vocab=4096, capacity=2048)
     source = generate(compiled.plan, **build).source
     expected = {"pass_chunks": "CHUNK_QUANTUM = 32", "long_slices": "LONG_SLICES = False",
-                "kv_pipeline": "KV_PIPELINE = True", "fold_merge": "FOLD_SPLITS = 8"}[next(iter(build))]
-    assert f"\n{expected}\n" in source
+                "kv_pipeline": "KV_PIPELINE = True", "fold_merge": None}[next(iter(build))]
+    default = generate(compiled.plan).source
+    assert "\nFOLD_SPLITS = 8\n" in default
+    if expected:
+        assert f"\n{expected}\n" in source
+    else:
+        assert "FOLD_SPLITS" not in source
     result = compile_check(compiled.plan, load_module(source), dump_dir=str(tmp_path))
     assert result.ok, result.error

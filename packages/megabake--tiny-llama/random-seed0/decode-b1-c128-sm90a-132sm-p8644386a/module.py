@@ -42,6 +42,7 @@ HEAD_SLICES = 2
 LONG_SLICES = True
 CHUNK_QUANTUM = 128
 KV_PIPELINE = False
+FOLD_SPLITS = 8
 RING_STAGES = 4
 RING_VECTORS = 8
 EPS = 1e-05
@@ -120,10 +121,13 @@ def megakernel(
             head_dim=HEAD_DIM, ctas=CTAS, threads=THREADS, scale=ATTN_SCALE, has_qk_norm=False, eps=EPS,
             splits=KV_SPLITS, unroll=ATT_UNROLL, min_chunk=MIN_CHUNK, quantum=CHUNK_QUANTUM, rotary_dim=HEAD_DIM,
             whole_qk_norm=False, merge_preload=True, spread_merge=False, head_slices=HEAD_SLICES,
-            long_slices=LONG_SLICES, kv_pipeline=KV_PIPELINE)
+            long_slices=LONG_SLICES, kv_pipeline=KV_PIPELINE, merge_above=FOLD_SPLITS)
         bodies.grid_barrier(barrier=barrier, tidx=tidx, ctas=CTAS)
         # ---- stage 3: o_residual (layer) ----
-        bodies.copy_to_smem(src=attn, s_vec=s_vec, tidx=tidx, batch=BATCH, width=Q_ROWS, threads=THREADS)
+        bodies.merge_splits_to_smem(
+            attn=attn, part=attn_part, s_vec=s_vec, pos=pos, first_key=0, tidx=tidx, batch=BATCH, n_heads=N_HEADS,
+            head_dim=HEAD_DIM, threads=THREADS, splits=KV_SPLITS, min_chunk=MIN_CHUNK, quantum=CHUNK_QUANTUM,
+            head_slices=HEAD_SLICES, long_slices=LONG_SLICES, fold=FOLD_SPLITS)
         bodies.gemv_rows_streamed(
             weight=w_o[layer, None, None], ring=s_ring[tidx // 32, None, None, None, None], bias=x, s_vec=s_vec, out=x,
             gwarp=swarp, lane=lane, total_warps=TOTAL_WARPS, rows=HIDDEN, cols=Q_ROWS, batch=BATCH,
@@ -1180,6 +1184,69 @@ def _merge_spread(attn: cute.Tensor, part: cute.Tensor, counts: cute.Tensor, s_s
         cute.arch.sync_threads()
 
 
+@cute.jit
+def merge_splits_to_smem(attn: cute.Tensor, part: cute.Tensor, s_vec: cute.Tensor, pos: Int32, first_key: Int32,
+                         tidx: Int32, batch: cutlass.Constexpr[int], n_heads: cutlass.Constexpr[int],
+                         head_dim: cutlass.Constexpr[int], threads: cutlass.Constexpr[int],
+                         splits: cutlass.Constexpr[int], min_chunk: cutlass.Constexpr[int],
+                         quantum: cutlass.Constexpr[int], head_slices: cutlass.Constexpr[int],
+                         long_slices: cutlass.Constexpr[bool], fold: cutlass.Constexpr[int]):
+    """The O projection's staging with the split-KV merge folded in (``generate(plan, fold_merge=True)``, the
+    default since session 24): where this step's attention (same dealing, :func:`split_schedule`) left 2..``fold`` active splits
+    unmerged (its ``merge_above``), every CTA merges the partials ``part[b, head, split, :]`` (accumulator, max,
+    sum) of all heads into ``s_vec`` as it stages them; otherwise it copies ``attn`` (:func:`copy_to_smem`). No
+    arrival counter, no last-arrival chain: the grid barrier after attention is the only wait. Each thread loads
+    every split's values of its 4-output vectors at once (one L2 round trip), clamped past ``active`` (weight 0).
+    Same merge as :func:`_merge_splits` up to fp32 rounding (sum order)."""
+    visible = pos + 1 - first_key
+    chunk, active, slices = split_schedule(visible, splits, min_chunk, quantum, head_slices, long_slices)
+    width = n_heads * head_dim
+    if active == 1 or active > fold:
+        copy_to_smem(attn, s_vec, tidx, batch, width, threads)
+    else:
+        nvec = width // F32_VEC
+        slots = (nvec + threads - 1) // threads
+        ms = cute.make_rmem_tensor(cute.make_layout((fold, slots, batch)), Float32)
+        ls = cute.make_rmem_tensor(cute.make_layout((fold, slots, batch)), Float32)
+        ps = cute.make_rmem_tensor(cute.make_layout((F32_VEC, fold, slots, batch)), Float32)
+        for b in cutlass.range_constexpr(batch):
+            for j in cutlass.range_constexpr(slots):
+                o = cutlass.min(tidx + j * threads, nvec - 1) * F32_VEC
+                head = o // head_dim
+                d = o - head * head_dim
+                for s in cutlass.range_constexpr(fold):
+                    split = cutlass.min(Int32(s), active - 1)
+                    ms[s, j, b] = part[b, head, split, head_dim]
+                    ls[s, j, b] = part[b, head, split, head_dim + 1]
+                    for e in cutlass.range_constexpr(F32_VEC):
+                        ps[e, s, j, b] = part[b, head, split, d + e]
+        for b in cutlass.range_constexpr(batch):
+            for j in cutlass.range_constexpr(slots):
+                top = ms[0, j, b]
+                for s in cutlass.range_constexpr(1, fold):
+                    top = cute.arch.fmax(top, ms[s, j, b])  # a clamped repeat leaves the max as is
+                total = Float32(0.0)
+                out = cute.make_rmem_tensor(cute.make_layout(F32_VEC), Float32)
+                for e in cutlass.range_constexpr(F32_VEC):
+                    out[e] = Float32(0.0)
+                for s in cutlass.range_constexpr(fold):
+                    weight = cute.math.exp(ms[s, j, b] - top)
+                    if s >= active:
+                        weight = Float32(0.0)
+                    total = total + ls[s, j, b] * weight
+                    for e in cutlass.range_constexpr(F32_VEC):
+                        out[e] = out[e] + ps[e, s, j, b] * weight
+                inverse = Float32(1.0) / total
+                for e in cutlass.range_constexpr(F32_VEC):
+                    out[e] = out[e] * inverse
+                idx = tidx + j * threads
+                if cutlass.const_expr((j + 1) * threads <= nvec):
+                    _stage_store(s_vec, b, idx, out.load())
+                elif idx < nvec:
+                    _stage_store(s_vec, b, idx, out.load())
+        cute.arch.sync_threads()
+
+
 class bodies:
     """The routines above, under the names the kernel calls them by (bodies.<name>)."""
 
@@ -1188,6 +1255,7 @@ class bodies:
     gemv_ring_prefill = staticmethod(gemv_ring_prefill)
     gemv_rows_streamed = staticmethod(gemv_rows_streamed)
     grid_barrier = staticmethod(grid_barrier)
+    merge_splits_to_smem = staticmethod(merge_splits_to_smem)
     prefetch_rows = staticmethod(prefetch_rows)
     rmsnorm_to_smem = staticmethod(rmsnorm_to_smem)
     split_kv_attention = staticmethod(split_kv_attention)
