@@ -364,7 +364,9 @@ def parse_args(argv=None):
     parser.add_argument("--presets", nargs="+", default=list(DEFAULT_PRESETS),
                         help=f"built-in presets to bake and verify (default: {' '.join(DEFAULT_PRESETS)})")
     parser.add_argument("--out", type=Path, required=True, help="folder for logs, packages, table and chart")
-    parser.add_argument("--capacity", type=int, default=128)
+    parser.add_argument("--capacity", type=int, default=None,
+                        help="KV capacity of the baked bucket (default 128; with --positions: the smallest power of "
+                        "two, at least 128, that holds the largest position and the timed steps)")
     parser.add_argument("--steps", default=64, help="numerics decode steps (an int or 'max')")
     parser.add_argument("--prefill", type=int, default=16)
     parser.add_argument("--samples", type=int, default=40)
@@ -390,6 +392,18 @@ def parse_args(argv=None):
         args.batches = args.batches or [1]
         if min(args.positions) < 1 or min(args.batches) < 1:
             parser.error("--positions and --batches take positive integers")
+        if args.capacity is not None:
+            from benchmarks.matrix import TIMED_STEPS
+
+            need = max(args.positions) + TIMED_STEPS + 1
+            if args.capacity < need:
+                parser.error(f"--capacity {args.capacity} cannot hold position {max(args.positions)} and the "
+                             f"{TIMED_STEPS} timed steps after it: use --capacity {need} or more, or drop --capacity "
+                             "to bake the smallest bucket that fits")
+    elif args.capacity is None:
+        args.capacity = 128
+    if args.capacity is not None and args.capacity < 1:
+        parser.error("--capacity takes a positive integer")
     if args.autotune and (args.tiling or args.attention_preload):
         parser.error("--autotune chooses the GEMV tiling and attention preload itself; drop --tiling / "
                      "--attention-preload, or drop --autotune")

@@ -2,7 +2,7 @@
 
 Contract: ``run_matrix(args) -> list[Cell]``. For each preset and batch: one bake on this GPU (bucket capacity
 = the smallest power of two holding the largest position plus the timed steps, capped by the model's
-``max_position_embeddings``), numerics at the longest context (``run_numerics`` after a prefill there: the
+``max_position_embeddings``; or ``--capacity`` where given), numerics at the longest context (``run_numerics`` after a prefill there: the
 megakernel must stay as close to fp32 as eager bf16), then for each position ``run_timings`` with the prompt
 prefilled up to that position: the megakernel against the graphed Inductor baselines built in the same
 process, paired alternating samples, bootstrap CIs. Every cell's full timings (raw samples included) go to
@@ -50,8 +50,14 @@ class Cell:
     seconds: float = 0.0
 
 
-def bucket_capacity(positions: list[int], max_positions: int | None) -> int:
-    """Smallest power of two >= the largest position + the timed steps (at least 128), capped by the model."""
+def bucket_capacity(positions: list[int], max_positions: int | None, requested: int | None = None) -> int:
+    """Smallest power of two >= the largest position + the timed steps (at least 128), capped by the model;
+    ``requested`` (``--capacity``) instead where given, refused past the model's positions."""
+    if requested is not None:
+        if max_positions and requested > max_positions:
+            raise ValueError(f"--capacity {requested} is past the model's {max_positions} positions "
+                             f"(max_position_embeddings): use --capacity {max_positions} or less")
+        return requested
     need = max(positions) + TIMED_STEPS + 1
     capacity = 128
     while capacity < need:
@@ -79,7 +85,11 @@ def _preset_batch(preset: str, batch: int, args) -> list[Cell]:
     from megabake.presets import get_preset
 
     max_positions = get_preset(preset).config.get("max_position_embeddings")
-    capacity = bucket_capacity(args.positions, max_positions)
+    try:
+        capacity = bucket_capacity(args.positions, max_positions, args.capacity)
+    except ValueError as exc:  # this preset cannot take the requested bucket; the others still run
+        LOG.error("[%s b%d] %s", preset, batch, exc)
+        return [Cell(preset, batch, p, args.capacity, error=f"ValueError: {exc}") for p in args.positions]
     positions = fitting_positions(args.positions, capacity)
     started = time.perf_counter()
     try:

@@ -198,6 +198,28 @@ def test_resume_keeps_finished_presets_and_measures_only_the_rest(bench, tmp_pat
     assert "compiler='" + "0" * 64 in (tmp_path / "decode.log").read_text()
 
 
+def test_matrix_mode_takes_a_requested_capacity_or_says_why_not(bench, tmp_path, capsys):
+    """--capacity with --positions bakes that bucket (session 24's probe asked for 4096 and silently got 128, where
+    graphed Inductor reads a 32x shorter cache); one that cannot hold the positions is refused before any model
+    loads, and one past a model's positions fails that preset's cells with the reason, not the run."""
+    from benchmarks.matrix import _preset_batch, bucket_capacity
+
+    assert bucket_capacity([16], None, 4096) == 4096 and bucket_capacity([16], None) == 128
+    with pytest.raises(ValueError, match="past the model's 2048 positions .*use --capacity 2048 or less"):
+        bucket_capacity([16], 2048, 4096)
+    assert bench.parse_args(["--positions", "16", "--capacity", "4096", "--out", str(tmp_path)]).capacity == 4096
+    assert bench.parse_args(["--positions", "16", "--out", str(tmp_path)]).capacity is None
+    assert bench.parse_args(["--out", str(tmp_path)]).capacity == 128
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--positions", "16", "4000", "--capacity", "2048", "--out", str(tmp_path)])
+    assert "cannot hold position 4000 and the 20 timed steps after it: use --capacity 4021" in capsys.readouterr().err
+    args = bench.parse_args(["--presets", "smollm-135m", "--positions", "16", "--capacity", "8192",
+                             "--out", str(tmp_path)])
+    cells = _preset_batch("smollm-135m", 1, args)
+    assert [(c.position, c.capacity) for c in cells] == [(16, 8192)]
+    assert "ValueError: --capacity 8192 is past the model's 2048 positions" in cells[0].error
+
+
 def test_matrix_mode_buckets_positions_table_and_chart(bench, tmp_path):
     """--positions/--batches: the bucket holds the largest position (capped by the model), positions past it
     become the last that fits, and cells render as a table, a JSON file and a latency-vs-context chart."""
