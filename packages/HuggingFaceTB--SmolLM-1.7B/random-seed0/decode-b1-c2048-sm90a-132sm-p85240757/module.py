@@ -40,6 +40,9 @@ ATT_UNROLL = 4
 MIN_CHUNK = 128
 HEAD_SLICES = 1
 LONG_SLICES = True
+CHUNK_QUANTUM = 128
+KV_PIPELINE = False
+FOLD_SPLITS = 4
 RING_STAGES = 4
 RING_VECTORS = 8
 EPS = 1e-05
@@ -101,7 +104,8 @@ def megakernel(
         bodies.split_kv_prefetch(
             k_cache=k_cache[layer, None, None, None, None], v_cache=v_cache[layer, None, None, None, None], pos=pos,
             first_key=0, cta=cta, tidx=tidx, batch=BATCH, n_kv_heads=N_KV_HEADS, head_dim=HEAD_DIM, threads=THREADS,
-            splits=KV_SPLITS, min_chunk=MIN_CHUNK, head_slices=HEAD_SLICES, long_slices=LONG_SLICES, to_l1=False)
+            splits=KV_SPLITS, min_chunk=MIN_CHUNK, quantum=CHUNK_QUANTUM, head_slices=HEAD_SLICES,
+            long_slices=LONG_SLICES, to_l1=False)
         bodies.prefetch_rows(
             weight=w_o[layer, None, None], gwarp=swarp, lane=lane, total_warps=TOTAL_WARPS, rows=2048, cols=2048,
             per_tile=2, max_tiles=1)
@@ -115,11 +119,15 @@ def megakernel(
             v_cache=v_cache[layer, None, None, None, None], attn=attn, part=attn_part, counts=attn_count, pos=pos,
             first_key=0, s_att=s_att, cta=cta, tidx=tidx, batch=BATCH, n_heads=N_HEADS, n_kv_heads=N_KV_HEADS,
             head_dim=HEAD_DIM, ctas=CTAS, threads=THREADS, scale=ATTN_SCALE, has_qk_norm=False, eps=EPS,
-            splits=KV_SPLITS, unroll=ATT_UNROLL, min_chunk=MIN_CHUNK, rotary_dim=HEAD_DIM, whole_qk_norm=False,
-            merge_preload=True, spread_merge=False, head_slices=HEAD_SLICES, long_slices=LONG_SLICES)
+            splits=KV_SPLITS, unroll=ATT_UNROLL, min_chunk=MIN_CHUNK, quantum=CHUNK_QUANTUM, rotary_dim=HEAD_DIM,
+            whole_qk_norm=False, merge_preload=True, spread_merge=False, head_slices=HEAD_SLICES,
+            long_slices=LONG_SLICES, kv_pipeline=KV_PIPELINE, merge_above=FOLD_SPLITS)
         bodies.grid_barrier(barrier=barrier, tidx=tidx, ctas=CTAS)
         # ---- stage 3: o_residual (layer) ----
-        bodies.copy_to_smem(src=attn, s_vec=s_vec, tidx=tidx, batch=BATCH, width=Q_ROWS, threads=THREADS)
+        bodies.merge_splits_to_smem(
+            attn=attn, part=attn_part, s_vec=s_vec, pos=pos, first_key=0, tidx=tidx, batch=BATCH, n_heads=N_HEADS,
+            head_dim=HEAD_DIM, threads=THREADS, splits=KV_SPLITS, min_chunk=MIN_CHUNK, quantum=CHUNK_QUANTUM,
+            head_slices=HEAD_SLICES, long_slices=LONG_SLICES, fold=FOLD_SPLITS)
         bodies.gemv_rows_streamed(
             weight=w_o[layer, None, None], ring=s_ring[tidx // 32, None, None, None, None], bias=x, s_vec=s_vec, out=x,
             gwarp=swarp, lane=lane, total_warps=TOTAL_WARPS, rows=HIDDEN, cols=Q_ROWS, batch=BATCH,
@@ -652,13 +660,19 @@ def _merge_into(m: cute.Tensor, l: cute.Tensor, acc: cute.Tensor, h: cutlass.Con
 def _online_softmax_chunk(keys: cute.Tensor, values: cute.Tensor, s_q: cute.Tensor, m: cute.Tensor,
                           l: cute.Tensor, acc: cute.Tensor, first: Int32, end: Int32, grp: Int32, sub: Int32,
                           group: cutlass.Constexpr[int], lanes_per_pos: cutlass.Constexpr[int],
-                          stride: cutlass.Constexpr[int], unroll: cutlass.Constexpr[int]):
+                          stride: cutlass.Constexpr[int], unroll: cutlass.Constexpr[int],
+                          pipeline: cutlass.Constexpr[bool]):
     """Lane group ``grp`` of a warp takes positions first + grp, first + grp + stride, ... < end: ``unroll`` K and
     V rows in flight, every query head of the group scored against each key row once loaded (GQA packing),
     online softmax per head. The loop bounds depend on the warp only (``first``), never on the lane group:
     every lane runs the same iterations, so the lane-group shuffles stay converged; positions past ``end``
     load a clamped row and are masked out. When ``lanes_per_pos`` is not a power of two (head_dim 96: 12) a lane
-    group spans the next power of two and its spare lanes load a clamped slice and score 0."""
+    group spans the next power of two and its spare lanes load a clamped slice and score 0.
+
+    ``pipeline`` (a candidate, session 19): the next iteration's K and V rows are loaded (as stored, bf16) before
+    this iteration's rows are scored, so their latency overlaps the arithmetic instead of following it (long
+    chunks: OLMo-2-1B at 4000 positions runs 8 iterations per item). Same values, same arithmetic order: the
+    same bits."""
     lane_slots = 1 << (lanes_per_pos - 1).bit_length()
     row_slice = sub
     live = Float32(1.0)
@@ -669,11 +683,28 @@ def _online_softmax_chunk(keys: cute.Tensor, values: cute.Tensor, s_q: cute.Tens
     kf = cute.make_rmem_tensor(cute.make_layout((VEC, unroll)), Float32)
     vf = cute.make_rmem_tensor(cute.make_layout((VEC, unroll)), Float32)
     scores = cute.make_rmem_tensor(cute.make_layout(unroll), Float32)
-    for base in range(first, end, stride * unroll):
+    kn = cute.make_rmem_tensor(cute.make_layout((VEC, unroll)), keys.element_type)  # pipeline: next rows
+    vn = cute.make_rmem_tensor(cute.make_layout((VEC, unroll)), values.element_type)
+    if cutlass.const_expr(pipeline):
         for u in cutlass.range_constexpr(unroll):
-            t = cutlass.min(base + grp + u * stride, end - 1)
-            kf[(None, u)].store(cute.zipped_divide(keys[t, None], (VEC,))[(None, row_slice)].load().to(Float32))
-            vf[(None, u)].store(cute.zipped_divide(values[t, None], (VEC,))[(None, row_slice)].load().to(Float32))
+            t0 = cutlass.min(first + grp + u * stride, end - 1)
+            kn[(None, u)].store(cute.zipped_divide(keys[t0, None], (VEC,))[(None, row_slice)].load())
+            vn[(None, u)].store(cute.zipped_divide(values[t0, None], (VEC,))[(None, row_slice)].load())
+    for base in range(first, end, stride * unroll):
+        if cutlass.const_expr(pipeline):
+            for u in cutlass.range_constexpr(unroll):
+                kf[(None, u)].store(kn[(None, u)].load().to(Float32))
+                vf[(None, u)].store(vn[(None, u)].load().to(Float32))
+            for u in cutlass.range_constexpr(unroll):  # the next iteration's rows (clamped past the end: unused)
+                tn = cutlass.min(base + stride * unroll + grp + u * stride, end - 1)
+                kn[(None, u)].store(cute.zipped_divide(keys[tn, None], (VEC,))[(None, row_slice)].load())
+                vn[(None, u)].store(cute.zipped_divide(values[tn, None], (VEC,))[(None, row_slice)].load())
+            cute.arch.sync_warp()  # a scheduling fence: the compiler otherwise sinks these loads past the scores
+        else:
+            for u in cutlass.range_constexpr(unroll):
+                t = cutlass.min(base + grp + u * stride, end - 1)
+                kf[(None, u)].store(cute.zipped_divide(keys[t, None], (VEC,))[(None, row_slice)].load().to(Float32))
+                vf[(None, u)].store(cute.zipped_divide(values[t, None], (VEC,))[(None, row_slice)].load().to(Float32))
         for h in cutlass.range_constexpr(group):
             qv = cute.zipped_divide(s_q, (VEC,))[(None, h * lanes_per_pos + row_slice)].load()
             top = m[h]
@@ -707,17 +738,20 @@ def _online_softmax_chunk(keys: cute.Tensor, values: cute.Tensor, s_q: cute.Tens
             l[h] = total
 
 
-def split_chunk(visible: Int32, splits: cutlass.Constexpr[int], min_chunk: cutlass.Constexpr[int]) -> Int32:
+def split_chunk(visible: Int32, splits: cutlass.Constexpr[int], min_chunk: cutlass.Constexpr[int],
+                quantum: cutlass.Constexpr[int]) -> Int32:
     """Positions per split-KV work item at this step: ``visible`` positions over ``splits`` items, rounded up to
-    a multiple of ``min_chunk`` (short contexts stay in one item). Shared by :func:`split_kv_prefetch` and
-    :func:`split_kv_attention`, which must deal the same chunks."""
+    a multiple of ``quantum`` (``min_chunk``, or a CTA pass: ``plan.chunk_quantum``), at least ``min_chunk``
+    (short contexts stay in one item). Shared by :func:`split_kv_prefetch` and :func:`split_kv_attention`, which
+    must deal the same chunks."""
     chunk = (visible + splits - 1) // splits
-    return cutlass.max(((chunk + min_chunk - 1) // min_chunk) * min_chunk, min_chunk)
+    return cutlass.max(((chunk + quantum - 1) // quantum) * quantum, min_chunk)
 
 
 @cute.jit
 def split_schedule(visible: Int32, splits: cutlass.Constexpr[int], min_chunk: cutlass.Constexpr[int],
-                   head_slices: cutlass.Constexpr[int], long_slices: cutlass.Constexpr[bool]):
+                   quantum: cutlass.Constexpr[int], head_slices: cutlass.Constexpr[int],
+                   long_slices: cutlass.Constexpr[bool]):
     """(chunk, active, slices) of a split-KV step over ``visible`` positions, as ``plan.attention.split_schedule``
     deals them (the reference executor mirrors it): ``active`` chunks of ``chunk`` positions, each as ``slices``
     items of group / slices query heads. Without ``long_slices`` the chunks of :func:`split_chunk` over every
@@ -725,7 +759,7 @@ def split_schedule(visible: Int32, splits: cutlass.Constexpr[int], min_chunk: cu
     ``head_slices`` with its smallest chunk over at most ``splits // s`` splits, the least work per item (chunk x
     heads) winning, the fewest slices on a tie. Shared by :func:`split_kv_prefetch` and
     :func:`split_kv_attention`, which must deal the same items."""
-    chunk = split_chunk(visible, splits, min_chunk)
+    chunk = split_chunk(visible, splits, min_chunk, quantum)
     active = (visible + chunk - 1) // chunk
     slices = Int32(1)
     if cutlass.const_expr(head_slices > 1):
@@ -733,7 +767,7 @@ def split_schedule(visible: Int32, splits: cutlass.Constexpr[int], min_chunk: cu
             least = chunk * head_slices
             for s in cutlass.range_constexpr(2, head_slices + 1):
                 if cutlass.const_expr(head_slices % s == 0):
-                    size = split_chunk(visible, splits // s, min_chunk)
+                    size = split_chunk(visible, splits // s, min_chunk, quantum)
                     if size * (head_slices // s) < least:
                         least = size * (head_slices // s)
                         chunk = size
@@ -750,8 +784,8 @@ def split_kv_prefetch(k_cache: cute.Tensor, v_cache: cute.Tensor, pos: Int32, fi
                       tidx: Int32, batch: cutlass.Constexpr[int], n_kv_heads: cutlass.Constexpr[int],
                       head_dim: cutlass.Constexpr[int], threads: cutlass.Constexpr[int],
                       splits: cutlass.Constexpr[int], min_chunk: cutlass.Constexpr[int],
-                      head_slices: cutlass.Constexpr[int], long_slices: cutlass.Constexpr[bool],
-                      to_l1: cutlass.Constexpr[bool]):
+                      quantum: cutlass.Constexpr[int], head_slices: cutlass.Constexpr[int],
+                      long_slices: cutlass.Constexpr[bool], to_l1: cutlass.Constexpr[bool]):
     """Ask L2 (``to_l1``: L1, a candidate) for the cached K and V rows of this CTA's first
     :func:`split_kv_attention` work item (same dealing, :func:`split_schedule`: item ``cta``, split-major; same
     chunking of positions [first_key, pos]), one ``prefetch.global`` per 128-byte line over the CTA's
@@ -766,7 +800,7 @@ def split_kv_prefetch(k_cache: cute.Tensor, v_cache: cute.Tensor, pos: Int32, fi
     groups = batch * n_kv_heads
     n = pos + 1
     visible = n - first_key
-    chunk, active, slices = split_schedule(visible, splits, min_chunk, head_slices, long_slices)
+    chunk, active, slices = split_schedule(visible, splits, min_chunk, quantum, head_slices, long_slices)
     split = cta // (groups * slices)
     if cta < groups * splits and split < active:
         g = (cta - split * groups * slices) // slices
@@ -801,18 +835,23 @@ def split_kv_attention(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Te
                        scale: cutlass.Constexpr[float], has_qk_norm: cutlass.Constexpr[bool],
                        eps: cutlass.Constexpr[float], splits: cutlass.Constexpr[int],
                        unroll: cutlass.Constexpr[int], min_chunk: cutlass.Constexpr[int],
-                       rotary_dim: cutlass.Constexpr[int], whole_qk_norm: cutlass.Constexpr[bool],
-                       merge_preload: cutlass.Constexpr[bool], spread_merge: cutlass.Constexpr[bool],
-                       head_slices: cutlass.Constexpr[int], long_slices: cutlass.Constexpr[bool]):
+                       quantum: cutlass.Constexpr[int], rotary_dim: cutlass.Constexpr[int],
+                       whole_qk_norm: cutlass.Constexpr[bool], merge_preload: cutlass.Constexpr[bool],
+                       spread_merge: cutlass.Constexpr[bool], head_slices: cutlass.Constexpr[int],
+                       long_slices: cutlass.Constexpr[bool], kv_pipeline: cutlass.Constexpr[bool],
+                       merge_above: cutlass.Constexpr[int] = 1):
     """Flash decoding: RoPE + KV append + attention over positions [first_key, pos], the cached keys split across
     CTAs (``first_key`` is 0, or where the layer's sliding window starts). ``merge_preload``: the merging item
     loads its first partials at once (:func:`_merge_splits`). ``spread_merge``: every active item of a group
     merges a slice of its outputs (:func:`_merge_spread`) where that takes at most two passes, instead of the last
-    arrival merging them all. ``codegen.default_merge`` picks both per plan.
+    arrival merging them all. ``codegen.default_merge`` picks both per plan. ``merge_above``: the items merge only
+    where more than that many splits are active; with 2..``merge_above`` (``generate(plan, fold_merge=True)``, a
+    candidate) they only store their partials, and the next stage's staging merges them (:func:`merge_splits_to_smem`).
 
     Work items are (split, batch, KV head), split-major, dealt to CTAs. At this step the ``pos + 1 - first_key``
-    visible positions are cut into ``active`` chunks of ``chunk`` positions (a multiple of ``min_chunk``, which
-    is the positions one CTA pass covers x ``unroll``: short contexts stay in one split), each dealt as ``slices``
+    visible positions are cut into ``active`` chunks of ``chunk`` positions (at least ``min_chunk``, which is the
+    positions one CTA pass covers x ``unroll``: short contexts stay in one split; a multiple of ``quantum``, that
+    or a CTA pass), each dealt as ``slices``
     items (split, batch, KV head, slice) of ``group / slices`` query heads (:func:`split_schedule`: at short
     contexts ``head_slices`` while they fit the items; with ``long_slices`` also fewer, longer splits of
     smaller slices where that gives each item less work), so more CTAs share the step's attention:
@@ -821,12 +860,12 @@ def split_kv_attention(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Te
     """
     group = n_heads // n_kv_heads
     visible = pos + 1 - first_key
-    chunk, active, slices = split_schedule(visible, splits, min_chunk, head_slices, long_slices)
+    chunk, active, slices = split_schedule(visible, splits, min_chunk, quantum, head_slices, long_slices)
     if cutlass.const_expr(head_slices <= 1):
         _split_kv_items(qkv, qk_norm, rope_cos, rope_sin, k_cache, v_cache, attn, part, counts, pos, first_key,
                         chunk, active, s_att, cta, tidx, batch, n_heads, n_kv_heads, head_dim, ctas, threads, scale,
                         has_qk_norm, eps, splits, unroll, rotary_dim, whole_qk_norm, merge_preload, spread_merge,
-                        group, 1)
+                        group, 1, kv_pipeline, merge_above)
     else:
         for s in cutlass.range_constexpr(1, head_slices + 1):
             if cutlass.const_expr(head_slices % s == 0 and (long_slices or s == 1 or s == head_slices)):
@@ -834,7 +873,8 @@ def split_kv_attention(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Te
                     _split_kv_items(qkv, qk_norm, rope_cos, rope_sin, k_cache, v_cache, attn, part, counts, pos,
                                     first_key, chunk, active, s_att, cta, tidx, batch, n_heads, n_kv_heads,
                                     head_dim, ctas, threads, scale, has_qk_norm, eps, splits, unroll, rotary_dim,
-                                    whole_qk_norm, merge_preload, spread_merge, group // s, s)
+                                    whole_qk_norm, merge_preload, spread_merge, group // s, s, kv_pipeline,
+                                    merge_above)
 
 
 @cute.jit
@@ -848,7 +888,8 @@ def _split_kv_items(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Tenso
                     eps: cutlass.Constexpr[float], splits: cutlass.Constexpr[int], unroll: cutlass.Constexpr[int],
                     rotary_dim: cutlass.Constexpr[int], whole_qk_norm: cutlass.Constexpr[bool],
                     merge_preload: cutlass.Constexpr[bool], spread_merge: cutlass.Constexpr[bool],
-                    heads: cutlass.Constexpr[int], slices: cutlass.Constexpr[int]):
+                    heads: cutlass.Constexpr[int], slices: cutlass.Constexpr[int],
+                    kv_pipeline: cutlass.Constexpr[bool], merge_above: cutlass.Constexpr[int]):
     """This CTA's work items of :func:`split_kv_attention` at this step, ``slices`` head slices of ``heads`` query
     heads each per (split, batch, KV head) (1 slice: the whole group). Item ``i`` is split ``i // (groups x
     slices)``, then (batch, KV head, slice); the ``heads`` query heads of a slice are a "virtual KV group" of
@@ -859,7 +900,8 @@ def _split_kv_items(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Tenso
     lane groups (shuffles) and warps (shared memory). With one active split it writes the normalised output;
     otherwise it stores its partial (acc, max, sum) in ``part[b, head, split, :]``, and the last item of its
     virtual group to arrive (an acq_rel counter in ``counts``, reset by that item) merges every split's partial
-    into ``attn`` (or, with the spread merge, all its items merge a share each).
+    into ``attn`` (or, with the spread merge, all its items merge a share each); where at most ``merge_above``
+    splits are active the partials stay for the next stage's staging (:func:`merge_splits_to_smem`).
 
     s_att layout (fp32): [0, H*D) roped q | 8 slots: per-head inverse RMS (Qwen3) | flag | then
     (D + 2) x H x warps partial outputs (accumulator, max, sum), H = ``heads``: within the scratch the plan sizes
@@ -914,7 +956,8 @@ def _split_kv_items(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Tenso
             for e in cutlass.range_constexpr(heads * VEC):
                 acc[e] = Float32(0.0)
             _online_softmax_chunk(k_cache[b, kvh, None, None], v_cache[b, kvh, None, None], s_q, m, l, acc,
-                                  start + warp * pos_per_warp, end, grp, sub, heads, lanes_per_pos, stride, unroll)
+                                  start + warp * pos_per_warp, end, grp, sub, heads, lanes_per_pos, stride, unroll,
+                                  kv_pipeline)
             for h in cutlass.range_constexpr(heads):  # lane groups of a warp: butterfly merge
                 offset = lane_slots
                 while cutlass.const_expr(offset < WARP):
@@ -951,7 +994,7 @@ def _split_kv_items(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Tenso
                     if d == 0:
                         part[b, head, split, head_dim] = top
                         part[b, head, split, head_dim + 1] = total
-            if active > 1:
+            if active > merge_above:
                 if cutlass.const_expr(spread_merge):
                     if active * 2 * (threads // SPREAD_LANES) >= heads * head_dim:  # at most two passes each
                         _merge_spread(attn, part, counts, s_part, b, vkvh, vg, split, active, tidx, heads, head_dim,
@@ -1141,6 +1184,69 @@ def _merge_spread(attn: cute.Tensor, part: cute.Tensor, counts: cute.Tensor, s_s
         cute.arch.sync_threads()
 
 
+@cute.jit
+def merge_splits_to_smem(attn: cute.Tensor, part: cute.Tensor, s_vec: cute.Tensor, pos: Int32, first_key: Int32,
+                         tidx: Int32, batch: cutlass.Constexpr[int], n_heads: cutlass.Constexpr[int],
+                         head_dim: cutlass.Constexpr[int], threads: cutlass.Constexpr[int],
+                         splits: cutlass.Constexpr[int], min_chunk: cutlass.Constexpr[int],
+                         quantum: cutlass.Constexpr[int], head_slices: cutlass.Constexpr[int],
+                         long_slices: cutlass.Constexpr[bool], fold: cutlass.Constexpr[int]):
+    """The O projection's staging with the split-KV merge folded in (``generate(plan, fold_merge=True)``, a
+    candidate): where this step's attention (same dealing, :func:`split_schedule`) left 2..``fold`` active splits
+    unmerged (its ``merge_above``), every CTA merges the partials ``part[b, head, split, :]`` (accumulator, max,
+    sum) of all heads into ``s_vec`` as it stages them; otherwise it copies ``attn`` (:func:`copy_to_smem`). No
+    arrival counter, no last-arrival chain: the grid barrier after attention is the only wait. Each thread loads
+    every split's values of its 4-output vectors at once (one L2 round trip), clamped past ``active`` (weight 0).
+    Same merge as :func:`_merge_splits` up to fp32 rounding (sum order)."""
+    visible = pos + 1 - first_key
+    chunk, active, slices = split_schedule(visible, splits, min_chunk, quantum, head_slices, long_slices)
+    width = n_heads * head_dim
+    if active == 1 or active > fold:
+        copy_to_smem(attn, s_vec, tidx, batch, width, threads)
+    else:
+        nvec = width // F32_VEC
+        slots = (nvec + threads - 1) // threads
+        ms = cute.make_rmem_tensor(cute.make_layout((fold, slots, batch)), Float32)
+        ls = cute.make_rmem_tensor(cute.make_layout((fold, slots, batch)), Float32)
+        ps = cute.make_rmem_tensor(cute.make_layout((F32_VEC, fold, slots, batch)), Float32)
+        for b in cutlass.range_constexpr(batch):
+            for j in cutlass.range_constexpr(slots):
+                o = cutlass.min(tidx + j * threads, nvec - 1) * F32_VEC
+                head = o // head_dim
+                d = o - head * head_dim
+                for s in cutlass.range_constexpr(fold):
+                    split = cutlass.min(Int32(s), active - 1)
+                    ms[s, j, b] = part[b, head, split, head_dim]
+                    ls[s, j, b] = part[b, head, split, head_dim + 1]
+                    for e in cutlass.range_constexpr(F32_VEC):
+                        ps[e, s, j, b] = part[b, head, split, d + e]
+        for b in cutlass.range_constexpr(batch):
+            for j in cutlass.range_constexpr(slots):
+                top = ms[0, j, b]
+                for s in cutlass.range_constexpr(1, fold):
+                    top = cute.arch.fmax(top, ms[s, j, b])  # a clamped repeat leaves the max as is
+                total = Float32(0.0)
+                out = cute.make_rmem_tensor(cute.make_layout(F32_VEC), Float32)
+                for e in cutlass.range_constexpr(F32_VEC):
+                    out[e] = Float32(0.0)
+                for s in cutlass.range_constexpr(fold):
+                    weight = cute.math.exp(ms[s, j, b] - top)
+                    if s >= active:
+                        weight = Float32(0.0)
+                    total = total + ls[s, j, b] * weight
+                    for e in cutlass.range_constexpr(F32_VEC):
+                        out[e] = out[e] + ps[e, s, j, b] * weight
+                inverse = Float32(1.0) / total
+                for e in cutlass.range_constexpr(F32_VEC):
+                    out[e] = out[e] * inverse
+                idx = tidx + j * threads
+                if cutlass.const_expr((j + 1) * threads <= nvec):
+                    _stage_store(s_vec, b, idx, out.load())
+                elif idx < nvec:
+                    _stage_store(s_vec, b, idx, out.load())
+        cute.arch.sync_threads()
+
+
 class bodies:
     """The routines above, under the names the kernel calls them by (bodies.<name>)."""
 
@@ -1149,6 +1255,7 @@ class bodies:
     gemv_ring_prefill = staticmethod(gemv_ring_prefill)
     gemv_rows_streamed = staticmethod(gemv_rows_streamed)
     grid_barrier = staticmethod(grid_barrier)
+    merge_splits_to_smem = staticmethod(merge_splits_to_smem)
     prefetch_rows = staticmethod(prefetch_rows)
     rmsnorm_to_smem = staticmethod(rmsnorm_to_smem)
     split_kv_attention = staticmethod(split_kv_attention)
