@@ -371,7 +371,9 @@ def parse_args(argv=None):
     parser.add_argument("--prefill", type=int, default=16)
     parser.add_argument("--samples", type=int, default=40)
     parser.add_argument("--baselines", nargs="+", default=None,
-                        help="baselines to time (default: inductor-reduce-overhead inductor-graph)")
+                        help="baselines to time (default: inductor-reduce-overhead inductor-graph; also "
+                        "inductor-default-graph: Inductor's default mode, no autotuning, in a hand-captured graph; "
+                        "eager); speedups are against the fastest")
     parser.add_argument("--from-results", type=Path, default=None, help="re-render from a results.json")
     parser.add_argument("--resume", action="store_true", help="take a preset's row from OUT/<preset>-report.json "
                         "when it was made with the same settings; run only the others")
@@ -415,6 +417,11 @@ def parse_args(argv=None):
             normalized_tiling(args.tiling)
         except PlanError as exc:  # a typo must not cost a GPU run
             parser.error(str(exc))
+    from megabake.verification.commands import KNOWN_BASELINES
+
+    unknown_baselines = [name for name in args.baselines or () if name not in KNOWN_BASELINES]
+    if unknown_baselines:  # a typo must not cost a GPU run either
+        parser.error(f"unknown baseline(s) {', '.join(unknown_baselines)}; known: {', '.join(KNOWN_BASELINES)}")
     unknown = [name for name in args.presets if not is_preset(name)]
     if unknown:
         parser.error(f"unknown preset(s) {', '.join(unknown)}; built-in presets: {', '.join(PRESETS)}")

@@ -139,10 +139,14 @@ def test_exact_inv_freq_falls_back_to_a_buffer_it_cannot_explain(tiny):
 
 
 def test_hand_captured_graph_is_built_after_graph_trees():
-    from megabake.verification.baselines import build_order
+    from megabake.verification.baselines import BASELINES, build_order
+    from megabake.verification.commands import KNOWN_BASELINES
 
     assert build_order(["inductor-graph", "inductor-reduce-overhead", "eager"]) == [
         "inductor-reduce-overhead", "eager", "inductor-graph"]
+    assert build_order(["inductor-default-graph", "inductor-graph", "inductor-reduce-overhead"]) == [
+        "inductor-reduce-overhead", "inductor-default-graph", "inductor-graph"]
+    assert set(KNOWN_BASELINES) == set(BASELINES)  # the CLI accepts exactly the baselines that exist
 
 
 def test_from_package_refuses_a_model_of_another_config(tiny):

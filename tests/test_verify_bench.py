@@ -198,10 +198,11 @@ def test_resume_keeps_finished_presets_and_measures_only_the_rest(bench, tmp_pat
     assert "compiler='" + "0" * 64 in (tmp_path / "decode.log").read_text()
 
 
-def test_matrix_mode_takes_a_requested_capacity_or_says_why_not(bench, tmp_path, capsys):
+def test_matrix_mode_takes_a_requested_capacity_and_known_baselines_or_says_why_not(bench, tmp_path, capsys):
     """--capacity with --positions bakes that bucket (session 24's probe asked for 4096 and silently got 128, where
     graphed Inductor reads a 32x shorter cache); one that cannot hold the positions is refused before any model
-    loads, and one past a model's positions fails that preset's cells with the reason, not the run."""
+    loads, and one past a model's positions fails that preset's cells with the reason, not the run. A misspelt
+    --baselines name is refused before any GPU work too."""
     from benchmarks.matrix import _preset_batch, bucket_capacity
 
     assert bucket_capacity([16], None, 4096) == 4096 and bucket_capacity([16], None) == 128
@@ -210,6 +211,11 @@ def test_matrix_mode_takes_a_requested_capacity_or_says_why_not(bench, tmp_path,
     assert bench.parse_args(["--positions", "16", "--capacity", "4096", "--out", str(tmp_path)]).capacity == 4096
     assert bench.parse_args(["--positions", "16", "--out", str(tmp_path)]).capacity is None
     assert bench.parse_args(["--out", str(tmp_path)]).capacity == 128
+    assert bench.parse_args(["--baselines", "inductor-graph", "inductor-default-graph", "--out",
+                             str(tmp_path)]).baselines == ["inductor-graph", "inductor-default-graph"]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--baselines", "inductor-grpah", "--out", str(tmp_path)])
+    assert "unknown baseline(s) inductor-grpah; known: " in capsys.readouterr().err
     with pytest.raises(SystemExit):
         bench.parse_args(["--positions", "16", "4000", "--capacity", "2048", "--out", str(tmp_path)])
     assert "cannot hold position 4000 and the 20 timed steps after it: use --capacity 4021" in capsys.readouterr().err

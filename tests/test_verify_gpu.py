@@ -48,7 +48,7 @@ def test_numerics_with_stand_in_on_gpu(tiny):
     assert itself["pass"] and itself["steps"] == 112, itself["failures"]
 
 
-@pytest.mark.parametrize("name", ["inductor-reduce-overhead", "inductor-graph"])
+@pytest.mark.parametrize("name", ["inductor-reduce-overhead", "inductor-graph", "inductor-default-graph"])
 def test_baselines_replay_a_graph_and_agree_with_eager(tiny, name):
     from megabake.verification.baselines import build_baseline, eager_reference_logits
     from megabake.verification.numerics import rel_l2, teacher_tokens

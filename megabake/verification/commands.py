@@ -19,7 +19,7 @@ import click
 from megabake.errors import (EXIT_CANNOT_RUN, EXIT_FAILED, EXIT_USAGE, InputError,  # noqa: F401  (re-exported)
                              exit_codes_help, reports_errors)
 
-KNOWN_BASELINES = ("inductor-reduce-overhead", "inductor-graph", "eager")
+KNOWN_BASELINES = ("inductor-reduce-overhead", "inductor-graph", "inductor-default-graph", "eager")  # baselines.BASELINES
 MAX_SAMPLES = 100_000
 MAX_POSITIONS = 1 << 20
 
