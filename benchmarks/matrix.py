@@ -2,10 +2,10 @@
 
 Contract: ``run_matrix(args) -> list[Cell]``. For each preset and batch: one bake on this GPU (bucket capacity
 = the smallest power of two holding the largest position plus the timed steps, capped by the model's
-``max_position_embeddings``; or ``--capacity`` where given), numerics at the longest context (``run_numerics`` after a prefill there: the
-megakernel must stay as close to fp32 as eager bf16), then for each position ``run_timings`` with the prompt
-prefilled up to that position: the megakernel against the graphed Inductor baselines built in the same
-process, paired alternating samples, bootstrap CIs. Every cell's full timings (raw samples included) go to
+``max_position_embeddings``; or ``--capacity`` where given), numerics at the longest context (``run_numerics``
+after a prefill there: the megakernel must stay as close to fp32 as eager bf16), then for each position
+``run_timings`` with the prompt prefilled up to that position: the megakernel against the graphed Inductor
+baselines built in the same process, paired alternating samples, bootstrap CIs. Every cell's full timings (raw samples included) go to
 ``DIR/matrix/<preset>-b<batch>-p<position>.json``; ``DIR/matrix.md`` holds the table, ``DIR/matrix.png`` the
 chart (latency vs context, one line per system, one panel per preset and batch). A cell that fails is
 recorded with its error and the run goes on.

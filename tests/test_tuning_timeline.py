@@ -348,9 +348,9 @@ def test_merge_preload_refuses_splits_that_overflow_the_attention_scratch(tiny):
 def test_fold_merge_stages_the_o_projection_from_the_partials_and_changes_nothing_else():
     """``generate(plan, fold_merge=True)`` (the default since session 24): attention merges only above
     ``FOLD_SPLITS`` active splits, the O projection stages its row through ``merge_splits_to_smem`` (which reads
-    the partials, with the same split dealing as attention), and nothing else changes; the default build
-    is the folded one while ``FOLD_MERGE`` is on (``fold_merge=False`` is the build without it). SmolLM-1.7B: all 4 splits fold (32 heads x 66 floats x 4 B
-    each, 33 KB per CTA); OLMo-2-1B: 8 of 8."""
+    the partials, with the same split dealing as attention), and nothing else changes; the default build is the
+    folded one while ``FOLD_MERGE`` is on (``fold_merge=False`` is the build without it). SmolLM-1.7B: all 4
+    splits fold (32 heads x 66 floats x 4 B each, 33 KB per CTA); OLMo-2-1B: 8 of 8."""
     from megabake.codegen import FOLD_MERGE, fold_splits
 
     compiled = compile_preset("smollm-1.7b", layers=2, vocab=512, capacity=2048)

@@ -233,7 +233,7 @@ def fold_splits(plan: Plan) -> int:
     return min(kv_splits(plan), FOLD_MAX_SPLITS, FOLD_MAX_BYTES // per_split)
 
 
-FOLD_MERGE = True  # session 24: the default (measured in session 23, docs/PERF.md); False restores the attention-side merge
+FOLD_MERGE = True  # the default since session 24 (measured in session 23, docs/PERF.md); False: merge in attention
 
 
 def default_fold_merge(plan: Plan, spread_merge: bool) -> bool:

@@ -669,12 +669,13 @@ def merge_splits_to_smem(attn: cute.Tensor, part: cute.Tensor, s_vec: cute.Tenso
                          quantum: cutlass.Constexpr[int], head_slices: cutlass.Constexpr[int],
                          long_slices: cutlass.Constexpr[bool], fold: cutlass.Constexpr[int]):
     """The O projection's staging with the split-KV merge folded in (``generate(plan, fold_merge=True)``, the
-    default since session 24): where this step's attention (same dealing, :func:`split_schedule`) left 2..``fold`` active splits
-    unmerged (its ``merge_above``), every CTA merges the partials ``part[b, head, split, :]`` (accumulator, max,
-    sum) of all heads into ``s_vec`` as it stages them; otherwise it copies ``attn`` (:func:`copy_to_smem`). No
-    arrival counter, no last-arrival chain: the grid barrier after attention is the only wait. Each thread loads
-    every split's values of its 4-output vectors at once (one L2 round trip), clamped past ``active`` (weight 0).
-    Same merge as :func:`_merge_splits` up to fp32 rounding (sum order)."""
+    default since session 24): where this step's attention (same dealing, :func:`split_schedule`) left
+    2..``fold`` active splits unmerged (its ``merge_above``), every CTA merges the partials
+    ``part[b, head, split, :]`` (accumulator, max, sum) of all heads into ``s_vec`` as it stages them; otherwise
+    it copies ``attn`` (:func:`copy_to_smem`). No arrival counter, no last-arrival chain: the grid barrier after
+    attention is the only wait. Each thread loads every split's values of its 4-output vectors at once (one L2
+    round trip), clamped past ``active`` (weight 0). Same merge as :func:`_merge_splits` up to fp32 rounding (sum
+    order)."""
     visible = pos + 1 - first_key
     chunk, active, slices = split_schedule(visible, splits, min_chunk, quantum, head_slices, long_slices)
     width = n_heads * head_dim
