@@ -311,8 +311,9 @@ def split_kv_attention(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Te
     loads its first partials at once (:func:`_merge_splits`). ``spread_merge``: every active item of a group
     merges a slice of its outputs (:func:`_merge_spread`) where that takes at most two passes, instead of the last
     arrival merging them all. ``codegen.default_merge`` picks both per plan. ``merge_above``: the items merge only
-    where more than that many splits are active; with 2..``merge_above`` (``generate(plan, fold_merge=True)``, a
-    candidate) they only store their partials, and the next stage's staging merges them (:func:`merge_splits_to_smem`).
+    where more than that many splits are active; with 2..``merge_above`` (``generate(plan, fold_merge=True)``, the
+    default since session 24) they only store their partials, and the next stage's staging merges them
+    (:func:`merge_splits_to_smem`).
 
     Work items are (split, batch, KV head), split-major, dealt to CTAs. At this step the ``pos + 1 - first_key``
     visible positions are cut into ``active`` chunks of ``chunk`` positions (at least ``min_chunk``, which is the
