@@ -14,7 +14,13 @@ drifting clock or a busy host hits every measure alike, medians of:
 ``step - gpu`` is the issue's number; ``step - replay`` the Python part; ``replay - kernel graph`` the copy node;
 ``kernel graph - gpu`` launch + wake-up of this kernel, to compare with ``floor``.
 
+``--cpu-load`` measures everything again after CPU work in the same process, as the benchmarks do before they
+time (the bake's and gpu_tune's CPU reference executor, eager fp32 numerics): once right after it and once
+after ``--settle`` seconds of sleep. Session 26 saw ``step()``'s host part at 88-93 us in the first variant of
+``gpu_tune.py`` (the one checked against the CPU reference) and 23-25 us in the others.
+
     source .cute/activate.sh && python3 scripts/gpu_host_cost.py smollm-135m olmo-2-1b --out $OUT
+    source .cute/activate.sh && python3 scripts/gpu_host_cost.py smollm-135m --cpu-load --out $OUT
 
 Writes OUT/host-cost.json; prints a table (us) last.
 """
@@ -113,17 +119,46 @@ def measures(decoder, position: int) -> dict:
             "floor + copy": lambda: synced(floor_copy.replay)}
 
 
-def measure_preset(name: str, capacity: int, position: int, rounds: int, per_round: int) -> dict:
-    decoder = build_decoder(name, capacity)
-    named = measures(decoder, position)
+def sampled(named: dict, rounds: int, per_round: int) -> dict:
+    """Medians and raw samples (us) of every measure, interleaved in ``rounds``."""
     samples = {key: [] for key in named}
     for _ in range(rounds):
         for key, sample in named.items():
             sample()  # one untimed call: the previous measure's state must not leak into this one
             samples[key].extend(sample() for _ in range(per_round))
-    medians = {key: statistics.median(values) for key, values in samples.items()}
-    return {"preset": name, "capacity": capacity, "position": position, "median_us": medians,
-            "samples_us": samples}
+    return {"median_us": {key: statistics.median(values) for key, values in samples.items()}, "samples_us": samples}
+
+
+def reference_load(decoder, steps: int = 3) -> float:
+    """The CPU work gpu_tune.py and the bake do before timing: the plan's reference executor on the decoder's
+    own weights, ``steps`` decode steps. Returns its seconds."""
+    import torch
+
+    from megabake.plan.reference import ReferenceExecutor
+
+    started = time.perf_counter()
+    plan = decoder.plan
+    weights = {spec.buffer: decoder.buffers[spec.buffer].cpu() for spec in plan.packed}
+    reference = ReferenceExecutor(plan, weights, decoder.buffers["rope_cos"].cpu(), decoder.buffers["rope_sin"].cpu())
+    for p in range(steps):
+        reference.step(torch.tensor([1 + p]), p)
+    return time.perf_counter() - started
+
+
+def measure_preset(name: str, capacity: int, position: int, rounds: int, per_round: int, cpu_load: bool = False,
+                   settle: float = 2.0) -> list[dict]:
+    decoder = build_decoder(name, capacity)
+    named = measures(decoder, position)
+    rows = [{"preset": name, "capacity": capacity, "position": position, "phase": "fresh",
+             **sampled(named, rounds, per_round)}]
+    if cpu_load:
+        load_s = reference_load(decoder)
+        rows.append({"preset": name, "capacity": capacity, "position": position, "phase": "after CPU reference",
+                     "load_s": load_s, **sampled(named, rounds, per_round)})
+        time.sleep(settle)
+        rows.append({"preset": name, "capacity": capacity, "position": position,
+                     "phase": f"+{settle:g} s sleep", **sampled(named, rounds, per_round)})
+    return rows
 
 
 def main() -> None:
@@ -133,18 +168,22 @@ def main() -> None:
     parser.add_argument("--position", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--per-round", type=int, default=30)
+    parser.add_argument("--cpu-load", action="store_true",
+                        help="measure again after the CPU reference executor's work, and after --settle s of sleep")
+    parser.add_argument("--settle", type=float, default=2.0)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    results = [measure_preset(name, args.capacity, args.position, args.rounds, args.per_round)
-               for name in args.presets]
+    results = [row for name in args.presets
+               for row in measure_preset(name, args.capacity, args.position, args.rounds, args.per_round,
+                                         args.cpu_load, args.settle)]
     (args.out / "host-cost.json").write_text(json.dumps(results, indent=1))
     keys = list(results[0]["median_us"])
-    print("| preset | " + " | ".join(keys) + " | step - gpu | step - replay | replay - kernel graph |")
-    print("|---" * (len(keys) + 4) + "|")
+    print("| preset | phase | " + " | ".join(keys) + " | step - gpu | step - replay | replay - kernel graph |")
+    print("|---" * (len(keys) + 5) + "|")
     for r in results:
         m = r["median_us"]
-        print(f"| {r['preset']} | " + " | ".join(f"{m[k]:.1f}" for k in keys)
+        print(f"| {r['preset']} | {r['phase']} | " + " | ".join(f"{m[k]:.1f}" for k in keys)
               + f" | {m['step'] - m['gpu']:.1f} | {m['step'] - m['replay']:.1f} | {m['replay'] - m['kernel graph']:.1f} |")
 
 

@@ -18,7 +18,9 @@ candidate), and the split-KV merges one at a time (the default picks per plan, `
 ``last-merge`` the plain last-arrival merge (the default until session 17), ``merge-preload`` that merge loading
 its first partials at once, ``spread-merge`` the merge shared out over the group's items, ``fold-merge`` the merge
 folded into the O projection's staging (``generate(plan, fold_merge=True)``, the default since session 24) and
-``no-fold-merge`` the build without it (the default until session 23); the
+``no-fold-merge`` the build without it (the default until session 23), ``pf0`` / ``pf8mb`` / ``pf32mb`` /
+``pf48mb`` the L2 prefetch of the next GEMV's first tiles before each barrier at that budget over the grid
+(``generate(plan, prefetch_bytes=...)``; default 16 MB, ``codegen.PREFETCH_BUDGET_BYTES``); the
 same logits required, to 1e-3 (``--barriers`` is the older name). ``--ctas N`` runs the persistent
 grid on N CTAs instead of one per SM. ``--position 4000 --capacity 4096`` times the step at a long context.
 ``--batch 8`` times batched steps (``mma``: the tensor-core GEMV); ``--phases`` adds each variant's clocks per
@@ -72,6 +74,11 @@ def variants() -> dict:
             # the activation in the plain gate/up GEMV's write (ring-gated: the default since session 15)
             "gated": GemvTuning(2, 4, gated=True),
             "ring-gated": GemvTuning(2, 4, spread=True, preload=True, stages=4, gated=True),
+            # ... with a fifth ring stage (4 chunks ahead, 160 KB per CTA of 8 warps: it fits next to every
+            # preset's other shared memory), and warp-major tile order (no spread) at either depth
+            "ring5-gated": GemvTuning(2, 4, spread=True, preload=True, stages=5, gated=True),
+            "ring-gated-warp": GemvTuning(2, 4, preload=True, stages=4, gated=True),
+            "ring5-gated-warp": GemvTuning(2, 4, preload=True, stages=5, gated=True),
             # what `megabake bake` plans by default for this bucket (ring-gated where its shared memory fits a
             # 4-stage ring, a shallower ring or the tensor cores elsewhere)
             "bake": BAKE_DEFAULT}
@@ -175,7 +182,10 @@ BUILDS = {"atom": {}, "red": {"barrier": "red"}, "red-fence": {"barrier": "red-f
           "no-slices": {"head_slices": False}, "short-slices": {"long_slices": False},
           "pass-chunks": {"pass_chunks": True}, "kv-pipeline": {"kv_pipeline": True},
           "no-kv-pipeline": {"kv_pipeline": False}, "fold-merge": {"fold_merge": True},
-          "no-fold-merge": {"fold_merge": False}}
+          "no-fold-merge": {"fold_merge": False},
+          # the L2 prefetch of the next GEMV's first tiles before each barrier (codegen.PREFETCH_BUDGET_BYTES, 16 MB)
+          "pf0": {"prefetch_bytes": 0}, "pf8mb": {"prefetch_bytes": 8 << 20},
+          "pf32mb": {"prefetch_bytes": 32 << 20}, "pf48mb": {"prefetch_bytes": 48 << 20}}
 
 
 def timeline(plan, model, tokens, phases: bool = False, build: str = "atom",

@@ -4,6 +4,7 @@ bf16 cast, and the order in which the verifier builds its baselines."""
 from __future__ import annotations
 
 import difflib
+import re
 
 import pytest
 import torch
@@ -221,6 +222,46 @@ def test_attention_preload_loads_cached_rows_before_the_barrier(tiny):
     with pytest.raises(PlanError, match="one \\(batch, head\\) tile per CTA"):
         build_plan(tiny.ir, ctas=3, inv_freq_buffer=inv_freq, rotary_scaling=scaling, attention_preload=True)
     assert "attention_preload" not in tiny.generated.kernel_source
+
+
+def _prefetch_tiles(source: str) -> list[int]:
+    """``max_tiles`` of every ``bodies.prefetch_rows`` call in the kernel (not the appended bodies)."""
+    kernel = source.split("\n# ====")[0]
+    return [int(m) for m in re.findall(r"bodies\.prefetch_rows\([^)]*?max_tiles=(\d+)\)", kernel, re.S)]
+
+
+def test_l2_prefetch_budget_sets_the_tiles_asked_for_before_each_barrier(tiny):
+    """``generate(plan, prefetch_bytes=N)``: before each grid barrier every warp asks L2 for as many of the next
+    GEMV's tiles as N bytes over the whole grid allow (at least one, at most the warp's tiles), 0 for none; the
+    default is ``PREFETCH_BUDGET_BYTES`` and nothing else in the kernel changes (a prefetch has no effect on
+    results); a build without it compiles for sm_90a; a bad budget is refused with its cause."""
+    from megabake.codegen import PREFETCH_BUDGET_BYTES
+    from megabake.runtime.compile import compile_check
+
+    inv_freq, scaling = recover_rotary(tiny.captured, tiny.ir)
+    plan = build_plan(tiny.ir, ctas=2, inv_freq_buffer=inv_freq, rotary_scaling=scaling)
+    default = generate(plan).source
+    assert generate(plan, prefetch_bytes=PREFETCH_BUDGET_BYTES).source == default
+    warps = plan.ctas * plan.warps
+    gate_up = next(s for s in plan.stages if s.name == "norm_gate_up")
+    per_warp = -(-gate_up.tiling.tiles // warps)  # the O projection's barrier prefetches gate/up's tiles
+    assert per_warp > 2
+    tile_round = gate_up.tiling.per_tile * plan.dims.hidden * 2 * warps  # bytes of one tile for every warp
+    assert max(_prefetch_tiles(default)) == per_warp  # 16 MB holds every tile of this small model
+    two = _prefetch_tiles(generate(plan, prefetch_bytes=2 * tile_round).source)
+    assert max(two) == 2 and min(two) >= 1
+    assert _prefetch_tiles(generate(plan, prefetch_bytes=1).source) == [1] * len(two)  # at least one tile
+    none = generate(plan, prefetch_bytes=0).source
+    assert _prefetch_tiles(none) == [0] * len(two) and len(two) >= 4
+    def masked(source):
+        return re.sub(r"max_tiles=\d+", "max_tiles=N", source)
+
+    assert masked(none) == masked(default)  # nothing else differs
+    result = compile_check(plan, load_module(none))
+    assert result.ok, result.error
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="prefetch budget per barrier in bytes"):
+            generate(plan, prefetch_bytes=bad)
 
 
 def test_kv_prefetch_asks_l2_for_cached_rows_before_the_barrier_that_precedes_attention(tiny):

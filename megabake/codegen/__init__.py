@@ -181,6 +181,11 @@ BARRIER_ARRIVALS = {"atom": "bodies.grid_barrier(barrier, tidx, CTAS)",
                     "red-fence": "bodies.grid_barrier_red(barrier, bar_next, tidx, CTAS, True)"}
 
 
+# L2 prefetch of the next GEMV's first tiles before each grid barrier, bytes over the whole grid (at least one tile
+# per warp): L2 is 50-60 MB on H100/H200. ``generate(plan, prefetch_bytes=...)`` / gpu_tune.py ``--builds pf0 pf32mb``.
+PREFETCH_BUDGET_BYTES = 16 << 20
+
+
 @dataclass(frozen=True)
 class BuildOptions:
     """Code-generation choices that change module.py but not the plan (same buffers, same plan hash): the grid
@@ -200,6 +205,7 @@ class BuildOptions:
     merge_preload: bool = False
     spread_merge: bool = False
     fold_splits: int = 0  # fold_merge: the O projection's staging merges up to this many active splits (0: off)
+    prefetch_bytes: int = PREFETCH_BUDGET_BYTES  # L2 prefetch of the next GEMV's first tiles per barrier
 
 
 # A KV group's outputs (query heads per KV head x head_dim) from which the spread merge is the default: on the H200
@@ -274,7 +280,8 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
              kv_prefetch: bool = True, kv_prefetch_l1: bool = False, merge_preload: bool | None = None,
              spread_merge: bool | None = None, head_slices: bool = True,
              long_slices: bool = LONG_SLICES, pass_chunks: bool = PASS_CHUNKS,
-             kv_pipeline: bool | None = None, fold_merge: bool | None = None) -> GeneratedModule:
+             kv_pipeline: bool | None = None, fold_merge: bool | None = None,
+             prefetch_bytes: int | None = None) -> GeneratedModule:
     """module.py of ``plan``. ``merge_preload`` / ``spread_merge``: None picks them per plan
     (:func:`default_merge`); True asks for one (refused where the attention scratch cannot hold it), False
     leaves it out (both False: the plain last-arrival merge of sessions 10-16). ``head_slices=False`` deals
@@ -284,7 +291,9 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     K/V rows one iteration ahead (``bodies._online_softmax_chunk``, the same bits; None picks it per plan:
     :func:`default_kv_pipeline`); ``fold_merge`` leaves steps with 2..:func:`fold_splits` active splits unmerged and
     merges their partials in the O projection's staging (no arrival counter, no last-arrival chain; None picks it
-    per plan: :func:`default_fold_merge`)."""
+    per plan: :func:`default_fold_merge`); ``prefetch_bytes`` is the L2 prefetch of the next GEMV's first tiles
+    issued before each grid barrier, in bytes over the whole grid (None: ``PREFETCH_BUDGET_BYTES``; 0: none; at
+    least one tile per warp otherwise: :func:`_prefetch_call`)."""
     if watchdog and timeline:
         raise ValueError("a watchdog build has no timeline: build them separately")
     if barrier not in BARRIER_ARRIVALS:
@@ -293,6 +302,10 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
         raise ValueError("a watchdog build has its own barrier (bodies.grid_barrier_watched): leave barrier='atom'")
     if kv_prefetch_l1 and not kv_prefetch:
         raise ValueError("kv_prefetch_l1 picks where the K/V prefetch lands: it needs kv_prefetch=True")
+    prefetch_bytes = PREFETCH_BUDGET_BYTES if prefetch_bytes is None else prefetch_bytes
+    if isinstance(prefetch_bytes, bool) or not isinstance(prefetch_bytes, int) or prefetch_bytes < 0:
+        raise ValueError(f"prefetch_bytes={prefetch_bytes!r}: give the L2 prefetch budget per barrier in bytes, an "
+                         "int >= 0 (0: no L2 prefetch of the next GEMV's tiles)")
     if merge_preload and not merge_preload_fits(plan):
         raise ValueError(f"merge_preload keeps 2 x {kv_splits(plan)} splits' max and sum per head in the attention "
                          f"scratch, which holds {(plan.dims.head_dim + 2) * plan.warps}: build without it")
@@ -373,7 +386,7 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     options = BuildOptions(barrier=("bodies.grid_barrier_watched(barrier, tidx, CTAS, cta, WATCH_POLLS)" if watchdog
                                     else BARRIER_ARRIVALS[barrier]), kv_prefetch=kv_prefetch,
                            kv_prefetch_l1=kv_prefetch_l1, merge_preload=merge_preload, spread_merge=spread_merge,
-                           fold_splits=folded)
+                           fold_splits=folded, prefetch_bytes=prefetch_bytes)
     if phases:
         _phase_timed_stages(w, plan, prologue, per_layer, epilogue, options)
     else:
@@ -529,7 +542,8 @@ def _stage(w: _Writer, plan: Plan, stage: Stage, indent: int, layer_var, clocks:
         w.end()
         clock()
     if stage.barrier_after:
-        before = _before_barrier_calls(plan, stage, options.kv_prefetch, options.kv_prefetch_l1)
+        before = _before_barrier_calls(plan, stage, options.kv_prefetch, options.kv_prefetch_l1,
+                                       options.prefetch_bytes)
         for call in before:
             w(call, indent)
         if before:
@@ -590,8 +604,6 @@ def _gemv(weight: str, out: str, rows: str, cols: str, stage: Stage, accumulate:
     return f"bodies.gemv_rows({weight}, s_vec, {args})"
 
 
-PREFETCH_BUDGET_BYTES = 16 << 20  # per barrier wait; L2 is 50-60 MB on H100/H200
-
 _LAYER_INDEX = {"first": "0", "same": "layer", "next": "cutlass.min(layer + 1, LAYERS - 1)"}
 
 
@@ -622,7 +634,8 @@ def _attention_preloads(plan: Plan) -> bool:
     return any(s.kind == "attention" and s.tiling.preload for s in plan.stages)
 
 
-def _before_barrier_calls(plan: Plan, stage: Stage, kv_prefetch: bool = False, to_l1: bool = False) -> list[str]:
+def _before_barrier_calls(plan: Plan, stage: Stage, kv_prefetch: bool = False, to_l1: bool = False,
+                          prefetch_bytes: int | None = None) -> list[str]:
     """Issued before a CTA waits at the barrier that ends ``stage``: the next GEMV's L2 prefetch, its register
     preload when that stage preloads, and the attention's first K/V rows when attention preloads.
 
@@ -638,7 +651,7 @@ def _before_barrier_calls(plan: Plan, stage: Stage, kv_prefetch: bool = False, t
     if following is not None and following.kind == "attention" and _attention_preloads(plan):
         calls.append("bodies.attention_preload(k_cache[layer, None, None, None, None], v_cache[layer, None, None, "
                      "None, None], pre_kv, pos, cta, tidx, BATCH, N_HEADS, N_KV_HEADS, HEAD_DIM)")
-    prefetch = _prefetch_call(plan, stage)
+    prefetch = _prefetch_call(plan, stage, PREFETCH_BUDGET_BYTES if prefetch_bytes is None else prefetch_bytes)
     if prefetch is None:
         return calls
     calls.append(prefetch)
@@ -671,8 +684,9 @@ def _gemv_shape(plan: Plan, stage_name: str) -> tuple[int, int]:
     return getattr(plan.dims, gemv.rows), getattr(plan.dims, gemv.cols)
 
 
-def _prefetch_call(plan: Plan, stage: Stage) -> str | None:
-    """L2 prefetch of the next GEMV's first tiles, issued before waiting at the barrier."""
+def _prefetch_call(plan: Plan, stage: Stage, budget: int = PREFETCH_BUDGET_BYTES) -> str | None:
+    """L2 prefetch of the next GEMV's first tiles, issued before waiting at the barrier: as many tiles per warp as
+    ``budget`` bytes over the whole grid allow, at least one (none where ``budget`` is 0)."""
     found = _next_gemv(plan, stage)
     if found is None:
         return None
@@ -683,7 +697,7 @@ def _prefetch_call(plan: Plan, stage: Stage) -> str | None:
     total_warps = plan.ctas * plan.warps
     tile_bytes = per_tile * cols * 2
     tiles_per_warp = -(-next_stage.tiling.tiles // total_warps)
-    max_tiles = min(tiles_per_warp, max(1, PREFETCH_BUDGET_BYTES // (tile_bytes * total_warps)))
+    max_tiles = min(tiles_per_warp, max(1, budget // (tile_bytes * total_warps))) if budget else 0
     return (f"bodies.prefetch_rows({weight}, {_warp_index(next_stage)}, lane, TOTAL_WARPS, {rows}, {cols}, {per_tile}, "
             f"{max_tiles})")
 
