@@ -18,9 +18,10 @@ candidate), and the split-KV merges one at a time (the default picks per plan, `
 ``last-merge`` the plain last-arrival merge (the default until session 17), ``merge-preload`` that merge loading
 its first partials at once, ``spread-merge`` the merge shared out over the group's items, ``fold-merge`` the merge
 folded into the O projection's staging (``generate(plan, fold_merge=True)``, the default since session 24) and
-``no-fold-merge`` the build without it (the default until session 23), ``pf0`` / ``pf8mb`` / ``pf32mb`` /
-``pf48mb`` the L2 prefetch of the next GEMV's first tiles before each barrier at that budget over the grid
-(``generate(plan, prefetch_bytes=...)``; default 16 MB, ``codegen.PREFETCH_BUDGET_BYTES``); the
+``no-fold-merge`` the build without it (the default until session 23), ``pf0`` / ``pf8mb`` / ``pf16mb`` /
+``pf32mb`` / ``pf48mb`` the L2 prefetch of the next GEMV's first tiles before each barrier at that budget over the
+grid for every stage (``generate(plan, prefetch_bytes=...)``; ``pf16mb`` is the default until session 26, which
+has none before ring-prefilled GEMVs: ``codegen.default_prefetch_bytes``); the
 same logits required, to 1e-3 (``--barriers`` is the older name). ``--ctas N`` runs the persistent
 grid on N CTAs instead of one per SM. ``--position 4000 --capacity 4096`` times the step at a long context.
 ``--batch 8`` times batched steps (``mma``: the tensor-core GEMV); ``--phases`` adds each variant's clocks per
@@ -183,8 +184,9 @@ BUILDS = {"atom": {}, "red": {"barrier": "red"}, "red-fence": {"barrier": "red-f
           "pass-chunks": {"pass_chunks": True}, "kv-pipeline": {"kv_pipeline": True},
           "no-kv-pipeline": {"kv_pipeline": False}, "fold-merge": {"fold_merge": True},
           "no-fold-merge": {"fold_merge": False},
-          # the L2 prefetch of the next GEMV's first tiles before each barrier (codegen.PREFETCH_BUDGET_BYTES, 16 MB)
-          "pf0": {"prefetch_bytes": 0}, "pf8mb": {"prefetch_bytes": 8 << 20},
+          # the L2 prefetch of the next GEMV's first tiles before each barrier at one budget for every stage (the
+          # default since session 26: none before a ring-prefilled GEMV, 16 MB elsewhere; pf16mb: the old default)
+          "pf0": {"prefetch_bytes": 0}, "pf8mb": {"prefetch_bytes": 8 << 20}, "pf16mb": {"prefetch_bytes": 16 << 20},
           "pf32mb": {"prefetch_bytes": 32 << 20}, "pf48mb": {"prefetch_bytes": 48 << 20}}
 
 

@@ -413,21 +413,22 @@ def test_kv_prefetch_gives_bit_identical_logits_at_split_boundaries_and_capacity
     """The K/V L2 prefetch (the default build since session 16; ``kv_prefetch=False`` leaves it out) and its
     candidate into L1 (``kv_prefetch_l1=True``) only ask caches for rows: from one random 1024-slot cache, one
     step at positions near 0, around the split boundary of 128 and at capacity - 1 gives exactly the logits of
-    the build without it (tiny-mistral: a sliding window, so chunks start past 0). So do the L2 prefetch of the
-    next GEMV's weight tiles before each barrier (``prefetch_bytes``: none, and 64 MB over the grid)."""
+    the build without it (tiny-mistral: a sliding window, so chunks start past 0). So does the L2 prefetch of the
+    next GEMV's weight tiles before each barrier (``prefetch_bytes``: 16 MB over the grid, the default until
+    session 26, which has none before ring-filled GEMVs; and 64 MB)."""
     from megabake.runtime import gpu_info
 
     layers = 4 if preset == "smollm-135m" else None
     compiled = compile_preset(preset, layers=layers, vocab=4096 if layers else None, batch=batch, capacity=1024,
                               ctas=gpu_info().sm_count)
-    builds = [{"kv_prefetch": False}, {}, {"kv_prefetch_l1": True}, {"prefetch_bytes": 0},
+    builds = [{"kv_prefetch": False}, {}, {"kv_prefetch_l1": True}, {"prefetch_bytes": 16 << 20},
               {"prefetch_bytes": 64 << 20}]
-    without, default, into_l1, no_weights, more_weights = _logits_over_random_cache(
+    without, default, into_l1, old_weights, more_weights = _logits_over_random_cache(
         compiled, (0, 1, 2, 127, 128, 129, 700, 1023), batch, builds)
     assert torch.isfinite(without).all()
     assert torch.equal(default, without)
     assert torch.equal(into_l1, without)  # the candidate that prefetches into L1 (session 16)
-    assert torch.equal(no_weights, without) and torch.equal(more_weights, without)  # session 26's weight budgets
+    assert torch.equal(old_weights, without) and torch.equal(more_weights, without)  # weight prefetch budgets
 
 
 @pytest.mark.parametrize("preset,batch,capacity", [("tiny-phi4", 1, 4096), ("gemma-2b", 1, 4096),

@@ -232,15 +232,17 @@ def _prefetch_tiles(source: str) -> list[int]:
 
 def test_l2_prefetch_budget_sets_the_tiles_asked_for_before_each_barrier(tiny):
     """``generate(plan, prefetch_bytes=N)``: before each grid barrier every warp asks L2 for as many of the next
-    GEMV's tiles as N bytes over the whole grid allow (at least one, at most the warp's tiles), 0 for none; the
-    default is ``PREFETCH_BUDGET_BYTES`` and nothing else in the kernel changes (a prefetch has no effect on
-    results); a build without it compiles for sm_90a; a bad budget is refused with its cause."""
+    GEMV's tiles as N bytes over the whole grid allow (at least one, at most the warp's tiles), 0 for none, and
+    nothing else in the kernel changes (a prefetch has no effect on results); a build without it compiles for
+    sm_90a; a bad budget is refused with its cause. The default (``codegen.default_prefetch_bytes``, session 26)
+    asks for none before a GEMV that fills its cp.async ring before the barrier (every one of the streaming
+    default) and ``PREFETCH_BUDGET_BYTES`` before the others (the plain tiling)."""
     from megabake.codegen import PREFETCH_BUDGET_BYTES
     from megabake.runtime.compile import compile_check
 
     inv_freq, scaling = recover_rotary(tiny.captured, tiny.ir)
-    plan = build_plan(tiny.ir, ctas=2, inv_freq_buffer=inv_freq, rotary_scaling=scaling)
-    default = generate(plan).source
+    plan = build_plan(tiny.ir, ctas=2, inv_freq_buffer=inv_freq, rotary_scaling=scaling, tuning=DEFAULT_TUNING)
+    default = generate(plan).source  # the plain tiling: nothing fills a ring
     assert generate(plan, prefetch_bytes=PREFETCH_BUDGET_BYTES).source == default
     warps = plan.ctas * plan.warps
     gate_up = next(s for s in plan.stages if s.name == "norm_gate_up")
@@ -253,6 +255,7 @@ def test_l2_prefetch_budget_sets_the_tiles_asked_for_before_each_barrier(tiny):
     assert _prefetch_tiles(generate(plan, prefetch_bytes=1).source) == [1] * len(two)  # at least one tile
     none = generate(plan, prefetch_bytes=0).source
     assert _prefetch_tiles(none) == [0] * len(two) and len(two) >= 4
+
     def masked(source):
         return re.sub(r"max_tiles=\d+", "max_tiles=N", source)
 
@@ -262,6 +265,14 @@ def test_l2_prefetch_budget_sets_the_tiles_asked_for_before_each_barrier(tiny):
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="prefetch budget per barrier in bytes"):
             generate(plan, prefetch_bytes=bad)
+
+    streamed = build_plan(tiny.ir, ctas=2, inv_freq_buffer=inv_freq, rotary_scaling=scaling)  # ring + preload
+    assert streamed.stages[1].tiling.stages == 4 and streamed.stages[1].tiling.preload
+    streamed_default = generate(streamed).source
+    assert _prefetch_tiles(streamed_default) == [0] * len(two)  # every GEMV after a barrier fills its ring
+    old_default = generate(streamed, prefetch_bytes=PREFETCH_BUDGET_BYTES).source  # the default until session 26
+    assert min(_prefetch_tiles(old_default)) >= 1
+    assert masked(old_default) == masked(streamed_default)
 
 
 def test_kv_prefetch_asks_l2_for_cached_rows_before_the_barrier_that_precedes_attention(tiny):

@@ -182,7 +182,9 @@ BARRIER_ARRIVALS = {"atom": "bodies.grid_barrier(barrier, tidx, CTAS)",
 
 
 # L2 prefetch of the next GEMV's first tiles before each grid barrier, bytes over the whole grid (at least one tile
-# per warp): L2 is 50-60 MB on H100/H200. ``generate(plan, prefetch_bytes=...)`` / gpu_tune.py ``--builds pf0 pf32mb``.
+# per warp), where the next GEMV does not fill its cp.async ring before the barrier (:func:`default_prefetch_bytes`):
+# L2 is 50-60 MB on H100/H200. ``generate(plan, prefetch_bytes=N)`` sets N for every stage (gpu_tune.py ``--builds
+# pf0 pf16mb pf32mb``).
 PREFETCH_BUDGET_BYTES = 16 << 20
 
 
@@ -205,7 +207,7 @@ class BuildOptions:
     merge_preload: bool = False
     spread_merge: bool = False
     fold_splits: int = 0  # fold_merge: the O projection's staging merges up to this many active splits (0: off)
-    prefetch_bytes: int = PREFETCH_BUDGET_BYTES  # L2 prefetch of the next GEMV's first tiles per barrier
+    prefetch_bytes: int | None = None  # L2 prefetch of the next GEMV's tiles per barrier (None: per stage)
 
 
 # A KV group's outputs (query heads per KV head x head_dim) from which the spread merge is the default: on the H200
@@ -292,8 +294,8 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     :func:`default_kv_pipeline`); ``fold_merge`` leaves steps with 2..:func:`fold_splits` active splits unmerged and
     merges their partials in the O projection's staging (no arrival counter, no last-arrival chain; None picks it
     per plan: :func:`default_fold_merge`); ``prefetch_bytes`` is the L2 prefetch of the next GEMV's first tiles
-    issued before each grid barrier, in bytes over the whole grid (None: ``PREFETCH_BUDGET_BYTES``; 0: none; at
-    least one tile per warp otherwise: :func:`_prefetch_call`)."""
+    issued before each grid barrier, in bytes over the whole grid, for every stage (0: none; at least one tile per
+    warp otherwise: :func:`_prefetch_call`; None picks it per stage: :func:`default_prefetch_bytes`)."""
     if watchdog and timeline:
         raise ValueError("a watchdog build has no timeline: build them separately")
     if barrier not in BARRIER_ARRIVALS:
@@ -302,8 +304,8 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
         raise ValueError("a watchdog build has its own barrier (bodies.grid_barrier_watched): leave barrier='atom'")
     if kv_prefetch_l1 and not kv_prefetch:
         raise ValueError("kv_prefetch_l1 picks where the K/V prefetch lands: it needs kv_prefetch=True")
-    prefetch_bytes = PREFETCH_BUDGET_BYTES if prefetch_bytes is None else prefetch_bytes
-    if isinstance(prefetch_bytes, bool) or not isinstance(prefetch_bytes, int) or prefetch_bytes < 0:
+    if prefetch_bytes is not None and (isinstance(prefetch_bytes, bool) or not isinstance(prefetch_bytes, int)
+                                       or prefetch_bytes < 0):
         raise ValueError(f"prefetch_bytes={prefetch_bytes!r}: give the L2 prefetch budget per barrier in bytes, an "
                          "int >= 0 (0: no L2 prefetch of the next GEMV's tiles)")
     if merge_preload and not merge_preload_fits(plan):
@@ -651,7 +653,7 @@ def _before_barrier_calls(plan: Plan, stage: Stage, kv_prefetch: bool = False, t
     if following is not None and following.kind == "attention" and _attention_preloads(plan):
         calls.append("bodies.attention_preload(k_cache[layer, None, None, None, None], v_cache[layer, None, None, "
                      "None, None], pre_kv, pos, cta, tidx, BATCH, N_HEADS, N_KV_HEADS, HEAD_DIM)")
-    prefetch = _prefetch_call(plan, stage, PREFETCH_BUDGET_BYTES if prefetch_bytes is None else prefetch_bytes)
+    prefetch = _prefetch_call(plan, stage, prefetch_bytes)
     if prefetch is None:
         return calls
     calls.append(prefetch)
@@ -684,15 +686,29 @@ def _gemv_shape(plan: Plan, stage_name: str) -> tuple[int, int]:
     return getattr(plan.dims, gemv.rows), getattr(plan.dims, gemv.cols)
 
 
-def _prefetch_call(plan: Plan, stage: Stage, budget: int = PREFETCH_BUDGET_BYTES) -> str | None:
+def default_prefetch_bytes(next_stage: Stage) -> int:
+    """The L2 prefetch budget of a default build before the barrier that precedes GEMV ``next_stage``: none where
+    that GEMV fills its cp.async ring before the barrier (``preload`` + ``stages``: the ring's copies already ask
+    for its first chunks), ``PREFETCH_BUDGET_BYTES`` elsewhere. H200, session 26, GPU ms per step with the 16 MB
+    prefetch everywhere (the default until then) -> none: Phi-3-mini at 4000 2.561 -> 2.456 (gate/up's interval,
+    which prefetched a 34 MB round of down's 32 KB tiles, 889 -> 774 us on CTA 0), Llama-3.2-1B at 16 0.816 ->
+    0.760; 32 and 48 MB were slower still (2.649 / 2.776, 0.844 / 0.859). Kept where nothing else preloads
+    (the plain and tensor-core tilings, the LM head), where it was not re-measured."""
+    ring_prefilled = next_stage.tiling.preload and next_stage.tiling.stages
+    return 0 if ring_prefilled else PREFETCH_BUDGET_BYTES
+
+
+def _prefetch_call(plan: Plan, stage: Stage, budget: int | None = None) -> str | None:
     """L2 prefetch of the next GEMV's first tiles, issued before waiting at the barrier: as many tiles per warp as
-    ``budget`` bytes over the whole grid allow, at least one (none where ``budget`` is 0)."""
+    ``budget`` bytes over the whole grid allow, at least one; a call that asks for none where ``budget`` is 0 (it
+    keeps the stage's phases the same in every build); None: :func:`default_prefetch_bytes`."""
     found = _next_gemv(plan, stage)
     if found is None:
         return None
     weight, next_name = found
     rows, cols = _gemv_shape(plan, next_name)
     next_stage = next(s for s in plan.stages if s.name == next_name)
+    budget = default_prefetch_bytes(next_stage) if budget is None else budget
     per_tile = next_stage.tiling.per_tile
     total_warps = plan.ctas * plan.warps
     tile_bytes = per_tile * cols * 2

@@ -86,7 +86,7 @@ def megakernel(
         embed=embed, tokens=tokens, x=x, cta=cta, tidx=tidx, batch=BATCH, hidden=HIDDEN, ctas=CTAS, threads=THREADS)
     bodies.prefetch_rows(
         weight=w_qkv[0, None, None], gwarp=swarp, lane=lane, total_warps=TOTAL_WARPS, rows=512, cols=256, per_tile=2,
-        max_tiles=1)
+        max_tiles=0)
     bodies.gemv_ring_prefill(
         weight=w_qkv[0, None, None], ring=s_ring[tidx // 32, None, None, None, None], gwarp=swarp, lane=lane, active=1,
         total_warps=TOTAL_WARPS, rows=512, cols=256, per_tile=2, unroll=4, stages=4)
@@ -108,7 +108,7 @@ def megakernel(
             long_slices=LONG_SLICES, to_l1=False)
         bodies.prefetch_rows(
             weight=w_o[layer, None, None], gwarp=swarp, lane=lane, total_warps=TOTAL_WARPS, rows=256, cols=256,
-            per_tile=2, max_tiles=1)
+            per_tile=2, max_tiles=0)
         bodies.gemv_ring_prefill(
             weight=w_o[layer, None, None], ring=s_ring[tidx // 32, None, None, None, None], gwarp=swarp, lane=lane,
             active=1, total_warps=TOTAL_WARPS, rows=256, cols=256, per_tile=2, unroll=4, stages=4)
@@ -135,7 +135,7 @@ def megakernel(
             stages=4, prefilled=True, act=0)
         bodies.prefetch_rows(
             weight=w_gate_up[layer, None, None], gwarp=swarp, lane=lane, total_warps=TOTAL_WARPS, rows=1024, cols=256,
-            per_tile=2, max_tiles=1)
+            per_tile=2, max_tiles=0)
         bodies.gemv_ring_prefill(
             weight=w_gate_up[layer, None, None], ring=s_ring[tidx // 32, None, None, None, None], gwarp=swarp,
             lane=lane, active=1, total_warps=TOTAL_WARPS, rows=1024, cols=256, per_tile=2, unroll=4, stages=4)
@@ -151,7 +151,7 @@ def megakernel(
             has_bias=False, stages=4, prefilled=True, act=1)
         bodies.prefetch_rows(
             weight=w_down[layer, None, None], gwarp=swarp, lane=lane, total_warps=TOTAL_WARPS, rows=256, cols=512,
-            per_tile=2, max_tiles=1)
+            per_tile=2, max_tiles=0)
         bodies.gemv_ring_prefill(
             weight=w_down[layer, None, None], ring=s_ring[tidx // 32, None, None, None, None], gwarp=swarp, lane=lane,
             active=1, total_warps=TOTAL_WARPS, rows=256, cols=512, per_tile=2, unroll=4, stages=4)
@@ -165,7 +165,7 @@ def megakernel(
             has_bias=False, stages=4, prefilled=True, act=0)
         bodies.prefetch_rows(
             weight=w_qkv[cutlass.min(layer + 1, LAYERS - 1), None, None], gwarp=swarp, lane=lane,
-            total_warps=TOTAL_WARPS, rows=512, cols=256, per_tile=2, max_tiles=1)
+            total_warps=TOTAL_WARPS, rows=512, cols=256, per_tile=2, max_tiles=0)
         bodies.gemv_ring_prefill(
             weight=w_qkv[cutlass.min(layer + 1, LAYERS - 1), None, None],
             ring=s_ring[tidx // 32, None, None, None, None], gwarp=swarp, lane=lane,
