@@ -75,8 +75,9 @@ def variants() -> dict:
             # the activation in the plain gate/up GEMV's write (ring-gated: the default since session 15)
             "gated": GemvTuning(2, 4, gated=True),
             "ring-gated": GemvTuning(2, 4, spread=True, preload=True, stages=4, gated=True),
-            # ... with a fifth ring stage (4 chunks ahead, 160 KB per CTA of 8 warps: it fits next to every
-            # preset's other shared memory), and warp-major tile order (no spread) at either depth
+            # ... with a fifth ring stage (4 chunks ahead, 160 KB per CTA of 8 warps: it fits next to the rest of
+            # the kernel for Phi-3-mini, Llama-1B, SmolLM, OLMo-2 and Qwen2.5 at c4096), and warp-major tile order
+            # (no spread) at either depth (session 26: within 1.2% of the default on Phi-3-mini and Llama-1B)
             "ring5-gated": GemvTuning(2, 4, spread=True, preload=True, stages=5, gated=True),
             "ring-gated-warp": GemvTuning(2, 4, preload=True, stages=4, gated=True),
             "ring5-gated-warp": GemvTuning(2, 4, preload=True, stages=5, gated=True),

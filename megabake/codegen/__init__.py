@@ -692,8 +692,8 @@ def default_prefetch_bytes(next_stage: Stage) -> int:
     for its first chunks), ``PREFETCH_BUDGET_BYTES`` elsewhere. H200, session 26, GPU ms per step with the 16 MB
     prefetch everywhere (the default until then) -> none: Phi-3-mini at 4000 2.561 -> 2.456 (gate/up's interval,
     which prefetched a 34 MB round of down's 32 KB tiles, 889 -> 774 us on CTA 0), Llama-3.2-1B at 16 0.816 ->
-    0.760; 32 and 48 MB were slower still (2.649 / 2.776, 0.844 / 0.859). Kept where nothing else preloads
-    (the plain and tensor-core tilings, the LM head), where it was not re-measured."""
+    0.760; 32 and 48 MB were slower still (2.649 / 2.776, 0.844 / 0.859). Kept before GEMVs that do not fill a
+    ring (the plain, register-preloaded and tensor-core tilings), where it was not re-measured."""
     ring_prefilled = next_stage.tiling.preload and next_stage.tiling.stages
     return 0 if ring_prefilled else PREFETCH_BUDGET_BYTES
 
