@@ -27,6 +27,10 @@
 #   fold-merge: its GPU test, then the default build (the split-KV merge folded into the O projection's staging
 #          since session 24) against the unfolded one at 2027 (SmolLM-1.7B) / 4000 (OLMo-2-1B, Phi-3-mini) / 2000
 #          (SmolLM-135M) -> OUT/pytest-gpu-fold-merge.log, OUT/tune-*-p*.log (6.7 min in session 23)
+#   prefetch-followup: with session 26's default (no L2 weight prefetch before ring-filled GEMVs), the K/V
+#          prefetch before attention against none at 4000 (Phi-3-mini, OLMo-2-1B), a 5-stage ring fill on
+#          Llama-1B at 16, and the batch-8 tensor-core default's 16 MB weight prefetch against none
+#          -> OUT/tune-*.log, OUT/p*/, OUT/b8/ (~6 min?, not run yet)
 #   hang-probe: the tensor-core cases' steps with the barrier watchdog (scripts/gpu_hang_probe.py; a tool for
 #          chasing a kernel that never reaches a grid barrier)                   -> OUT/hang-probe.json (~3 min)
 #   bench: decode benchmark table + chart, all presets in one process          -> OUT/bench/  (~2.5 min per preset;
@@ -175,6 +179,22 @@ if [[ " $PARTS " == *" fold-merge "* ]]; then
   tune_candidates olmo-2-1b 4096 4000 no-fold-merge
   tune_candidates smollm-135m 2048 2000 no-fold-merge
   tune_candidates phi-3-mini 4096 4000 no-fold-merge
+fi
+if [[ " $PARTS " == *" prefetch-followup "* ]]; then
+  # session 26's follow-ups in one call (~6 min?), now that no L2 weight prefetch precedes a ring-filled GEMV
+  # (codegen.default_prefetch_bytes): does the K/V L2 prefetch before attention still pay at long contexts
+  # (no-kvpf), does a deeper ring fill (ring5-gated: 4 chunks per warp before each barrier instead of 3) cover more
+  # of the barrier wait, and does the 16 MB weight prefetch that the tensor-core batch-8 default keeps pay (pf0)?
+  tune_candidates phi-3-mini 4096 4000 no-kvpf
+  tune_candidates olmo-2-1b 4096 4000 no-kvpf
+  log="$OUT/tune-llama-3.2-1b-ring5.log"
+  timeout 150 python3 scripts/gpu_tune.py llama-3.2-1b --variants bake ring5-gated --no-composite --capacity 4096 \
+    --position 16 --out "$OUT/p16" >"$log" 2>&1
+  summary+=("ring5 tune (llama-3.2-1b at 16): rc=$?" "$(grep -E '^(==|\||timeline)' "$log")")
+  log="$OUT/tune-llama-3.2-1b-b8.log"
+  timeout 150 python3 scripts/gpu_tune.py llama-3.2-1b --batch 8 --variants bake --builds atom pf0 --no-composite \
+    --capacity 128 --out "$OUT/b8" >"$log" 2>&1
+  summary+=("batch-8 prefetch tune (llama-3.2-1b): rc=$?" "$(grep -E '^(==|\||timeline)' "$log")")
 fi
 if [[ " $PARTS " == *" hang-probe "* ]]; then
   # the tensor-core cases' kernel steps built with the barrier watchdog (scripts/gpu_hang_probe.py)
