@@ -31,6 +31,9 @@
 #          prefetch before attention against none at 4000 (Phi-3-mini, OLMo-2-1B), a 5-stage ring fill on
 #          Llama-1B at 16, and the batch-8 tensor-core default's 16 MB weight prefetch against none
 #          -> OUT/tune-*.log, OUT/p*/, OUT/b8/ (~6 min?, not run yet)
+#   per-cta: every CTA's phase clocks (timeline="phases-per-cta"): its GPU test, then the barrier waits' sources
+#          on Phi-3-mini at 4000 and Llama-1B at 16 -> OUT/pytest-gpu-per-cta.log, OUT/tune-*-per-cta-*.log
+#          (~5 min?, not run yet)
 #   hang-probe: the tensor-core cases' steps with the barrier watchdog (scripts/gpu_hang_probe.py; a tool for
 #          chasing a kernel that never reaches a grid barrier)                   -> OUT/hang-probe.json (~3 min)
 #   bench: decode benchmark table + chart, all presets in one process          -> OUT/bench/  (~2.5 min per preset;
@@ -195,6 +198,20 @@ if [[ " $PARTS " == *" prefetch-followup "* ]]; then
   timeout 150 python3 scripts/gpu_tune.py llama-3.2-1b --batch 8 --variants bake --builds atom pf0 --no-composite \
     --capacity 128 --out "$OUT/b8" >"$log" 2>&1
   summary+=("batch-8 prefetch tune (llama-3.2-1b): rc=$?" "$(grep -E '^(==|\||timeline)' "$log")")
+fi
+if [[ " $PARTS " == *" per-cta "* ]]; then
+  # every CTA's phase clocks (timeline="phases-per-cta", session 26): its GPU test (the same logits; no CTA leaves
+  # a grid barrier before the last one arrived), then where the barrier waits come from on Phi-3-mini at 4000
+  # and Llama-1B at 16 (arrival skew vs the barrier's own latency, which CTAs arrive last)
+  TEST_LIMIT=150 run_tests per-cta "timeline_build_accounts" tests/test_gpu_decode.py
+  collect_tests per-cta
+  for case in "phi-3-mini 4096 4000" "llama-3.2-1b 4096 16"; do
+    read -r preset capacity position <<<"$case"
+    log="$OUT/tune-$preset-per-cta-p$position.log"
+    timeout 200 python3 scripts/gpu_tune.py "$preset" --variants bake --per-cta --phases --no-composite \
+      --capacity "$capacity" --position "$position" --out "$OUT/per-cta-p$position" >"$log" 2>&1
+    summary+=("per-CTA tune ($preset at $position): rc=$?" "$(grep -E '^(==|\||per-CTA|phases)' "$log")")
+  done
 fi
 if [[ " $PARTS " == *" hang-probe "* ]]; then
   # the tensor-core cases' kernel steps built with the barrier watchdog (scripts/gpu_hang_probe.py)

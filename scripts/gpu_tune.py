@@ -25,7 +25,10 @@ has none before ring-prefilled GEMVs: ``codegen.default_prefetch_bytes``); the
 same logits required, to 1e-3 (``--barriers`` is the older name). ``--ctas N`` runs the persistent
 grid on N CTAs instead of one per SM. ``--position 4000 --capacity 4096`` times the step at a long context.
 ``--batch 8`` times batched steps (``mma``: the tensor-core GEMV); ``--phases`` adds each variant's clocks per
-phase of each stage (staging, GEMV, prefetch, barrier wait). Writes OUT/tune-<preset>-b<batch>.json; prints a
+phase of each stage (staging, GEMV, prefetch, barrier wait); ``--per-cta`` builds each variant once more with every
+CTA's phase clocks (``timeline="phases-per-cta"``, session 26, not GPU-run yet) and summarizes where the barrier
+waits come from: arrival skew across CTAs, the barrier's own latency, the spread of GEMV times, the CTAs that
+arrive last (:func:`summarize_ctas`). Writes OUT/tune-<preset>-b<batch>.json; prints a
 short table per preset last.
 """
 
@@ -213,9 +216,59 @@ def timeline(plan, model, tokens, phases: bool = False, build: str = "atom",
     return by_kind
 
 
+def summarize_ctas(labels: list[str], rows: list[list[float]], top: int = 8) -> dict:
+    """Where the grid barriers' waits come from, from every CTA's phase clocks (``cta_timelines``: per CTA, us
+    from the earliest start to the end of each interval). Per stage kind, summed over layers: ``wait_mean`` (a
+    CTA's mean time in the barrier interval), ``skew`` (last minus first arrival), ``latency`` (first release
+    minus last arrival: the barrier itself), and ``gemv_min`` / ``gemv_median`` / ``gemv_max`` (a CTA's GEMV
+    time); ``last_arrivals``: the CTAs that arrived last most often, with their counts."""
+    import collections
+
+    kinds: dict[str, dict[str, float]] = {}
+    gemv: dict[str, list[float]] = {}
+    last = collections.Counter()
+    ctas = range(len(rows))
+    for k, label in enumerate(labels):  # interval k runs from rows[c][k] to rows[c][k + 1]
+        kind, phase = label.split(".")[-2:]
+        if phase == "barrier":
+            arrivals = [rows[c][k] for c in ctas]
+            releases = [rows[c][k + 1] for c in ctas]
+            entry = kinds.setdefault(kind, {"wait_mean": 0.0, "skew": 0.0, "latency": 0.0})
+            entry["wait_mean"] += statistics.fmean(r - a for r, a in zip(releases, arrivals))
+            entry["skew"] += max(arrivals) - min(arrivals)
+            entry["latency"] += min(releases) - max(arrivals)
+            last[max(ctas, key=lambda c: arrivals[c])] += 1
+        elif phase.startswith("gemv"):
+            per_cta = gemv.setdefault(kind, [0.0] * len(rows))
+            for c in ctas:
+                per_cta[c] += rows[c][k + 1] - rows[c][k]
+    for kind, per_cta in gemv.items():
+        kinds.setdefault(kind, {}).update(gemv_min=min(per_cta), gemv_median=statistics.median(per_cta),
+                                          gemv_max=max(per_cta))
+    rounded = {kind: {key: round(value, 1) for key, value in entry.items()} for kind, entry in kinds.items()}
+    return {"stages": rounded, "last_arrivals": last.most_common(top)}
+
+
+def cta_timeline(plan, model, tokens, build: str = "atom", position: int | None = None) -> dict:
+    """:func:`summarize_ctas` of one step of a ``timeline="phases-per-cta"`` build (a CTA-wide sync before each
+    clock: it perturbs the step; compare its waits with each other, not with the other builds' times)."""
+    from megabake.codegen import TIMELINE_PER_CTA, generate
+    from megabake.runtime import MegakernelDecoder
+
+    source = generate(plan, timeline=TIMELINE_PER_CTA, **BUILDS[build]).source
+    decoder = MegakernelDecoder(plan, source, model, device="cuda", use_graph=False)
+    for p in range(len(tokens)):
+        decoder.step(tokens[p], p)
+    for _ in range(3):
+        decoder.step(tokens[-1], len(tokens) - 1 if position is None else position)
+    labels, rows = decoder.cta_timelines()
+    del decoder
+    return summarize_ctas(labels, rows)
+
+
 def sweep(name: str, chosen: list[str], reps: int, capacity: int, batch: int = 1, phases: bool = False,
           builds: tuple[str, ...] = ("atom",), ctas: int | None = None, composite: bool = True,
-          position: int | None = None) -> dict:
+          position: int | None = None, per_cta: bool = False) -> dict:
     import torch
 
     from megabake.capture import capture_decode_step
@@ -232,7 +285,7 @@ def sweep(name: str, chosen: list[str], reps: int, capacity: int, batch: int = 1
     inv, scale = recover_rotary(captured, ir)
     tokens = torch.randint(1, model.config.vocab_size, (STEPS, batch), generator=torch.Generator().manual_seed(3))
     context = dict(ir=ir, inv=inv, scale=scale, sm_count=ctas or info.sm_count, model=model, tokens=tokens, reps=reps,
-                   phases=phases, position=position)
+                   phases=phases, position=position, per_cta=per_cta)
     rows, timelines, default_logits = [], {}, []
     candidates = variants()
     default_plan = build_tuned_plan(context, {})
@@ -317,6 +370,8 @@ def measure_variant(variant: str, tuning: dict, context: dict, default_logits: l
         if context.get("phases"):
             row["phases_us"] = {k: round(v, 1) for k, v in timeline(plan, model, tokens, phases=True, build=build,
                                                                      position=context.get("position")).items()}
+        if context.get("per_cta"):
+            row["per_cta"] = cta_timeline(plan, model, tokens, build=build, position=context.get("position"))
         row["build_s"] = round(time.perf_counter() - started, 1)
     except Exception as exc:
         row, stages = {"variant": variant, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}, {}
@@ -354,6 +409,12 @@ def print_table(result: dict) -> None:
         if r.get("phases_us"):
             parts = [f"{phase} {us:.0f}us" for phase, us in r["phases_us"].items()]
             print(f"phases {r['variant']} (CTA 0, summed over layers): " + "; ".join(parts))
+    for r in result["rows"]:
+        if r.get("per_cta"):
+            parts = [f"{kind}: " + ", ".join(f"{key} {value:.0f}" for key, value in entry.items())
+                     for kind, entry in r["per_cta"]["stages"].items()]
+            print(f"per-CTA {r['variant']} (us summed over layers): " + "; ".join(parts)
+                  + f"; last to arrive (CTA, times): {r['per_cta']['last_arrivals']}")
 
 
 def main() -> None:
@@ -365,6 +426,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1, help="sequences per step (mma: at most 8, bf16-staged)")
     parser.add_argument("--phases", action="store_true",
                         help="also time every phase of every stage (staging, GEMV, prefetch, barrier wait)")
+    parser.add_argument("--per-cta", action="store_true",
+                        help="also build each variant with every CTA's phase clocks (timeline=\"phases-per-cta\") "
+                             "and summarize the barrier waits: mean wait, arrival skew, barrier latency, GEMV "
+                             "time over CTAs, the CTAs that arrive last")
     parser.add_argument("--builds", "--barriers", dest="builds", nargs="+", default=["atom"], choices=list(BUILDS),
                         help="code-generation options to build each variant with (BUILDS: grid-barrier arrivals of "
                              "codegen.BARRIER_ARRIVALS; no-kvpf = without the K/V L2 prefetch; kvpf-l1 = that "
@@ -385,7 +450,7 @@ def main() -> None:
     results = []
     for name in args.presets:
         result = sweep(name, args.variants, args.reps, args.capacity, args.batch, args.phases, tuple(args.builds),
-                       args.ctas, not args.no_composite, args.position)
+                       args.ctas, not args.no_composite, args.position, args.per_cta)
         (args.out / f"tune-{name}-b{args.batch}.json").write_text(json.dumps(result, indent=1))
         results.append(result)
     for result in results:

@@ -248,3 +248,25 @@ def test_every_gpu_tune_variant_builds_a_plan(monkeypatch):
                               attention_preload=attention_preload, tuning=module.tuning_for(variant, compiled.plan))
             if name == "bake":  # the variant that times what `megabake bake` plans
                 assert [s.tiling for s in plan.stages] == [s.tiling for s in compiled.plan.stages]
+
+
+def test_gpu_tune_summarizes_every_ctas_barrier_arrivals():
+    """``gpu_tune.py --per-cta`` reads every CTA's phase clocks (``cta_timelines``) into, per stage kind: the mean
+    wait, the arrival skew (last minus first), the barrier's own latency (first release minus last arrival), the
+    GEMV time over CTAs, and which CTAs arrive last; a pure function, checked here on three made-up CTAs."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "gpu_tune.py"
+    spec = importlib.util.spec_from_file_location("gpu_tune", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    labels = ["embed.embed_gather", "embed.barrier", "layer0.norm_qkv.gemv_rows_streamed", "layer0.norm_qkv.barrier"]
+    rows = [[0, 1, 5, 8, 12], [0, 2, 5, 10, 12], [0, 3, 6, 11, 13]]  # per CTA: start, then each interval's end
+    summary = module.summarize_ctas(labels, rows)
+    assert summary["stages"]["embed"] == {"wait_mean": 3.3, "skew": 2.0, "latency": 2.0}
+    assert summary["stages"]["norm_qkv"] == {"wait_mean": 2.7, "skew": 3.0, "latency": 1.0, "gemv_min": 3.0,
+                                             "gemv_median": 5.0, "gemv_max": 5.0}
+    assert summary["last_arrivals"] == [(2, 2)]

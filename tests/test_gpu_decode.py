@@ -705,8 +705,9 @@ def test_greedy_tokens_on_the_gpu_equal_step_by_step_argmax(batch):
 
 def test_timeline_build_accounts_for_the_step():
     """The profiling build records a clock per stage (or per phase of each stage); their sum is the kernel's
-    time, and logits are unchanged. The phases build has not run on a GPU yet (written in session 13)."""
-    from megabake.codegen import TIMELINE_PHASES, generate, timeline_labels
+    time, and logits are unchanged; the same for the phases build and the per-CTA phases build, whose clocks also
+    show every grid barrier holding every CTA until the last one arrived."""
+    from megabake.codegen import TIMELINE_PER_CTA, TIMELINE_PHASES, generate, timeline_labels
     from megabake.runtime import MegakernelDecoder
 
     compiled, decoder = _decoder("tiny-llama")
@@ -737,6 +738,20 @@ def test_timeline_build_accounts_for_the_step():
     assert all(us >= 0 for _, us in phases), phases
     phase_us = sum(us for _, us in phases)
     assert 0.5 * total_us < phase_us < 2.0 * total_us, (phase_us, total_us)  # the same step, timed twice
+    # every CTA's phase clocks (written in session 26, not GPU-run then): the same logits, each CTA's clocks in
+    # order, and no CTA leaves a grid barrier before the last one arrived at it
+    per_cta = MegakernelDecoder(compiled.plan, generate(compiled.plan, timeline=TIMELINE_PER_CTA).source,
+                                compiled.model, device="cuda", use_graph=False)
+    for position, token in enumerate([11, 5, 42]):
+        got = per_cta.step(torch.tensor([token]), position).clone()
+    assert torch.equal(got, want)
+    labels, rows = per_cta.cta_timelines()
+    assert len(rows) == compiled.plan.ctas and min(row[0] for row in rows) == 0.0
+    assert all(row[k] <= row[k + 1] for row in rows for k in range(len(row) - 1))
+    barriers = [k + 1 for k, label in enumerate(labels) if label.endswith(".barrier")]
+    assert barriers
+    for end in barriers:  # rows[c][end]: CTA c's release; rows[c][end - 1]: its arrival
+        assert max(row[end - 1] for row in rows) <= min(row[end] for row in rows), labels[end - 1]
 
 
 def test_bake_with_autotune_on_the_gpu(tmp_path):

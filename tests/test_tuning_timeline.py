@@ -97,6 +97,51 @@ def test_phases_timeline_stores_a_clock_after_every_phase(tiny):
         generate(tiny.plan, timeline="stages")
 
 
+def test_per_cta_timeline_stores_every_ctas_phase_clocks_in_its_own_row(tiny):
+    """``timeline="phases-per-cta"``: the phases build's clocks, the same slots, in every CTA's own row of
+    ``TIMELINE_STRIDE`` (each after a CTA-wide sync); it compiles for sm_90a; ``cta_timelines`` reads each CTA's
+    row relative to the earliest start, and ``stage_timeline`` still reads CTA 0's."""
+    from types import SimpleNamespace
+
+    from megabake.codegen import TIMELINE_PER_CTA, TIMELINE_PHASES
+    from megabake.runtime import MegakernelDecoder
+    from megabake.runtime.compile import compile_check
+
+    source = generate(tiny.plan, timeline=TIMELINE_PER_CTA).source
+    module = load_module(source)
+    labels = timeline_labels(tiny.plan, phases=True)
+    ctas = tiny.plan.ctas
+    assert module.TIMELINE_STRIDE == 1 + len(labels) and module.TIMELINE_SLOTS == module.TIMELINE_STRIDE * ctas
+    assert module.TIMELINE_PHASES is True and module.TIMELINE_PER_CTA is True
+
+    def slots(text: str, prefix: str) -> list[str]:
+        return [line.split("barrier[")[1].split("]")[0].removeprefix(prefix) for line in text.splitlines()
+                if "= cute.arch.globaltimer()" in line]
+
+    kernel = source.split("\n# ====")[0]
+    phased = generate(tiny.plan, timeline=TIMELINE_PHASES).source.split("\n# ====")[0]
+    assert slots(kernel, "cta * TIMELINE_STRIDE + ") == slots(phased, "")
+    assert kernel.count("cute.arch.sync_threads()") - phased.count("cute.arch.sync_threads()") == len(slots(phased, ""))
+    result = compile_check(tiny.plan, module)
+    assert result.ok, result.error
+
+    stride = module.TIMELINE_STRIDE
+    clocks = torch.zeros(1 + stride * ctas, dtype=torch.int64)
+    for cta in range(ctas):  # CTA c starts 1 us after CTA c - 1 and spends (k + c) us in interval k
+        row = [5_000_000 + 1000 * cta]
+        for k in range(1, stride):
+            row.append(row[-1] + 1000 * (k + cta))
+        clocks[1 + cta * stride:1 + (cta + 1) * stride] = torch.tensor(row)
+    stand_in = SimpleNamespace(module=module, plan=tiny.plan, buffers={"barrier": clocks})
+    names, rows = MegakernelDecoder.cta_timelines(stand_in)
+    assert names == labels and len(rows) == ctas and all(len(r) == stride for r in rows)
+    assert rows[0][0] == 0.0 and rows[3][0] == 3.0 and rows[3][2] - rows[3][1] == 2.0 + 3
+    assert MegakernelDecoder.stage_timeline(stand_in) == [(label, float(k + 1)) for k, label in enumerate(labels)]
+    with pytest.raises(MegaBakeError, match="phases-per-cta"):
+        phases_only = load_module(generate(tiny.plan, timeline=TIMELINE_PHASES).source)
+        MegakernelDecoder.cta_timelines(SimpleNamespace(module=phases_only, plan=tiny.plan))
+
+
 def test_timeline_module_compiles_for_sm90a(tiny):
     from megabake.runtime.compile import compile_check
 

@@ -22,7 +22,9 @@ from device buffers, so one compiled kernel serves every step and CUDA-graph rep
 ``TIMELINE_SLOTS``; the runtime then sizes the barrier buffer ``1 + TIMELINE_SLOTS`` and reads per-stage
 times back (:meth:`megabake.runtime.MegakernelDecoder.stage_timeline`). ``timeline="phases"`` stores a clock
 after every phase of every stage instead (:func:`stage_phases`: staging, GEMV, prefetch, barrier wait) and
-declares ``TIMELINE_PHASES``. ``generate(plan, barrier="red")`` (or ``"red-fence"``) arrives at grid barriers with
+declares ``TIMELINE_PHASES``; ``timeline="phases-per-cta"`` stores them in every CTA, each once the whole CTA is
+through the phase (a ``sync_threads`` before each clock: a diagnostic that perturbs what it measures), in rows of
+``TIMELINE_STRIDE`` (:meth:`megabake.runtime.MegakernelDecoder.cta_timelines`). ``generate(plan, barrier="red")`` (or ``"red-fence"``) arrives at grid barriers with
 a fire-and-forget reduction (``BARRIER_ARRIVALS``; candidates measured against the default). ``generate(plan, watchdog=True)``
 (debugging a hang) waits at each grid barrier for at most ``WATCHDOG_POLLS`` polls and records per CTA its arrivals
 and the first barrier it gave up at (:meth:`megabake.runtime.MegakernelDecoder.barrier_watch`). Packages never ship
@@ -138,6 +140,8 @@ def keyword_call_lines(line: str, parameters: dict[str, list[str]] | None = None
 
 
 TIMELINE_PHASES = "phases"  # generate(plan, timeline=TIMELINE_PHASES): a clock after every phase of every stage
+# generate(plan, timeline=TIMELINE_PER_CTA): the same clocks in every CTA, each after the whole CTA finished the phase
+TIMELINE_PER_CTA = "phases-per-cta"
 
 
 def timeline_labels(plan: Plan, phases: bool = False) -> list[str]:
@@ -166,8 +170,14 @@ def stage_phases(plan: Plan, stage: Stage) -> list[str]:
     return names
 
 
-def _timeline_store(w: _Writer, indent: int, enabled: bool, slot: str) -> None:
-    if enabled:
+def _timeline_store(w: _Writer, indent: int, enabled: bool, slot: str, every_cta: bool = False) -> None:
+    """Store ``%globaltimer`` in ``barrier[slot]`` (thread 0 of CTA 0), or with ``every_cta`` in each CTA's own
+    row, ``barrier[cta * TIMELINE_STRIDE + slot]``, once every warp of that CTA got there."""
+    if enabled and every_cta:
+        w("cute.arch.sync_threads()", indent)
+        w("if tidx == 0:", indent)
+        w(f"barrier[cta * TIMELINE_STRIDE + {slot}] = cute.arch.globaltimer()", indent + 1)
+    elif enabled:
         w("if cta == 0 and tidx == 0:", indent)
         w(f"barrier[{slot}] = cute.arch.globaltimer()", indent + 1)
 
@@ -208,6 +218,7 @@ class BuildOptions:
     spread_merge: bool = False
     fold_splits: int = 0  # fold_merge: the O projection's staging merges up to this many active splits (0: off)
     prefetch_bytes: int | None = None  # L2 prefetch of the next GEMV's tiles per barrier (None: per stage)
+    clock_every_cta: bool = False  # a TIMELINE_PER_CTA build: every CTA stores its phase clocks
 
 
 # A KV group's outputs (query heads per KV head x head_dim) from which the spread merge is the default: on the H200
@@ -333,10 +344,17 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     prologue = [s for s in plan.stages if s.scope == "prologue"]
     per_layer = [s for s in plan.stages if s.scope == "layer"]
     epilogue = [s for s in plan.stages if s.scope == "epilogue"]
-    phases = timeline == TIMELINE_PHASES
-    if timeline not in (False, True, TIMELINE_PHASES):
-        raise ValueError(f"timeline={timeline!r}: use False, True (a clock per stage) or {TIMELINE_PHASES!r}")
-    if timeline:
+    phases = timeline in (TIMELINE_PHASES, TIMELINE_PER_CTA)
+    every_cta = timeline == TIMELINE_PER_CTA
+    if timeline not in (False, True, TIMELINE_PHASES, TIMELINE_PER_CTA):
+        raise ValueError(f"timeline={timeline!r}: use False, True (a clock per stage), {TIMELINE_PHASES!r} or "
+                         f"{TIMELINE_PER_CTA!r}")
+    if every_cta:
+        w(f"TIMELINE_STRIDE = {1 + len(timeline_labels(plan, phases))}  "
+          "# barrier[cta * TIMELINE_STRIDE + 1 + k]: CTA cta's k=0 kernel start, k>0 end of interval k (ns)")
+        w("TIMELINE_SLOTS = TIMELINE_STRIDE * CTAS")
+        w("TIMELINE_PER_CTA = True  # every CTA clocks each phase once all its warps are done (codegen.TIMELINE_PER_CTA)")
+    elif timeline:
         w(f"TIMELINE_SLOTS = {1 + len(timeline_labels(plan, phases))}  "
           "# barrier[1 + k]: k=0 kernel start, k>0 end of interval k (ns)")
     if phases:
@@ -384,11 +402,11 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
         w("bar_next = cute.make_rmem_tensor(cute.make_layout(1), cutlass.Int64)  # next grid-barrier target", 1)
         w("bar_next[0] = cutlass.Int64(0)  # 0: the launch's first barrier asks the counter", 1)
     w("pos = position[0]", 1)
-    _timeline_store(w, 1, bool(timeline), "1")
+    _timeline_store(w, 1, bool(timeline), "1", every_cta)
     options = BuildOptions(barrier=("bodies.grid_barrier_watched(barrier, tidx, CTAS, cta, WATCH_POLLS)" if watchdog
                                     else BARRIER_ARRIVALS[barrier]), kv_prefetch=kv_prefetch,
                            kv_prefetch_l1=kv_prefetch_l1, merge_preload=merge_preload, spread_merge=spread_merge,
-                           fold_splits=folded, prefetch_bytes=prefetch_bytes)
+                           fold_splits=folded, prefetch_bytes=prefetch_bytes, clock_every_cta=every_cta)
     if phases:
         _phase_timed_stages(w, plan, prologue, per_layer, epilogue, options)
     else:
@@ -528,7 +546,7 @@ def _stage(w: _Writer, plan: Plan, stage: Stage, indent: int, layer_var, clocks:
     timeline): the barrier slot each phase's end is stored in (:func:`stage_phases`)."""
     def clock() -> None:
         if clocks:
-            _timeline_store(w, indent, True, clocks.pop(0))
+            _timeline_store(w, indent, True, clocks.pop(0), options.clock_every_cta)
 
     prefix = "layer[*]." if stage.scope == "layer" else ""
     w.begin(_entry(plan, stage, layer_var, "barrier_interval", f"{prefix}{stage.name}"))

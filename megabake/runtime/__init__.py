@@ -353,9 +353,26 @@ class MegakernelDecoder:
         if not slots:
             raise MegaBakeError("this decoder's module has no timeline: build it with "
                                 "megabake.codegen.generate(plan, timeline=True)")
-        clocks = self.buffers["barrier"][1:1 + slots].cpu().tolist()
+        stride = getattr(self.module, "TIMELINE_STRIDE", slots)  # a per-CTA build: CTA 0's row comes first
+        clocks = self.buffers["barrier"][1:1 + stride].cpu().tolist()
         labels = timeline_labels(self.plan, phases=getattr(self.module, "TIMELINE_PHASES", False))
         return [(label, (clocks[k + 1] - clocks[k]) / 1000.0) for k, label in enumerate(labels)]
+
+    def cta_timelines(self) -> tuple[list[str], list[list[float]]]:
+        """Every CTA's phase clocks of the last step of a ``generate(plan, timeline="phases-per-cta")`` module:
+        the interval labels (as :meth:`stage_timeline`'s) and, per CTA, microseconds from the earliest CTA's kernel
+        start to its own start (entry 0) and to the end of each interval (entry k: ``labels[k - 1]``). A CTA's
+        clock is stored once all its warps are through the phase, so the end of a phase before a ``barrier``
+        interval is the CTA's arrival at that grid barrier and the end of the ``barrier`` interval its release."""
+        from ..codegen import timeline_labels
+
+        stride = getattr(getattr(self, "module", None), "TIMELINE_STRIDE", 0)
+        if not stride:
+            raise MegaBakeError("this decoder's module has no per-CTA timeline: build it with "
+                                "megabake.codegen.generate(plan, timeline=\"phases-per-cta\")")
+        rows = self.buffers["barrier"][1:1 + stride * self.plan.ctas].view(self.plan.ctas, stride).cpu()
+        rows = ((rows - rows[:, 0].min()).double() / 1000.0).tolist()
+        return timeline_labels(self.plan, phases=True), rows
 
     def barrier_watch(self) -> list[tuple[int, int]]:
         """Per CTA of a ``generate(plan, watchdog=True)`` build: (grid barriers arrived at since the decoder was
