@@ -24,11 +24,11 @@ times back (:meth:`megabake.runtime.MegakernelDecoder.stage_timeline`). ``timeli
 after every phase of every stage instead (:func:`stage_phases`: staging, GEMV, prefetch, barrier wait) and
 declares ``TIMELINE_PHASES``; ``timeline="phases-per-cta"`` stores them in every CTA, each once the whole CTA is
 through the phase (a ``sync_threads`` before each clock: a diagnostic that perturbs what it measures), in rows of
-``TIMELINE_STRIDE`` (:meth:`megabake.runtime.MegakernelDecoder.cta_timelines`). ``generate(plan, barrier="red")`` (or ``"red-fence"``) arrives at grid barriers with
-a fire-and-forget reduction (``BARRIER_ARRIVALS``; candidates measured against the default). ``generate(plan, watchdog=True)``
-(debugging a hang) waits at each grid barrier for at most ``WATCHDOG_POLLS`` polls and records per CTA its arrivals
-and the first barrier it gave up at (:meth:`megabake.runtime.MegakernelDecoder.barrier_watch`). Packages never ship
-these variants.
+``TIMELINE_STRIDE`` (:meth:`megabake.runtime.MegakernelDecoder.cta_timelines`). ``generate(plan, barrier="red")``
+(or ``"red-fence"``) arrives at grid barriers with a fire-and-forget reduction (``BARRIER_ARRIVALS``; candidates
+measured against the default). ``generate(plan, watchdog=True)`` (debugging a hang) waits at each grid barrier for
+at most ``WATCHDOG_POLLS`` polls and records per CTA its arrivals and the first barrier it gave up at
+(:meth:`megabake.runtime.MegakernelDecoder.barrier_watch`). Packages never ship these variants.
 """
 
 from __future__ import annotations
@@ -353,7 +353,7 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
         w(f"TIMELINE_STRIDE = {1 + len(timeline_labels(plan, phases))}  "
           "# barrier[cta * TIMELINE_STRIDE + 1 + k]: CTA cta's k=0 kernel start, k>0 end of interval k (ns)")
         w("TIMELINE_SLOTS = TIMELINE_STRIDE * CTAS")
-        w("TIMELINE_PER_CTA = True  # every CTA clocks each phase once all its warps are done (codegen.TIMELINE_PER_CTA)")
+        w("TIMELINE_PER_CTA = True  # each CTA clocks a phase once all its warps are done (codegen.TIMELINE_PER_CTA)")
     elif timeline:
         w(f"TIMELINE_SLOTS = {1 + len(timeline_labels(plan, phases))}  "
           "# barrier[1 + k]: k=0 kernel start, k>0 end of interval k (ns)")
