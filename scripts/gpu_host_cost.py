@@ -16,9 +16,9 @@ drifting clock or a busy host hits every measure alike, medians of:
 
 ``--cpu-load`` measures everything again after CPU work in the same process, as the benchmarks do before they
 time (the bake's and gpu_tune's CPU reference executor, eager fp32 numerics): once right after it and once
-after ``--settle`` seconds of sleep. Session 26 saw ``step()``'s host part at 88-93 us in the first variant of
-``gpu_tune.py`` (the one checked against the CPU reference) and 23-25 us in the others; this measure found no such
-slowdown (SmolLM-135M: step - gpu 11.4 us fresh, 10.8 after the reference, 10.5 after 2 s), so the cause is
+after ``--settle`` seconds of sleep. Session 26 saw ``step()``'s host part at 88-132 us in 3 of 8 first variants of
+``gpu_tune.py`` (the ones checked against the CPU reference) and 22-33 us everywhere else; this measure found no
+such slowdown (SmolLM-135M: step - gpu 11.4 us fresh, 10.8 after the reference, 10.5 after 2 s), so the cause is
 something else.
 
     source .cute/activate.sh && python3 scripts/gpu_host_cost.py smollm-135m olmo-2-1b --out $OUT
