@@ -194,20 +194,29 @@ BUILDS = {"atom": {}, "red": {"barrier": "red"}, "red-fence": {"barrier": "red-f
           "pf32mb": {"prefetch_bytes": 32 << 20}, "pf48mb": {"prefetch_bytes": 48 << 20}}
 
 
-def timeline(plan, model, tokens, phases: bool = False, build: str = "atom",
-             position: int | None = None) -> dict[str, float]:
-    """Microseconds per stage kind (CTA 0, summed over layers) of one step at ``position`` (default: the last
-    checked one); with ``phases`` per ``<stage>.<phase>`` (staging, GEMV, prefetch, barrier wait:
-    ``codegen.stage_phases``)."""
-    from megabake.codegen import TIMELINE_PHASES, generate
+def stepped_timeline_decoder(plan, model, tokens, timeline, build: str = "atom", position: int | None = None):
+    """A decoder of a ``generate(plan, timeline=timeline)`` build, stepped through ``tokens`` and then three times
+    at ``position`` (default: the last checked one), so its clocks hold that step."""
+    from megabake.codegen import generate
     from megabake.runtime import MegakernelDecoder
 
-    source = generate(plan, timeline=TIMELINE_PHASES if phases else True, **BUILDS[build]).source
+    source = generate(plan, timeline=timeline, **BUILDS[build]).source
     decoder = MegakernelDecoder(plan, source, model, device="cuda", use_graph=False)
     for p in range(len(tokens)):
         decoder.step(tokens[p], p)
     for _ in range(3):
         decoder.step(tokens[-1], len(tokens) - 1 if position is None else position)
+    return decoder
+
+
+def timeline(plan, model, tokens, phases: bool = False, build: str = "atom",
+             position: int | None = None) -> dict[str, float]:
+    """Microseconds per stage kind (CTA 0, summed over layers) of one step at ``position`` (default: the last
+    checked one); with ``phases`` per ``<stage>.<phase>`` (staging, GEMV, prefetch, barrier wait:
+    ``codegen.stage_phases``)."""
+    from megabake.codegen import TIMELINE_PHASES
+
+    decoder = stepped_timeline_decoder(plan, model, tokens, TIMELINE_PHASES if phases else True, build, position)
     by_kind: dict[str, float] = {}
     for label, us in decoder.stage_timeline():
         kind = ".".join(label.split(".")[-2:]) if phases else label.split(".")[-1]
@@ -252,15 +261,9 @@ def summarize_ctas(labels: list[str], rows: list[list[float]], top: int = 8) -> 
 def cta_timeline(plan, model, tokens, build: str = "atom", position: int | None = None) -> dict:
     """:func:`summarize_ctas` of one step of a ``timeline="phases-per-cta"`` build (a CTA-wide sync before each
     clock: it perturbs the step; compare its waits with each other, not with the other builds' times)."""
-    from megabake.codegen import TIMELINE_PER_CTA, generate
-    from megabake.runtime import MegakernelDecoder
+    from megabake.codegen import TIMELINE_PER_CTA
 
-    source = generate(plan, timeline=TIMELINE_PER_CTA, **BUILDS[build]).source
-    decoder = MegakernelDecoder(plan, source, model, device="cuda", use_graph=False)
-    for p in range(len(tokens)):
-        decoder.step(tokens[p], p)
-    for _ in range(3):
-        decoder.step(tokens[-1], len(tokens) - 1 if position is None else position)
+    decoder = stepped_timeline_decoder(plan, model, tokens, TIMELINE_PER_CTA, build, position)
     labels, rows = decoder.cta_timelines()
     del decoder
     return summarize_ctas(labels, rows)

@@ -225,19 +225,11 @@ def test_balanced_tuning_picks_rows_per_tile_per_stage(preset_name, ctas, expect
 def test_every_gpu_tune_variant_builds_a_plan(monkeypatch):
     """scripts/gpu_tune.py runs on the GPU only; its variants must at least plan on a CPU (a PlanError there
     would cost a device call). The script opts in to the experimental ``gated`` variant's feature itself."""
-    import importlib.util
-    import sys
-    from pathlib import Path
-
     from megabake.plan import build_plan
     from megabake.plan.rotary import recover_rotary
     from tests.compiler_fixtures import compile_preset
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "gpu_tune.py"
-    spec = importlib.util.spec_from_file_location("gpu_tune", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(module)
+    module = _gpu_tune_script()
     compiled = compile_preset("smollm-135m", layers=1, capacity=32)
     inv_freq, scaling = recover_rotary(compiled.captured, compiled.ir)
     monkeypatch.setenv("MEGABAKE_EXPERIMENTAL_LAYOUTS", "")
@@ -254,15 +246,7 @@ def test_gpu_tune_summarizes_every_ctas_barrier_arrivals():
     """``gpu_tune.py --per-cta`` reads every CTA's phase clocks (``cta_timelines``) into, per stage kind: the mean
     wait, the arrival skew (last minus first), the barrier's own latency (first release minus last arrival), the
     GEMV time over CTAs, and which CTAs arrive last; a pure function, checked here on three made-up CTAs."""
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "scripts" / "gpu_tune.py"
-    spec = importlib.util.spec_from_file_location("gpu_tune", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
+    module = _gpu_tune_script()
     labels = ["embed.embed_gather", "embed.barrier", "layer0.norm_qkv.gemv_rows_streamed", "layer0.norm_qkv.barrier"]
     rows = [[0, 1, 5, 8, 12], [0, 2, 5, 10, 12], [0, 3, 6, 11, 13]]  # per CTA: start, then each interval's end
     summary = module.summarize_ctas(labels, rows)
@@ -270,3 +254,17 @@ def test_gpu_tune_summarizes_every_ctas_barrier_arrivals():
     assert summary["stages"]["norm_qkv"] == {"wait_mean": 2.7, "skew": 3.0, "latency": 1.0, "gemv_min": 3.0,
                                              "gemv_median": 5.0, "gemv_max": 5.0}
     assert summary["last_arrivals"] == [(2, 2)]
+
+
+def _gpu_tune_script():
+    """scripts/gpu_tune.py loaded as a module (it is a script, not part of the package)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "gpu_tune.py"
+    spec = importlib.util.spec_from_file_location("gpu_tune", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
