@@ -31,6 +31,8 @@
 #          prefetch before attention against none at 4000 (Phi-3-mini, OLMo-2-1B), a 5-stage ring fill on
 #          Llama-1B at 16, and the batch-8 tensor-core default's 16 MB weight prefetch against none
 #          -> OUT/tune-*.log, OUT/p*/, OUT/b8/ (~6 min?, not run yet)
+#   split-barrier: the split grid barrier (the default since session 27) against barrier="atom": its GPU test, then
+#          Phi-3-mini / OLMo-2 at 4000 and Llama-1B / SmolLM at 16 -> OUT/tune-*-split-*.log
 #   per-cta: every CTA's phase clocks (timeline="phases-per-cta"): its GPU test, then the barrier waits' sources
 #          on Phi-3-mini at 4000 and Llama-1B at 16 -> OUT/pytest-gpu-per-cta.log, OUT/tune-*-per-cta-*.log
 #          (~5 min?, not run yet)
@@ -111,7 +113,7 @@ tune_candidates() {  # preset capacity position builds...: gpu_tune of the bake'
   local preset=$1 capacity=$2 position=$3
   shift 3
   local log="$OUT/tune-$preset-p$position.log"
-  timeout 240 python3 scripts/gpu_tune.py "$preset" --variants bake --builds atom "$@" --no-composite \
+  timeout 240 python3 scripts/gpu_tune.py "$preset" --variants bake --builds default "$@" --no-composite \
     --capacity "$capacity" --position "$position" --out "$OUT/p$position" >"$log" 2>&1
   summary+=("candidates tune ($preset at $position): rc=$?" "$(grep -E '^(==|\||timeline)' "$log")")
 }
@@ -195,7 +197,7 @@ if [[ " $PARTS " == *" prefetch-followup "* ]]; then
     --position 16 --out "$OUT/p16" >"$log" 2>&1
   summary+=("ring5 tune (llama-3.2-1b at 16): rc=$?" "$(grep -E '^(==|\||timeline)' "$log")")
   log="$OUT/tune-llama-3.2-1b-b8.log"
-  timeout 150 python3 scripts/gpu_tune.py llama-3.2-1b --batch 8 --variants bake --builds atom pf0 --no-composite \
+  timeout 150 python3 scripts/gpu_tune.py llama-3.2-1b --batch 8 --variants bake --builds default pf0 --no-composite \
     --capacity 128 --out "$OUT/b8" >"$log" 2>&1
   summary+=("batch-8 prefetch tune (llama-3.2-1b): rc=$?" "$(grep -E '^(==|\||timeline)' "$log")")
 fi
@@ -211,6 +213,22 @@ if [[ " $PARTS " == *" per-cta "* ]]; then
     timeout 200 python3 scripts/gpu_tune.py "$preset" --variants bake --per-cta --phases --no-composite \
       --capacity "$capacity" --position "$position" --out "$OUT/per-cta-p$position" >"$log" 2>&1
     summary+=("per-CTA tune ($preset at $position): rc=$?" "$(grep -E '^(==|\||per-CTA|phases)' "$log")")
+  done
+fi
+if [[ " $PARTS " == *" split-barrier "* ]]; then
+  # session 27: the split grid barrier (the default since then: arrive before the next GEMV's ring fill and
+  # prefetches, wait after them) against the one-call "atom" barrier before it. Its GPU test (bit-identical logits
+  # over graph replays), then Phi-3-mini / OLMo-2 at 4000, Llama-1B / SmolLM at 16; per-CTA clocks of both builds on
+  # Phi-3-mini and Llama-1B (did the barrier latency, last arrival to first release, drop?)
+  TEST_LIMIT=150 run_tests split-barrier "red_barrier" tests/test_gpu_decode.py
+  collect_tests split-barrier
+  for case in "llama-3.2-1b 4096 16 --per-cta" "phi-3-mini 4096 4000 --per-cta" "olmo-2-1b 4096 4000" \
+      "smollm-135m 2048 16"; do
+    read -r preset capacity position extra <<<"$case"
+    log="$OUT/tune-$preset-split-p$position.log"
+    timeout 170 python3 scripts/gpu_tune.py "$preset" --variants bake --builds default atom --no-composite $extra \
+      --capacity "$capacity" --position "$position" --out "$OUT/split-p$position" >"$log" 2>&1
+    summary+=("split-barrier tune ($preset at $position): rc=$?" "$(grep -E '^(==|\||per-CTA)' "$log")")
   done
 fi
 if [[ " $PARTS " == *" hang-probe "* ]]; then

@@ -10,8 +10,9 @@ fastest in that stage, and is measured the same way; its spec is printed (a ``tu
 
     source .cute/activate.sh && python3 scripts/gpu_tune.py smollm-135m llama-3.2-1b --out $OUT
 
-``--builds atom red no-kvpf`` also builds each variant with the fire-and-forget grid-barrier arrival
-(``generate(plan, barrier="red")``; rows ``<variant>@red``) and without the L2 prefetch of cached K/V rows before
+``--builds default red no-kvpf`` also builds each variant with the fire-and-forget grid-barrier arrival
+(``generate(plan, barrier="red")``; rows ``<variant>@red``; ``atom``: the one-call barrier, the default until
+session 27) and without the L2 prefetch of cached K/V rows before
 the barrier that precedes attention (``generate(plan, kv_prefetch=False)``, the default until session 16; rows
 ``<variant>@no-kvpf``), ``kvpf-l1`` that prefetch into L1 instead (``generate(plan, kv_prefetch_l1=True)``, a
 candidate), and the split-KV merges one at a time (the default picks per plan, ``codegen.default_merge``):
@@ -178,8 +179,10 @@ def sync_call(decoder, token, pos: int, reps: int) -> tuple[float, float]:
     return statistics.median(samples), statistics.median(host)
 
 
-# code-generation options a variant can be built with besides the default ("atom"): name -> generate() keywords
-BUILDS = {"atom": {}, "red": {"barrier": "red"}, "red-fence": {"barrier": "red-fence"},
+# code-generation options a variant can be built with besides the default ("default"): name -> generate() keywords
+# (the grid barrier: "atom" = one call that arrives and waits, the default until session 27; "split" = the default)
+BUILDS = {"default": {}, "atom": {"barrier": "atom"}, "red": {"barrier": "red"},
+          "red-fence": {"barrier": "red-fence"},
           "no-kvpf": {"kv_prefetch": False}, "kvpf-l1": {"kv_prefetch_l1": True},
           "last-merge": {"merge_preload": False, "spread_merge": False},
           "merge-preload": {"merge_preload": True, "spread_merge": False},
@@ -194,7 +197,7 @@ BUILDS = {"atom": {}, "red": {"barrier": "red"}, "red-fence": {"barrier": "red-f
           "pf32mb": {"prefetch_bytes": 32 << 20}, "pf48mb": {"prefetch_bytes": 48 << 20}}
 
 
-def stepped_timeline_decoder(plan, model, tokens, timeline, build: str = "atom", position: int | None = None):
+def stepped_timeline_decoder(plan, model, tokens, timeline, build: str = "default", position: int | None = None):
     """A decoder of a ``generate(plan, timeline=timeline)`` build, stepped through ``tokens`` and then three times
     at ``position`` (default: the last checked one), so its clocks hold that step."""
     from megabake.codegen import generate
@@ -209,7 +212,7 @@ def stepped_timeline_decoder(plan, model, tokens, timeline, build: str = "atom",
     return decoder
 
 
-def timeline(plan, model, tokens, phases: bool = False, build: str = "atom",
+def timeline(plan, model, tokens, phases: bool = False, build: str = "default",
              position: int | None = None) -> dict[str, float]:
     """Microseconds per stage kind (CTA 0, summed over layers) of one step at ``position`` (default: the last
     checked one); with ``phases`` per ``<stage>.<phase>`` (staging, GEMV, prefetch, barrier wait:
@@ -258,7 +261,7 @@ def summarize_ctas(labels: list[str], rows: list[list[float]], top: int = 8) -> 
     return {"stages": rounded, "last_arrivals": last.most_common(top)}
 
 
-def cta_timeline(plan, model, tokens, build: str = "atom", position: int | None = None) -> dict:
+def cta_timeline(plan, model, tokens, build: str = "default", position: int | None = None) -> dict:
     """:func:`summarize_ctas` of one step of a ``timeline="phases-per-cta"`` build (a CTA-wide sync before each
     clock: it perturbs the step; compare its waits with each other, not with the other builds' times)."""
     from megabake.codegen import TIMELINE_PER_CTA
@@ -270,7 +273,7 @@ def cta_timeline(plan, model, tokens, build: str = "atom", position: int | None 
 
 
 def sweep(name: str, chosen: list[str], reps: int, capacity: int, batch: int = 1, phases: bool = False,
-          builds: tuple[str, ...] = ("atom",), ctas: int | None = None, composite: bool = True,
+          builds: tuple[str, ...] = ("default",), ctas: int | None = None, composite: bool = True,
           position: int | None = None, per_cta: bool = False) -> dict:
     import torch
 
@@ -296,7 +299,7 @@ def sweep(name: str, chosen: list[str], reps: int, capacity: int, batch: int = 1
         tuning = tuning_for(candidates[variant], default_plan)
         row, timelines[variant] = measure_variant(variant, tuning, context, default_logits)
         rows.append(row)
-        for build in [b for b in builds if b != "atom"]:  # the variant again with each other build (BUILDS)
+        for build in [b for b in builds if b != "default"]:  # the variant again with each other build (BUILDS)
             row, timelines[f"{variant}@{build}"] = measure_variant(f"{variant}@{build}", tuning, context,
                                                                    default_logits, build=build)
             rows.append(row)
@@ -334,7 +337,7 @@ def build_tuned_plan(context: dict, tuning: dict, attention_preload: bool = Fals
 
 
 def measure_variant(variant: str, tuning: dict, context: dict, default_logits: list,
-                    attention_preload: bool = False, build: str = "atom") -> tuple[dict, dict]:
+                    attention_preload: bool = False, build: str = "default") -> tuple[dict, dict]:
     """Build, check (poisoned logits, vs the first variant, the first one also vs the CPU reference), time, and
     read one step's per-stage clocks. Errors become the row's ``error``: one variant must not end the sweep."""
     import torch
@@ -433,11 +436,11 @@ def main() -> None:
                         help="also build each variant with every CTA's phase clocks (timeline=\"phases-per-cta\") "
                              "and summarize the barrier waits: mean wait, arrival skew, barrier latency, GEMV "
                              "time over CTAs, the CTAs that arrive last")
-    parser.add_argument("--builds", "--barriers", dest="builds", nargs="+", default=["atom"], choices=list(BUILDS),
+    parser.add_argument("--builds", "--barriers", dest="builds", nargs="+", default=["default"], choices=list(BUILDS),
                         help="code-generation options to build each variant with (BUILDS: grid-barrier arrivals of "
                              "codegen.BARRIER_ARRIVALS; no-kvpf = without the K/V L2 prefetch; kvpf-l1 = that "
                              "prefetch into L1; last-merge / merge-preload / spread-merge = one split-KV merge "
-                             "only): 'atom red no-kvpf' adds <variant>@red and <variant>@no-kvpf rows per variant, "
+                             "only): 'default red no-kvpf' adds <variant>@red and <variant>@no-kvpf rows per variant, "
                              "checked against the first variant's logits")
     parser.add_argument("--position", type=int, default=None,
                         help="time the step at this position (< --capacity) instead of the last checked one")

@@ -361,16 +361,17 @@ def test_gated_gemv_kernel_matches_reference_executor_at_long_context(preset, ba
 
 
 def test_red_barrier_gives_bit_identical_logits_over_graph_replays():
-    """``generate(plan, barrier="red")`` and ``"red-fence"`` (fire-and-forget arrivals, written in session 14
-    without a GPU) change only how CTAs meet: over 24 advancing steps (graph replays, so every launch re-learns its barrier generation
-    from the counter) their logits equal the default kernel's exactly."""
+    """``generate(plan, barrier="red")``, ``"red-fence"`` (fire-and-forget arrivals, written in session 14
+    without a GPU) and ``"split"`` (arrive before the ring fill and prefetches, wait after them; session 27) change
+    only how CTAs meet: over 24 advancing steps (graph replays, so every launch re-learns its barrier generation
+    from the counter) their logits equal the one-call "atom" barrier's exactly."""
     from megabake.codegen import generate
     from megabake.runtime import MegakernelDecoder, gpu_info
 
     compiled = compile_preset("smollm-135m", layers=4, vocab=4096, capacity=64, ctas=gpu_info().sm_count)
     tokens = torch.randint(1, 4096, (24,), generator=torch.Generator().manual_seed(33))
     results = []
-    for barrier in ("atom", "red", "red-fence"):
+    for barrier in ("atom", "red", "red-fence", "split"):
         decoder = MegakernelDecoder(compiled.plan, generate(compiled.plan, barrier=barrier).source, compiled.model,
                                     device="cuda")
         steps = []
@@ -380,7 +381,7 @@ def test_red_barrier_gives_bit_identical_logits_over_graph_replays():
         results.append(torch.stack(steps))
         del decoder
     assert torch.isfinite(results[0]).all()
-    assert torch.equal(results[1], results[0]) and torch.equal(results[2], results[0])
+    assert all(torch.equal(other, results[0]) for other in results[1:])
 
 
 def _logits_over_random_cache(compiled, positions, batch: int, builds: list[dict]) -> list[torch.Tensor]:
@@ -738,8 +739,8 @@ def test_timeline_build_accounts_for_the_step():
     assert all(us >= 0 for _, us in phases), phases
     phase_us = sum(us for _, us in phases)
     assert 0.5 * total_us < phase_us < 2.0 * total_us, (phase_us, total_us)  # the same step, timed twice
-    # every CTA's phase clocks (written in session 26, not GPU-run then): the same logits, each CTA's clocks in
-    # order, and no CTA leaves a grid barrier before the last one arrived at it
+    # every CTA's phase clocks (written in session 26, first GPU-run in session 27): the same logits, each CTA's
+    # clocks in order, and no CTA leaves a grid barrier before the last one arrived at it
     per_cta = MegakernelDecoder(compiled.plan, generate(compiled.plan, timeline=TIMELINE_PER_CTA).source,
                                 compiled.model, device="cuda", use_graph=False)
     for position, token in enumerate([11, 5, 42]):
@@ -750,8 +751,10 @@ def test_timeline_build_accounts_for_the_step():
     assert all(row[k] <= row[k + 1] for row in rows for k in range(len(row) - 1))
     barriers = [k + 1 for k, label in enumerate(labels) if label.endswith(".barrier")]
     assert barriers
-    for end in barriers:  # rows[c][end]: CTA c's release; rows[c][end - 1]: its arrival
-        assert max(row[end - 1] for row in rows) <= min(row[end] for row in rows), labels[end - 1]
+    for end in barriers:  # rows[c][end]: CTA c's release; it arrived (split barrier, the default since session
+        # 27) before the prefetch phase where the stage has one, else at the barrier interval's start
+        arrival = end - 2 if labels[end - 2].endswith(".prefetch") else end - 1
+        assert max(row[arrival] for row in rows) <= min(row[end] for row in rows), labels[end - 1]
 
 
 def test_bake_with_autotune_on_the_gpu(tmp_path):

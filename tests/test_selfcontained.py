@@ -119,7 +119,7 @@ def test_self_contained_module_loads_without_the_installed_bodies(tiny, monkeypa
 
     monkeypatch.setitem(sys.modules, "megabake.codegen.bodies", None)  # any import of it now fails
     module = load_module(generate(tiny.plan).source)
-    assert module.bodies.grid_barrier is module.grid_barrier and module.ARGUMENTS
+    assert module.bodies.grid_wait is module.grid_wait and module.ARGUMENTS
 
 
 def test_legacy_modules_of_old_packages_still_load(tiny):

@@ -229,6 +229,11 @@ def test_spread_tiling_deals_tiles_cta_major_with_the_same_numerics(tiny):
     assert Plan.from_json(spread.to_json()).hash == spread.hash
 
 
+def _waits(line: str) -> bool:
+    """Where a CTA waits at a grid barrier: the default split barrier's wait, or an "atom" barrier's one call."""
+    return "bodies.grid_wait(" in line or "bodies.grid_barrier(" in line
+
+
 def test_preload_issues_the_first_chunk_before_the_barrier(tiny):
     from megabake.runtime.compile import compile_check
 
@@ -237,7 +242,7 @@ def test_preload_issues_the_first_chunk_before_the_barrier(tiny):
     assert '"preload": true' in plan.to_json() and '"preload"' not in tiny.plan.to_json()
     lines = generate(plan).source.splitlines()
     preloads = [i for i, line in enumerate(lines) if "bodies.gemv_preload(" in line]
-    barriers = [i for i, line in enumerate(lines) if "bodies.grid_barrier(" in line]
+    barriers = [i for i, line in enumerate(lines) if _waits(line)]
     assert len(preloads) == 5  # after embed, and after each layer stage whose next stage is a GEMV
     assert all(any(b > p and not any(p < q < b for q in preloads if q != p) for b in barriers) for p in preloads)
     assert sum("bodies.gemv_rows_pre(" in line for line in lines) == 4  # the LM head loads as usual
@@ -258,9 +263,11 @@ def test_attention_preload_loads_cached_rows_before_the_barrier(tiny):
     source = generate(plan).source
     lines = source.splitlines()
     preload = next(i for i, line in enumerate(lines) if "bodies.attention_preload(" in line)
-    barrier = next(i for i, line in enumerate(lines) if i > preload and "bodies.grid_barrier(" in line)
+    barrier = next(i for i, line in enumerate(lines) if i > preload and _waits(line))
     early = next(i for i, line in enumerate(lines) if "bodies.decode_attention_early(" in line)
     assert preload < barrier < early  # issued in the QKV stage, before the barrier that precedes attention
+    arrival = next(i for i, line in enumerate(lines) if i > preload - 12 and "bodies.grid_arrive(" in line)
+    assert preload < arrival < barrier  # it reads the KV cache that attention appends to: before the arrival
     assert "s_new = cute.make_tensor(s_vec.iterator" in source
     result = compile_check(plan, load_module(source))
     assert result.ok, result.error
@@ -331,7 +338,7 @@ def test_kv_prefetch_asks_l2_for_cached_rows_before_the_barrier_that_precedes_at
     lines = source.splitlines()
     prefetch = [i for i, line in enumerate(lines) if "bodies.split_kv_prefetch(" in line]
     assert len(prefetch) == 1  # inside the layer loop
-    barrier = next(i for i, line in enumerate(lines) if i > prefetch[0] and "bodies.grid_barrier(" in line)
+    barrier = next(i for i, line in enumerate(lines) if i > prefetch[0] and _waits(line))
     attention = next(i for i, line in enumerate(lines) if "bodies.split_kv_attention(" in line)
     qkv = max(i for i, line in enumerate(lines) if "bodies.gemv_rows" in line and i < prefetch[0])
     assert qkv < prefetch[0] < barrier < attention
@@ -417,7 +424,7 @@ def test_spread_merge_flags_attention_resets_counters_after_its_barrier_and_comp
     lines = source.split("\n# ====")[0].splitlines()
     reset = [i for i, line in enumerate(lines) if "bodies.split_kv_counts_reset(" in line]
     attention = next(i for i, line in enumerate(lines) if "bodies.split_kv_attention(" in line)
-    barrier_after = next(i for i in range(attention, len(lines)) if "bodies.grid_barrier(" in lines[i])
+    barrier_after = next(i for i in range(attention, len(lines)) if _waits(lines[i]))
     assert len(reset) == 1 and barrier_after < reset[0]  # once per layer, in the stage after attention's barrier
     assert any("o_residual" in line for line in lines[barrier_after:reset[0]])  # that stage's banner comes first
     reset_end = next(i for i in range(reset[0], len(lines)) if lines[i].endswith(")"))  # the call, wrapped or not
@@ -705,7 +712,7 @@ def test_streamed_gemv_with_preload_fills_its_ring_before_the_barrier(tiny):
     source = generate(plan).source
     lines = source.splitlines()
     prefills = [i for i, line in enumerate(lines) if "bodies.gemv_ring_prefill(" in line]
-    barriers = [i for i, line in enumerate(lines) if "bodies.grid_barrier(" in line]
+    barriers = [i for i, line in enumerate(lines) if _waits(line)]
     assert len(prefills) == 5  # after embed, and before each barrier whose next stage is a layer GEMV
     assert all(any(b > p and not any(p < q < b for q in prefills if q != p) for b in barriers) for p in prefills)
     down_prefill = next(c for c in body_calls(source, "gemv_ring_prefill") if "w_qkv[cutlass.min(layer + 1" in c["weight"])
@@ -770,7 +777,7 @@ def test_red_barrier_build_compiles_and_keeps_the_kernel_otherwise(tiny, barrier
     pytest.importorskip("cutlass")
     from megabake.runtime.compile import compile_check
 
-    default = generate(tiny.plan).source.split("\n# ====")[0]
+    default = generate(tiny.plan, barrier="atom").source.split("\n# ====")[0]
     red = generate(tiny.plan, barrier=barrier).source
     kernel = red.split("\n# ====")[0]
     assert "bodies.grid_barrier(" not in kernel
@@ -778,7 +785,7 @@ def test_red_barrier_build_compiles_and_keeps_the_kernel_otherwise(tiny, barrier
     assert kernel.count(f"relaxed_polls={relaxed})") == 6
     differing = [line for line in kernel.splitlines() if line not in default.splitlines()]
     assert all("bar_next" in line for line in differing), differing
-    assert "def grid_barrier_red(" in red and "def grid_barrier_red(" not in generate(tiny.plan).source
+    assert "def grid_barrier_red(" in red and "def grid_barrier_red(" not in generate(tiny.plan, barrier="atom").source
     result = compile_check(tiny.plan, load_module(red), dump_dir=str(tmp_path))
     assert result.ok, result.error
     ptx = next(tmp_path.glob("*.ptx")).read_text()
@@ -791,6 +798,56 @@ def test_red_barrier_build_compiles_and_keeps_the_kernel_otherwise(tiny, barrier
         generate(tiny.plan, barrier="fence")
     with pytest.raises(ValueError, match="watchdog build has its own barrier"):
         generate(tiny.plan, barrier=barrier, watchdog=True)
+
+
+def test_split_barrier_arrives_before_the_ring_fill_and_waits_after_it(tiny, tmp_path):
+    """``generate(plan, barrier="split")`` (the default since session 27; ``barrier="atom"`` is the one-call
+    barrier before it, ``scripts/gpu_tune.py --builds atom-barrier``): every grid
+    barrier becomes an arrival right after the stage's own calls and a wait after the calls issued ahead of the
+    barrier (the next GEMV's ring fill and prefetches), so exactly those calls sit between the halves; the rest
+    of the kernel is the default's line for line, and it compiles for sm_90a (also as a per-CTA timeline) with a
+    ``red.release`` arrival."""
+    pytest.importorskip("cutlass")
+    from megabake.runtime.compile import compile_check
+
+    default = generate(tiny.plan, barrier="atom").source.split("\n# ====")[0]
+    split = generate(tiny.plan, barrier="split").source
+    assert generate(tiny.plan).source == split  # the default since session 27
+    kernel = split.split("\n# ====")[0]
+    arrival, wait = "bodies.grid_arrive(barrier=barrier, next_target=bar_next,", "bodies.grid_wait(barrier=barrier,"
+    assert "bodies.grid_barrier(" not in kernel
+    assert kernel.count(arrival) == kernel.count(wait) == 6
+    lines = [line.strip() for line in kernel.splitlines()]
+    default_lines = [line.strip() for line in default.splitlines()]
+    # each default barrier's preceding calls now sit between an arrival and its wait
+    arrivals = [i for i, line in enumerate(lines) if line.startswith("bodies.grid_arrive(")]
+    waits = [i for i, line in enumerate(lines) if line.startswith("bodies.grid_wait(")]
+    between = [lines[a + 1:w] for a, w in zip(arrivals, waits)]
+    assert sum(any("prefetch_rows(" in line for line in chunk) for chunk in between) == 5
+    assert any(any("split_kv_prefetch(" in line for line in chunk) for chunk in between)
+    assert all(not any(line.startswith("bodies.gemv_rows") or "split_kv_attention(" in line for line in chunk)
+               for chunk in between)
+    for a in arrivals:  # an arrival comes right after a stage's last body call (the previous call's arguments)
+        assert not any(lines[a - 1].startswith(f"bodies.{name}(") for name in ("prefetch_rows", "gemv_ring_prefill"))
+    without_barriers = [line for line in lines if "grid_arrive(" not in line and "grid_wait(" not in line
+                        and "bar_next" not in line]
+    assert without_barriers == [line for line in default_lines if "grid_barrier(" not in line]
+    assert "def grid_arrive(" in split and "def grid_wait(" in split
+    result = compile_check(tiny.plan, load_module(split), dump_dir=str(tmp_path))
+    assert result.ok, result.error
+    assert "red.release.gpu.global.add.u64" in next(tmp_path.glob("*.ptx")).read_text()
+    per_cta = generate(tiny.plan, barrier="split", timeline="phases-per-cta").source
+    assert compile_check(tiny.plan, load_module(per_cta)).ok
+    with pytest.raises(ValueError, match="watchdog build has its own barrier"):
+        generate(tiny.plan, barrier="split", watchdog=True)
+    with pytest.raises(ValueError, match="barrier='fence'"):
+        generate(tiny.plan, barrier="fence")
+    ring = compile_preset("tiny-llama")  # the bake default: streamed GEMVs fill their rings before a barrier
+    ring_kernel = generate(ring.plan, barrier="split").source.split("\n# ====")[0].splitlines()
+    fills = [i for i, line in enumerate(ring_kernel) if line.strip().startswith("bodies.gemv_ring_prefill(")]
+    halves = [(i, "arrive" if "grid_arrive(" in line else "wait") for i, line in enumerate(ring_kernel)
+              if "grid_arrive(" in line or "grid_wait(" in line]
+    assert len(fills) == 5 and all([h for j, h in halves if j < i][-1] == "arrive" for i in fills)
 
 
 def test_hang_probe_names_the_stage_of_every_barrier(tiny):

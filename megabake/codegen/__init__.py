@@ -24,10 +24,12 @@ times back (:meth:`megabake.runtime.MegakernelDecoder.stage_timeline`). ``timeli
 after every phase of every stage instead (:func:`stage_phases`: staging, GEMV, prefetch, barrier wait) and
 declares ``TIMELINE_PHASES``; ``timeline="phases-per-cta"`` stores them in every CTA, each once the whole CTA is
 through the phase (a ``sync_threads`` before each clock: a diagnostic that perturbs what it measures), in rows of
-``TIMELINE_STRIDE`` (:meth:`megabake.runtime.MegakernelDecoder.cta_timelines`). ``generate(plan, barrier="red")``
-(or ``"red-fence"``) arrives at grid barriers with a fire-and-forget reduction (``BARRIER_ARRIVALS``; candidates
-measured against the default). ``generate(plan, watchdog=True)`` (debugging a hang) waits at each grid barrier for
-at most ``WATCHDOG_POLLS`` polls and records per CTA its arrivals and the first barrier it gave up at
+``TIMELINE_STRIDE`` (:meth:`megabake.runtime.MegakernelDecoder.cta_timelines`). Grid barriers are split by default
+(``DEFAULT_BARRIER``): a CTA arrives right after its stage's writes and waits after the next GEMV's ring fill and
+prefetches; ``generate(plan, barrier="atom")`` (one call that arrives and waits, the default until session 27),
+``"red"`` or ``"red-fence"`` (fire-and-forget arrivals) build the others (``BARRIER_ARRIVALS``).
+``generate(plan, watchdog=True)`` (debugging a hang) waits at each grid barrier for at most ``WATCHDOG_POLLS``
+polls and records per CTA its arrivals and the first barrier it gave up at
 (:meth:`megabake.runtime.MegakernelDecoder.barrier_watch`). Packages never ship these variants.
 """
 
@@ -183,12 +185,26 @@ def _timeline_store(w: _Writer, indent: int, enabled: bool, slot: str, every_cta
 
 
 WATCHDOG_POLLS = 1 << 22  # polls of a watchdog build's barrier before a CTA gives up (~3 s at ~0.7 us per poll)
-# how a CTA arrives at a grid barrier: "atom" (bodies.grid_barrier, the default), "red" (bodies.grid_barrier_red:
-# a fire-and-forget arrival after the launch's first barrier, acquire polls) or "red-fence" (the same with relaxed
-# polls and one acquire fence); A/B candidates, not GPU-run yet
+# how a CTA meets the others at a grid barrier: "split" (the default: bodies.grid_arrive before the calls issued
+# ahead of the wait, bodies.grid_wait after them), "atom" (bodies.grid_barrier: arrive and wait in one call, the
+# default until session 27), "red" (bodies.grid_barrier_red: a fire-and-forget arrival after the launch's first
+# barrier, acquire polls) or "red-fence" (the same with relaxed polls and one acquire fence)
 BARRIER_ARRIVALS = {"atom": "bodies.grid_barrier(barrier, tidx, CTAS)",
                     "red": "bodies.grid_barrier_red(barrier, bar_next, tidx, CTAS, False)",
-                    "red-fence": "bodies.grid_barrier_red(barrier, bar_next, tidx, CTAS, True)"}
+                    "red-fence": "bodies.grid_barrier_red(barrier, bar_next, tidx, CTAS, True)",
+                    "split": "bodies.grid_wait(barrier, bar_next, tidx, CTAS)"}
+# barrier="split": the arrival (bodies.grid_arrive) comes right after a stage's writes, before the calls issued ahead
+# of the wait (_before_barrier_calls: ring fill, L2 prefetches, register preloads of weights; none writes global
+# memory, and the attention preload, which reads the KV cache that the next stage appends to, stays before it), so
+# the last CTA's arrival is not queued behind its own ring fill. H200, session 27 (scripts/gpu_tune.py --per-cta):
+# a barrier's latency (last arrival to first release) was 0.6-0.7 us after attention, where nothing is issued
+# ahead of the wait, and 1.2-2.9 us after GEMVs whose successor fills its ring there; split, 0.1-1.3 us. GPU ms
+# per step, atom -> split: Llama-3.2-1B at 16 0.767 -> 0.748, SmolLM-135M at 16 0.388 -> 0.369, OLMo-2-1B at 4000
+# 1.008 -> 0.991, Phi-3-mini at 4000 2.470 -> 2.460, the same logits.
+SPLIT_ARRIVAL = "bodies.grid_arrive(barrier, bar_next, tidx, CTAS)"
+DEFAULT_BARRIER = "split"
+# before-barrier calls that read global memory the next stage writes: they stay ahead of a split barrier's arrival
+_BEFORE_ARRIVAL = ("bodies.attention_preload(",)
 
 
 # L2 prefetch of the next GEMV's first tiles before each grid barrier, bytes over the whole grid (at least one tile
@@ -201,7 +217,8 @@ PREFETCH_BUDGET_BYTES = 16 << 20
 @dataclass(frozen=True)
 class BuildOptions:
     """Code-generation choices that change module.py but not the plan (same buffers, same plan hash): the grid
-    barrier's call (``BARRIER_ARRIVALS`` or a watchdog's), the K/V L2 prefetch (:func:`_before_barrier_calls`) and
+    barrier's call (``BARRIER_ARRIVALS`` or a watchdog's; a split barrier's wait, after its ``arrival``), the K/V
+    L2 prefetch (:func:`_before_barrier_calls`) and
     the split-KV merge's preload (``bodies.split_kv_attention``), the K/V prefetch into L1 instead of L2
     (``kv_prefetch_l1``, a candidate, off by default) and the spread split-KV merge (``spread_merge``, with
     ``bodies.split_kv_counts_reset`` after the barrier that follows attention). :func:`generate` picks the two
@@ -219,6 +236,7 @@ class BuildOptions:
     fold_splits: int = 0  # fold_merge: the O projection's staging merges up to this many active splits (0: off)
     prefetch_bytes: int | None = None  # L2 prefetch of the next GEMV's tiles per barrier (None: per stage)
     clock_every_cta: bool = False  # a TIMELINE_PER_CTA build: every CTA stores its phase clocks
+    arrival: str | None = None  # a split barrier's arrival (SPLIT_ARRIVAL), emitted before the before-barrier calls
 
 
 # A KV group's outputs (query heads per KV head x head_dim) from which the spread merge is the default: on the H200
@@ -289,7 +307,7 @@ def default_kv_pipeline(plan: Plan) -> bool:
 
 
 def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str = False,
-             self_contained: bool = True, watchdog: bool = False, barrier: str = "atom",
+             self_contained: bool = True, watchdog: bool = False, barrier: str | None = None,
              kv_prefetch: bool = True, kv_prefetch_l1: bool = False, merge_preload: bool | None = None,
              spread_merge: bool | None = None, head_slices: bool = True,
              long_slices: bool = LONG_SLICES, pass_chunks: bool = PASS_CHUNKS,
@@ -306,13 +324,16 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     merges their partials in the O projection's staging (no arrival counter, no last-arrival chain; None picks it
     per plan: :func:`default_fold_merge`); ``prefetch_bytes`` is the L2 prefetch of the next GEMV's first tiles
     issued before each grid barrier, in bytes over the whole grid, for every stage (0: none; at least one tile per
-    warp otherwise: :func:`_prefetch_call`; None picks it per stage: :func:`default_prefetch_bytes`)."""
+    warp otherwise: :func:`_prefetch_call`; None picks it per stage: :func:`default_prefetch_bytes`); ``barrier``
+    is how CTAs meet at grid barriers (``BARRIER_ARRIVALS``; None: ``DEFAULT_BARRIER``, or a watchdog's)."""
     if watchdog and timeline:
         raise ValueError("a watchdog build has no timeline: build them separately")
-    if barrier not in BARRIER_ARRIVALS:
+    if barrier is not None and barrier not in BARRIER_ARRIVALS:
         raise ValueError(f"barrier={barrier!r}: use one of {sorted(BARRIER_ARRIVALS)}")
-    if watchdog and barrier != "atom":
-        raise ValueError("a watchdog build has its own barrier (bodies.grid_barrier_watched): leave barrier='atom'")
+    if watchdog and barrier is not None:
+        raise ValueError(f"a watchdog build has its own barrier (bodies.grid_barrier_watched): leave out "
+                         f"barrier={barrier!r}")
+    barrier = "atom" if watchdog else barrier or DEFAULT_BARRIER
     if kv_prefetch_l1 and not kv_prefetch:
         raise ValueError("kv_prefetch_l1 picks where the K/V prefetch lands: it needs kv_prefetch=True")
     if prefetch_bytes is not None and (isinstance(prefetch_bytes, bool) or not isinstance(prefetch_bytes, int)
@@ -406,7 +427,8 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     options = BuildOptions(barrier=("bodies.grid_barrier_watched(barrier, tidx, CTAS, cta, WATCH_POLLS)" if watchdog
                                     else BARRIER_ARRIVALS[barrier]), kv_prefetch=kv_prefetch,
                            kv_prefetch_l1=kv_prefetch_l1, merge_preload=merge_preload, spread_merge=spread_merge,
-                           fold_splits=folded, prefetch_bytes=prefetch_bytes, clock_every_cta=every_cta)
+                           fold_splits=folded, prefetch_bytes=prefetch_bytes, clock_every_cta=every_cta,
+                           arrival=SPLIT_ARRIVAL if barrier == "split" else None)
     if phases:
         _phase_timed_stages(w, plan, prologue, per_layer, epilogue, options)
     else:
@@ -564,7 +586,8 @@ def _stage(w: _Writer, plan: Plan, stage: Stage, indent: int, layer_var, clocks:
     if stage.barrier_after:
         before = _before_barrier_calls(plan, stage, options.kv_prefetch, options.kv_prefetch_l1,
                                        options.prefetch_bytes)
-        for call in before:
+        reads = [call for call in before if call.startswith(_BEFORE_ARRIVAL)]
+        for call in reads + ([options.arrival] if options.arrival else []) + [c for c in before if c not in reads]:
             w(call, indent)
         if before:
             clock()

@@ -68,6 +68,42 @@ def grid_barrier_red(barrier: cute.Tensor, next_target: cute.Tensor, tidx: Int32
 
 
 @cute.jit
+def grid_arrive(barrier: cute.Tensor, next_target: cute.Tensor, tidx: Int32, ctas: cutlass.Constexpr[int]):
+    """The arrival half of a split grid barrier (``generate(plan, barrier="split")``, a candidate): this CTA's
+    writes are done, so thread 0 arrives now (the launch's first barrier with an atomic that says which generation
+    this launch is in, later ones with a fire-and-forget ``red.release.gpu.add``) and leaves the counter value to
+    wait for in ``next_target``. The code between this and :func:`grid_wait` (the next GEMV's ring fill, L2
+    prefetches) must not write global memory that another CTA reads after the barrier; it then runs while the
+    arrival travels, instead of in front of it.
+    """
+    cute.arch.sync_threads()
+    if tidx == 0:
+        ptr = barrier.iterator.llvm_ptr
+        target = next_target[0]
+        if target == Int64(0):
+            old = cute.arch.atomic_add(ptr, Int64(1), sem="release", scope="gpu")
+            target = (old // ctas + 1) * ctas
+        else:
+            cute.arch.red(ptr, Int64(1), op="add", dtype="u64", sem="release", scope="gpu")  # s64 add: no PTX form
+        next_target[0] = target
+
+
+@cute.jit
+def grid_wait(barrier: cute.Tensor, next_target: cute.Tensor, tidx: Int32, ctas: cutlass.Constexpr[int]):
+    """The waiting half of a split grid barrier (:func:`grid_arrive`): thread 0 polls (acquire loads) until the
+    counter reaches ``next_target`` and moves it to the next barrier's target; ``bar.sync`` then makes every
+    CTA's writes visible to the whole CTA."""
+    if tidx == 0:
+        ptr = barrier.iterator.llvm_ptr
+        target = next_target[0]
+        current = cute.arch.load(ptr, Int64, sem="acquire", scope="gpu")
+        while current < target:
+            current = cute.arch.load(ptr, Int64, sem="acquire", scope="gpu")
+        next_target[0] = target + ctas
+    cute.arch.sync_threads()
+
+
+@cute.jit
 def grid_barrier_watched(barrier: cute.Tensor, tidx: Int32, ctas: cutlass.Constexpr[int], cta: Int32,
                          max_polls: cutlass.Constexpr[int]):
     """:func:`grid_barrier` of a watchdog build (``generate(plan, watchdog=True)``, a debugging variant): a CTA
