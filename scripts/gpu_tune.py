@@ -228,12 +228,14 @@ def timeline(plan, model, tokens, phases: bool = False, build: str = "default",
     return by_kind
 
 
-def summarize_ctas(labels: list[str], rows: list[list[float]], top: int = 8) -> dict:
+def summarize_ctas(labels: list[str], rows: list[list[float]], top: int = 8, split: bool = False) -> dict:
     """Where the grid barriers' waits come from, from every CTA's phase clocks (``cta_timelines``: per CTA, us
     from the earliest start to the end of each interval). Per stage kind, summed over layers: ``wait_mean`` (a
     CTA's mean time in the barrier interval), ``skew`` (last minus first arrival), ``latency`` (first release
     minus last arrival: the barrier itself), and ``gemv_min`` / ``gemv_median`` / ``gemv_max`` (a CTA's GEMV
-    time); ``last_arrivals``: the CTAs that arrived last most often, with their counts."""
+    time); ``last_arrivals``: the CTAs that arrived last most often, with their counts. A CTA arrives where the
+    barrier interval starts, or with ``split`` (a split barrier, the default since session 27) where the stage's
+    ``prefetch`` interval before it starts, if it has one."""
     import collections
 
     kinds: dict[str, dict[str, float]] = {}
@@ -243,7 +245,8 @@ def summarize_ctas(labels: list[str], rows: list[list[float]], top: int = 8) -> 
     for k, label in enumerate(labels):  # interval k runs from rows[c][k] to rows[c][k + 1]
         kind, phase = label.split(".")[-2:]
         if phase == "barrier":
-            arrivals = [rows[c][k] for c in ctas]
+            arrived = k - 1 if split and k and labels[k - 1].endswith(".prefetch") else k
+            arrivals = [rows[c][arrived] for c in ctas]
             releases = [rows[c][k + 1] for c in ctas]
             entry = kinds.setdefault(kind, {"wait_mean": 0.0, "skew": 0.0, "latency": 0.0})
             entry["wait_mean"] += statistics.fmean(r - a for r, a in zip(releases, arrivals))
@@ -266,10 +269,12 @@ def cta_timeline(plan, model, tokens, build: str = "default", position: int | No
     clock: it perturbs the step; compare its waits with each other, not with the other builds' times)."""
     from megabake.codegen import TIMELINE_PER_CTA
 
+    from megabake.codegen import DEFAULT_BARRIER
+
     decoder = stepped_timeline_decoder(plan, model, tokens, TIMELINE_PER_CTA, build, position)
     labels, rows = decoder.cta_timelines()
     del decoder
-    return summarize_ctas(labels, rows)
+    return summarize_ctas(labels, rows, split=BUILDS[build].get("barrier", DEFAULT_BARRIER) == "split")
 
 
 def sweep(name: str, chosen: list[str], reps: int, capacity: int, batch: int = 1, phases: bool = False,

@@ -254,6 +254,13 @@ def test_gpu_tune_summarizes_every_ctas_barrier_arrivals():
     assert summary["stages"]["norm_qkv"] == {"wait_mean": 2.7, "skew": 3.0, "latency": 1.0, "gemv_min": 3.0,
                                              "gemv_median": 5.0, "gemv_max": 5.0}
     assert summary["last_arrivals"] == [(2, 2)]
+    # a split barrier's CTA arrives before the stage's prefetch phase (session 27's default)
+    labels = ["layer0.norm_qkv.gemv_rows_streamed", "layer0.norm_qkv.prefetch", "layer0.norm_qkv.barrier"]
+    rows = [[0, 4, 6, 9], [0, 5, 7, 9], [0, 2, 8, 10]]
+    split = module.summarize_ctas(labels, rows, split=True)["stages"]["norm_qkv"]
+    assert (split["skew"], split["latency"]) == (3.0, 4.0)  # arrivals at 4, 5, 2; releases at 9, 9, 10
+    atom = module.summarize_ctas(labels, rows)["stages"]["norm_qkv"]
+    assert (atom["skew"], atom["latency"]) == (2.0, 1.0)  # arrivals at 6, 7, 8
 
 
 def _gpu_tune_script():

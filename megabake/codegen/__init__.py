@@ -197,10 +197,11 @@ BARRIER_ARRIVALS = {"atom": "bodies.grid_barrier(barrier, tidx, CTAS)",
 # of the wait (_before_barrier_calls: ring fill, L2 prefetches, register preloads of weights; none writes global
 # memory, and the attention preload, which reads the KV cache that the next stage appends to, stays before it), so
 # the last CTA's arrival is not queued behind its own ring fill. H200, session 27 (scripts/gpu_tune.py --per-cta):
-# a barrier's latency (last arrival to first release) was 0.6-0.7 us after attention, where nothing is issued
-# ahead of the wait, and 1.2-2.9 us after GEMVs whose successor fills its ring there; split, 0.1-1.3 us. GPU ms
-# per step, atom -> split: Llama-3.2-1B at 16 0.767 -> 0.748, SmolLM-135M at 16 0.388 -> 0.369, OLMo-2-1B at 4000
-# 1.008 -> 0.991, Phi-3-mini at 4000 2.470 -> 2.460, the same logits.
+# with one call, a barrier's latency (last arrival to first release) was 0.6-0.7 us after attention, where nothing
+# is issued ahead of the wait, and 1.2-2.9 us after GEMVs whose successor fills its ring there; split, a CTA's mean
+# wait after its prefetch phase fell from 225 to 170 us per step (Llama-3.2-1B at 16) and from 530 to 416 us
+# (Phi-3-mini at 4000). GPU ms per step, atom -> split: Llama-3.2-1B at 16 0.767 -> 0.748, SmolLM-135M at 16
+# 0.388 -> 0.369, OLMo-2-1B at 4000 1.008 -> 0.991, Phi-3-mini at 4000 2.470 -> 2.460, the same logits.
 SPLIT_ARRIVAL = "bodies.grid_arrive(barrier, bar_next, tidx, CTAS)"
 DEFAULT_BARRIER = "split"
 # before-barrier calls that read global memory the next stage writes: they stay ahead of a split barrier's arrival

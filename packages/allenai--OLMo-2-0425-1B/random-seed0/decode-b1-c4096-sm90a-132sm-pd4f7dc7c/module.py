@@ -42,6 +42,7 @@ HEAD_SLICES = 1
 LONG_SLICES = True
 CHUNK_QUANTUM = 64
 KV_PIPELINE = True
+FOLD_SPLITS = 8
 RING_STAGES = 4
 RING_VECTORS = 8
 EPS = 1e-06
@@ -80,18 +81,21 @@ def megakernel(
         cute.make_layout((WARPS, RING_STAGES, RING_VECTORS, 32, 8),
             stride=(RING_STAGES * RING_VECTORS * 256, RING_VECTORS * 256, 256, 8, 1)),
         byte_alignment=16)
+    bar_next = cute.make_rmem_tensor(cute.make_layout(1), cutlass.Int64)  # next grid-barrier target
+    bar_next[0] = cutlass.Int64(0)  # 0: the launch's first barrier asks the counter
     pos = position[0]
     # ---- stage 0: embed (prologue) ----
     bodies.embed_gather(
         embed=embed, tokens=tokens, x=x_mid, cta=cta, tidx=tidx, batch=BATCH, hidden=HIDDEN, ctas=CTAS, threads=THREADS)
     bodies.zero_rows(t=down_out, cta=cta, tidx=tidx, batch=BATCH, width=HIDDEN, ctas=CTAS, threads=THREADS)
+    bodies.grid_arrive(barrier=barrier, next_target=bar_next, tidx=tidx, ctas=CTAS)
     bodies.prefetch_rows(
         weight=w_qkv[0, None, None], gwarp=swarp, lane=lane, total_warps=TOTAL_WARPS, rows=6144, cols=2048, per_tile=2,
-        max_tiles=1)
+        max_tiles=0)
     bodies.gemv_ring_prefill(
         weight=w_qkv[0, None, None], ring=s_ring[tidx // 32, None, None, None, None], gwarp=swarp, lane=lane, active=1,
         total_warps=TOTAL_WARPS, rows=6144, cols=2048, per_tile=2, unroll=4, stages=4)
-    bodies.grid_barrier(barrier=barrier, tidx=tidx, ctas=CTAS)
+    bodies.grid_wait(barrier=barrier, next_target=bar_next, tidx=tidx, ctas=CTAS)
     for layer in range(LAYERS):
         # ---- stage 1: norm_qkv (layer) ----
         bodies.residual_norm_to_smem(
@@ -103,6 +107,7 @@ def megakernel(
             out=qkv, gwarp=swarp, lane=lane, total_warps=TOTAL_WARPS, rows=QKV_ROWS, cols=HIDDEN, batch=BATCH,
             per_tile=ROWS_PER_TILE['norm_qkv'], accumulate=False, unroll=GEMV_UNROLL['norm_qkv'], has_bias=False,
             stages=4, prefilled=True, act=0)
+        bodies.grid_arrive(barrier=barrier, next_target=bar_next, tidx=tidx, ctas=CTAS)
         bodies.split_kv_prefetch(
             k_cache=k_cache[layer, None, None, None, None], v_cache=v_cache[layer, None, None, None, None], pos=pos,
             first_key=0, cta=cta, tidx=tidx, batch=BATCH, n_kv_heads=N_KV_HEADS, head_dim=HEAD_DIM, threads=THREADS,
@@ -110,11 +115,11 @@ def megakernel(
             long_slices=LONG_SLICES, to_l1=False)
         bodies.prefetch_rows(
             weight=w_o[layer, None, None], gwarp=swarp, lane=lane, total_warps=TOTAL_WARPS, rows=2048, cols=2048,
-            per_tile=2, max_tiles=1)
+            per_tile=2, max_tiles=0)
         bodies.gemv_ring_prefill(
             weight=w_o[layer, None, None], ring=s_ring[tidx // 32, None, None, None, None], gwarp=swarp, lane=lane,
             active=1, total_warps=TOTAL_WARPS, rows=2048, cols=2048, per_tile=2, unroll=4, stages=4)
-        bodies.grid_barrier(barrier=barrier, tidx=tidx, ctas=CTAS)
+        bodies.grid_wait(barrier=barrier, next_target=bar_next, tidx=tidx, ctas=CTAS)
         # ---- stage 2: attention (layer) ----
         bodies.split_kv_attention(
             qkv=qkv, qk_norm=qk_norms[layer, None], rope_cos=rope_cos, rope_sin=rope_sin,
@@ -123,22 +128,27 @@ def megakernel(
             n_heads=N_HEADS, n_kv_heads=N_KV_HEADS, head_dim=HEAD_DIM, ctas=CTAS, threads=THREADS, scale=ATTN_SCALE,
             has_qk_norm=True, eps=EPS, splits=KV_SPLITS, unroll=ATT_UNROLL, min_chunk=MIN_CHUNK, quantum=CHUNK_QUANTUM,
             rotary_dim=HEAD_DIM, whole_qk_norm=True, merge_preload=True, spread_merge=False, head_slices=HEAD_SLICES,
-            long_slices=LONG_SLICES, kv_pipeline=KV_PIPELINE)
-        bodies.grid_barrier(barrier=barrier, tidx=tidx, ctas=CTAS)
+            long_slices=LONG_SLICES, kv_pipeline=KV_PIPELINE, merge_above=FOLD_SPLITS)
+        bodies.grid_arrive(barrier=barrier, next_target=bar_next, tidx=tidx, ctas=CTAS)
+        bodies.grid_wait(barrier=barrier, next_target=bar_next, tidx=tidx, ctas=CTAS)
         # ---- stage 3: o_residual (layer) ----
-        bodies.copy_to_smem(src=attn, s_vec=s_vec, tidx=tidx, batch=BATCH, width=Q_ROWS, threads=THREADS)
+        bodies.merge_splits_to_smem(
+            attn=attn, part=attn_part, s_vec=s_vec, pos=pos, first_key=0, tidx=tidx, batch=BATCH, n_heads=N_HEADS,
+            head_dim=HEAD_DIM, threads=THREADS, splits=KV_SPLITS, min_chunk=MIN_CHUNK, quantum=CHUNK_QUANTUM,
+            head_slices=HEAD_SLICES, long_slices=LONG_SLICES, fold=FOLD_SPLITS)
         bodies.gemv_rows_streamed(
             weight=w_o[layer, None, None], ring=s_ring[tidx // 32, None, None, None, None], bias=o_out, s_vec=s_vec,
             out=o_out, gwarp=swarp, lane=lane, total_warps=TOTAL_WARPS, rows=HIDDEN, cols=Q_ROWS, batch=BATCH,
             per_tile=ROWS_PER_TILE['o_residual'], accumulate=False, unroll=GEMV_UNROLL['o_residual'], has_bias=False,
             stages=4, prefilled=True, act=0)
+        bodies.grid_arrive(barrier=barrier, next_target=bar_next, tidx=tidx, ctas=CTAS)
         bodies.prefetch_rows(
             weight=w_gate_up[layer, None, None], gwarp=swarp, lane=lane, total_warps=TOTAL_WARPS, rows=16384, cols=2048,
-            per_tile=2, max_tiles=1)
+            per_tile=2, max_tiles=0)
         bodies.gemv_ring_prefill(
             weight=w_gate_up[layer, None, None], ring=s_ring[tidx // 32, None, None, None, None], gwarp=swarp,
             lane=lane, active=1, total_warps=TOTAL_WARPS, rows=16384, cols=2048, per_tile=2, unroll=4, stages=4)
-        bodies.grid_barrier(barrier=barrier, tidx=tidx, ctas=CTAS)
+        bodies.grid_wait(barrier=barrier, next_target=bar_next, tidx=tidx, ctas=CTAS)
         # ---- stage 4: norm_gate_up (layer) ----
         bodies.residual_norm_to_smem(
             x=x, delta=o_out, post_weight=norms[layer, 0, None], pre_weight=final_norm, out=x_mid, s_vec=s_vec,
@@ -149,13 +159,14 @@ def megakernel(
             s_vec=s_vec, out=gate_up, gwarp=swarp, lane=lane, total_warps=TOTAL_WARPS, rows=2 * INTER, cols=HIDDEN,
             batch=BATCH, per_tile=ROWS_PER_TILE['norm_gate_up'], accumulate=False, unroll=GEMV_UNROLL['norm_gate_up'],
             has_bias=False, stages=4, prefilled=True, act=1)
+        bodies.grid_arrive(barrier=barrier, next_target=bar_next, tidx=tidx, ctas=CTAS)
         bodies.prefetch_rows(
             weight=w_down[layer, None, None], gwarp=swarp, lane=lane, total_warps=TOTAL_WARPS, rows=2048, cols=8192,
-            per_tile=2, max_tiles=1)
+            per_tile=2, max_tiles=0)
         bodies.gemv_ring_prefill(
             weight=w_down[layer, None, None], ring=s_ring[tidx // 32, None, None, None, None], gwarp=swarp, lane=lane,
             active=1, total_warps=TOTAL_WARPS, rows=2048, cols=8192, per_tile=2, unroll=4, stages=4)
-        bodies.grid_barrier(barrier=barrier, tidx=tidx, ctas=CTAS)
+        bodies.grid_wait(barrier=barrier, next_target=bar_next, tidx=tidx, ctas=CTAS)
         # ---- stage 5: down_residual (layer) ----
         bodies.copy_to_smem(src=gate_up, s_vec=s_vec, tidx=tidx, batch=BATCH, width=INTER, threads=THREADS)
         bodies.gemv_rows_streamed(
@@ -163,15 +174,16 @@ def megakernel(
             s_vec=s_vec, out=down_out, gwarp=swarp, lane=lane, total_warps=TOTAL_WARPS, rows=HIDDEN, cols=INTER,
             batch=BATCH, per_tile=ROWS_PER_TILE['down_residual'], accumulate=False, unroll=GEMV_UNROLL['down_residual'],
             has_bias=False, stages=4, prefilled=True, act=0)
+        bodies.grid_arrive(barrier=barrier, next_target=bar_next, tidx=tidx, ctas=CTAS)
         bodies.prefetch_rows(
             weight=w_qkv[cutlass.min(layer + 1, LAYERS - 1), None, None], gwarp=swarp, lane=lane,
-            total_warps=TOTAL_WARPS, rows=6144, cols=2048, per_tile=2, max_tiles=1)
+            total_warps=TOTAL_WARPS, rows=6144, cols=2048, per_tile=2, max_tiles=0)
         bodies.gemv_ring_prefill(
             weight=w_qkv[cutlass.min(layer + 1, LAYERS - 1), None, None],
             ring=s_ring[tidx // 32, None, None, None, None], gwarp=swarp, lane=lane,
             active=cutlass.min(LAYERS - 1 - layer, 1), total_warps=TOTAL_WARPS, rows=6144, cols=2048, per_tile=2,
             unroll=4, stages=4)
-        bodies.grid_barrier(barrier=barrier, tidx=tidx, ctas=CTAS)
+        bodies.grid_wait(barrier=barrier, next_target=bar_next, tidx=tidx, ctas=CTAS)
     # ---- stage 6: norm_lm_head (epilogue) ----
     bodies.residual_norm_to_smem(
         x=x_mid, delta=down_out, post_weight=norms[LAYERS - 1, 1, None], pre_weight=final_norm, out=x_mid, s_vec=s_vec,
@@ -214,24 +226,39 @@ WARP = 32
 VEC = 8  # bf16 elements per 16-byte load
 
 
-# ----------------------------------------------------------------------------------------- barrier
 @cute.jit
-def grid_barrier(barrier: cute.Tensor, tidx: Int32, ctas: cutlass.Constexpr[int]):
-    """Counting grid barrier with an epoch: never reset, survives CUDA-graph replay.
-
-    The counter only grows (64-bit: no wrap in practice). The old value returned by this CTA's release
-    arrival says which generation it is in, so it waits (acquire loads) for the next multiple of ``ctas``.
-    ``bar.sync`` before the arrival orders the CTA's writes before thread 0's release (cumulativity);
-    ``bar.sync`` after the acquire makes everyone's writes visible to the whole CTA.
+def grid_arrive(barrier: cute.Tensor, next_target: cute.Tensor, tidx: Int32, ctas: cutlass.Constexpr[int]):
+    """The arrival half of a split grid barrier (``generate(plan, barrier="split")``, a candidate): this CTA's
+    writes are done, so thread 0 arrives now (the launch's first barrier with an atomic that says which generation
+    this launch is in, later ones with a fire-and-forget ``red.release.gpu.add``) and leaves the counter value to
+    wait for in ``next_target``. The code between this and :func:`grid_wait` (the next GEMV's ring fill, L2
+    prefetches) must not write global memory that another CTA reads after the barrier; it then runs while the
+    arrival travels, instead of in front of it.
     """
     cute.arch.sync_threads()
     if tidx == 0:
         ptr = barrier.iterator.llvm_ptr
-        old = cute.arch.atomic_add(ptr, Int64(1), sem="release", scope="gpu")
-        target = (old // ctas + 1) * ctas
+        target = next_target[0]
+        if target == Int64(0):
+            old = cute.arch.atomic_add(ptr, Int64(1), sem="release", scope="gpu")
+            target = (old // ctas + 1) * ctas
+        else:
+            cute.arch.red(ptr, Int64(1), op="add", dtype="u64", sem="release", scope="gpu")  # s64 add: no PTX form
+        next_target[0] = target
+
+
+@cute.jit
+def grid_wait(barrier: cute.Tensor, next_target: cute.Tensor, tidx: Int32, ctas: cutlass.Constexpr[int]):
+    """The waiting half of a split grid barrier (:func:`grid_arrive`): thread 0 polls (acquire loads) until the
+    counter reaches ``next_target`` and moves it to the next barrier's target; ``bar.sync`` then makes every
+    CTA's writes visible to the whole CTA."""
+    if tidx == 0:
+        ptr = barrier.iterator.llvm_ptr
+        target = next_target[0]
         current = cute.arch.load(ptr, Int64, sem="acquire", scope="gpu")
         while current < target:
             current = cute.arch.load(ptr, Int64, sem="acquire", scope="gpu")
+        next_target[0] = target + ctas
     cute.arch.sync_threads()
 
 
@@ -888,12 +915,16 @@ def split_kv_attention(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Te
                        quantum: cutlass.Constexpr[int], rotary_dim: cutlass.Constexpr[int],
                        whole_qk_norm: cutlass.Constexpr[bool], merge_preload: cutlass.Constexpr[bool],
                        spread_merge: cutlass.Constexpr[bool], head_slices: cutlass.Constexpr[int],
-                       long_slices: cutlass.Constexpr[bool], kv_pipeline: cutlass.Constexpr[bool]):
+                       long_slices: cutlass.Constexpr[bool], kv_pipeline: cutlass.Constexpr[bool],
+                       merge_above: cutlass.Constexpr[int] = 1):
     """Flash decoding: RoPE + KV append + attention over positions [first_key, pos], the cached keys split across
     CTAs (``first_key`` is 0, or where the layer's sliding window starts). ``merge_preload``: the merging item
     loads its first partials at once (:func:`_merge_splits`). ``spread_merge``: every active item of a group
     merges a slice of its outputs (:func:`_merge_spread`) where that takes at most two passes, instead of the last
-    arrival merging them all. ``codegen.default_merge`` picks both per plan.
+    arrival merging them all. ``codegen.default_merge`` picks both per plan. ``merge_above``: the items merge only
+    where more than that many splits are active; with 2..``merge_above`` (``generate(plan, fold_merge=True)``, the
+    default since session 24) they only store their partials, and the next stage's staging merges them
+    (:func:`merge_splits_to_smem`).
 
     Work items are (split, batch, KV head), split-major, dealt to CTAs. At this step the ``pos + 1 - first_key``
     visible positions are cut into ``active`` chunks of ``chunk`` positions (at least ``min_chunk``, which is the
@@ -912,7 +943,7 @@ def split_kv_attention(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Te
         _split_kv_items(qkv, qk_norm, rope_cos, rope_sin, k_cache, v_cache, attn, part, counts, pos, first_key,
                         chunk, active, s_att, cta, tidx, batch, n_heads, n_kv_heads, head_dim, ctas, threads, scale,
                         has_qk_norm, eps, splits, unroll, rotary_dim, whole_qk_norm, merge_preload, spread_merge,
-                        group, 1, kv_pipeline)
+                        group, 1, kv_pipeline, merge_above)
     else:
         for s in cutlass.range_constexpr(1, head_slices + 1):
             if cutlass.const_expr(head_slices % s == 0 and (long_slices or s == 1 or s == head_slices)):
@@ -920,7 +951,8 @@ def split_kv_attention(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Te
                     _split_kv_items(qkv, qk_norm, rope_cos, rope_sin, k_cache, v_cache, attn, part, counts, pos,
                                     first_key, chunk, active, s_att, cta, tidx, batch, n_heads, n_kv_heads,
                                     head_dim, ctas, threads, scale, has_qk_norm, eps, splits, unroll, rotary_dim,
-                                    whole_qk_norm, merge_preload, spread_merge, group // s, s, kv_pipeline)
+                                    whole_qk_norm, merge_preload, spread_merge, group // s, s, kv_pipeline,
+                                    merge_above)
 
 
 @cute.jit
@@ -935,7 +967,7 @@ def _split_kv_items(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Tenso
                     rotary_dim: cutlass.Constexpr[int], whole_qk_norm: cutlass.Constexpr[bool],
                     merge_preload: cutlass.Constexpr[bool], spread_merge: cutlass.Constexpr[bool],
                     heads: cutlass.Constexpr[int], slices: cutlass.Constexpr[int],
-                    kv_pipeline: cutlass.Constexpr[bool]):
+                    kv_pipeline: cutlass.Constexpr[bool], merge_above: cutlass.Constexpr[int]):
     """This CTA's work items of :func:`split_kv_attention` at this step, ``slices`` head slices of ``heads`` query
     heads each per (split, batch, KV head) (1 slice: the whole group). Item ``i`` is split ``i // (groups x
     slices)``, then (batch, KV head, slice); the ``heads`` query heads of a slice are a "virtual KV group" of
@@ -946,7 +978,8 @@ def _split_kv_items(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Tenso
     lane groups (shuffles) and warps (shared memory). With one active split it writes the normalised output;
     otherwise it stores its partial (acc, max, sum) in ``part[b, head, split, :]``, and the last item of its
     virtual group to arrive (an acq_rel counter in ``counts``, reset by that item) merges every split's partial
-    into ``attn`` (or, with the spread merge, all its items merge a share each).
+    into ``attn`` (or, with the spread merge, all its items merge a share each); where at most ``merge_above``
+    splits are active the partials stay for the next stage's staging (:func:`merge_splits_to_smem`).
 
     s_att layout (fp32): [0, H*D) roped q | 8 slots: per-head inverse RMS (Qwen3) | flag | then
     (D + 2) x H x warps partial outputs (accumulator, max, sum), H = ``heads``: within the scratch the plan sizes
@@ -1039,7 +1072,7 @@ def _split_kv_items(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Tenso
                     if d == 0:
                         part[b, head, split, head_dim] = top
                         part[b, head, split, head_dim + 1] = total
-            if active > 1:
+            if active > merge_above:
                 if cutlass.const_expr(spread_merge):
                     if active * 2 * (threads // SPREAD_LANES) >= heads * head_dim:  # at most two passes each
                         _merge_spread(attn, part, counts, s_part, b, vkvh, vg, split, active, tidx, heads, head_dim,
@@ -1229,6 +1262,70 @@ def _merge_spread(attn: cute.Tensor, part: cute.Tensor, counts: cute.Tensor, s_s
         cute.arch.sync_threads()
 
 
+@cute.jit
+def merge_splits_to_smem(attn: cute.Tensor, part: cute.Tensor, s_vec: cute.Tensor, pos: Int32, first_key: Int32,
+                         tidx: Int32, batch: cutlass.Constexpr[int], n_heads: cutlass.Constexpr[int],
+                         head_dim: cutlass.Constexpr[int], threads: cutlass.Constexpr[int],
+                         splits: cutlass.Constexpr[int], min_chunk: cutlass.Constexpr[int],
+                         quantum: cutlass.Constexpr[int], head_slices: cutlass.Constexpr[int],
+                         long_slices: cutlass.Constexpr[bool], fold: cutlass.Constexpr[int]):
+    """The O projection's staging with the split-KV merge folded in (``generate(plan, fold_merge=True)``, the
+    default since session 24): where this step's attention (same dealing, :func:`split_schedule`) left
+    2..``fold`` active splits unmerged (its ``merge_above``), every CTA merges the partials
+    ``part[b, head, split, :]`` (accumulator, max, sum) of all heads into ``s_vec`` as it stages them; otherwise
+    it copies ``attn`` (:func:`copy_to_smem`). No arrival counter, no last-arrival chain: the grid barrier after
+    attention is the only wait. Each thread loads every split's values of its 4-output vectors at once (one L2
+    round trip), clamped past ``active`` (weight 0). Same merge as :func:`_merge_splits` up to fp32 rounding (sum
+    order)."""
+    visible = pos + 1 - first_key
+    chunk, active, slices = split_schedule(visible, splits, min_chunk, quantum, head_slices, long_slices)
+    width = n_heads * head_dim
+    if active == 1 or active > fold:
+        copy_to_smem(attn, s_vec, tidx, batch, width, threads)
+    else:
+        nvec = width // F32_VEC
+        slots = (nvec + threads - 1) // threads
+        ms = cute.make_rmem_tensor(cute.make_layout((fold, slots, batch)), Float32)
+        ls = cute.make_rmem_tensor(cute.make_layout((fold, slots, batch)), Float32)
+        ps = cute.make_rmem_tensor(cute.make_layout((F32_VEC, fold, slots, batch)), Float32)
+        for b in cutlass.range_constexpr(batch):
+            for j in cutlass.range_constexpr(slots):
+                o = cutlass.min(tidx + j * threads, nvec - 1) * F32_VEC
+                head = o // head_dim
+                d = o - head * head_dim
+                for s in cutlass.range_constexpr(fold):
+                    split = cutlass.min(Int32(s), active - 1)
+                    ms[s, j, b] = part[b, head, split, head_dim]
+                    ls[s, j, b] = part[b, head, split, head_dim + 1]
+                    for e in cutlass.range_constexpr(F32_VEC):
+                        ps[e, s, j, b] = part[b, head, split, d + e]
+        for b in cutlass.range_constexpr(batch):
+            for j in cutlass.range_constexpr(slots):
+                top = ms[0, j, b]
+                for s in cutlass.range_constexpr(1, fold):
+                    top = cute.arch.fmax(top, ms[s, j, b])  # a clamped repeat leaves the max as is
+                total = Float32(0.0)
+                out = cute.make_rmem_tensor(cute.make_layout(F32_VEC), Float32)
+                for e in cutlass.range_constexpr(F32_VEC):
+                    out[e] = Float32(0.0)
+                for s in cutlass.range_constexpr(fold):
+                    weight = cute.math.exp(ms[s, j, b] - top)
+                    if s >= active:
+                        weight = Float32(0.0)
+                    total = total + ls[s, j, b] * weight
+                    for e in cutlass.range_constexpr(F32_VEC):
+                        out[e] = out[e] + ps[e, s, j, b] * weight
+                inverse = Float32(1.0) / total
+                for e in cutlass.range_constexpr(F32_VEC):
+                    out[e] = out[e] * inverse
+                idx = tidx + j * threads
+                if cutlass.const_expr((j + 1) * threads <= nvec):
+                    _stage_store(s_vec, b, idx, out.load())
+                elif idx < nvec:
+                    _stage_store(s_vec, b, idx, out.load())
+        cute.arch.sync_threads()
+
+
 class bodies:
     """The routines above, under the names the kernel calls them by (bodies.<name>)."""
 
@@ -1236,7 +1333,9 @@ class bodies:
     embed_gather = staticmethod(embed_gather)
     gemv_ring_prefill = staticmethod(gemv_ring_prefill)
     gemv_rows_streamed = staticmethod(gemv_rows_streamed)
-    grid_barrier = staticmethod(grid_barrier)
+    grid_arrive = staticmethod(grid_arrive)
+    grid_wait = staticmethod(grid_wait)
+    merge_splits_to_smem = staticmethod(merge_splits_to_smem)
     prefetch_rows = staticmethod(prefetch_rows)
     residual_norm_to_smem = staticmethod(residual_norm_to_smem)
     split_kv_attention = staticmethod(split_kv_attention)
