@@ -32,10 +32,10 @@
 #          Llama-1B at 16, and the batch-8 tensor-core default's 16 MB weight prefetch against none
 #          -> OUT/tune-*.log, OUT/p*/, OUT/b8/ (~6 min?, not run yet)
 #   split-barrier: the split grid barrier (the default since session 27) against barrier="atom": its GPU test, then
-#          Phi-3-mini / OLMo-2 at 4000 and Llama-1B / SmolLM at 16 -> OUT/tune-*-split-*.log
+#          Phi-3-mini / OLMo-2 at 4000 and Llama-1B / SmolLM at 16 -> OUT/tune-*-split-*.log (397 s in session 27)
 #   per-cta: every CTA's phase clocks (timeline="phases-per-cta"): its GPU test, then the barrier waits' sources
-#          on Phi-3-mini at 4000 and Llama-1B at 16 -> OUT/pytest-gpu-per-cta.log, OUT/tune-*-per-cta-*.log
-#          (~5 min?, not run yet)
+#          on Phi-3-mini at 4000 and Llama-1B at 16 (PER_CTA_CASES="preset capacity position;..." for others)
+#          -> OUT/pytest-gpu-per-cta.log, OUT/tune-*-per-cta-*.log (151 s in session 27)
 #   hang-probe: the tensor-core cases' steps with the barrier watchdog (scripts/gpu_hang_probe.py; a tool for
 #          chasing a kernel that never reaches a grid barrier)                   -> OUT/hang-probe.json (~3 min)
 #   bench: decode benchmark table + chart, all presets in one process          -> OUT/bench/  (~2.5 min per preset;
@@ -207,7 +207,9 @@ if [[ " $PARTS " == *" per-cta "* ]]; then
   # and Llama-1B at 16 (arrival skew vs the barrier's own latency, which CTAs arrive last)
   TEST_LIMIT=150 run_tests per-cta "timeline_build_accounts" tests/test_gpu_decode.py
   collect_tests per-cta
-  for case in "phi-3-mini 4096 4000" "llama-3.2-1b 4096 16"; do
+  # PER_CTA_CASES="smollm-135m 2048 16;qwen2.5-0.5b 4096 16" picks other "preset capacity position" cases
+  IFS=';' read -r -a cases <<<"${PER_CTA_CASES:-phi-3-mini 4096 4000;llama-3.2-1b 4096 16}"
+  for case in "${cases[@]}"; do
     read -r preset capacity position <<<"$case"
     log="$OUT/tune-$preset-per-cta-p$position.log"
     timeout 200 python3 scripts/gpu_tune.py "$preset" --variants bake --per-cta --phases --no-composite \
