@@ -267,9 +267,7 @@ def summarize_ctas(labels: list[str], rows: list[list[float]], top: int = 8, spl
 def cta_timeline(plan, model, tokens, build: str = "default", position: int | None = None) -> dict:
     """:func:`summarize_ctas` of one step of a ``timeline="phases-per-cta"`` build (a CTA-wide sync before each
     clock: it perturbs the step; compare its waits with each other, not with the other builds' times)."""
-    from megabake.codegen import TIMELINE_PER_CTA
-
-    from megabake.codegen import DEFAULT_BARRIER
+    from megabake.codegen import DEFAULT_BARRIER, TIMELINE_PER_CTA
 
     decoder = stepped_timeline_decoder(plan, model, tokens, TIMELINE_PER_CTA, build, position)
     labels, rows = decoder.cta_timelines()

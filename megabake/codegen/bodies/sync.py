@@ -69,7 +69,7 @@ def grid_barrier_red(barrier: cute.Tensor, next_target: cute.Tensor, tidx: Int32
 
 @cute.jit
 def grid_arrive(barrier: cute.Tensor, next_target: cute.Tensor, tidx: Int32, ctas: cutlass.Constexpr[int]):
-    """The arrival half of a split grid barrier (``generate(plan, barrier="split")``, a candidate): this CTA's
+    """The arrival half of a split grid barrier (the default since session 27, ``codegen.DEFAULT_BARRIER``): this CTA's
     writes are done, so thread 0 arrives now (the launch's first barrier with an atomic that says which generation
     this launch is in, later ones with a fire-and-forget ``red.release.gpu.add``) and leaves the counter value to
     wait for in ``next_target``. The code between this and :func:`grid_wait` (the next GEMV's ring fill, L2
