@@ -33,6 +33,8 @@
 #          -> OUT/tune-*.log, OUT/p*/, OUT/b8/ (~6 min?, not run yet)
 #   split-barrier: the split grid barrier (the default since session 27) against barrier="atom": its GPU test, then
 #          Phi-3-mini / OLMo-2 at 4000 and Llama-1B / SmolLM at 16 -> OUT/tune-*-split-*.log (397 s in session 27)
+#   split-followup: on the split default, the L2 weight prefetch budgets and the K/V prefetch again (Llama-1B @16,
+#          Phi-3-mini @4000), SmolLM-135M @2000 (growth) and its per-CTA clocks @16 -> OUT/tune-*.log (~6 min?)
 #   per-cta: every CTA's phase clocks (timeline="phases-per-cta"): its GPU test, then the barrier waits' sources
 #          on Phi-3-mini at 4000 and Llama-1B at 16 (PER_CTA_CASES="preset capacity position;..." for others)
 #          -> OUT/pytest-gpu-per-cta.log, OUT/tune-*-per-cta-*.log (151 s in session 27)
@@ -232,6 +234,20 @@ if [[ " $PARTS " == *" split-barrier "* ]]; then
       --capacity "$capacity" --position "$position" --out "$OUT/split-p$position" >"$log" 2>&1
     summary+=("split-barrier tune ($preset at $position): rc=$?" "$(grep -E '^(==|\||per-CTA)' "$log")")
   done
+fi
+if [[ " $PARTS " == *" split-followup "* ]]; then
+  # session 27's follow-ups on the split-barrier default, one call (~6 min?): with the arrival ahead of them, do
+  # the L2 weight prefetches pay now (pf8mb / pf16mb on Llama-1B at 16 and Phi-3-mini at 4000, against none
+  # before ring-filled GEMVs, the default) and does the K/V prefetch before attention (no-kvpf)? SmolLM-135M's
+  # growth at 2000 against its new short step (budget: (0.369 + 0.013) x 1.15 = 0.439 ms) and its per-CTA clocks
+  # at 16 (where its 151 barrier intervals go)
+  tune_candidates llama-3.2-1b 4096 16 pf8mb pf16mb
+  tune_candidates phi-3-mini 4096 4000 pf16mb no-kvpf
+  tune_candidates smollm-135m 2048 2000
+  log="$OUT/tune-smollm-135m-per-cta-p16.log"
+  timeout 150 python3 scripts/gpu_tune.py smollm-135m --variants bake --per-cta --phases --no-composite \
+    --capacity 2048 --position 16 --out "$OUT/per-cta-p16" >"$log" 2>&1
+  summary+=("per-CTA tune (smollm-135m at 16): rc=$?" "$(grep -E '^(==|\||per-CTA|phases)' "$log")")
 fi
 if [[ " $PARTS " == *" hang-probe "* ]]; then
   # the tensor-core cases' kernel steps built with the barrier watchdog (scripts/gpu_hang_probe.py)
