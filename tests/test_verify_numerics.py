@@ -235,3 +235,34 @@ def test_top1_rule_ignores_near_ties_but_not_decisive_flips():
     assert flip.decisive and not flip.top1_agree_bf16
     failures = judge([flip] * 10, None, slack=1e9, top1_min=0.99)
     assert any("top1_agreement" in f for f in failures) and any("top1_vs_fp32" in f for f in failures)
+
+
+def test_fp32_top1_rule_is_a_sign_test_over_the_discordant_steps():
+    """One near-tie step that eager bf16 resolves the fp32 way is noise (session 28: SmolLM-135M after a
+    1984-token prefill picked fp32's top-1 at 63 of 64 steps, eager bf16 at 64, with half eager's rel-L2);
+    five such misses against no hits is a deficit."""
+    import torch
+
+    from megabake.verification.numerics import compare_logits, judge, sign_test_p, top1_stats
+
+    assert sign_test_p(1, 0) == 0.5 and sign_test_p(0, 3) == 1.0 and sign_test_p(5, 0) == 1 / 32
+    assert abs(sign_test_p(2, 1) - 0.5) < 1e-12  # P(X >= 2 | n=3) = 4/8
+
+    fp32 = torch.zeros(1, 8)
+    fp32[0, 3], fp32[0, 5] = 1.0, 0.995  # a near tie: eager bf16's error (0.01 below) is larger than the gap
+    bf16 = fp32.clone()
+    bf16[0, 0] += 0.01
+    agree = compare_logits(0, 16, fp32.clone(), bf16, fp32)
+    ours = fp32.clone()
+    ours[0, 5] += 0.01  # we flip it, eager bf16 does not
+    miss = compare_logits(1, 17, ours, bf16, fp32)
+    assert not miss.decisive and not miss.top1_agree_fp32 and miss.bf16_top1_agree_fp32
+
+    one_miss = [agree] * 63 + [miss]
+    assert top1_stats(one_miss)["top1_vs_fp32"] < top1_stats(one_miss)["bf16_top1_vs_fp32"]
+    assert not any("top1_vs_fp32" in f for f in judge(one_miss, None, slack=1e9, top1_min=0.99))
+
+    five_misses = [agree] * 59 + [miss] * 5
+    assert top1_stats(five_misses)["top1_vs_fp32_sign_test_p"] == 1 / 32
+    failures = judge(five_misses, None, slack=1e9, top1_min=0.99)
+    assert any("top1_vs_fp32" in f and "p = 0.0312" in f for f in failures), failures
