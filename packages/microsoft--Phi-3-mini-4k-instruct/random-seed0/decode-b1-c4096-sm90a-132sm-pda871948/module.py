@@ -80,17 +80,20 @@ def megakernel(
         cute.make_layout((WARPS, RING_STAGES, RING_VECTORS, 32, 8),
             stride=(RING_STAGES * RING_VECTORS * 256, RING_VECTORS * 256, 256, 8, 1)),
         byte_alignment=16)
+    bar_next = cute.make_rmem_tensor(cute.make_layout(1), cutlass.Int64)  # next grid-barrier target
+    bar_next[0] = cutlass.Int64(0)  # 0: the launch's first barrier asks the counter
     pos = position[0]
     # ---- stage 0: embed (prologue) ----
     bodies.embed_gather(
         embed=embed, tokens=tokens, x=x, cta=cta, tidx=tidx, batch=BATCH, hidden=HIDDEN, ctas=CTAS, threads=THREADS)
+    bodies.grid_arrive(barrier=barrier, next_target=bar_next, tidx=tidx, ctas=CTAS)
     bodies.prefetch_rows(
         weight=w_qkv[0, None, None], gwarp=swarp, lane=lane, total_warps=TOTAL_WARPS, rows=9216, cols=3072, per_tile=2,
-        max_tiles=1)
+        max_tiles=0)
     bodies.gemv_ring_prefill(
         weight=w_qkv[0, None, None], ring=s_ring[tidx // 32, None, None, None, None], gwarp=swarp, lane=lane, active=1,
         total_warps=TOTAL_WARPS, rows=9216, cols=3072, per_tile=2, unroll=4, stages=4)
-    bodies.grid_barrier(barrier=barrier, tidx=tidx, ctas=CTAS)
+    bodies.grid_wait(barrier=barrier, next_target=bar_next, tidx=tidx, ctas=CTAS)
     for layer in range(LAYERS):
         # ---- stage 1: norm_qkv (layer) ----
         bodies.rmsnorm_to_smem(
@@ -101,6 +104,7 @@ def megakernel(
             out=qkv, gwarp=swarp, lane=lane, total_warps=TOTAL_WARPS, rows=QKV_ROWS, cols=HIDDEN, batch=BATCH,
             per_tile=ROWS_PER_TILE['norm_qkv'], accumulate=False, unroll=GEMV_UNROLL['norm_qkv'], has_bias=False,
             stages=4, prefilled=True, act=0)
+        bodies.grid_arrive(barrier=barrier, next_target=bar_next, tidx=tidx, ctas=CTAS)
         bodies.split_kv_prefetch(
             k_cache=k_cache[layer, None, None, None, None], v_cache=v_cache[layer, None, None, None, None], pos=pos,
             first_key=cutlass.max(pos + 1 - attn_window[layer], 0), cta=cta, tidx=tidx, batch=BATCH,
@@ -108,11 +112,11 @@ def megakernel(
             quantum=CHUNK_QUANTUM, head_slices=HEAD_SLICES, long_slices=LONG_SLICES, to_l1=False)
         bodies.prefetch_rows(
             weight=w_o[layer, None, None], gwarp=swarp, lane=lane, total_warps=TOTAL_WARPS, rows=3072, cols=3072,
-            per_tile=2, max_tiles=1)
+            per_tile=2, max_tiles=0)
         bodies.gemv_ring_prefill(
             weight=w_o[layer, None, None], ring=s_ring[tidx // 32, None, None, None, None], gwarp=swarp, lane=lane,
             active=1, total_warps=TOTAL_WARPS, rows=3072, cols=3072, per_tile=2, unroll=4, stages=4)
-        bodies.grid_barrier(barrier=barrier, tidx=tidx, ctas=CTAS)
+        bodies.grid_wait(barrier=barrier, next_target=bar_next, tidx=tidx, ctas=CTAS)
         # ---- stage 2: attention (layer) ----
         bodies.split_kv_attention(
             qkv=qkv, qk_norm=qkv, rope_cos=rope_cos, rope_sin=rope_sin, k_cache=k_cache[layer, None, None, None, None],
@@ -122,7 +126,8 @@ def megakernel(
             has_qk_norm=False, eps=EPS, splits=KV_SPLITS, unroll=ATT_UNROLL, min_chunk=MIN_CHUNK, quantum=CHUNK_QUANTUM,
             rotary_dim=HEAD_DIM, whole_qk_norm=False, merge_preload=True, spread_merge=False, head_slices=HEAD_SLICES,
             long_slices=LONG_SLICES, kv_pipeline=KV_PIPELINE, merge_above=FOLD_SPLITS)
-        bodies.grid_barrier(barrier=barrier, tidx=tidx, ctas=CTAS)
+        bodies.grid_arrive(barrier=barrier, next_target=bar_next, tidx=tidx, ctas=CTAS)
+        bodies.grid_wait(barrier=barrier, next_target=bar_next, tidx=tidx, ctas=CTAS)
         # ---- stage 3: o_residual (layer) ----
         bodies.merge_splits_to_smem(
             attn=attn, part=attn_part, s_vec=s_vec, pos=pos, first_key=cutlass.max(pos + 1 - attn_window[layer], 0),
@@ -134,13 +139,14 @@ def megakernel(
             gwarp=swarp, lane=lane, total_warps=TOTAL_WARPS, rows=HIDDEN, cols=Q_ROWS, batch=BATCH,
             per_tile=ROWS_PER_TILE['o_residual'], accumulate=True, unroll=GEMV_UNROLL['o_residual'], has_bias=False,
             stages=4, prefilled=True, act=0)
+        bodies.grid_arrive(barrier=barrier, next_target=bar_next, tidx=tidx, ctas=CTAS)
         bodies.prefetch_rows(
             weight=w_gate_up[layer, None, None], gwarp=swarp, lane=lane, total_warps=TOTAL_WARPS, rows=16384, cols=3072,
-            per_tile=2, max_tiles=1)
+            per_tile=2, max_tiles=0)
         bodies.gemv_ring_prefill(
             weight=w_gate_up[layer, None, None], ring=s_ring[tidx // 32, None, None, None, None], gwarp=swarp,
             lane=lane, active=1, total_warps=TOTAL_WARPS, rows=16384, cols=3072, per_tile=2, unroll=4, stages=4)
-        bodies.grid_barrier(barrier=barrier, tidx=tidx, ctas=CTAS)
+        bodies.grid_wait(barrier=barrier, next_target=bar_next, tidx=tidx, ctas=CTAS)
         # ---- stage 4: norm_gate_up (layer) ----
         bodies.rmsnorm_to_smem(
             x=x, weight=norms[layer, 1, None], s_vec=s_vec, s_red=s_red, tidx=tidx, batch=BATCH, hidden=HIDDEN,
@@ -150,13 +156,14 @@ def megakernel(
             s_vec=s_vec, out=gate_up, gwarp=swarp, lane=lane, total_warps=TOTAL_WARPS, rows=2 * INTER, cols=HIDDEN,
             batch=BATCH, per_tile=ROWS_PER_TILE['norm_gate_up'], accumulate=False, unroll=GEMV_UNROLL['norm_gate_up'],
             has_bias=False, stages=4, prefilled=True, act=1)
+        bodies.grid_arrive(barrier=barrier, next_target=bar_next, tidx=tidx, ctas=CTAS)
         bodies.prefetch_rows(
             weight=w_down[layer, None, None], gwarp=swarp, lane=lane, total_warps=TOTAL_WARPS, rows=3072, cols=8192,
-            per_tile=2, max_tiles=1)
+            per_tile=2, max_tiles=0)
         bodies.gemv_ring_prefill(
             weight=w_down[layer, None, None], ring=s_ring[tidx // 32, None, None, None, None], gwarp=swarp, lane=lane,
             active=1, total_warps=TOTAL_WARPS, rows=3072, cols=8192, per_tile=2, unroll=4, stages=4)
-        bodies.grid_barrier(barrier=barrier, tidx=tidx, ctas=CTAS)
+        bodies.grid_wait(barrier=barrier, next_target=bar_next, tidx=tidx, ctas=CTAS)
         # ---- stage 5: down_residual (layer) ----
         bodies.copy_to_smem(src=gate_up, s_vec=s_vec, tidx=tidx, batch=BATCH, width=INTER, threads=THREADS)
         bodies.gemv_rows_streamed(
@@ -164,15 +171,16 @@ def megakernel(
             out=x, gwarp=swarp, lane=lane, total_warps=TOTAL_WARPS, rows=HIDDEN, cols=INTER, batch=BATCH,
             per_tile=ROWS_PER_TILE['down_residual'], accumulate=True, unroll=GEMV_UNROLL['down_residual'],
             has_bias=False, stages=4, prefilled=True, act=0)
+        bodies.grid_arrive(barrier=barrier, next_target=bar_next, tidx=tidx, ctas=CTAS)
         bodies.prefetch_rows(
             weight=w_qkv[cutlass.min(layer + 1, LAYERS - 1), None, None], gwarp=swarp, lane=lane,
-            total_warps=TOTAL_WARPS, rows=9216, cols=3072, per_tile=2, max_tiles=1)
+            total_warps=TOTAL_WARPS, rows=9216, cols=3072, per_tile=2, max_tiles=0)
         bodies.gemv_ring_prefill(
             weight=w_qkv[cutlass.min(layer + 1, LAYERS - 1), None, None],
             ring=s_ring[tidx // 32, None, None, None, None], gwarp=swarp, lane=lane,
             active=cutlass.min(LAYERS - 1 - layer, 1), total_warps=TOTAL_WARPS, rows=9216, cols=3072, per_tile=2,
             unroll=4, stages=4)
-        bodies.grid_barrier(barrier=barrier, tidx=tidx, ctas=CTAS)
+        bodies.grid_wait(barrier=barrier, next_target=bar_next, tidx=tidx, ctas=CTAS)
     # ---- stage 6: norm_lm_head (epilogue) ----
     bodies.rmsnorm_to_smem(
         x=x, weight=final_norm, s_vec=s_vec, s_red=s_red, tidx=tidx, batch=BATCH, hidden=HIDDEN, threads=THREADS,
@@ -213,24 +221,39 @@ WARP = 32
 VEC = 8  # bf16 elements per 16-byte load
 
 
-# ----------------------------------------------------------------------------------------- barrier
 @cute.jit
-def grid_barrier(barrier: cute.Tensor, tidx: Int32, ctas: cutlass.Constexpr[int]):
-    """Counting grid barrier with an epoch: never reset, survives CUDA-graph replay.
-
-    The counter only grows (64-bit: no wrap in practice). The old value returned by this CTA's release
-    arrival says which generation it is in, so it waits (acquire loads) for the next multiple of ``ctas``.
-    ``bar.sync`` before the arrival orders the CTA's writes before thread 0's release (cumulativity);
-    ``bar.sync`` after the acquire makes everyone's writes visible to the whole CTA.
+def grid_arrive(barrier: cute.Tensor, next_target: cute.Tensor, tidx: Int32, ctas: cutlass.Constexpr[int]):
+    """The arrival half of a split grid barrier (the default since session 27, ``codegen.DEFAULT_BARRIER``): this CTA's
+    writes are done, so thread 0 arrives now (the launch's first barrier with an atomic that says which generation
+    this launch is in, later ones with a fire-and-forget ``red.release.gpu.add``) and leaves the counter value to
+    wait for in ``next_target``. The code between this and :func:`grid_wait` (the next GEMV's ring fill, L2
+    prefetches) must not write global memory that another CTA reads after the barrier; it then runs while the
+    arrival travels, instead of in front of it.
     """
     cute.arch.sync_threads()
     if tidx == 0:
         ptr = barrier.iterator.llvm_ptr
-        old = cute.arch.atomic_add(ptr, Int64(1), sem="release", scope="gpu")
-        target = (old // ctas + 1) * ctas
+        target = next_target[0]
+        if target == Int64(0):
+            old = cute.arch.atomic_add(ptr, Int64(1), sem="release", scope="gpu")
+            target = (old // ctas + 1) * ctas
+        else:
+            cute.arch.red(ptr, Int64(1), op="add", dtype="u64", sem="release", scope="gpu")  # s64 add: no PTX form
+        next_target[0] = target
+
+
+@cute.jit
+def grid_wait(barrier: cute.Tensor, next_target: cute.Tensor, tidx: Int32, ctas: cutlass.Constexpr[int]):
+    """The waiting half of a split grid barrier (:func:`grid_arrive`): thread 0 polls (acquire loads) until the
+    counter reaches ``next_target`` and moves it to the next barrier's target; ``bar.sync`` then makes every
+    CTA's writes visible to the whole CTA."""
+    if tidx == 0:
+        ptr = barrier.iterator.llvm_ptr
+        target = next_target[0]
         current = cute.arch.load(ptr, Int64, sem="acquire", scope="gpu")
         while current < target:
             current = cute.arch.load(ptr, Int64, sem="acquire", scope="gpu")
+        next_target[0] = target + ctas
     cute.arch.sync_threads()
 
 
@@ -846,8 +869,9 @@ def split_kv_attention(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Te
     loads its first partials at once (:func:`_merge_splits`). ``spread_merge``: every active item of a group
     merges a slice of its outputs (:func:`_merge_spread`) where that takes at most two passes, instead of the last
     arrival merging them all. ``codegen.default_merge`` picks both per plan. ``merge_above``: the items merge only
-    where more than that many splits are active; with 2..``merge_above`` (``generate(plan, fold_merge=True)``, a
-    candidate) they only store their partials, and the next stage's staging merges them (:func:`merge_splits_to_smem`).
+    where more than that many splits are active; with 2..``merge_above`` (``generate(plan, fold_merge=True)``, the
+    default since session 24) they only store their partials, and the next stage's staging merges them
+    (:func:`merge_splits_to_smem`).
 
     Work items are (split, batch, KV head), split-major, dealt to CTAs. At this step the ``pos + 1 - first_key``
     visible positions are cut into ``active`` chunks of ``chunk`` positions (at least ``min_chunk``, which is the
@@ -1192,13 +1216,14 @@ def merge_splits_to_smem(attn: cute.Tensor, part: cute.Tensor, s_vec: cute.Tenso
                          splits: cutlass.Constexpr[int], min_chunk: cutlass.Constexpr[int],
                          quantum: cutlass.Constexpr[int], head_slices: cutlass.Constexpr[int],
                          long_slices: cutlass.Constexpr[bool], fold: cutlass.Constexpr[int]):
-    """The O projection's staging with the split-KV merge folded in (``generate(plan, fold_merge=True)``, a
-    candidate): where this step's attention (same dealing, :func:`split_schedule`) left 2..``fold`` active splits
-    unmerged (its ``merge_above``), every CTA merges the partials ``part[b, head, split, :]`` (accumulator, max,
-    sum) of all heads into ``s_vec`` as it stages them; otherwise it copies ``attn`` (:func:`copy_to_smem`). No
-    arrival counter, no last-arrival chain: the grid barrier after attention is the only wait. Each thread loads
-    every split's values of its 4-output vectors at once (one L2 round trip), clamped past ``active`` (weight 0).
-    Same merge as :func:`_merge_splits` up to fp32 rounding (sum order)."""
+    """The O projection's staging with the split-KV merge folded in (``generate(plan, fold_merge=True)``, the
+    default since session 24): where this step's attention (same dealing, :func:`split_schedule`) left
+    2..``fold`` active splits unmerged (its ``merge_above``), every CTA merges the partials
+    ``part[b, head, split, :]`` (accumulator, max, sum) of all heads into ``s_vec`` as it stages them; otherwise
+    it copies ``attn`` (:func:`copy_to_smem`). No arrival counter, no last-arrival chain: the grid barrier after
+    attention is the only wait. Each thread loads every split's values of its 4-output vectors at once (one L2
+    round trip), clamped past ``active`` (weight 0). Same merge as :func:`_merge_splits` up to fp32 rounding (sum
+    order)."""
     visible = pos + 1 - first_key
     chunk, active, slices = split_schedule(visible, splits, min_chunk, quantum, head_slices, long_slices)
     width = n_heads * head_dim
@@ -1255,7 +1280,8 @@ class bodies:
     embed_gather = staticmethod(embed_gather)
     gemv_ring_prefill = staticmethod(gemv_ring_prefill)
     gemv_rows_streamed = staticmethod(gemv_rows_streamed)
-    grid_barrier = staticmethod(grid_barrier)
+    grid_arrive = staticmethod(grid_arrive)
+    grid_wait = staticmethod(grid_wait)
     merge_splits_to_smem = staticmethod(merge_splits_to_smem)
     prefetch_rows = staticmethod(prefetch_rows)
     rmsnorm_to_smem = staticmethod(rmsnorm_to_smem)
