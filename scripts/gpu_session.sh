@@ -34,7 +34,8 @@
 #   split-barrier: the split grid barrier (the default since session 27) against barrier="atom": its GPU test, then
 #          Phi-3-mini / OLMo-2 at 4000 and Llama-1B / SmolLM at 16 -> OUT/tune-*-split-*.log (397 s in session 27)
 #   split-followup: on the split default, the L2 weight prefetch budgets and the K/V prefetch again (Llama-1B @16,
-#          Phi-3-mini @4000), SmolLM-135M @2000 (growth) and its per-CTA clocks @16 -> OUT/tune-*.log (~6 min?)
+#          Phi-3-mini @4000; the K/V prefetch on Qwen3-0.6B @4000 too), SmolLM-135M @2000 (growth) and its per-CTA
+#          clocks @16 -> OUT/tune-*.log (~7 min?)
 #   per-cta: every CTA's phase clocks (timeline="phases-per-cta"): its GPU test, then the barrier waits' sources
 #          on Phi-3-mini at 4000 and Llama-1B at 16 (PER_CTA_CASES="preset capacity position;..." for others)
 #          -> OUT/pytest-gpu-per-cta.log, OUT/tune-*-per-cta-*.log (151 s in session 27)
@@ -243,6 +244,9 @@ if [[ " $PARTS " == *" split-followup "* ]]; then
   # at 16 (where its 151 barrier intervals go)
   tune_candidates llama-3.2-1b 4096 16 pf8mb pf16mb
   tune_candidates phi-3-mini 4096 4000 pf16mb no-kvpf
+  # session 28: Qwen3-0.6B at 4000 is 2% over its growth budget (0.877 vs 0.859 ms GPU); its QKV stage's prefetch
+  # phase (+29 us over 28 layers) and barrier (+56 us) grow with the K/V L2 prefetch's 16.4 MB per layer
+  tune_candidates qwen3-0.6b 4096 4000 no-kvpf
   tune_candidates smollm-135m 2048 2000
   log="$OUT/tune-smollm-135m-per-cta-p16.log"
   timeout 150 python3 scripts/gpu_tune.py smollm-135m --variants bake --per-cta --phases --no-composite \
