@@ -191,6 +191,8 @@ BUILDS = {"default": {}, "atom": {"barrier": "atom"}, "red": {"barrier": "red"},
           "pass-chunks": {"pass_chunks": True}, "kv-pipeline": {"kv_pipeline": True},
           "no-kv-pipeline": {"kv_pipeline": False}, "fold-merge": {"fold_merge": True},
           "no-fold-merge": {"fold_merge": False},
+          # session 28's candidate: below 64 / 128 positions every CTA computes attention in its O staging
+          "short64": {"short_attention": 64}, "short128": {"short_attention": 128},
           # the L2 prefetch of the next GEMV's first tiles before each barrier at one budget for every stage (the
           # default since session 26: none before a ring-prefilled GEMV, 16 MB elsewhere; pf16mb: the old default)
           "pf0": {"prefetch_bytes": 0}, "pf8mb": {"prefetch_bytes": 8 << 20}, "pf16mb": {"prefetch_bytes": 16 << 20},
