@@ -626,6 +626,10 @@ def short_attention_error(plan: Plan, short_attention: int) -> str | None:
     if short_attention and not kv_splits(plan):
         return "short_attention replaces split-KV attention at short contexts, but this plan's attention is not split"
     attention = next((s for s in plan.stages if s.kind == "attention"), None)
+    following = next((s for s in plan.stages if attention is not None and s.index == attention.index + 1), None)
+    if short_attention and not _stages_attention_output(plan, following):
+        return ("short_attention computes attention in the staging of the stage after attention, but that stage "
+                "does not stage the attention output: build without it")
     if short_attention and attention is not None and any(
             "gemv_ring_prefill" in call or "gemv_preload" in call for call in _before_barrier_calls(plan, attention)):
         return ("short_attention skips the grid barrier after attention, but this plan fills the O projection's "
@@ -634,6 +638,14 @@ def short_attention_error(plan: Plan, short_attention: int) -> str | None:
         return ("short_attention does not combine with the attention preload tiling (it stages this step's key in "
                 "s_vec): build one or the other")
     return None
+
+
+def _stages_attention_output(plan: Plan, stage: Stage | None) -> bool:
+    """Whether ``stage`` is a GEMV stage whose input row is the attention output (the O projection)."""
+    if stage is None:
+        return False
+    spec = spec_of(stage, plan)
+    return spec.gemv is not None and spec.vector.kind == "copy" and spec.vector.source == "attn"
 
 
 def _short_or(long_call: str, plan: Plan) -> str:
