@@ -249,8 +249,10 @@ if [[ " $PARTS " == *" split-followup "* ]]; then
   tune_candidates llama-3.2-1b 4096 16 pf8mb pf16mb
   tune_candidates phi-3-mini 4096 4000 pf16mb no-kvpf
   # session 28: Qwen3-0.6B at 4000 is 2% over its growth budget (0.877 vs 0.859 ms GPU); its QKV stage's prefetch
-  # phase (+29 us over 28 layers) and barrier (+56 us) grow with the K/V L2 prefetch's 16.4 MB per layer
-  tune_candidates qwen3-0.6b 4096 4000 no-kvpf
+  # phase (+29 us over 28 layers) and barrier (+56 us) grow with the K/V L2 prefetch's 16.4 MB per layer; its
+  # attention takes 7.0 us per layer for 4.7 us of K/V: the K/V loads one iteration ahead were never measured on
+  # GQA with head_dim 128 (2 positions per warp pass)
+  tune_candidates qwen3-0.6b 4096 4000 no-kvpf kv-pipeline
   tune_candidates smollm-135m 2048 2000
   log="$OUT/tune-smollm-135m-per-cta-p16.log"
   timeout 150 python3 scripts/gpu_tune.py smollm-135m --variants bake --per-cta --phases --no-composite \
