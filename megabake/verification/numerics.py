@@ -21,8 +21,9 @@ rounding flips the argmax); and the decoder does not pick the fp32 top-1 signifi
 bf16 does (unless it picks it at >= top1_min of the steps): over the *discordant* steps, where exactly one of the
 two picks fp32's top-1, a one-sided exact sign test (McNemar's) must not reject "each is as likely to be the
 one that hits" at ``TOP1_SIGNIFICANCE``. A single near-tie step that eager bf16's rounding happens to resolve
-the fp32 way (p = 0.5) is noise; five misses against no hits (p = 1/32) is a real deficit. Per-step numbers stay in the report. No NaN or Inf in any logits or the KV cache. Each
-failure names the metric and, for per-step failures, the step and the position.
+the fp32 way (p = 0.5) is noise; five misses against no hits (p = 1/32) is a real deficit. Per-step numbers
+stay in the report. No NaN or Inf in any logits or the KV cache. Each failure names the metric and, for
+per-step failures, the step and the position.
 ``steps="max"`` (or None) decodes up to the bucket's capacity.
 """
 
@@ -182,9 +183,10 @@ def top1_stats(per_step: list["StepMetrics"]) -> dict:
 
 
 def top1_vs_fp32_deficit(stats: dict, top1_min: float) -> bool:
-    """Whether the decoder picks fp32's top-1 significantly less often than eager bf16 (module doc)."""
+    """Whether the decoder picks fp32's top-1 significantly less often than eager bf16 (module doc); a summary
+    written before the sign test (no ``top1_vs_fp32_sign_test_p``) is judged by the plain count, as it was then."""
     return (stats["top1_vs_fp32"] < min(top1_min, stats["bf16_top1_vs_fp32"])
-            and stats["top1_vs_fp32_sign_test_p"] < TOP1_SIGNIFICANCE)
+            and stats.get("top1_vs_fp32_sign_test_p", 0.0) < TOP1_SIGNIFICANCE)
 
 
 def compare_logits(step: int, position: int, logits, bf16, fp32) -> StepMetrics:
