@@ -1,8 +1,8 @@
 """``generate(plan, short_attention=N)`` (a candidate since session 28): below N positions every CTA computes every
 head's attention as the O projection's staging and the grid barrier after attention is skipped. CPU: where the
 branches sit, that the rest of the kernel is the default's, the sm_90a compile of each attention variant the body
-handles, bad inputs. GPU: ``tests/test_gpu_decode.py::test_short_attention_gives_the_default_logits_on_both_sides_of
-_its_threshold``."""
+handles, bad inputs. GPU: ``test_short_attention_gives_the_default_logits_on_both_sides_of_its_threshold`` in
+tests/test_gpu_decode.py."""
 
 from __future__ import annotations
 
