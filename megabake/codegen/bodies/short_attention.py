@@ -17,7 +17,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from .common import VEC, WARP
-from .split_attention import ATT_NEG
+from .split_attention import ATT_NEG, _merge_into
 
 
 @cute.jit
@@ -138,7 +138,8 @@ def short_attention_to_smem(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cu
     scores = cute.make_rmem_tensor(cute.make_layout(unroll), Float32)
     m = cute.make_rmem_tensor(cute.make_layout(group), Float32)
     l = cute.make_rmem_tensor(cute.make_layout(group), Float32)
-    acc = cute.make_rmem_tensor(cute.make_layout((VEC, group)), Float32)
+    acc = cute.make_rmem_tensor(cute.make_layout(group * VEC), Float32)
+    other = cute.make_rmem_tensor(cute.make_layout(VEC), Float32)
     for g in range(warp, batch * n_kv_heads, warps):
         b = g // n_kv_heads
         kvh = g - b * n_kv_heads
@@ -169,7 +170,7 @@ def short_attention_to_smem(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cu
             m[h] = Float32(ATT_NEG)
             l[h] = Float32(0.0)
             for e in cutlass.range_constexpr(VEC):
-                acc[e, h] = Float32(0.0)
+                acc[h * VEC + e] = Float32(0.0)
         keys = k_cache[b, kvh, None, None]
         values = v_cache[b, kvh, None, None]
         for base in range(first_key, pos, pos_per_warp * unroll):  # the cached rows [first_key, pos)
@@ -189,14 +190,14 @@ def short_attention_to_smem(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cu
                 correction = cute.math.exp(m[h] - top)
                 total = l[h] * correction
                 for e in cutlass.range_constexpr(VEC):
-                    acc[e, h] = acc[e, h] * correction
+                    acc[h * VEC + e] = acc[h * VEC + e] * correction
                 for u in cutlass.range_constexpr(unroll):
                     p = Float32(0.0)
                     if base + grp + u * pos_per_warp < pos:
                         p = cute.math.exp(scores[u] - top)
                     total = total + p
                     for e in cutlass.range_constexpr(VEC):
-                        acc[e, h] = acc[e, h] + p * vf[e, u]
+                        acc[h * VEC + e] = acc[h * VEC + e] + p * vf[e, u]
                 m[h] = top
                 l[h] = total
         for h in cutlass.range_constexpr(group):  # this step's position: lane group 0 only
@@ -211,27 +212,23 @@ def short_attention_to_smem(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cu
                 p = cute.math.exp(score - top)
             l[h] = l[h] * correction + p
             for e in cutlass.range_constexpr(VEC):
-                acc[e, h] = acc[e, h] * correction + p * v_new[e]
+                acc[h * VEC + e] = acc[h * VEC + e] * correction + p * v_new[e]
             m[h] = top
         for h in cutlass.range_constexpr(group):  # lane groups of the warp: butterfly merge, then lane group 0 writes
             offset = lane_slots
             while cutlass.const_expr(offset < WARP):
                 m_o = cute.arch.shuffle_sync_bfly(m[h], offset)
                 l_o = cute.arch.shuffle_sync_bfly(l[h], offset)
-                m_new = cute.arch.fmax(m[h], m_o)
-                ca = cute.math.exp(m[h] - m_new)
-                cb = cute.math.exp(m_o - m_new)
-                l[h] = l[h] * ca + l_o * cb
                 for e in cutlass.range_constexpr(VEC):
-                    acc[e, h] = acc[e, h] * ca + cute.arch.shuffle_sync_bfly(acc[e, h], offset) * cb
-                m[h] = m_new
+                    other[e] = cute.arch.shuffle_sync_bfly(acc[h * VEC + e], offset)
+                _merge_into(m, l, acc, h, m_o, l_o, other)
                 offset *= 2
             if grp == 0 and sub < lanes_per_pos:
                 inverse = Float32(1.0) / l[h]
                 for e in cutlass.range_constexpr(VEC):
                     column = (kvh * group + h) * head_dim + row_slice * VEC + e
                     if cutlass.const_expr(s_vec.element_type == Float32):
-                        s_vec[b, column] = acc[e, h] * inverse
+                        s_vec[b, column] = acc[h * VEC + e] * inverse
                     else:
-                        s_vec[b, column] = (acc[e, h] * inverse).to(s_vec.element_type)
+                        s_vec[b, column] = (acc[h * VEC + e] * inverse).to(s_vec.element_type)
     cute.arch.sync_threads()
