@@ -36,13 +36,12 @@
 #   split-followup: on the split default, the L2 weight prefetch budgets and the K/V prefetch again (Llama-1B @16,
 #          Phi-3-mini @4000; the K/V prefetch on Qwen3-0.6B @4000 too), SmolLM-135M @2000 (growth) and its per-CTA
 #          clocks @16 -> OUT/tune-*.log (~7 min?)
+#   kvpf-cap: session 29's K/V prefetch capped at MIN_CHUNK rows per CTA (the default now): its GPU test, then the
+#          default against none and the uncapped prefetch (sessions 16-28) at 4000 (Phi-3-mini, Qwen3-0.6B), 1000
+#          (Llama-1B) and 16 (SmolLM-135M) -> OUT/pytest-gpu-kvpf-cap.log, OUT/tune-*.log (~5 min?)
 #   per-cta: every CTA's phase clocks (timeline="phases-per-cta"): its GPU test, then the barrier waits' sources
 #          on Phi-3-mini at 4000 and Llama-1B at 16 (PER_CTA_CASES="preset capacity position;..." for others)
 #          -> OUT/pytest-gpu-per-cta.log, OUT/tune-*-per-cta-*.log (151 s in session 27)
-#   short-attention: session 28's candidate (attention in every CTA's O staging below N positions, no barrier
-#          after attention there): its GPU test, then the default against short64 / short128 at 16 (SmolLM-135M,
-#          Qwen3-0.6B) -> OUT/pytest-gpu-short-attention.log, OUT/tune-*.log (~7 min?, not run yet);
-#          short-attention-more: the same at 16 on Qwen2.5-0.5B and Llama-1B, and at 100 on SmolLM (~5 min?)
 #   hang-probe: the tensor-core cases' steps with the barrier watchdog (scripts/gpu_hang_probe.py; a tool for
 #          chasing a kernel that never reaches a grid barrier)                   -> OUT/hang-probe.json (~3 min)
 #   bench: decode benchmark table + chart, all presets in one process          -> OUT/bench/  (~2.5 min per preset;
@@ -259,20 +258,16 @@ if [[ " $PARTS " == *" split-followup "* ]]; then
     --capacity 2048 --position 16 --out "$OUT/per-cta-p16" >"$log" 2>&1
   summary+=("per-CTA tune (smollm-135m at 16): rc=$?" "$(grep -E '^(==|\||per-CTA|phases)' "$log")")
 fi
-if [[ " $PARTS " == *" short-attention "* ]]; then
-  # session 28's candidate (generate(plan, short_attention=N)): below N positions every CTA computes attention in
-  # its O projection's staging and the grid barrier after attention is skipped. Its GPU test (the default's logits
-  # on both sides of the threshold, the same bits twice), then the default against short64 / short128 at 16 on the
-  # presets furthest from their short-context targets, and at 100 (short128 only runs there) on SmolLM-135M
-  TEST_LIMIT=300 run_tests short-attention "short_attention" tests/test_gpu_decode.py
-  collect_tests short-attention
-  tune_candidates smollm-135m 2048 16 short64 short128
-  tune_candidates qwen3-0.6b 4096 16 short64 short128
-fi
-if [[ " $PARTS " == *" short-attention-more "* ]]; then
-  tune_candidates qwen2.5-0.5b 4096 16 short64
-  tune_candidates llama-3.2-1b 4096 16 short64
-  tune_candidates smollm-135m 2048 100 short128
+if [[ " $PARTS " == *" kvpf-cap "* ]]; then
+  # session 28's split-followup: without the K/V prefetch Phi-3-mini at 4000 took 2.347 vs 2.435 ms and Qwen3-0.6B
+  # 0.840 vs 0.878 (the whole first item asked for while the QKV GEMV streams weights). The cap keeps short contexts'
+  # prefetch whole (one chunk) and asks for one CTA loop iteration's rows at long contexts
+  TEST_LIMIT=200 run_tests kvpf-cap "kv_prefetch_gives" tests/test_gpu_decode.py
+  collect_tests kvpf-cap
+  tune_candidates phi-3-mini 4096 4000 no-kvpf kvpf-all
+  tune_candidates qwen3-0.6b 4096 4000 no-kvpf kvpf-all
+  tune_candidates llama-3.2-1b 4096 1000 no-kvpf kvpf-all
+  tune_candidates smollm-135m 2048 16 no-kvpf
 fi
 if [[ " $PARTS " == *" hang-probe "* ]]; then
   # the tensor-core cases' kernel steps built with the barrier watchdog (scripts/gpu_hang_probe.py)

@@ -14,7 +14,9 @@ fastest in that stage, and is measured the same way; its spec is printed (a ``tu
 (``generate(plan, barrier="red")``; rows ``<variant>@red``; ``atom``: the one-call barrier, the default until
 session 27) and without the L2 prefetch of cached K/V rows before
 the barrier that precedes attention (``generate(plan, kv_prefetch=False)``, the default until session 16; rows
-``<variant>@no-kvpf``), ``kvpf-l1`` that prefetch into L1 instead (``generate(plan, kv_prefetch_l1=True)``, a
+``<variant>@no-kvpf``), ``kvpf-all`` that prefetch uncapped (the whole first work item, sessions 16-28; the
+default asks for its first ``MIN_CHUNK`` rows, ``codegen.default_kv_prefetch_rows``), ``kvpf-l1`` that prefetch
+into L1 instead (``generate(plan, kv_prefetch_l1=True)``, a
 candidate), and the split-KV merges one at a time (the default picks per plan, ``codegen.default_merge``):
 ``last-merge`` the plain last-arrival merge (the default until session 17), ``merge-preload`` that merge loading
 its first partials at once, ``spread-merge`` the merge shared out over the group's items, ``fold-merge`` the merge
@@ -184,6 +186,8 @@ def sync_call(decoder, token, pos: int, reps: int) -> tuple[float, float]:
 BUILDS = {"default": {}, "atom": {"barrier": "atom"}, "red": {"barrier": "red"},
           "red-fence": {"barrier": "red-fence"},
           "no-kvpf": {"kv_prefetch": False}, "kvpf-l1": {"kv_prefetch_l1": True},
+          # the K/V prefetch of each CTA's whole first work item (sessions 16-28) instead of its first MIN_CHUNK rows
+          "kvpf-all": {"kv_prefetch_rows": 1 << 20},
           "last-merge": {"merge_preload": False, "spread_merge": False},
           "merge-preload": {"merge_preload": True, "spread_merge": False},
           "spread-merge": {"merge_preload": False, "spread_merge": True},
@@ -191,8 +195,6 @@ BUILDS = {"default": {}, "atom": {"barrier": "atom"}, "red": {"barrier": "red"},
           "pass-chunks": {"pass_chunks": True}, "kv-pipeline": {"kv_pipeline": True},
           "no-kv-pipeline": {"kv_pipeline": False}, "fold-merge": {"fold_merge": True},
           "no-fold-merge": {"fold_merge": False},
-          # session 28's candidate: below 64 / 128 positions every CTA computes attention in its O staging
-          "short64": {"short_attention": 64}, "short128": {"short_attention": 128},
           # the L2 prefetch of the next GEMV's first tiles before each barrier at one budget for every stage (the
           # default since session 26: none before a ring-prefilled GEMV, 16 MB elsewhere; pf16mb: the old default)
           "pf0": {"prefetch_bytes": 0}, "pf8mb": {"prefetch_bytes": 8 << 20}, "pf16mb": {"prefetch_bytes": 16 << 20},

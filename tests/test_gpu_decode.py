@@ -415,8 +415,9 @@ def test_kv_prefetch_gives_bit_identical_logits_at_split_boundaries_and_capacity
     """The K/V L2 prefetch (the default build since session 16; ``kv_prefetch=False`` leaves it out) and its
     candidate into L1 (``kv_prefetch_l1=True``) only ask caches for rows: from one random 1024-slot cache, one
     step at positions near 0, around the split boundary of 128 and at capacity - 1 gives exactly the logits of
-    the build without it (tiny-mistral: a sliding window, so chunks start past 0). So does the L2 prefetch of the
-    next GEMV's weight tiles before each barrier (``prefetch_bytes``: 16 MB over the grid, the default until
+    the build without it (tiny-mistral: a sliding window, so chunks start past 0), capped at the first MIN_CHUNK
+    rows of each CTA's item (the default since session 29) or not (``kv_prefetch_rows``). So does the L2 prefetch
+    of the next GEMV's weight tiles before each barrier (``prefetch_bytes``: 16 MB over the grid, the default until
     session 26, which has none before ring-filled GEMVs; and 64 MB)."""
     from megabake.runtime import gpu_info
 
@@ -424,12 +425,13 @@ def test_kv_prefetch_gives_bit_identical_logits_at_split_boundaries_and_capacity
     compiled = compile_preset(preset, layers=layers, vocab=4096 if layers else None, batch=batch, capacity=1024,
                               ctas=gpu_info().sm_count)
     builds = [{"kv_prefetch": False}, {}, {"kv_prefetch_l1": True}, {"prefetch_bytes": 16 << 20},
-              {"prefetch_bytes": 64 << 20}]
-    without, default, into_l1, old_weights, more_weights = _logits_over_random_cache(
+              {"prefetch_bytes": 64 << 20}, {"kv_prefetch_rows": 1 << 20}, {"kv_prefetch_rows": 1}]
+    without, default, into_l1, old_weights, more_weights, uncapped, one_row = _logits_over_random_cache(
         compiled, (0, 1, 2, 127, 128, 129, 700, 1023), batch, builds)
     assert torch.isfinite(without).all()
     assert torch.equal(default, without)
     assert torch.equal(into_l1, without)  # the candidate that prefetches into L1 (session 16)
+    assert torch.equal(uncapped, without) and torch.equal(one_row, without)  # the K/V prefetch's row cap
     assert torch.equal(old_weights, without) and torch.equal(more_weights, without)  # weight prefetch budgets
 
 
@@ -844,35 +846,3 @@ def _logits(plan, model, tokens, positions, decoder_from=None):
         steps.append(decoder.step(token.reshape(-1), position).cpu().clone())
     del decoder
     return torch.stack(steps)
-
-
-@pytest.mark.parametrize("preset,batch,capacity", [("smollm-135m", 1, 2048), ("qwen3-0.6b", 1, 4096),
-                                                   ("tiny-olmo2", 1, 1024), ("tiny-phi3", 1, 1024),
-                                                   ("tiny-mistral", 2, 1024)])
-def test_short_attention_gives_the_default_logits_on_both_sides_of_its_threshold(preset, batch, capacity):
-    """Attention in every CTA's O projection staging below ``short_attention`` positions (a candidate: no
-    split-KV attention and no grid barrier after it there, ``bodies.short_attention_to_smem``): from one random
-    cache, one step at positions near 0, just below and at the threshold, at split boundaries and near capacity
-    gives the default build's logits to fp32 rounding (another summation order; this step's key and value from
-    registers, appended by CTA 0 only), and exactly its bits from the threshold on where the short steps appended
-    the same K/V bits (every model but Qwen3, whose per-head q/k norm sums in another order); a second run gives
-    the same bits (a moving result would be a race). SmolLM: 3 query heads per KV group; Qwen3: per-head q/k norms,
-    head_dim 128; tiny-olmo2: whole-projection q/k norms; tiny-phi3: head_dim 96 (spare lanes); tiny-mistral b2: a
-    sliding window and two sequences."""
-    from megabake.runtime import gpu_info
-
-    layers = 2 if preset in ("smollm-135m", "qwen3-0.6b") else None
-    compiled = compile_preset(preset, layers=layers, vocab=4096 if layers else None, batch=batch,
-                              capacity=capacity, ctas=gpu_info().sm_count)
-    threshold = 64
-    positions = sorted({0, 1, 2, 31, 62, 63, 64, 65, 127, 128, 129, 700, capacity - 1})
-    default, short, again = _logits_over_random_cache(compiled, positions, batch,
-                                                      [{}, {"short_attention": threshold},
-                                                       {"short_attention": threshold}])
-    assert torch.isfinite(short).all() and torch.equal(again, short)
-    same_appends = not compiled.plan.has_head_norms
-    for i, position in enumerate(positions):
-        error = float((short[i] - default[i]).norm() / default[i].norm())
-        assert error < 1e-4, (position, error)
-        if position >= threshold and same_appends:
-            assert torch.equal(short[i], default[i]), position

@@ -219,7 +219,8 @@ PREFETCH_BUDGET_BYTES = 16 << 20
 class BuildOptions:
     """Code-generation choices that change module.py but not the plan (same buffers, same plan hash): the grid
     barrier's call (``BARRIER_ARRIVALS`` or a watchdog's; a split barrier's wait, after its ``arrival``), the K/V
-    L2 prefetch (:func:`_before_barrier_calls`) and
+    L2 prefetch (:func:`_before_barrier_calls`; at most ``kv_prefetch_rows`` rows per work item:
+    :func:`default_kv_prefetch_rows`) and
     the split-KV merge's preload (``bodies.split_kv_attention``), the K/V prefetch into L1 instead of L2
     (``kv_prefetch_l1``, a candidate, off by default) and the spread split-KV merge (``spread_merge``, with
     ``bodies.split_kv_counts_reset`` after the barrier that follows attention). :func:`generate` picks the two
@@ -232,13 +233,13 @@ class BuildOptions:
     barrier: str = BARRIER_ARRIVALS["atom"]
     kv_prefetch: bool = True
     kv_prefetch_l1: bool = False
+    kv_prefetch_rows: int = 0  # the K/V prefetch's cap in rows per work item (generate fills it in)
     merge_preload: bool = False
     spread_merge: bool = False
     fold_splits: int = 0  # fold_merge: the O projection's staging merges up to this many active splits (0: off)
     prefetch_bytes: int | None = None  # L2 prefetch of the next GEMV's tiles per barrier (None: per stage)
     clock_every_cta: bool = False  # a TIMELINE_PER_CTA build: every CTA stores its phase clocks
     arrival: str | None = None  # a split barrier's arrival (SPLIT_ARRIVAL), emitted before the before-barrier calls
-    short_attention: int = 0  # below this many positions every CTA computes attention in the O staging (0: off)
 
 
 # A KV group's outputs (query heads per KV head x head_dim) from which the spread merge is the default: on the H200
@@ -310,11 +311,12 @@ def default_kv_pipeline(plan: Plan) -> bool:
 
 def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str = False,
              self_contained: bool = True, watchdog: bool = False, barrier: str | None = None,
-             kv_prefetch: bool = True, kv_prefetch_l1: bool = False, merge_preload: bool | None = None,
+             kv_prefetch: bool = True, kv_prefetch_l1: bool = False, kv_prefetch_rows: int | None = None,
+             merge_preload: bool | None = None,
              spread_merge: bool | None = None, head_slices: bool = True,
              long_slices: bool = LONG_SLICES, pass_chunks: bool = PASS_CHUNKS,
              kv_pipeline: bool | None = None, fold_merge: bool | None = None,
-             prefetch_bytes: int | None = None, short_attention: int = 0) -> GeneratedModule:
+             prefetch_bytes: int | None = None) -> GeneratedModule:
     """module.py of ``plan``. ``merge_preload`` / ``spread_merge``: None picks them per plan
     (:func:`default_merge`); True asks for one (refused where the attention scratch cannot hold it), False
     leaves it out (both False: the plain last-arrival merge of sessions 10-16). ``head_slices=False`` deals
@@ -328,9 +330,8 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     issued before each grid barrier, in bytes over the whole grid, for every stage (0: none; at least one tile per
     warp otherwise: :func:`_prefetch_call`; None picks it per stage: :func:`default_prefetch_bytes`); ``barrier``
     is how CTAs meet at grid barriers (``BARRIER_ARRIVALS``; None: ``DEFAULT_BARRIER``, or a watchdog's);
-    ``short_attention=N`` (a candidate, 0: off) makes steps at positions below N skip split-KV attention and the
-    grid barrier after it: every CTA computes every head's attention as the O projection's staging
-    (``bodies.short_attention_to_smem``; :func:`short_attention_error` says where it cannot)."""
+    ``kv_prefetch_rows`` caps the K/V prefetch at that many cached rows per CTA (None:
+    :func:`default_kv_prefetch_rows`, one chunk)."""
     if watchdog and timeline:
         raise ValueError("a watchdog build has no timeline: build them separately")
     if barrier is not None and barrier not in BARRIER_ARRIVALS:
@@ -341,6 +342,11 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     barrier = "atom" if watchdog else barrier or DEFAULT_BARRIER
     if kv_prefetch_l1 and not kv_prefetch:
         raise ValueError("kv_prefetch_l1 picks where the K/V prefetch lands: it needs kv_prefetch=True")
+    if kv_prefetch_rows is not None and (isinstance(kv_prefetch_rows, bool) or not isinstance(kv_prefetch_rows, int)
+                                         or kv_prefetch_rows < 1):
+        raise ValueError(f"kv_prefetch_rows={kv_prefetch_rows!r}: give the K/V prefetch's cap in cached rows per "
+                         "work item, an int >= 1 (kv_prefetch=False leaves the prefetch out)")
+    kv_prefetch_rows = default_kv_prefetch_rows(plan) if kv_prefetch_rows is None else kv_prefetch_rows
     if prefetch_bytes is not None and (isinstance(prefetch_bytes, bool) or not isinstance(prefetch_bytes, int)
                                        or prefetch_bytes < 0):
         raise ValueError(f"prefetch_bytes={prefetch_bytes!r}: give the L2 prefetch budget per barrier in bytes, an "
@@ -363,13 +369,10 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
                "attention is not split")
         raise ValueError(f"fold_merge needs 2+ splits to fold and no spread merge, but {why}: build without it")
     kv_pipeline = default_kv_pipeline(plan) if kv_pipeline is None else kv_pipeline
-    problem = short_attention_error(plan, short_attention)
-    if problem:
-        raise ValueError(problem)
     plan_hash = plan_hash or plan.hash
     w = _Writer(keyword_calls=True)
     _header(w, plan, plan_hash, kernel_arguments(plan), self_contained, head_slices, long_slices, pass_chunks,
-            kv_pipeline, folded, short_attention)
+            kv_pipeline, folded)
     prologue = [s for s in plan.stages if s.scope == "prologue"]
     per_layer = [s for s in plan.stages if s.scope == "layer"]
     epilogue = [s for s in plan.stages if s.scope == "epilogue"]
@@ -434,9 +437,10 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     _timeline_store(w, 1, bool(timeline), "1", every_cta)
     options = BuildOptions(barrier=("bodies.grid_barrier_watched(barrier, tidx, CTAS, cta, WATCH_POLLS)" if watchdog
                                     else BARRIER_ARRIVALS[barrier]), kv_prefetch=kv_prefetch,
-                           kv_prefetch_l1=kv_prefetch_l1, merge_preload=merge_preload, spread_merge=spread_merge,
+                           kv_prefetch_l1=kv_prefetch_l1, kv_prefetch_rows=kv_prefetch_rows,
+                           merge_preload=merge_preload, spread_merge=spread_merge,
                            fold_splits=folded, prefetch_bytes=prefetch_bytes, clock_every_cta=every_cta,
-                           arrival=SPLIT_ARRIVAL if barrier == "split" else None, short_attention=short_attention)
+                           arrival=SPLIT_ARRIVAL if barrier == "split" else None)
     if phases:
         _phase_timed_stages(w, plan, prologue, per_layer, epilogue, options)
     else:
@@ -477,7 +481,7 @@ def _packed(items: list[str], indent: int) -> list[str]:
 
 def _header(w: _Writer, plan: Plan, plan_hash: str, arguments: list[str], self_contained: bool,
             head_slices: bool = True, long_slices: bool = True, pass_chunks: bool = False,
-            kv_pipeline: bool = False, folded: int = 0, short_attention: int = 0) -> None:
+            kv_pipeline: bool = False, folded: int = 0) -> None:
     d = plan.dims
     w(f'"""Generated by MegaBake from plan {plan_hash[:16]}. Do not edit: re-bake instead.')
     w("")
@@ -525,9 +529,6 @@ def _header(w: _Writer, plan: Plan, plan_hash: str, arguments: list[str], self_c
         consts.update({"RING_STAGES": ring_stages, "RING_VECTORS": ring_vectors})
     for name, value in consts.items():
         w(f"{name} = {value}")
-    if short_attention:
-        w(f"SHORT_ATTENTION = {short_attention}  # below this position: attention in every CTA's O staging, "
-          "no grid barrier after attention")
     w(f"EPS = {d.eps!r}")
     w(f"ATTN_SCALE = {d.attn_scale!r}")
     if d.embed_scale != 1.0:
@@ -581,17 +582,11 @@ def _stage(w: _Writer, plan: Plan, stage: Stage, indent: int, layer_var, clocks:
         if clocks:
             _timeline_store(w, indent, True, clocks.pop(0), options.clock_every_cta)
 
-    short = options.short_attention > 0
-    if short and stage.kind == "attention":
-        _short_attention_stage(w, plan, stage, indent, layer_var, clocks, options)
-        return
     prefix = "layer[*]." if stage.scope == "layer" else ""
     w.begin(_entry(plan, stage, layer_var, "barrier_interval", f"{prefix}{stage.name}"))
     w(f"# ---- stage {stage.index}: {stage.name} ({stage.scope}) ----", indent)
     calls = _body_calls(plan, stage, options.merge_preload, options.spread_merge, options.fold_splits)
     previous = next((s for s in plan.stages if s.index == stage.index - 1), None)
-    if short and previous is not None and previous.kind == "attention":  # the staging: short attention or as before
-        calls = [(body, _short_or(call, plan) if i == 0 else call) for i, (body, call) in enumerate(calls)]
     if options.spread_merge and previous is not None and previous.kind == "attention" and kv_splits(plan):
         w(f"bodies.split_kv_counts_reset({ATTN_COUNT}, cta, tidx, BATCH * N_KV_HEADS * HEAD_SLICES, THREADS)",
           indent)
@@ -600,15 +595,9 @@ def _stage(w: _Writer, plan: Plan, stage: Stage, indent: int, layer_var, clocks:
         w(call, indent)
         w.end()
         clock()
-    _barrier_calls(w, plan, stage, indent, clock, options)
-    w.end()
-
-
-def _barrier_calls(w: _Writer, plan: Plan, stage: Stage, indent: int, clock, options: BuildOptions) -> None:
-    """The grid barrier after ``stage`` (if any): the calls issued ahead of its wait, around a split arrival."""
     if stage.barrier_after:
         before = _before_barrier_calls(plan, stage, options.kv_prefetch, options.kv_prefetch_l1,
-                                       options.prefetch_bytes)
+                                       options.prefetch_bytes, options.kv_prefetch_rows)
         reads = [call for call in before if call.startswith(_BEFORE_ARRIVAL)]
         for call in reads + ([options.arrival] if options.arrival else []) + [c for c in before if c not in reads]:
             w(call, indent)
@@ -616,77 +605,6 @@ def _barrier_calls(w: _Writer, plan: Plan, stage: Stage, indent: int, clock, opt
             clock()
         w(options.barrier, indent)
         clock()
-
-
-def short_attention_error(plan: Plan, short_attention: int) -> str | None:
-    """Why ``generate(plan, short_attention=N)`` cannot build, or None."""
-    if isinstance(short_attention, bool) or not isinstance(short_attention, int) or short_attention < 0:
-        return (f"short_attention={short_attention!r}: give the position below which every CTA computes attention "
-                "itself, an int >= 0 (0: off)")
-    if short_attention and not kv_splits(plan):
-        return "short_attention replaces split-KV attention at short contexts, but this plan's attention is not split"
-    attention = next((s for s in plan.stages if s.kind == "attention"), None)
-    following = next((s for s in plan.stages if attention is not None and s.index == attention.index + 1), None)
-    if short_attention and not _stages_attention_output(plan, following):
-        return ("short_attention computes attention in the staging of the stage after attention, but that stage "
-                "does not stage the attention output: build without it")
-    if short_attention and attention is not None and any(
-            "gemv_ring_prefill" in call or "gemv_preload" in call for call in _before_barrier_calls(plan, attention)):
-        return ("short_attention skips the grid barrier after attention, but this plan fills the O projection's "
-                "ring or registers there: build without it")
-    if short_attention and _attention_preloads(plan):
-        return ("short_attention does not combine with the attention preload tiling (it stages this step's key in "
-                "s_vec): build one or the other")
-    return None
-
-
-def _stages_attention_output(plan: Plan, stage: Stage | None) -> bool:
-    """Whether ``stage`` is a GEMV stage whose input row is the attention output (the O projection)."""
-    if stage is None:
-        return False
-    spec = spec_of(stage, plan)
-    return spec.gemv is not None and spec.vector.kind == "copy" and spec.vector.source == "attn"
-
-
-def _short_or(long_call: str, plan: Plan) -> str:
-    """The O projection's staging: attention in every CTA below SHORT_ATTENTION, else ``long_call``."""
-    norms = "qk_norms[layer, None, None]" if plan.has_head_norms else "qkv"
-    if plan.dims.whole_qk_norm:
-        norms = "qk_norms[layer, None]"
-    short = (f"bodies.short_attention_to_smem(qkv, {norms}, {_rope_arguments(plan)}, "
-             "k_cache[layer, None, None, None, None], v_cache[layer, None, None, None, None], s_vec, pos, "
-             f"{_first_key(plan)}, cta, tidx, BATCH, N_HEADS, N_KV_HEADS, HEAD_DIM, THREADS, ATTN_SCALE, "
-             f"{plan.has_head_norms}, EPS, {'ROTARY_DIM' if plan.dims.rotary_dim else 'HEAD_DIM'}, "
-             f"{plan.dims.whole_qk_norm}, ATT_UNROLL)")
-    return f"if pos < SHORT_ATTENTION:\n    {short}\nelse:\n    {long_call}"
-
-
-def _short_attention_stage(w: _Writer, plan: Plan, stage: Stage, indent: int, layer_var, clocks: list[str] | None,
-                           options: BuildOptions) -> None:
-    """The attention stage of a ``short_attention`` build: split-KV attention and its grid barrier only from
-    position SHORT_ATTENTION on; below it nothing (the next stage's staging computes attention), with the same
-    timeline clocks stored so a phases build keeps its slots."""
-    prefix = "layer[*]." if stage.scope == "layer" else ""
-    slots = list(clocks or [])
-    w.begin(_entry(plan, stage, layer_var, "barrier_interval", f"{prefix}{stage.name}"))
-    w(f"# ---- stage {stage.index}: {stage.name} ({stage.scope}) ----", indent)
-    w("if pos >= SHORT_ATTENTION:  # longer contexts: split-KV attention and the grid barrier after it", indent)
-
-    def clock() -> None:
-        if clocks:
-            _timeline_store(w, indent + 1, True, clocks.pop(0), options.clock_every_cta)
-
-    for body, call in _body_calls(plan, stage, options.merge_preload, options.spread_merge, options.fold_splits):
-        w.begin(_entry(plan, stage, layer_var, "body_call", f"{prefix}{stage.name}.{body}"))
-        w(call, indent + 1)
-        w.end()
-        clock()
-    _barrier_calls(w, plan, stage, indent + 1, clock, options)
-    used = slots[:len(slots) - len(clocks or [])]
-    if used:
-        w("else:  # short contexts: the phases end here (nothing runs)", indent)
-        for slot in used:
-            _timeline_store(w, indent + 1, True, slot, options.clock_every_cta)
     w.end()
 
 
@@ -772,19 +690,20 @@ def _attention_preloads(plan: Plan) -> bool:
 
 
 def _before_barrier_calls(plan: Plan, stage: Stage, kv_prefetch: bool = False, to_l1: bool = False,
-                          prefetch_bytes: int | None = None) -> list[str]:
+                          prefetch_bytes: int | None = None, kv_prefetch_rows: int | None = None) -> list[str]:
     """Issued before a CTA waits at the barrier that ends ``stage``: the next GEMV's L2 prefetch, its register
     preload when that stage preloads, and the attention's first K/V rows when attention preloads.
 
     ``kv_prefetch`` (the default since session 16; ``generate(plan, kv_prefetch=False)`` leaves it out): before
     the barrier that precedes split-KV attention, each CTA also asks L2 for the cached K/V rows of its first
     attention work item (``bodies.split_kv_prefetch``; H200: -10 us per step on SmolLM-135M, 0 on Llama-3.2-1B,
-    same logits). That stage always has the next GEMV's prefetch too, so its ``prefetch`` phase
+    same logits), at most ``kv_prefetch_rows`` of them (None: :func:`default_kv_prefetch_rows`). That stage always
+    has the next GEMV's prefetch too, so its ``prefetch`` phase
     (:func:`stage_phases`) exists either way."""
     calls = []
     following = next((s for s in plan.stages if s.index == stage.index + 1), None)
     if kv_prefetch and following is not None and following.kind == "attention" and kv_splits(plan):
-        calls.append(_kv_prefetch_call(plan, to_l1))
+        calls.append(_kv_prefetch_call(plan, to_l1, kv_prefetch_rows or default_kv_prefetch_rows(plan)))
     if following is not None and following.kind == "attention" and _attention_preloads(plan):
         calls.append("bodies.attention_preload(k_cache[layer, None, None, None, None], v_cache[layer, None, None, "
                      "None, None], pre_kv, pos, cta, tidx, BATCH, N_HEADS, N_KV_HEADS, HEAD_DIM)")
@@ -808,12 +727,24 @@ def _before_barrier_calls(plan: Plan, stage: Stage, kv_prefetch: bool = False, t
     return calls
 
 
-def _kv_prefetch_call(plan: Plan, to_l1: bool = False) -> str:
-    """L2 (``to_l1``: L1) prefetch of the cached K/V rows of this CTA's first split-KV work item (as
-    ``split_kv_attention`` deals them)."""
+def default_kv_prefetch_rows(plan: Plan) -> int:
+    """The K/V prefetch's cap in cached rows per work item in a default build: the shortest split chunk
+    (``MIN_CHUNK``), so every step whose context fits one chunk prefetches its item whole, as the uncapped
+    prefetch of sessions 16-28 did, and a long context asks for no more than that. H200, session 29, GPU ms per
+    step at 4000 with the uncapped prefetch -> none: Phi-3-mini 2.435 -> 2.347, Qwen3-0.6B 0.878 -> 0.840 (its QKV
+    stage streamed weights at 3.15 vs 4.00 TB/s while every CTA asked for its whole item, up to the layer's whole
+    K/V cache over the grid)."""
+    if not kv_splits(plan):
+        return 1
+    return next(s.tiling for s in plan.stages if s.kind == "attention").per_tile
+
+
+def _kv_prefetch_call(plan: Plan, to_l1: bool = False, max_rows: int = 1) -> str:
+    """L2 (``to_l1``: L1) prefetch of the first ``max_rows`` cached K/V rows of this CTA's first split-KV work
+    item (as ``split_kv_attention`` deals them)."""
     return ("bodies.split_kv_prefetch(k_cache[layer, None, None, None, None], v_cache[layer, None, None, None, None], "
             f"pos, {_first_key(plan)}, cta, tidx, BATCH, N_KV_HEADS, HEAD_DIM, THREADS, KV_SPLITS, MIN_CHUNK, "
-            f"CHUNK_QUANTUM, HEAD_SLICES, LONG_SLICES, {to_l1})")
+            f"CHUNK_QUANTUM, HEAD_SLICES, LONG_SLICES, {to_l1}, {max_rows})")
 
 
 def _gemv_shape(plan: Plan, stage_name: str) -> tuple[int, int]:
@@ -1009,8 +940,7 @@ def _launcher(w: _Writer, arguments: list[str]) -> None:
 
 # ------------------------------------------------------------------------------ self-contained module.py
 BODIES_DIR = Path(__file__).resolve().parent / "bodies"
-BODY_FILES = ("common.py", "sync.py", "staging.py", "gemv.py", "attention.py", "split_attention.py",  # = bodies'
-              "short_attention.py")
+BODY_FILES = ("common.py", "sync.py", "staging.py", "gemv.py", "attention.py", "split_attention.py")  # = bodies'
 
 
 def bodies_source() -> str:
