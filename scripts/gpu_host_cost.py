@@ -136,12 +136,10 @@ def reference_load(decoder, steps: int = 3) -> float:
     own weights, ``steps`` decode steps. Returns its seconds."""
     import torch
 
-    from megabake.plan.reference import ReferenceExecutor
+    from megabake.plan.reference import reference_executor_from_buffers
 
     started = time.perf_counter()
-    plan = decoder.plan
-    weights = {spec.buffer: decoder.buffers[spec.buffer].cpu() for spec in plan.packed}
-    reference = ReferenceExecutor(plan, weights, decoder.buffers["rope_cos"].cpu(), decoder.buffers["rope_sin"].cpu())
+    reference = reference_executor_from_buffers(decoder.plan, decoder.buffers)
     for p in range(steps):
         reference.step(torch.tensor([1 + p]), p)
     return time.perf_counter() - started

@@ -136,10 +136,9 @@ STEPS = 3  # decode steps from an empty cache before timing (positions 0..STEPS-
 
 def vs_reference(decoder, plan, tokens) -> float:
     """rel-L2 of the decoder's last logits against the plan's CPU reference executor on its own bf16 weights."""
-    from megabake.plan.reference import ReferenceExecutor
+    from megabake.plan.reference import reference_executor_from_buffers
 
-    weights = {spec.buffer: decoder.buffers[spec.buffer].cpu() for spec in plan.packed}
-    reference = ReferenceExecutor(plan, weights, decoder.buffers["rope_cos"].cpu(), decoder.buffers["rope_sin"].cpu())
+    reference = reference_executor_from_buffers(plan, decoder.buffers)
     for p in range(len(tokens)):
         want = reference.step(tokens[p], p)
     got = decoder.buffers["logits"].float().cpu()

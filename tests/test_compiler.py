@@ -113,6 +113,25 @@ def _randomise_biases(model, std: float = 0.5):
     return model
 
 
+def test_reference_from_a_decoders_buffers_runs_on_those_weights_and_tables(tiny):
+    """``reference_executor_from_buffers``: the GPU checks' reference (scripts and GPU tests) reads the packed
+    weights and rotary tables out of a decoder's buffers; on the bf16 packing of the tiny model it gives the
+    logits of ``reference_executor_for`` in bf16, and a changed weight buffer changes its logits."""
+    from megabake.plan.packing import pack_weights, plan_inv_freqs, rotary_tables
+    from megabake.plan.reference import reference_executor_from_buffers
+
+    plan, model = tiny.plan, tiny.model
+    buffers = dict(pack_weights(plan, model.get_parameter, dtype=torch.bfloat16))
+    buffers["rope_cos"], buffers["rope_sin"] = rotary_tables(plan, plan_inv_freqs(plan, model))
+    buffers["k_cache"] = torch.full((1,), float("nan"))  # not a weight: ignored
+    tokens = torch.tensor([3])
+    got = reference_executor_from_buffers(plan, buffers).step(tokens, 0)
+    want = reference_executor_for(plan, model, dtype=torch.bfloat16).step(tokens, 0)
+    assert torch.isfinite(got).all() and torch.equal(got, want)
+    buffers["w_qkv"] = buffers["w_qkv"] * 2
+    assert not torch.equal(reference_executor_from_buffers(plan, buffers).step(tokens, 0), want)
+
+
 def test_linear_biases_are_packed_per_stage_with_zeros_where_absent():
     """Llama's attention_bias puts biases on q, k, v and o; mlp_bias on gate, up and down."""
     from megabake.plan.packing import pack_weights

@@ -24,11 +24,9 @@ def _decoder(name: str, capacity: int = 128):
 
 def _reference_for(compiled, decoder):
     """The plan's CPU reference executor on the decoder's own packed bf16 weights and rotary tables."""
-    from megabake.plan.reference import ReferenceExecutor
+    from megabake.plan.reference import reference_executor_from_buffers
 
-    weights = {spec.buffer: decoder.buffers[spec.buffer].cpu() for spec in compiled.plan.packed}
-    return ReferenceExecutor(compiled.plan, weights, decoder.buffers["rope_cos"].cpu(),
-                             decoder.buffers["rope_sin"].cpu())
+    return reference_executor_from_buffers(compiled.plan, decoder.buffers)
 
 
 def _assert_random_cache_steps_match(compiled, model, *, seed: int,
@@ -120,12 +118,9 @@ def test_exactly_one_kernel_launch_per_step(baked):
 
 def test_kernel_matches_reference_executor_and_is_stable():
     """Same bf16 weights, fp32 math: the kernel and the CPU reference executor agree; repeats do not move."""
-    from megabake.plan.reference import ReferenceExecutor
-
     compiled, decoder = _decoder("tiny-llama", capacity=64)
     plan = compiled.plan
-    weights = {spec.buffer: decoder.buffers[spec.buffer].cpu() for spec in plan.packed}
-    reference = ReferenceExecutor(plan, weights, decoder.buffers["rope_cos"].cpu(), decoder.buffers["rope_sin"].cpu())
+    reference = _reference_for(compiled, decoder)
     tokens = torch.randint(1, plan.dims.vocab, (40,), generator=torch.Generator().manual_seed(5))
     for pos in range(40):
         decoder.buffers["logits"].fill_(float("nan"))

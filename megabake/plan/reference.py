@@ -306,6 +306,14 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotated: int) -
     return x * cos + partners * sin
 
 
+def reference_executor_from_buffers(plan: Plan, buffers: dict[str, torch.Tensor]) -> ReferenceExecutor:
+    """A reference executor on a decoder's own packed weights and rotary tables (``buffers`` as a
+    ``MegakernelDecoder`` holds them, on any device; copied to the CPU): what a GPU check compares the kernel
+    with, the same bf16 weights in fp32 math."""
+    weights = {spec.buffer: buffers[spec.buffer].cpu() for spec in plan.packed}
+    return ReferenceExecutor(plan, weights, buffers["rope_cos"].cpu(), buffers["rope_sin"].cpu())
+
+
 def reference_executor_for(plan: Plan, model, *, dtype=torch.float32) -> ReferenceExecutor:
     """Build a reference executor bound to an HF model's parameters (packed in ``dtype``)."""
     from .packing import pack_weights, plan_inv_freqs, rotary_tables
@@ -315,4 +323,4 @@ def reference_executor_for(plan: Plan, model, *, dtype=torch.float32) -> Referen
     return ReferenceExecutor(plan, weights, cos, sin)
 
 
-__all__ = ["ReferenceExecutor", "reference_executor_for", "WARP"]
+__all__ = ["ReferenceExecutor", "reference_executor_for", "reference_executor_from_buffers", "WARP"]
