@@ -259,7 +259,7 @@ if [[ " $PARTS " == *" split-followup "* ]]; then
   summary+=("per-CTA tune (smollm-135m at 16): rc=$?" "$(grep -E '^(==|\||per-CTA|phases)' "$log")")
 fi
 if [[ " $PARTS " == *" kvpf-cap "* ]]; then
-  # session 28's split-followup: without the K/V prefetch Phi-3-mini at 4000 took 2.347 vs 2.435 ms and Qwen3-0.6B
+  # session 29's split-followup: without the K/V prefetch Phi-3-mini at 4000 took 2.347 vs 2.435 ms and Qwen3-0.6B
   # 0.840 vs 0.878 (the whole first item asked for while the QKV GEMV streams weights). The cap keeps short contexts'
   # prefetch whole (one chunk) and asks for one CTA loop iteration's rows at long contexts
   TEST_LIMIT=200 run_tests kvpf-cap "kv_prefetch_gives" tests/test_gpu_decode.py
