@@ -14,6 +14,13 @@ drifting clock or a busy host hits every measure alike, medians of:
 ``step - gpu`` is the issue's number; ``step - replay`` the Python part; ``replay - kernel graph`` the copy node;
 ``kernel graph - gpu`` launch + wake-up of this kernel, to compare with ``floor``.
 
+``--foreign`` adds the step after other GPU work, as a serving loop that runs other kernels between decode steps
+would see it (session 30: in the benchmark the first synchronized call after the baselines ran took 67-134 us
+longer than the next ones): ``step after copy`` / ``gpu after copy`` follow a 64 MB device-to-device copy (more
+than the 50 MB L2: the kernel's code, tables and small buffers leave it), ``step after add`` / ``gpu after add`` a
+one-element kernel (a different kernel, no shared memory, next to no L2 traffic). ``gpu after *`` minus ``gpu``
+is what the GPU side pays; ``step after *`` minus ``step`` all of it.
+
 ``--cpu-load`` measures everything again after CPU work in the same process, as the benchmarks do before they
 time (the bake's and gpu_tune's CPU reference executor, eager fp32 numerics): once right after it and once
 after ``--settle`` seconds of sleep. Session 26 saw ``step()``'s host part at 88-132 us in 3 of 8 first variants of
@@ -23,6 +30,7 @@ something else.
 
     source .cute/activate.sh && python3 scripts/gpu_host_cost.py smollm-135m olmo-2-1b --out $OUT
     source .cute/activate.sh && python3 scripts/gpu_host_cost.py smollm-135m --cpu-load --out $OUT
+    source .cute/activate.sh && python3 scripts/gpu_host_cost.py qwen3-0.6b --capacity 4096 --foreign --out $OUT
 
 Writes OUT/host-cost.json; prints a table (us) last.
 """
@@ -83,6 +91,43 @@ def capture(body):
         body()
     torch.cuda.synchronize()
     return graph
+
+
+def after(foreign, sample):
+    """A sample taken right after ``foreign()`` has run on the GPU (synchronized, untimed)."""
+    import torch
+
+    def run() -> float:
+        foreign()
+        torch.cuda.synchronize()
+        return sample()
+
+    return run
+
+
+def foreign_measures(decoder, position: int) -> dict:
+    """``--foreign``: the step and its graph's GPU time right after other GPU work (module doc)."""
+    import torch
+
+    token = [1]
+    source = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+    target = torch.empty_like(source)
+    scalar = torch.zeros(1, device="cuda")
+
+    def step() -> float:
+        return synced(lambda: decoder.step(token, position))
+
+    def gpu() -> float:
+        return event_us(decoder._graphs[0].replay)
+
+    def copy():
+        target.copy_(source)
+
+    def add():
+        scalar.add_(1)
+
+    return {"step after copy": after(copy, step), "gpu after copy": after(copy, gpu),
+            "step after add": after(add, step), "gpu after add": after(add, gpu)}
 
 
 def measures(decoder, position: int) -> dict:
@@ -146,9 +191,11 @@ def reference_load(decoder, steps: int = 3) -> float:
 
 
 def measure_preset(name: str, capacity: int, position: int, rounds: int, per_round: int, cpu_load: bool = False,
-                   settle: float = 2.0) -> list[dict]:
+                   settle: float = 2.0, foreign: bool = False) -> list[dict]:
     decoder = build_decoder(name, capacity)
     named = measures(decoder, position)
+    if foreign:
+        named.update(foreign_measures(decoder, position))
     rows = [{"preset": name, "capacity": capacity, "position": position, "phase": "fresh",
              **sampled(named, rounds, per_round)}]
     if cpu_load:
@@ -172,12 +219,14 @@ def main() -> None:
                         help="measure again after the CPU reference executor's work, and after --settle s of sleep")
     parser.add_argument("--settle", type=float, default=2.0,
                         help="seconds of sleep before the last --cpu-load measure (default 2)")
+    parser.add_argument("--foreign", action="store_true",
+                        help="also measure the step right after a 64 MB copy and after a one-element kernel")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     results = [row for name in args.presets
                for row in measure_preset(name, args.capacity, args.position, args.rounds, args.per_round,
-                                         args.cpu_load, args.settle)]
+                                         args.cpu_load, args.settle, args.foreign)]
     (args.out / "host-cost.json").write_text(json.dumps(results, indent=1))
     keys = list(results[0]["median_us"])
     print("| preset | phase | " + " | ".join(keys) + " | step - gpu | step - replay | replay - kernel graph |")

@@ -36,6 +36,9 @@
 #   split-followup: on the split default, the L2 weight prefetch budgets and the K/V prefetch again (Llama-1B @16,
 #          Phi-3-mini @4000; the K/V prefetch on Qwen3-0.6B @4000 too), SmolLM-135M @2000 (growth) and its per-CTA
 #          clocks @16 -> OUT/tune-*.log (~7 min?)
+#   batch-growth: batch 8's per-stage clocks (gpu_tune --phases) at 16 and at the long end on SmolLM-135M (2027) and
+#          Qwen2.5-0.5B (4000), and there the kv-pipeline / no-kvpf / pass-chunks builds (session 30: batch 4/8
+#          grow 3-7% past issue 12's budget) -> OUT/tune-*-b8-p*.log, OUT/b8-p*/ (~6 min?, not run yet)
 #   kvpf-cap: session 29's K/V prefetch capped at MIN_CHUNK rows per CTA (the default now): its GPU test, then the
 #          default against none and the uncapped prefetch (sessions 16-28) at 4000 (Phi-3-mini, Qwen3-0.6B), 1000
 #          (Llama-1B) and 16 (SmolLM-135M) -> OUT/pytest-gpu-kvpf-cap.log, OUT/tune-*.log (~5 min?)
@@ -268,6 +271,20 @@ if [[ " $PARTS " == *" kvpf-cap "* ]]; then
   tune_candidates qwen3-0.6b 4096 4000 no-kvpf kvpf-all
   tune_candidates llama-3.2-1b 4096 1000 no-kvpf kvpf-all
   tune_candidates smollm-135m 2048 16 no-kvpf
+fi
+if [[ " $PARTS " == *" batch-growth "* ]]; then
+  # session 30: at batch 4 and 8 the step grows 3-7% past issue 12's budget (SmolLM-135M to 2027, Qwen2.5-0.5B to
+  # 4000). Batch 8's per-stage clocks at both ends, and at the long end the split-KV candidates that change how a
+  # CTA reads its chunk (K/V loads one iteration ahead, no K/V prefetch, chunks in whole CTA passes)
+  for spec in "smollm-135m 2048 16" "smollm-135m 2048 2027" "qwen2.5-0.5b 4096 16" "qwen2.5-0.5b 4096 4000"; do
+    read -r preset capacity position <<<"$spec"
+    builds=(default)
+    ((position > 16)) && builds+=(kv-pipeline no-kvpf pass-chunks)
+    log="$OUT/tune-$preset-b8-p$position.log"
+    timeout 200 python3 scripts/gpu_tune.py "$preset" --variants bake --builds "${builds[@]}" --no-composite --phases \
+      --batch 8 --capacity "$capacity" --position "$position" --out "$OUT/b8-p$position" >"$log" 2>&1
+    summary+=("batch-growth tune ($preset, batch 8, at $position): rc=$?" "$(grep -E '^(==|\||timeline)' "$log")")
+  done
 fi
 if [[ " $PARTS " == *" hang-probe "* ]]; then
   # the tensor-core cases' kernel steps built with the barrier watchdog (scripts/gpu_hang_probe.py)

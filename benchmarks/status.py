@@ -1,0 +1,337 @@
+"""Issue 12's scorecard, read from the stored benchmark results (no GPU, no network).
+
+Contract: ``python3 benchmarks/status.py [--results benchmarks/results] [--out FILE.md]`` reads every benchmark
+cell stored under ``--results``: the JSON lists that ``benchmarks/decode.py --positions ...`` writes
+(``matrix.json``, ``<preset>-matrix.json``), one dict per (preset, batch, position) with ``status``, ``speedup``,
+``megabake_ms``, ``megabake_gpu_ms`` and ``numerics``. Of each (preset, batch, position class) it keeps the newest
+cell, by the date and session number in its folder's name (``2026-12-04-h200-session30``), and prints issue 12's
+criteria against them as markdown:
+
+- **speedup**: at least 1.5x over the strongest graphed Inductor of its run at ~16 / ~1000 / ~4000 positions (or
+  the model's limit: ``POSITION_CLASSES``), with numerics passing;
+- **growth**: the GPU time at the long end within (the GPU time at ~16 of the same run + the K/V bytes the long
+  step reads at 3.5 TB/s) x 1.15; the K/V bytes count each layer's sliding window (:func:`kv_bytes`), as the
+  kernel reads only the window (``plan.attn_window_table``);
+- **short-context GPU targets** at batch 1 (``SHORT_TARGETS``), **batch 8 <= 1.5x batch 1** on Llama-3.2-1B, and the
+  **host cost** (synchronized ms - GPU ms) within 15 us;
+- **missing**: the (preset, batch, position class) cells of every preset (not the tiny ones) at batches 1 / 4 / 8
+  that no stored run has measured.
+
+It reports; it never fails on a criterion (exit status 0). Bad input (no such folder, a cell without its keys)
+is an error naming the file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+SPEEDUP_TARGET = 1.5
+GROWTH_BANDWIDTH = 3.5e12  # bytes/s the issue reads the K/V cache at
+GROWTH_MARGIN = 1.15
+HOST_TARGET_US = 15.0
+BATCH8_LIMIT = 1.5  # batch 8 / batch 1 GPU time per step, Llama-3.2-1B
+SHORT_TARGETS = {"llama-3.2-1b": 0.75, "qwen2.5-0.5b": 0.45, "qwen3-0.6b": 0.50, "smollm-135m": 0.30}
+BATCHES = (1, 4, 8)
+POSITION_CLASSES = ("~16", "~1000", "~4000")  # ~4000: 1900 positions or more (SmolLM-135M's limit is 2048)
+CELL_KEYS = ("preset", "batch", "position", "status")
+FOLDER_DATE = re.compile(r"(\d{4}-\d{2}-\d{2})")
+FOLDER_SESSION = re.compile(r"session(\d+)")
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One stored benchmark cell and the run it came from (``run``: its file; ``order``: (date, session))."""
+
+    preset: str
+    batch: int
+    position: int
+    measured: bool
+    speedup: float | None
+    sync_ms: float | None
+    gpu_ms: float | None
+    numerics_pass: bool
+    run: str
+    order: tuple[str, int]
+
+    @property
+    def position_class(self) -> str | None:
+        return position_class(self.position)
+
+    @property
+    def session(self) -> str:
+        date, session = self.order
+        return f"s{session}" if session else date
+
+    @property
+    def passes(self) -> bool:
+        return self.measured and self.numerics_pass and (self.speedup or 0.0) >= SPEEDUP_TARGET
+
+
+def position_class(position: int) -> str | None:
+    """``~16`` below 100 positions, ``~1000`` from 500 to 1899, ``~4000`` from 1900 on; None between."""
+    if position < 100:
+        return "~16"
+    if 500 <= position < 1900:
+        return "~1000"
+    return "~4000" if position >= 1900 else None
+
+
+def run_order(path: Path) -> tuple[str, int]:
+    """(date, session number) of the results folder a file lies in: what "newest" means here."""
+    text = str(path)
+    dates = FOLDER_DATE.findall(text)
+    sessions = FOLDER_SESSION.findall(text)
+    return (dates[-1] if dates else "", int(sessions[-1]) if sessions else 0)
+
+
+def cells_of_file(path: Path, root: Path) -> list[Cell]:
+    """The benchmark cells of one JSON file (none when it holds something else: tuning logs, reports)."""
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc}); restore it from git or remove it") from exc
+    if not isinstance(data, list) or not data or not all(isinstance(c, dict) for c in data):
+        return []
+    if not all("position" in c and "speedup" in c for c in data):
+        return []
+    cells = []
+    for raw in data:
+        missing = [key for key in CELL_KEYS if key not in raw]
+        if missing:
+            raise ValueError(f"{path}: a benchmark cell lacks {', '.join(missing)}: {json.dumps(raw)[:200]}")
+        cells.append(_cell(raw, path.relative_to(root).as_posix(), run_order(path.relative_to(root))))
+    return cells
+
+
+def _cell(raw: dict, run: str, order: tuple[str, int]) -> Cell:
+    numerics = raw.get("numerics") or {}
+    return Cell(preset=raw["preset"], batch=int(raw["batch"]), position=int(raw["position"]),
+                measured=raw["status"] == "measured", speedup=raw.get("speedup"), sync_ms=raw.get("megabake_ms"),
+                gpu_ms=raw.get("megabake_gpu_ms"), numerics_pass=bool(numerics.get("pass")), run=run, order=order)
+
+
+def load_cells(root: Path) -> list[Cell]:
+    if not root.is_dir():
+        raise ValueError(f"results folder {root} does not exist; pass --results with the folder that holds the "
+                         "benchmark runs (benchmarks/results in this repository)")
+    return [cell for path in sorted(root.rglob("*.json")) for cell in cells_of_file(path, root)]
+
+
+def newest(cells: list[Cell]) -> dict[tuple[str, int, str], Cell]:
+    """The newest cell of each (preset, batch, position class); a later file of the same run wins a tie."""
+    best: dict[tuple[str, int, str], Cell] = {}
+    for cell in sorted(cells, key=lambda c: (c.order, c.run)):
+        if cell.position_class:
+            best[(cell.preset, cell.batch, cell.position_class)] = cell
+    return best
+
+
+# ----------------------------------------------------------------------------------------- K/V bytes
+def layer_windows(config) -> list[int | None]:
+    """Each layer's sliding window (None: the whole cache), as the traced masks give it: ``layer_types``'
+    ``sliding_attention`` layers where the config lists them, else every layer when ``sliding_window`` is set
+    (and ``use_sliding_window`` is not False, as in Qwen2)."""
+    layers = config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    if window is None or getattr(config, "use_sliding_window", True) is False:
+        return [None] * layers
+    types = getattr(config, "layer_types", None)
+    if types:
+        return [window if kind == "sliding_attention" else None for kind in types]
+    return [window] * layers
+
+
+def kv_bytes(config, position: int, batch: int, element_bytes: int = 2) -> int:
+    """Bytes of K and V that the decode step at ``position`` reads: its ``position + 1`` visible keys per
+    layer (at most the layer's window), every KV head, every sequence of the batch."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    row = 2 * config.num_key_value_heads * head_dim * element_bytes
+    visible = [position + 1 if window is None else min(position + 1, window) for window in layer_windows(config)]
+    return sum(visible) * row * batch
+
+
+def preset_config(name: str):
+    from megabake.presets import get_preset
+
+    return get_preset(name).make_config()
+
+
+# --------------------------------------------------------------------------------------------- report
+def speedup_table(best: dict) -> list[str]:
+    rows = sorted({(preset, batch) for preset, batch, _ in best})
+    lines = ["| preset | batch | " + " | ".join(POSITION_CLASSES) + " | all >= 1.5x, numerics pass |",
+             "|---|---|" + "---|" * (len(POSITION_CLASSES) + 1)]
+    for preset, batch in rows:
+        cells = [best.get((preset, batch, cls)) for cls in POSITION_CLASSES]
+        shown = [_speedup_text(cell) for cell in cells]
+        verdict = "yes" if all(cell and cell.passes for cell in cells) else "**no**"
+        lines.append(f"| {preset} | {batch} | " + " | ".join(shown) + f" | {verdict} |")
+    return lines
+
+
+def _speedup_text(cell: Cell | None) -> str:
+    if cell is None:
+        return "missing"
+    if not cell.measured:
+        return f"not measured ({cell.session})"
+    text = f"{cell.speedup:.2f}x @{cell.position} ({cell.session})"
+    if not cell.numerics_pass:
+        text += ", numerics failed"
+    return f"**{text}**" if cell.passes else text
+
+
+@dataclass(frozen=True)
+class Growth:
+    preset: str
+    batch: int
+    short: Cell
+    long: Cell
+    kv_bytes: int
+
+    @property
+    def budget_ms(self) -> float:
+        return (self.short.gpu_ms + self.kv_bytes / GROWTH_BANDWIDTH * 1e3) * GROWTH_MARGIN
+
+    @property
+    def within(self) -> bool:
+        return self.long.gpu_ms <= self.budget_ms
+
+
+def growth_rows(cells: list[Cell], config_of=preset_config) -> list[Growth]:
+    """Per (preset, batch), the newest run holding GPU times at both ~16 and ~4000 (its longest position)."""
+    runs: dict[tuple[str, int, str], list[Cell]] = {}
+    for cell in cells:
+        if cell.measured and cell.gpu_ms:
+            runs.setdefault((cell.preset, cell.batch, cell.run), []).append(cell)
+    chosen: dict[tuple[str, int], Growth] = {}
+    for (preset, batch, _), run in sorted(runs.items(), key=lambda item: (item[1][0].order, item[0][2])):
+        short = [c for c in run if c.position_class == "~16"]
+        long = [c for c in run if c.position_class == "~4000"]
+        if short and long:
+            top = max(long, key=lambda c: c.position)
+            chosen[(preset, batch)] = Growth(preset, batch, min(short, key=lambda c: c.position), top,
+                                             kv_bytes(config_of(preset), top.position, batch))
+    return [chosen[key] for key in sorted(chosen)]
+
+
+def growth_table(growths: list[Growth]) -> list[str]:
+    lines = ["| preset | batch | GPU ms @~16 | GPU ms @long | K/V read | budget ms | within | run |",
+             "|---|---|---|---|---|---|---|---|"]
+    for g in growths:
+        lines.append(f"| {g.preset} | {g.batch} | {g.short.gpu_ms:.3f} @{g.short.position} | "
+                     f"{g.long.gpu_ms:.3f} @{g.long.position} | {g.kv_bytes / 1e6:.0f} MB | {g.budget_ms:.3f} | "
+                     f"{'yes' if g.within else '**no**'} | {g.long.session} |")
+    return lines
+
+
+def short_target_table(best: dict) -> list[str]:
+    lines = ["| preset | GPU ms at ~16, batch 1 | target | met |", "|---|---|---|---|"]
+    for preset, target in SHORT_TARGETS.items():
+        cell = best.get((preset, 1, "~16"))
+        if cell is None or not cell.gpu_ms:
+            lines.append(f"| {preset} | missing | {target} | no |")
+            continue
+        met = "yes" if cell.gpu_ms <= target else "**no**"
+        lines.append(f"| {preset} | {cell.gpu_ms:.3f} ({cell.session}) | {target} | {met} |")
+    return lines
+
+
+def batch8_line(cells: list[Cell], best: dict) -> str:
+    """Llama-3.2-1B's batch-8 GPU time at ~16 over batch 1's: within the newest run that has both (same tree,
+    same machine), and newest against newest (batch 1 may have been re-measured on a faster kernel since)."""
+    def gpu16(batch: int, pool) -> Cell | None:
+        found = [c for c in pool if c.preset == "llama-3.2-1b" and c.batch == batch and c.position_class == "~16"
+                 and c.measured and c.gpu_ms]
+        return max(found, key=lambda c: (c.order, c.run), default=None)
+
+    parts = []
+    paired = [(run, gpu16(1, group), gpu16(8, group)) for run, group in _by_run(cells).items()]
+    paired = [(one, eight) for _, one, eight in paired if one and eight]
+    if paired:
+        one, eight = max(paired, key=lambda pair: pair[1].order)
+        parts.append(_ratio_text("same run", one, eight))
+    one, eight = best.get(("llama-3.2-1b", 1, "~16")), best.get(("llama-3.2-1b", 8, "~16"))
+    if one and eight and one.gpu_ms and eight.gpu_ms and one.run != eight.run:
+        parts.append(_ratio_text("newest of each", one, eight))
+    if not parts:
+        return "Batch 8 vs batch 1 (Llama-3.2-1B, ~16): missing."
+    return f"Batch 8 vs batch 1 (Llama-3.2-1B, ~16, GPU ms, limit {BATCH8_LIMIT}x): " + "; ".join(parts) + "."
+
+
+def _by_run(cells: list[Cell]) -> dict[str, list[Cell]]:
+    runs: dict[str, list[Cell]] = {}
+    for cell in cells:
+        runs.setdefault(cell.run, []).append(cell)
+    return runs
+
+
+def _ratio_text(label: str, one: Cell, eight: Cell) -> str:
+    ratio = eight.gpu_ms / one.gpu_ms
+    verdict = "met" if ratio <= BATCH8_LIMIT else "**not met**"
+    return (f"{label} {eight.gpu_ms:.3f} ({eight.session}) / {one.gpu_ms:.3f} ({one.session}) = {ratio:.2f}x, "
+            f"{verdict}")
+
+
+def host_line(best: dict) -> str:
+    gaps = sorted((c.sync_ms - c.gpu_ms) * 1e3 for c in best.values() if c.measured and c.sync_ms and c.gpu_ms)
+    if not gaps:
+        return "Host cost: no cell has both times."
+    within = sum(gap <= HOST_TARGET_US for gap in gaps)
+    return (f"Host cost (synchronized - GPU ms of calls queued back to back, newest cells): {gaps[0]:.0f}-"
+            f"{gaps[-1]:.0f} us, median {gaps[len(gaps) // 2]:.0f}; {within} of {len(gaps)} cells within "
+            f"{HOST_TARGET_US:.0f} us.")
+
+
+def expected_presets() -> list[str]:
+    from megabake.presets import PRESETS
+
+    return [name for name, preset in PRESETS.items() if not name.startswith("tiny-") and not preset.experimental]
+
+
+def missing_lines(best: dict, presets: list[str]) -> list[str]:
+    lines = []
+    for preset in presets:
+        holes = [f"b{batch} {cls}" for batch in BATCHES for cls in POSITION_CLASSES if (preset, batch, cls) not in best]
+        if holes:
+            lines.append(f"- {preset}: " + ", ".join(holes))
+    return lines
+
+
+def render(cells: list[Cell], presets: list[str], config_of=preset_config) -> str:
+    best = newest(cells)
+    parts = ["# Issue 12 scorecard (from benchmarks/results)", "",
+             f"{len(cells)} stored cells; the newest of each (preset, batch, position class) is shown with its session.",
+             "", "## Speedup over the strongest graphed Inductor", "", *speedup_table(best),
+             "", "## Growth with context", "",
+             f"Budget: (GPU ms at ~16 + K/V bytes at {GROWTH_BANDWIDTH / 1e12:g} TB/s) x {GROWTH_MARGIN}, both from the "
+             "same run; K/V bytes count sliding windows.", "", *growth_table(growth_rows(cells, config_of)),
+             "", "## Short-context GPU time", "", *short_target_table(best), "", batch8_line(cells, best), "",
+             host_line(best), "", "## Not measured yet", ""]
+    parts.extend(missing_lines(best, presets) or ["Nothing: every preset has every batch and position class."])
+    return "\n".join(parts) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--results", type=Path, default=Path(__file__).resolve().parent / "results",
+                        help="folder of stored benchmark runs (default: benchmarks/results)")
+    parser.add_argument("--out", type=Path, help="also write the scorecard to this markdown file")
+    args = parser.parse_args(argv)
+    try:
+        text = render(load_cells(args.results), expected_presets())
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.out:
+        args.out.write_text(text)
+    print(text, end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""benchmarks/status.py: issue 12's scorecard from stored benchmark cells (synthetic runs, and the repo's own)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def status():
+    spec = importlib.util.spec_from_file_location("bench_status", ROOT / "benchmarks" / "status.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_status"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def cell(preset, batch, position, speedup, gpu_ms, sync_ms=None, status="measured", numerics=True):
+    return {"preset": preset, "batch": batch, "position": position, "status": status, "speedup": speedup,
+            "megabake_gpu_ms": gpu_ms, "megabake_ms": sync_ms or gpu_ms + 0.02, "numerics": {"pass": numerics}}
+
+
+def write_run(root: Path, folder: str, cells: list[dict], name: str = "matrix.json") -> None:
+    (root / folder).mkdir(parents=True, exist_ok=True)
+    (root / folder / name).write_text(json.dumps(cells))
+
+
+# one layer, one KV head of 4: 16 bytes of K+V per position in bf16
+TINY = SimpleNamespace(num_hidden_layers=1, num_key_value_heads=1, head_dim=4, hidden_size=8, num_attention_heads=2,
+                       sliding_window=None)
+
+
+def test_newest_cell_wins_by_session_and_position_classes(status, tmp_path):
+    write_run(tmp_path, "2026-12-01-h200-session5", [cell("m", 1, 16, 1.4, 0.5), cell("m", 1, 1000, 1.6, 0.6)])
+    write_run(tmp_path, "2026-12-02-h200-session6/bench-m", [cell("m", 1, 17, 1.7, 0.45), cell("m", 1, 300, 9.0, 1.0)])
+    write_run(tmp_path, "2026-12-02-h200-session6", [{"not": "a cell"}], name="tune-m.json")  # ignored
+    cells = status.load_cells(tmp_path)
+    best = status.newest(cells)
+    assert best[("m", 1, "~16")].position == 17 and best[("m", 1, "~16")].session == "s6"
+    assert best[("m", 1, "~1000")].session == "s5"
+    assert ("m", 1, "~4000") not in best  # 300 positions belongs to no class
+    assert [status.position_class(p) for p in (16, 99, 100, 500, 1899, 1900, 2027, 8000)] == \
+        ["~16", "~16", None, "~1000", "~1000", "~4000", "~4000", "~4000"]
+
+
+def test_speedup_verdict_needs_every_class_measured_fast_and_numerically_right(status, tmp_path):
+    write_run(tmp_path, "2026-12-01-h200-session5", [
+        cell("a", 1, 16, 2.0, 0.5), cell("a", 1, 1000, 1.6, 0.6), cell("a", 1, 4000, 1.5, 0.7),
+        cell("b", 1, 16, 2.0, 0.5), cell("b", 1, 1000, 1.6, 0.6), cell("b", 1, 4000, 1.49, 0.7),
+        cell("c", 1, 16, 2.0, 0.5), cell("c", 1, 1000, 1.6, 0.6, numerics=False), cell("c", 1, 4000, 1.8, 0.7),
+        cell("d", 1, 16, 2.0, 0.5, status="failed-numerics"), cell("d", 1, 1000, 1.6, 0.6)])
+    rows = {line.split(" | ")[0][2:]: line for line in status.speedup_table(status.newest(status.load_cells(tmp_path)))[2:]}
+    assert rows["a"].endswith("| yes |")
+    assert rows["b"].endswith("| **no** |") and "1.49x @4000 (s5)" in rows["b"]
+    assert "numerics failed" in rows["c"] and rows["c"].endswith("| **no** |")
+    assert "not measured (s5)" in rows["d"] and "missing" in rows["d"]
+
+
+def test_growth_budget_uses_the_short_step_of_the_same_run_and_the_windowed_kv_bytes(status, tmp_path):
+    write_run(tmp_path, "2026-12-01-h200-session5", [cell("m", 2, 16, 2.0, 0.9), cell("m", 2, 3999, 2.0, 0.95)])
+    write_run(tmp_path, "2026-12-02-h200-session6", [cell("m", 2, 16, 2.0, 0.500), cell("m", 2, 3999, 2.0, 0.640),
+                                                      cell("n", 2, 16, 2.0, 0.500), cell("n", 2, 1000, 2.0, 0.9),
+                                                      cell("n", 2, 3999, 2.0, 0.570)])
+    over, within = status.growth_rows(status.load_cells(tmp_path), config_of=lambda name: TINY)
+    assert (over.preset, over.short.session, over.long.position) == ("m", "s6", 3999)
+    assert over.kv_bytes == 4000 * 16 * 2  # 4000 visible keys x 16 bytes x 2 sequences
+    assert over.budget_ms == pytest.approx((0.5 + 128000 / 3.5e12 * 1e3) * 1.15)
+    assert not over.within and within.within
+    windowed = SimpleNamespace(**{**vars(TINY), "sliding_window": 1000})
+    assert status.kv_bytes(windowed, 3999, 2) == 1000 * 16 * 2
+    assert "| m | 2 | 0.500 @16 | 0.640 @3999 | 0 MB | 0.575 | **no** | s6 |" in status.growth_table([over])
+
+
+def test_kv_bytes_follow_layer_types_and_qwen2s_use_sliding_window(status):
+    mixed = SimpleNamespace(**{**vars(TINY), "num_hidden_layers": 3, "sliding_window": 10,
+                               "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]})
+    assert status.layer_windows(mixed) == [10, None, 10]
+    assert status.kv_bytes(mixed, 99, 1) == (10 + 100 + 10) * 16
+    qwen2 = SimpleNamespace(**{**vars(TINY), "sliding_window": 10, "use_sliding_window": False})
+    assert status.layer_windows(qwen2) == [None]
+    no_head_dim = SimpleNamespace(**{**vars(TINY), "head_dim": None})  # head_dim from hidden / heads = 4
+    assert status.kv_bytes(no_head_dim, 0, 1) == 16
+
+
+def test_layer_windows_match_the_committed_plans(status):
+    """The config rule gives every committed package's plan its per-layer windows (what the kernel reads)."""
+    checked = 0
+    for plan_path in sorted((ROOT / "packages").glob("*/*/*/plan.json")):
+        report = json.loads((plan_path.parent / "report.json").read_text())
+        plan = json.loads(plan_path.read_text())
+        capacity = plan["capacity"]
+        config = status.preset_config(report["model"]["preset"])
+        from_config = [min(w, capacity) if w else capacity for w in status.layer_windows(config)]
+        from_plan = [min(layer.get("window") or capacity, capacity) for layer in plan["layers"]]
+        assert from_config == from_plan, plan_path
+        checked += 1
+    assert checked >= 10
+
+
+def test_short_targets_batch8_host_and_missing_cells(status, tmp_path):
+    write_run(tmp_path, "2026-12-01-h200-session5", [cell("llama-3.2-1b", 1, 16, 2.0, 0.800),
+                                                      cell("llama-3.2-1b", 8, 16, 3.0, 1.100, sync_ms=1.110)])
+    write_run(tmp_path, "2026-12-02-h200-session6", [cell("llama-3.2-1b", 1, 16, 2.0, 0.700, sync_ms=0.740)])
+    cells = status.load_cells(tmp_path)
+    best = status.newest(cells)
+    table = "\n".join(status.short_target_table(best))
+    assert "| llama-3.2-1b | 0.700 (s6) | 0.75 | yes |" in table and "| smollm-135m | missing | 0.3 | no |" in table
+    line = status.batch8_line(cells, best)
+    assert "same run 1.100 (s5) / 0.800 (s5) = 1.38x, met" in line
+    assert "newest of each 1.100 (s5) / 0.700 (s6) = 1.57x, **not met**" in line
+    assert "10-40 us" in status.host_line(best) and "1 of 2 cells within 15 us" in status.host_line(best)
+    missing = status.missing_lines(best, ["llama-3.2-1b", "other"])
+    assert missing[0] == "- llama-3.2-1b: b1 ~1000, b1 ~4000, b4 ~16, b4 ~1000, b4 ~4000, b8 ~1000, b8 ~4000"
+    assert missing[1].startswith("- other: b1 ~16")
+
+
+def test_bad_input_names_the_file(status, tmp_path):
+    write_run(tmp_path, "run", [{"preset": "m", "position": 16, "speedup": 2.0}])
+    with pytest.raises(ValueError, match=r"matrix.json: a benchmark cell lacks batch, status"):
+        status.load_cells(tmp_path)
+    (tmp_path / "run" / "matrix.json").write_text("[")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        status.load_cells(tmp_path)
+    assert status.main(["--results", str(tmp_path / "nowhere")]) == 2
+
+
+def test_scorecard_of_the_repositorys_results(status, tmp_path, capsys):
+    out = tmp_path / "status.md"
+    assert status.main(["--out", str(out)]) == 0
+    text = out.read_text()
+    assert text == capsys.readouterr().out
+    for heading in ("## Speedup", "## Growth with context", "## Short-context GPU time", "## Not measured yet"):
+        assert heading in text
+    stored = {c.preset for c in status.load_cells(ROOT / "benchmarks" / "results")}
+    assert stored and all(f"| {preset} |" in text for preset in stored)
