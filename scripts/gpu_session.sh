@@ -39,6 +39,8 @@
 #   batch-growth: batch 8's per-stage clocks (gpu_tune --phases) at 16 and at the long end on SmolLM-135M (2027) and
 #          Qwen2.5-0.5B (4000), and there the kv-pipeline / no-kvpf / pass-chunks builds (session 30: batch 4/8
 #          grow 3-7% past issue 12's budget) -> OUT/tune-*-b8-p*.log, OUT/b8-p*/ (~6 min?, not run yet)
+#   balance: the bake's tiling with rows per tile balanced per stage (gpu_tune variant bake-balanced) against the
+#          bake's own on Qwen3-0.6B @16, Phi-3-mini @1000, SmolLM-135M @16 -> OUT/tune-*-balance-*.log (~5 min?, not run)
 #   kvpf-cap: session 29's K/V prefetch capped at MIN_CHUNK rows per CTA (the default now): its GPU test, then the
 #          default against none and the uncapped prefetch (sessions 16-28) at 4000 (Phi-3-mini, Qwen3-0.6B), 1000
 #          (Llama-1B) and 16 (SmolLM-135M) -> OUT/pytest-gpu-kvpf-cap.log, OUT/tune-*.log (~5 min?)
@@ -284,6 +286,19 @@ if [[ " $PARTS " == *" batch-growth "* ]]; then
     timeout 200 python3 scripts/gpu_tune.py "$preset" --variants bake --builds "${builds[@]}" --no-composite --phases \
       --batch 8 --capacity "$capacity" --position "$position" --out "$OUT/b8-p$position" >"$log" 2>&1
     summary+=("batch-growth tune ($preset, batch 8, at $position): rc=$?" "$(grep -E '^(==|\||timeline)' "$log")")
+  done
+fi
+if [[ " $PARTS " == *" balance "* ]]; then
+  # session 30: the bake's tiling with rows per tile balanced per stage (gpu_tune variant bake-balanced,
+  # autotune.rebalanced_tuning) against the bake's own, with per-phase clocks: Qwen3-0.6B @16 (O and down: 512 of
+  # 1056 warps busy with tiles of 2), Phi-3-mini @1000 (O and down: 1536 tiles of 2 rows, 480 warps get two) and
+  # SmolLM-135M @16 (QKV, O, down). Same logits required (gpu_tune checks them against the first variant)
+  for spec in "qwen3-0.6b 4096 16" "phi-3-mini 4096 1000" "smollm-135m 2048 16"; do
+    read -r preset capacity position <<<"$spec"
+    log="$OUT/tune-$preset-balance-p$position.log"
+    timeout 200 python3 scripts/gpu_tune.py "$preset" --variants bake bake-balanced --no-composite --phases \
+      --capacity "$capacity" --position "$position" --out "$OUT/balance-p$position" >"$log" 2>&1
+    summary+=("balance tune ($preset at $position): rc=$?" "$(grep -E '^(==|\||timeline)' "$log")")
   done
 fi
 if [[ " $PARTS " == *" hang-probe "* ]]; then

@@ -222,6 +222,50 @@ def test_balanced_tuning_picks_rows_per_tile_per_stage(preset_name, ctas, expect
     assert "gemv_rows_pipelined" in generate(plan).source
 
 
+def test_rebalanced_tuning_keeps_the_bakes_tiling_and_balances_rows_per_stage(tmp_path):
+    """``gpu_tune.py --variants bake-balanced``: the bake's own per-stage tiling (ring, spread, preload, gated
+    gate/up) with rows per tile chosen for warp balance. SmolLM-135M on 132 CTAs (1056 warps): QKV (960 rows), O and
+    down (576) take tiles of 1 with twice the loads in flight; the gated gate/up (3072 rows) keeps tiles of 2 (a
+    gated tile pairs a gate row with its up row; 4 rows would not balance better) and the LM head (4096 rows here)
+    too (4 rows for the busiest warp either way: a tie keeps the stage's own). The kernel compiles for sm_90a."""
+    pytest.importorskip("cutlass")
+    from megabake.codegen import generate
+    from megabake.plan import build_plan
+    from megabake.plan.rotary import recover_rotary
+    from megabake.runtime.autotune import plan_tuning, rebalanced_tuning
+    from megabake.runtime.compile import compile_check, load_module
+    from tests.compiler_fixtures import compile_preset
+
+    compiled = compile_preset("smollm-135m", layers=2, vocab=4096, capacity=128, ctas=132)
+    baked = plan_tuning(compiled.plan)
+    tuning = rebalanced_tuning(compiled.plan)
+    assert {stage: t.per_tile for stage, t in tuning.items()} == \
+        {"norm_qkv": 1, "o_residual": 1, "norm_gate_up": 2, "down_residual": 1, "norm_lm_head": 2}
+    for stage, tiling in tuning.items():
+        assert tiling.per_tile * tiling.unroll == baked[stage].per_tile * baked[stage].unroll
+        assert (tiling.spread, tiling.preload, tiling.stages, tiling.gated) == \
+            (baked[stage].spread, baked[stage].preload, baked[stage].stages, baked[stage].gated)
+    assert tuning["norm_gate_up"].gated and tuning["norm_qkv"].stages >= 2
+    inv_freq, scaling = recover_rotary(compiled.captured, compiled.ir)
+    plan = build_plan(compiled.ir, ctas=132, inv_freq_buffer=inv_freq, rotary_scaling=scaling, tuning=tuning)
+    assert plan_tuning(plan) == tuning
+    assert rebalanced_tuning(plan) == tuning  # balanced already: a fixed point
+    result = compile_check(plan, load_module(generate(plan).source), dump_dir=str(tmp_path))
+    assert result.ok, result.error
+
+
+def test_balanced_rows_keeps_even_rows_for_the_gated_write_and_tensor_core_tiles():
+    from megabake.runtime.autotune import balanced_rows
+
+    gated = GemvTuning(2, 4, spread=True, preload=True, stages=4, gated=True)
+    assert balanced_rows(gated, 3072, 1056).per_tile == 2  # 1 would balance better, but a gated tile needs pairs
+    assert balanced_rows(GemvTuning(2, 4, stages=4), 3072, 1056) == GemvTuning(1, 8, stages=4)
+    assert balanced_rows(GemvTuning(2, 4), 2048, 1056) == GemvTuning(2, 4)  # a tie keeps the stage's own
+    assert balanced_rows(GemvTuning(1, 8), 2048, 1056) == GemvTuning(1, 8)
+    mma = GemvTuning(8, 8, mma=True)
+    assert balanced_rows(mma, 1024, 1056) is mma
+
+
 def test_every_gpu_tune_variant_builds_a_plan(monkeypatch):
     """scripts/gpu_tune.py runs on the GPU only; its variants must at least plan on a CPU (a PlanError there
     would cost a device call). The script opts in to the experimental ``gated`` variant's feature itself."""

@@ -83,15 +83,30 @@ def balanced_tuning(plan: Plan, base: GemvTuning = GemvTuning()) -> dict[str, Ge
     unroll kept where it divides). E.g. Llama-1B's QKV (3072 rows, 1056 warps): tiles of 2 leave 480 warps
     two tiles (4 rows) while the mean is 2.9; tiles of 1 give at most 3."""
     warps = plan.ctas * plan.threads // 32
-    vectors = base.per_tile * base.unroll
-    tuning = {}
-    for stage in plan.stages:
-        if stage.name not in GEMV_STAGES:
-            continue
-        per_tile = min(BALANCE_CHOICES, key=lambda n: (rows_per_warp(stage.tiling.units, n, warps),
-                                                        BALANCE_CHOICES.index(n)))
-        tuning[stage.name] = replace(base, per_tile=per_tile, unroll=max(1, vectors // per_tile))
+    tuning = {stage.name: balanced_rows(base, stage.tiling.units, warps)
+              for stage in plan.stages if stage.name in GEMV_STAGES}
     return without_lm_head_preload(tuning)
+
+
+def rebalanced_tuning(plan: Plan) -> dict[str, GemvTuning]:
+    """``plan``'s own tiling per GEMV stage (:func:`plan_tuning`: what ``megabake bake`` ships, ring, spread,
+    preload and gated write kept) with each stage's rows per tile chosen for balance as :func:`balanced_tuning`
+    does, a stage keeping its rows per tile on a tie. Qwen3-0.6B's O and down projections (1024 rows, 1056
+    warps): tiles of 2 give 512 of the warps a tile and leave the rest idle; tiles of 1 keep 1024 busy."""
+    warps = plan.ctas * plan.threads // 32
+    rows = {stage.name: stage.tiling.units for stage in plan.stages if stage.name in GEMV_STAGES}
+    return {name: balanced_rows(tiling, rows[name], warps) for name, tiling in plan_tuning(plan).items()}
+
+
+def balanced_rows(tiling: GemvTuning, rows: int, warps: int) -> GemvTuning:
+    """``tiling`` with the rows per tile that minimise the busiest warp's rows over ``warps`` warps (its own rows
+    per tile first on a tie, then ``BALANCE_CHOICES`` in order; even ones only for a gated write, which pairs a
+    gate row with its up row), its loads in flight per lane (per_tile x unroll) kept. Tensor-core tiles stay."""
+    if tiling.mma:
+        return tiling
+    choices = [n for n in dict.fromkeys((tiling.per_tile, *BALANCE_CHOICES)) if not tiling.gated or n % 2 == 0]
+    per_tile = min(choices, key=lambda n: (rows_per_warp(rows, n, warps), choices.index(n)))
+    return replace(tiling, per_tile=per_tile, unroll=max(1, tiling.per_tile * tiling.unroll // per_tile))
 
 
 def without_lm_head_preload(tuning: dict[str, GemvTuning]) -> dict[str, GemvTuning]:
