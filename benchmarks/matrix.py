@@ -94,8 +94,12 @@ def _preset_batch(preset: str, batch: int, args) -> list[Cell]:
     started = time.perf_counter()
     try:
         package_path, decoder = _bake_decoder(preset, batch, capacity, args)
+        LOG.info("[%s b%d] numerics at position %d (%d steps) ...", preset, batch, positions[-1], args.numerics_steps)
+        numerics_started = time.perf_counter()
         numerics_result = _numerics_at(decoder, positions[-1], args.numerics_steps)
         numerics = _numerics_summary(numerics_result)
+        LOG.info("[%s b%d] numerics: %s in %.1f s", preset, batch, "pass" if numerics["pass"] else "FAIL",
+                 time.perf_counter() - numerics_started)
     except Exception as exc:  # a bucket that does not bake (e.g. shared memory) fails its cells, not the run
         LOG.error("[%s b%d] bake failed: %s\n%s", preset, batch, exc, traceback.format_exc())
         return [Cell(preset, batch, p, capacity, error=f"{type(exc).__name__}: {exc}") for p in positions]
@@ -104,6 +108,8 @@ def _preset_batch(preset: str, batch: int, args) -> list[Cell]:
     for position in positions:
         cell = Cell(preset, batch, position, capacity, numerics=numerics)
         try:
+            LOG.info("[%s b%d p%d] time MegaBake and %s ...", preset, batch, position,
+                     ", ".join(args.baselines or ["the default baselines"]))
             timings = _timed(decoder, position, args)
             _fill(cell, timings)
             cell.status = "measured" if numerics.get("pass") else "failed-numerics"

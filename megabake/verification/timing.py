@@ -469,7 +469,7 @@ def run_timings(decoder, *, samples: int = MIN_SAMPLES, baselines=None, prefill:
     drift = eager_drift_vs_fp32(decoder.model, inputs, decoder.capacity, reference)
     limit = agreement_limit(drift)
     names = list(DEFAULT_BASELINES if baselines is None else baselines)
-    built = {name: baseline_candidate(name, decoder.model, inputs, decoder.capacity) for name in build_order(names)}
+    built = {name: _logged_build(name, decoder.model, inputs, decoder.capacity) for name in build_order(names)}
     candidates = [megakernel_candidate(decoder, inputs)] + [built[name] for name in names]
     _log_errors(candidates, "build")
     with torch.no_grad():
@@ -489,6 +489,17 @@ def run_timings(decoder, *, samples: int = MIN_SAMPLES, baselines=None, prefill:
                                bandwidth_GBps=bandwidth, settings=settings)
     timings["agreement"] = {"eager_bf16_vs_fp32": drift, "limit": limit, "position": inputs.positions[0]}
     return timings
+
+
+def _logged_build(name: str, model, inputs: "TimingInputs", capacity: int) -> Candidate:
+    """``baseline_candidate`` with its build logged (a max-autotune compile takes a minute or more)."""
+    log = logging.getLogger(__name__)
+    log.info("build baseline %s ...", name)
+    started = time.perf_counter()
+    candidate = baseline_candidate(name, model, inputs, capacity)
+    log.info("build baseline %s: %s in %.1f s", name, "failed" if candidate.error else "done",
+             time.perf_counter() - started)
+    return candidate
 
 
 def _log_errors(candidates: Sequence[Candidate], stage: str) -> None:
