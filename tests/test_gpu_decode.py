@@ -796,11 +796,12 @@ def test_tilings_give_bit_identical_logits(name):
     """Rows per tile, loads in flight, CTA-major order, the GEMV register preload, the pipelined K loop, the
     cp.async ring (and its fill before the barrier) and the attention preload never change a lane's
     summation order: every variant's logits equal the default's exactly, step by step (2-layer stacks of the
-    real shapes: SmolLM's K=576 is all tail, Llama's K=2048 has full chunks)."""
+    real shapes: SmolLM's K=576 is all tail, Llama's K=2048 has full chunks). The bake's own tiling with rows per
+    tile rebalanced per stage equals the bake's (session 30: written, not yet run on the GPU)."""
     from megabake.plan import GemvTuning, build_plan
     from megabake.plan.rotary import recover_rotary
     from megabake.runtime import gpu_info
-    from megabake.runtime.autotune import uniform_tuning
+    from megabake.runtime.autotune import rebalanced_tuning, uniform_tuning
 
     compiled = compile_preset(name, layers=2, capacity=64, ctas=gpu_info().sm_count)
     inv_freq, scaling = recover_rotary(compiled.captured, compiled.ir)
@@ -823,6 +824,13 @@ def test_tilings_give_bit_identical_logits(name):
         reference = results["unsplit"] if variant == "unsplit" or variant[1] else default
         assert torch.equal(logits, reference), variant
     assert float((results["unsplit"] - default).norm() / default.norm()) < 2e-3  # same math, other order
+    # the bake's own tiling (ring, spread, preload, gated gate/up) and the same with rows per tile balanced per
+    # stage (gpu_tune variant bake-balanced, autotune.rebalanced_tuning: tiles of 1 where they balance better)
+    baked = build_plan(compiled.ir, ctas=gpu_info().sm_count, inv_freq_buffer=inv_freq, rotary_scaling=scaling)
+    rebalanced = build_plan(compiled.ir, ctas=gpu_info().sm_count, inv_freq_buffer=inv_freq, rotary_scaling=scaling,
+                            tuning=rebalanced_tuning(baked))
+    assert torch.equal(_logits(rebalanced, compiled.model, tokens, positions),
+                       _logits(baked, compiled.model, tokens, positions))
 
 
 def _logits(plan, model, tokens, positions, decoder_from=None):
