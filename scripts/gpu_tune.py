@@ -62,7 +62,8 @@ def variants() -> dict:
     from megabake.plan import GemvTuning
     from megabake.runtime.autotune import CANDIDATES
 
-    uniform = {k: v for k, v in CANDIDATES.items() if v is not None and v != GemvTuning()}  # None: the bake default
+    # None: the bake default, REBALANCED: that balanced (the variants bake / bake-balanced below)
+    uniform = {k: v for k, v in CANDIDATES.items() if isinstance(v, GemvTuning) and v != GemvTuning()}
     return {"default": GemvTuning(), **uniform,
             "t2u16": GemvTuning(2, 16), "t1u32": GemvTuning(1, 32),
             # software-pipelined K loops (two chunks per warp in flight, in registers)

@@ -97,6 +97,35 @@ def test_the_plans_own_default_is_a_candidate_and_wins_when_its_step_is_fastest(
     assert built[-1] is None  # attention preload was tried on the default plan itself
 
 
+def test_the_rebalanced_default_is_a_candidate_built_from_the_default_plan():
+    """``default-balanced`` (REBALANCED): the default plan's own tiling with rows per tile balanced per stage, built
+    from ``build(None)`` and kept when its whole step is fastest."""
+    from megabake.runtime.autotune import CANDIDATES as SHIPPED, DEFAULT, REBALANCED
+
+    ring = GemvTuning(2, 4, spread=True, preload=True, stages=4)
+    default_plan = {stage: ring for stage in GEMV_STAGES}
+    balanced = {stage: GemvTuning(1, 8, spread=True, preload=True, stages=4) for stage in GEMV_STAGES}
+    built, rebalanced_from = [], []
+
+    def build(tuning, attention_preload=False):
+        built.append(tuning)
+        return dict(default_plan if tuning is None else tuning, attention=attention_preload)
+
+    def rebalance(plan):
+        rebalanced_from.append(plan)
+        return balanced
+
+    def measure(plan, model):
+        return dict(_times(), step=400 if plan["norm_qkv"] == balanced["norm_qkv"] else 450)
+
+    result = autotune(build, object(), candidates={DEFAULT: None, "default-balanced": REBALANCED, "a": GemvTuning()},
+                      measure_plan=measure, rebalance=rebalance,
+                      tuning_of=lambda plan: {stage: plan[stage] for stage in GEMV_STAGES})
+    assert list(SHIPPED)[1] == "default-balanced" and SHIPPED["default-balanced"] == REBALANCED
+    assert rebalanced_from == [dict(default_plan, attention=False)] and built[:3] == [None, None, balanced]
+    assert result.chosen == "default-balanced" and result.tuning == balanced and result.build_tuning == balanced
+
+
 def test_plan_tuning_reads_back_the_tiling_a_plan_was_built_with():
     from megabake.compiler import compile_step
     from megabake.presets import get_preset

@@ -5,7 +5,8 @@ Contract: ``autotune(build, model, *, candidates=CANDIDATES, progress=...) -> Au
 kernel per candidate tiling, runs a few decode steps on this Hopper GPU and reads each step's per-stage
 clocks (``MegakernelDecoder.stage_timeline``). The first candidate, ``default`` (value None), is the plan
 ``build(None)`` makes: the kernel a bake without ``--autotune`` ships (the streaming ring since session 6), so
-autotuning can only pick something measured faster than it. For every GEMV stage it takes the candidate that
+autotuning can only pick something measured faster than it. The second, ``default-balanced`` (``REBALANCED``),
+is that plan's tiling with each stage's rows per tile chosen for warp balance (:func:`rebalanced_tuning`). For every GEMV stage it takes the candidate that
 spent the least time in that stage (median over steps, summed over layers), measures those per-stage winners
 together, and returns them, unless a whole candidate's step was faster (then that one); finally, in a bucket
 of at most ``ATTENTION_PRELOAD_MAX_CAPACITY`` positions, the chosen tiling is measured once more with attention
@@ -27,8 +28,10 @@ from ..errors import MegaBakeError
 from ..plan import DEFAULT_TUNING, GEMV_STAGES, GemvTuning, Plan
 
 DEFAULT = "default"  # candidate name of the plan's own default tiling (value None: build(None))
-CANDIDATES: dict[str, GemvTuning | None] = {  # applied to every GEMV stage; the winner is picked per stage
+REBALANCED = "rebalanced"  # candidate value: the default plan's tiling with rows per tile balanced per stage
+CANDIDATES: dict[str, GemvTuning | str | None] = {  # applied to every GEMV stage; the winner is picked per stage
     DEFAULT: None,  # what build_plan picks (the streaming ring where it fits), per stage
+    "default-balanced": REBALANCED,  # that, with each stage's rows per tile balanced (rebalanced_tuning)
     "t2u4": GemvTuning(2, 4),  # the plain register tiling (the default until session 6)
     "t2u8": GemvTuning(2, 8),
     "t1u8": GemvTuning(1, 8),
@@ -149,6 +152,16 @@ def choose_tuning(stage_us: dict[str, dict[str, float]],
     return chosen
 
 
+def _candidate_tuning(tiling: GemvTuning | str | None, build: Callable, rebalance: Callable) -> dict | None:
+    """The ``tuning`` to build a candidate with: None for the plan's default, the default's rebalanced per-stage
+    tiling for ``REBALANCED``, else ``tiling`` on every GEMV stage."""
+    if tiling is None:
+        return None
+    if tiling == REBALANCED:
+        return rebalance(build(None))
+    return uniform_tuning(tiling)
+
+
 def measure(plan: Plan, model, *, steps: int = STEPS) -> dict[str, float]:
     """Microseconds per GEMV stage (summed over layers, median over steps) of a timeline build of ``plan``."""
     import torch
@@ -174,20 +187,24 @@ def measure(plan: Plan, model, *, steps: int = STEPS) -> dict[str, float]:
     return times
 
 
-def _describe(name: str, tiling: GemvTuning | None) -> str:
+def _describe(name: str, tiling: GemvTuning | str | None) -> str:
     if tiling is None:
         return f"{name} (the plan's own tiling)"
+    if tiling == REBALANCED:
+        return f"{name} (the plan's own tiling, rows per tile balanced per stage)"
     return f"{name} ({tiling.spec}: rows per tile {tiling.per_tile}, {tiling.unroll} loads in flight" \
            f"{', CTA-major' if tiling.spread else ''}{', preloaded' if tiling.preload else ''})"
 
 
 def autotune(build: Callable[[dict | None], Plan], model, *,
-             candidates: dict[str, GemvTuning | None] | None = None, measure_plan: Callable = measure,
+             candidates: dict[str, GemvTuning | str | None] | None = None, measure_plan: Callable = measure,
              tuning_of: Callable[[Plan], dict[str, GemvTuning]] = plan_tuning,
+             rebalance: Callable[[Plan], dict[str, GemvTuning]] = rebalanced_tuning,
              progress: Callable[[str], None] = lambda msg: None) -> Autotuned:
     """Measure every candidate tiling (``measure_plan(plan, model)``) and choose per stage (module doc).
 
     A candidate None is ``build(None)``, the plan's default; ``tuning_of(plan)`` reads its tiling per stage.
+    ``REBALANCED`` is ``build(rebalance(build(None)))``: that default with rows per tile balanced per stage.
     ``model`` is used as given: pass a CUDA bf16 copy (binding a decoder moves a model to the GPU in place)."""
     candidates = candidates or CANDIDATES
     stage_us, errors, per_stage = {}, {}, {}
@@ -195,10 +212,10 @@ def autotune(build: Callable[[dict | None], Plan], model, *,
     for index, (name, tiling) in enumerate(candidates.items(), 1):
         progress(f"autotune {index}/{len(candidates)}: {_describe(name, tiling)}")
         try:
-            uniform = None if tiling is None else uniform_tuning(tiling)
-            plan = build(uniform)
+            tuning = _candidate_tuning(tiling, build, rebalance)
+            plan = build(tuning)
             capacity = max(capacity, int(getattr(plan, "capacity", 0) or 0))
-            per_stage[name] = tuning_of(plan) if uniform is None else uniform
+            per_stage[name] = tuning_of(plan) if tuning is None else tuning
             stage_us[name] = measure_plan(plan, model)
         except Exception as exc:  # a tiling that does not compile or run is skipped, and said so
             errors[name] = f"{type(exc).__name__}: {str(exc)[:300]}"
