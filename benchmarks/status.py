@@ -17,8 +17,8 @@ criteria against them as markdown:
 - **missing**: the (preset, batch, position class) cells of every preset (not the tiny ones) at batches 1 / 4 / 8
   that no stored run has measured.
 
-It reports; it never fails on a criterion (exit status 0). Bad input (no such folder, a cell without its keys)
-is an error naming the file.
+It reports; it never fails on a criterion (exit status 0). Bad input (no such folder, a file that is not JSON,
+a cell without its keys) is an error naming the folder or file (exit status 2).
 """
 
 from __future__ import annotations
