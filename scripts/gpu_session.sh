@@ -283,7 +283,7 @@ if [[ " $PARTS " == *" batch-growth "* ]]; then
     builds=(default)
     ((position > 16)) && builds+=(kv-pipeline no-kvpf pass-chunks)
     log="$OUT/tune-$preset-b8-p$position.log"
-    timeout 200 python3 scripts/gpu_tune.py "$preset" --variants bake --builds "${builds[@]}" --no-composite --phases \
+    timeout 140 python3 scripts/gpu_tune.py "$preset" --variants bake --builds "${builds[@]}" --no-composite --phases \
       --batch 8 --capacity "$capacity" --position "$position" --out "$OUT/b8-p$position" >"$log" 2>&1
     summary+=("batch-growth tune ($preset, batch 8, at $position): rc=$?" "$(grep -E '^(==|\||timeline)' "$log")")
   done
@@ -296,7 +296,7 @@ if [[ " $PARTS " == *" balance "* ]]; then
   for spec in "qwen3-0.6b 4096 16" "phi-3-mini 4096 1000" "smollm-135m 2048 16"; do
     read -r preset capacity position <<<"$spec"
     log="$OUT/tune-$preset-balance-p$position.log"
-    timeout 200 python3 scripts/gpu_tune.py "$preset" --variants bake bake-balanced --no-composite --phases \
+    timeout 240 python3 scripts/gpu_tune.py "$preset" --variants bake bake-balanced --no-composite --phases \
       --capacity "$capacity" --position "$position" --out "$OUT/balance-p$position" >"$log" 2>&1
     summary+=("balance tune ($preset at $position): rc=$?" "$(grep -E '^(==|\||timeline)' "$log")")
   done
