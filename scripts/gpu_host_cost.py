@@ -28,9 +28,22 @@ after ``--settle`` seconds of sleep. Session 26 saw ``step()``'s host part at 88
 such slowdown (SmolLM-135M: step - gpu 11.4 us fresh, 10.8 after the reference, 10.5 after 2 s), so the cause is
 something else.
 
+``--bench-like`` (session 31) walks from this tool's setting to the benchmark's, one change at a time, and
+measures at each step what ``benchmarks/decode.py`` reports: ``block``, the median of 100 synchronized calls back
+to back on the timing harness's inputs (``verification.timing``: advancing positions, varying token ids; its
+``sync_call_block``), ``gpu``, the per-call GPU time of 20 calls queued behind a spin kernel (its ``gpu_event``),
+and ``host``, the median time until ``step()`` returns. Steps: ``jit`` (this tool's decoder, the timing inputs),
+``package`` (a fresh bake loaded with ``MegakernelDecoder.from_package``: the precompiled kernel, as the benchmark
+loads it), ``+ baseline built`` (the same after an ``inductor-default-graph`` baseline is built and warmed in the
+process), ``alternating`` (each sample of 20 synchronized calls right after 20 baseline calls, as the
+benchmark's rounds). Why: session 31's benchmark read the synchronized call 33-58 us over the queued GPU time
+(Llama-3.2-1B b1 at 16: 0.789 back to back vs 0.741 ms), while this tool, the same day on Qwen3-0.6B, read
+``step - gpu`` at 11 us; the step where the gap appears is its cause.
+
     source .cute/activate.sh && python3 scripts/gpu_host_cost.py smollm-135m olmo-2-1b --out $OUT
     source .cute/activate.sh && python3 scripts/gpu_host_cost.py smollm-135m --cpu-load --out $OUT
     source .cute/activate.sh && python3 scripts/gpu_host_cost.py qwen3-0.6b --capacity 4096 --foreign --out $OUT
+    source .cute/activate.sh && python3 scripts/gpu_host_cost.py smollm-135m --bench-like --out $OUT
 
 Writes OUT/host-cost.json; prints a table (us) last.
 """
@@ -190,6 +203,90 @@ def reference_load(decoder, steps: int = 3) -> float:
     return time.perf_counter() - started
 
 
+BENCH_INNER = 20  # the benchmark's calls per sample (benchmarks/matrix.TIMED_STEPS)
+BLOCK_CALLS = 100  # the benchmark's back-to-back block (TimingSettings.block_calls)
+
+
+def harness_measures(call, sync_rounds: int = 5) -> dict:
+    """``block`` / ``gpu`` / ``host`` (module doc) of ``call(i)`` on the timing harness's schedule, in us."""
+    import torch
+
+    from megabake.verification.timing import measure_gpu_events
+
+    indices = list(range(BENCH_INNER))
+    for k in range(BENCH_INNER):
+        call(k)  # one untimed pass: the previous measure's state must not leak into this one
+    torch.cuda.synchronize()
+    block, host = [], []
+    for k in range(BLOCK_CALLS):
+        start = time.perf_counter()
+        call(k % BENCH_INNER)
+        returned = time.perf_counter()
+        torch.cuda.synchronize()
+        block.append((time.perf_counter() - start) * 1e6)
+        host.append((returned - start) * 1e6)
+    gpu = [measure_gpu_events(call, indices, hold_ms=2.0 * BENCH_INNER) * 1e3 for _ in range(sync_rounds)]
+    return {"block": statistics.median(block), "gpu": statistics.median(gpu), "host": statistics.median(host),
+            "first": block[0], "samples_us": {"block": block, "gpu": gpu, "host": host}}
+
+
+def alternating_measures(call, other, rounds: int = 20) -> dict:
+    """``block`` as the benchmark's alternating rounds see it: per round, ``other`` runs its 20 calls, then 20
+    synchronized calls of ``call`` (the mean per call is one sample); ``first``: the median first call."""
+    import torch
+
+    means, firsts = [], []
+    for _ in range(rounds):
+        for k in range(BENCH_INNER):
+            other(k)
+        torch.cuda.synchronize()
+        times = []
+        for k in range(BENCH_INNER):
+            start = time.perf_counter()
+            call(k)
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - start) * 1e6)
+        means.append(sum(times) / len(times))
+        firsts.append(times[0])
+    return {"block": statistics.median(means), "first": statistics.median(firsts),
+            "samples_us": {"block": means, "first": firsts}}
+
+
+def bench_like_rows(name: str, capacity: int, position: int, out: Path) -> list[dict]:
+    """``--bench-like`` (module doc): one row per step from this tool's setting to the benchmark's."""
+    import torch
+
+    from megabake.baking import bake
+    from megabake.runtime import MegakernelDecoder
+    from megabake.verification.timing import TimingInputs, TimingSettings, baseline_candidate, megakernel_candidate
+
+    def row(step: str, measured: dict) -> dict:
+        print(f"[{name}] {step}: block {measured['block']:.1f} us, gpu {measured.get('gpu', float('nan')):.1f}, "
+              f"host {measured.get('host', float('nan')):.1f}, first {measured['first']:.1f}", flush=True)
+        return {"preset": name, "capacity": capacity, "position": position, "phase": step, **measured}
+
+    settings = TimingSettings(inner=BENCH_INNER, prefill=max(1, position))
+    jit = build_decoder(name, capacity)
+    inputs = TimingInputs.make(jit, settings)
+    rows = [row("jit", harness_measures(megakernel_candidate(jit, inputs).call))]
+    del jit
+    torch.cuda.empty_cache()
+    baked = bake(name, capacity=capacity, out=out / "packages", reference_steps=1, run_on_gpu=False, force=True)
+    decoder = MegakernelDecoder.from_package(baked.path, model=baked.model, device="cuda")
+    call = megakernel_candidate(decoder, inputs).call
+    rows.append(row(f"package ({decoder.compile_path})", harness_measures(call)))
+    baseline = baseline_candidate("inductor-default-graph", baked.model, inputs, capacity)
+    if baseline.error:
+        rows.append({"preset": name, "phase": "+ baseline built", "error": baseline.error})
+        return rows
+    with torch.no_grad():
+        for k in range(30):
+            baseline.call(k % BENCH_INNER)
+        rows.append(row("+ baseline built", harness_measures(call)))
+        rows.append(row("alternating", alternating_measures(call, baseline.call)))
+    return rows
+
+
 def measure_preset(name: str, capacity: int, position: int, rounds: int, per_round: int, cpu_load: bool = False,
                    settle: float = 2.0, foreign: bool = False) -> list[dict]:
     decoder = build_decoder(name, capacity)
@@ -208,6 +305,21 @@ def measure_preset(name: str, capacity: int, position: int, rounds: int, per_rou
     return rows
 
 
+def print_bench_like(rows: list[dict], out: Path) -> None:
+    (out / "host-gap.json").write_text(json.dumps(rows, indent=1))
+    print("| preset | step | block us | gpu us | block - gpu | host us | first call us |")
+    print("|---|---|---|---|---|---|---|")
+    last_gpu = None
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['preset']} | {r['phase']} | failed: {r['error'][:80]} | | | | |")
+            continue
+        reference = last_gpu = r.get("gpu") or last_gpu  # alternating rounds: the step before's GPU time
+        host = f"{r['host']:.1f}" if "host" in r else ""
+        print(f"| {r['preset']} | {r['phase']} | {r['block']:.1f} | {reference:.1f} | {r['block'] - reference:.1f} "
+              f"| {host} | {r['first']:.1f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("presets", nargs="+")
@@ -221,9 +333,16 @@ def main() -> None:
                         help="seconds of sleep before the last --cpu-load measure (default 2)")
     parser.add_argument("--foreign", action="store_true",
                         help="also measure the step right after a 64 MB copy and after a one-element kernel")
+    parser.add_argument("--bench-like", action="store_true",
+                        help="instead: the benchmark's block/GPU/host measures, from this tool's decoder to the "
+                             "benchmark's package decoder next to a graphed baseline, one change at a time")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.bench_like:
+        print_bench_like([row for name in args.presets
+                          for row in bench_like_rows(name, args.capacity, args.position, args.out)], args.out)
+        return
     results = [row for name in args.presets
                for row in measure_preset(name, args.capacity, args.position, args.rounds, args.per_round,
                                          args.cpu_load, args.settle, args.foreign)]

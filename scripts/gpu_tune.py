@@ -307,7 +307,7 @@ def sweep(name: str, chosen: list[str], reps: int, capacity: int, batch: int = 1
                    phases=phases, position=position, per_cta=per_cta)
     rows, timelines, default_logits = [], {}, []
     candidates = variants()
-    default_plan = build_tuned_plan(context, {})
+    default_plan = bake_plan(context)
     for variant in chosen:
         tuning = tuning_for(candidates[variant], default_plan)
         row, timelines[variant] = measure_variant(variant, tuning, context, default_logits)
@@ -343,7 +343,15 @@ def _usable(row: dict) -> bool:
         and row.get("rel_l2_at_position_vs_default", 0.0) < 1e-3
 
 
-def build_tuned_plan(context: dict, tuning: dict, attention_preload: bool = False):
+def bake_plan(context: dict):
+    """The plan ``megabake bake`` ships for this bucket (``tuning=None``: the streaming ring where it fits, the
+    gated gate/up): the variants that start from the bake's tiling (bake-balanced) read it. Session 30 passed
+    ``{}`` here, the plain register tiling, so session 31's bake-balanced run measured a balanced plain tiling
+    (no ring, no gated write), not the bake's."""
+    return build_tuned_plan(context, None)
+
+
+def build_tuned_plan(context: dict, tuning: dict | None, attention_preload: bool = False):
     from megabake.plan import build_plan
 
     return build_plan(context["ir"], ctas=context["sm_count"], inv_freq_buffer=context["inv"],

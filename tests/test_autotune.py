@@ -315,6 +315,29 @@ def test_every_gpu_tune_variant_builds_a_plan(monkeypatch):
                 assert [s.tiling for s in plan.stages] == [s.tiling for s in compiled.plan.stages]
 
 
+def test_gpu_tune_balances_the_bakes_own_tiling():
+    """``gpu_tune.py --variants bake-balanced`` starts from the plan the script builds as the bake's
+    (``bake_plan``): the streaming ring and the gated gate/up must survive into the variant's plan (session 31
+    measured a balanced plain tiling because that plan was built with ``tuning={}``)."""
+    from megabake.plan import build_plan
+    from megabake.plan.rotary import recover_rotary
+    from megabake.runtime.autotune import plan_tuning
+    from tests.compiler_fixtures import compile_preset
+
+    module = _gpu_tune_script()
+    compiled = compile_preset("smollm-135m", layers=1, capacity=32)
+    inv_freq, scaling = recover_rotary(compiled.captured, compiled.ir)
+    context = dict(ir=compiled.ir, inv=inv_freq, scale=scaling, sm_count=132)
+    baked = module.bake_plan(context)
+    assert plan_tuning(baked) == plan_tuning(build_plan(compiled.ir, ctas=132, inv_freq_buffer=inv_freq,
+                                                        rotary_scaling=scaling))
+    tuning = module.tuning_for(module.BAKE_BALANCED, baked)
+    plan = module.build_tuned_plan(context, tuning)
+    assert all(stage.tiling.stages >= 2 for stage in plan.stages if stage.name in tuning), "the ring was dropped"
+    assert plan_tuning(plan)["norm_gate_up"].gated
+    assert plan_tuning(plan)["o_residual"].per_tile == 1  # 576 rows over 1056 warps: tiles of 1 balance better
+
+
 def test_gpu_tune_summarizes_every_ctas_barrier_arrivals():
     """``gpu_tune.py --per-cta`` reads every CTA's phase clocks (``cta_timelines``) into, per stage kind: the mean
     wait, the arrival skew (last minus first), the barrier's own latency (first release minus last arrival), the

@@ -330,6 +330,7 @@ def test_block_cross_check_runs_each_candidate_back_to_back():
     assert [name for name, _ in clock.log] == ["mk"] * 5 + ["bl"] * 5  # alone, in a row; a failed one skipped
     assert [i for _, i in clock.log[:5]] == [0, 1, 2, 0, 1]  # cycles over the shared schedule
     assert results["bl"].sync_call_block == pytest.approx([3.0] * 5)  # 2 ms call + 1 ms sync, per call
+    assert results["bl"].host_call_block == pytest.approx([2.0] * 5)  # until the call returned, before the sync
 
 
 def test_block_disagreement_becomes_a_report_warning():

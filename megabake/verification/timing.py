@@ -15,7 +15,8 @@ behind a spin kernel (so host launch gaps do not count). Each sample is a per-ca
 median + seeded bootstrap 95% interval, raw samples kept. The baseline is the baseline candidate with the
 lowest synchronized median; the speedup is the paired ratio baseline/megakernel of synchronized calls.
 Then each candidate runs ``block_calls`` synchronized calls back to back (``sync_call_block``, a cross-check:
-a median more than 15% away from the alternating rounds' becomes a ``warnings`` entry). After timing, call 0
+a median more than 15% away from the alternating rounds' becomes a ``warnings`` entry; ``host_call_block``: the
+same calls' time until the call returned, the host's part). After timing, call 0
 runs again: a candidate whose logits moved is marked failed (its times are void).
 The weight-streaming floor is ``weight_bytes`` / device copy bandwidth measured in the same run (read +
 write bytes of a device-to-device copy).
@@ -66,6 +67,7 @@ class Samples:
     pipelined: list[float] = field(default_factory=list)
     gpu_event: list[float] = field(default_factory=list)
     sync_call_block: list[float] = field(default_factory=list)  # one call each, back to back (cross-check)
+    host_call_block: list[float] = field(default_factory=list)  # the same calls until call(i) returned
 
 
 def require_cuda() -> None:
@@ -156,17 +158,20 @@ def measure_rounds(candidates: Sequence[Candidate], settings: TimingSettings, sy
 def measure_blocks(candidates: Sequence[Candidate], settings: TimingSettings, sync, results: dict[str, Samples],
                    clock=time.perf_counter) -> None:
     """Cross-check of the alternating rounds: each candidate alone, ``block_calls`` synchronized calls in a
-    row (one sample per call, cycling over the ``inner`` schedule), into ``results[name].sync_call_block``."""
+    row (one sample per call, cycling over the ``inner`` schedule), into ``results[name].sync_call_block``, and
+    each call's time until ``call(i)`` returned (before the sync: the host's part) into ``host_call_block``."""
     for candidate in candidates:
         if candidate.call is None or candidate.error is not None or candidate.name not in results:
             continue
-        out = results[candidate.name].sync_call_block
+        out, host = results[candidate.name].sync_call_block, results[candidate.name].host_call_block
         sync()
         for k in range(settings.block_calls):
             start = clock()
             candidate.call(k % settings.inner)
+            returned = clock()
             sync()
             out.append((clock() - start) * 1e3)
+            host.append((returned - start) * 1e3)
 
 
 BLOCK_DISAGREEMENT = 0.15  # |block median / alternating median - 1| above this is reported as a warning
@@ -267,7 +272,7 @@ def _candidate_dict(candidate: Candidate, samples: Samples | None, seed: int) ->
     data = {"kind": candidate.kind}
     if candidate.graph_replays is not None:  # the schema wants a boolean: unknown is left out
         data["graph_replays"] = candidate.graph_replays
-    for metric in ("sync_call", "pipelined", "gpu_event", "sync_call_block"):
+    for metric in ("sync_call", "pipelined", "gpu_event", "sync_call_block", "host_call_block"):
         values = getattr(samples, metric) if samples else []
         data[metric] = summarize(values, seed=seed).to_dict() if values else None
     data["launches_outside_graph"] = candidate.launches
