@@ -35,10 +35,15 @@ to back on the timing harness's inputs (``verification.timing``: advancing posit
 and ``host``, the median time until ``step()`` returns. Steps: ``jit`` (this tool's decoder, the timing inputs),
 ``package`` (a fresh bake loaded with ``MegakernelDecoder.from_package``: the precompiled kernel, as the benchmark
 loads it), ``+ baseline built`` (the same after an ``inductor-default-graph`` baseline is built and warmed in the
-process), ``alternating`` (each sample of 20 synchronized calls right after 20 baseline calls, as the
-benchmark's rounds). Why: session 31's benchmark read the synchronized call 33-58 us over the queued GPU time
+process; the baseline's own measures next to it), ``alternating`` (each sample of 20 synchronized calls right
+after 20 baseline calls, as the benchmark's rounds), then all three again after ``torch.profiler`` has profiled
+one call of each (``check_graph(..., count_launches=True)``: what the timing harness did before its timing
+rounds until session 31; CUPTI stays attached after the profile ends, pytorch/pytorch#144455). Why: session
+31's benchmark read the synchronized call 33-58 us over the queued GPU time
 (Llama-3.2-1B b1 at 16: 0.789 back to back vs 0.741 ms), while this tool, the same day on Qwen3-0.6B, read
-``step - gpu`` at 11 us; the step where the gap appears is its cause.
+``step - gpu`` at 11 us, and gpu_tune.py (no profiler either) 13 us; the step where the gap appears is its
+cause, and the baseline's rows say how much of its own synchronized time (~0.27 ms over its GPU time on
+Llama-3.2-1B) the profile added.
 
     source .cute/activate.sh && python3 scripts/gpu_host_cost.py smollm-135m olmo-2-1b --out $OUT
     source .cute/activate.sh && python3 scripts/gpu_host_cost.py smollm-135m --cpu-load --out $OUT
@@ -258,23 +263,27 @@ def bench_like_rows(name: str, capacity: int, position: int, out: Path) -> list[
 
     from megabake.baking import bake
     from megabake.runtime import MegakernelDecoder
-    from megabake.verification.timing import TimingInputs, TimingSettings, baseline_candidate, megakernel_candidate
+    from megabake.verification.timing import (TimingInputs, TimingSettings, baseline_candidate, check_graph,
+                                              megakernel_candidate)
 
-    def row(step: str, measured: dict) -> dict:
-        print(f"[{name}] {step}: block {measured['block']:.1f} us, gpu {measured.get('gpu', float('nan')):.1f}, "
+    rows = []
+
+    def record(step: str, measured: dict) -> dict:
+        print(f"[{name}] {step}: block {measured['block']:.1f} us, gpu {measured['gpu']:.1f}, "
               f"host {measured.get('host', float('nan')):.1f}, first {measured['first']:.1f}", flush=True)
-        return {"preset": name, "capacity": capacity, "position": position, "phase": step, **measured}
+        rows.append({"preset": name, "capacity": capacity, "position": position, "phase": step, **measured})
+        return measured
 
     settings = TimingSettings(inner=BENCH_INNER, prefill=max(1, position))
     jit = build_decoder(name, capacity)
     inputs = TimingInputs.make(jit, settings)
-    rows = [row("jit", harness_measures(megakernel_candidate(jit, inputs).call))]
+    record("jit", harness_measures(megakernel_candidate(jit, inputs).call))
     del jit
     torch.cuda.empty_cache()
     baked = bake(name, capacity=capacity, out=out / "packages", reference_steps=1, run_on_gpu=False, force=True)
     decoder = MegakernelDecoder.from_package(baked.path, model=baked.model, device="cuda")
     call = megakernel_candidate(decoder, inputs).call
-    rows.append(row(f"package ({decoder.compile_path})", harness_measures(call)))
+    record(f"package ({decoder.compile_path})", harness_measures(call))
     baseline = baseline_candidate("inductor-default-graph", baked.model, inputs, capacity)
     if baseline.error:
         rows.append({"preset": name, "phase": "+ baseline built", "error": baseline.error})
@@ -282,8 +291,13 @@ def bench_like_rows(name: str, capacity: int, position: int, out: Path) -> list[
     with torch.no_grad():
         for k in range(30):
             baseline.call(k % BENCH_INNER)
-        rows.append(row("+ baseline built", harness_measures(call)))
-        rows.append(row("alternating", alternating_measures(call, baseline.call)))
+        for state in ("", " profiled"):
+            if state:  # the timing harness's graph check before session 31: torch.profiler with CUPTI
+                for each in (call, baseline.call):
+                    check_graph(each, count_launches=True)
+            ours = record(f"megakernel{state or ', baseline built'}", harness_measures(call))
+            record(f"baseline{state}", harness_measures(baseline.call))
+            record(f"megakernel alternating{state}", {**alternating_measures(call, baseline.call), "gpu": ours["gpu"]})
     return rows
 
 
@@ -309,14 +323,12 @@ def print_bench_like(rows: list[dict], out: Path) -> None:
     (out / "host-gap.json").write_text(json.dumps(rows, indent=1))
     print("| preset | step | block us | gpu us | block - gpu | host us | first call us |")
     print("|---|---|---|---|---|---|---|")
-    last_gpu = None
     for r in rows:
         if "error" in r:
             print(f"| {r['preset']} | {r['phase']} | failed: {r['error'][:80]} | | | | |")
             continue
-        reference = last_gpu = r.get("gpu") or last_gpu  # alternating rounds: the step before's GPU time
         host = f"{r['host']:.1f}" if "host" in r else ""
-        print(f"| {r['preset']} | {r['phase']} | {r['block']:.1f} | {reference:.1f} | {r['block'] - reference:.1f} "
+        print(f"| {r['preset']} | {r['phase']} | {r['block']:.1f} | {r['gpu']:.1f} | {r['block'] - r['gpu']:.1f} "
               f"| {host} | {r['first']:.1f} |")
 
 

@@ -40,7 +40,11 @@
 #          Qwen2.5-0.5B (4000), and there the kv-pipeline / no-kvpf / pass-chunks builds (session 30: batch 4/8
 #          grow 3-7% past issue 12's budget) -> OUT/tune-*-b8-p*.log, OUT/b8-p*/ (~6 min?, not run yet)
 #   balance: the bake's tiling with rows per tile balanced per stage (gpu_tune variant bake-balanced) against the
-#          bake's own on Qwen3-0.6B @16, Phi-3-mini @1000, SmolLM-135M @16 -> OUT/tune-*-balance-*.log (~5 min?, not run)
+#          bake's own on Qwen3-0.6B @16, Phi-3-mini @1000, SmolLM-135M @16 -> OUT/tune-*-balance-*.log (301 s in
+#          session 31, whose run balanced the plain tiling by mistake: gpu_tune.bake_plan fixed it, re-run)
+#   host-gap: the benchmark's synchronized-call gap taken apart (gpu_host_cost.py --bench-like: JIT decoder ->
+#          package -> next to a graphed baseline -> after torch.profiler) on SmolLM-135M (c2048) and
+#          Llama-3.2-1B (c4096) -> OUT/host-gap-*.log, OUT/host-gap-*/host-gap.json (~5 min?, not run yet)
 #   kvpf-cap: session 29's K/V prefetch capped at MIN_CHUNK rows per CTA (the default now): its GPU test, then the
 #          default against none and the uncapped prefetch (sessions 16-28) at 4000 (Phi-3-mini, Qwen3-0.6B), 1000
 #          (Llama-1B) and 16 (SmolLM-135M) -> OUT/pytest-gpu-kvpf-cap.log, OUT/tune-*.log (~5 min?)
@@ -299,6 +303,18 @@ if [[ " $PARTS " == *" balance "* ]]; then
     timeout 240 python3 scripts/gpu_tune.py "$preset" --variants bake bake-balanced --no-composite --phases \
       --capacity "$capacity" --position "$position" --out "$OUT/balance-p$position" >"$log" 2>&1
     summary+=("balance tune ($preset at $position): rc=$?" "$(grep -E '^(==|\||timeline)' "$log")")
+  done
+fi
+if [[ " $PARTS " == *" host-gap "* ]]; then
+  # session 31: the benchmark's cells read the synchronized call 33-58 us over the GPU time where
+  # gpu_host_cost.py reads 11; walk from one setting to the other (gpu_host_cost.py --bench-like, module doc)
+  for spec in "smollm-135m 2048" "llama-3.2-1b 4096"; do
+    read -r preset capacity <<<"$spec"
+    log="$OUT/host-gap-$preset.log"
+    timeout 240 python3 scripts/gpu_host_cost.py "$preset" --capacity "$capacity" --bench-like \
+      --out "$OUT/host-gap-$preset" >"$log" 2>&1
+    summary+=("host gap ($preset): rc=$?" "$(grep -E '^\|' "$log")")
+    rm -rf "$OUT/host-gap-$preset/packages"  # the device returns at most 8 files
   done
 fi
 if [[ " $PARTS " == *" hang-probe "* ]]; then

@@ -67,7 +67,9 @@ def test_baselines_replay_a_graph_and_agree_with_eager(tiny, name):
     assert rel_l2(got.cpu(), ref.cpu()) < 5e-2  # bf16 logits of two implementations
     with torch.no_grad():  # as the timing harness calls it: with grad on, Dynamo recompiles (no graph)
         check = check_graph(lambda i: step.call(ids[:, 16], positions[0]))
+        profiled = check_graph(lambda i: step.call(ids[:, 16], positions[0]), count_launches=True)
     assert check.replays, f"{name} did not replay a CUDA graph"
+    assert profiled.replays is True  # CUPTI sees the graph launch the spy counted (profiled last: it stays attached)
 
 
 def test_hand_captured_graph_survives_graph_trees_built_in_verify_order(tiny):

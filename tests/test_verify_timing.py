@@ -177,6 +177,27 @@ def test_graph_check_from_profiler_names():
     assert blind.replays is None and blind.launches is None
 
 
+def test_graph_check_counts_replays_without_the_profiler(monkeypatch):
+    """The timing harness's graph check spies on ``torch.cuda.CUDAGraph.replay`` (no CUPTI, which would stay
+    attached and slow the timed calls after it) and puts the method back afterwards."""
+    import torch.profiler
+
+    from megabake.verification.timing import check_graph
+
+    replayed = []
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", lambda self: replayed.append(self))
+    original = torch.cuda.CUDAGraph.replay
+    monkeypatch.setattr(torch.profiler, "profile", None)  # the default check must not profile
+
+    graphed = check_graph(lambda i: torch.cuda.CUDAGraph.replay("graph"))
+    assert graphed.replays is True and graphed.launches is None and replayed == ["graph"]
+    assert check_graph(lambda i: None).replays is False
+    assert torch.cuda.CUDAGraph.replay is original
+    with pytest.raises(RuntimeError, match="boom"):
+        check_graph(lambda i: (_ for _ in ()).throw(RuntimeError("boom")))
+    assert torch.cuda.CUDAGraph.replay is original  # restored on an error too
+
+
 def test_weight_bytes_fallback():
     from megabake.verification.doubles import EagerDecoder
     from megabake.verification.timing import weight_bytes_of

@@ -6,8 +6,8 @@ Method: every candidate (the megakernel and each baseline of ``baselines.py``) r
 bucket, token ids and positions (``inner`` calls at positions ``prefill, prefill+1, ...``). Each candidate's
 first call is compared with eager bf16 (``rel_l2_vs_eager``; above ``agreement_limit``, 0.1 or 2.5x eager
 bf16's own rel-L2 to an exact fp32 copy at that call when larger, the candidate computes something else and is
-marked failed; ``timings.agreement`` records the drift and the limit); all warm up; a graph check then profiles one call and looks for
-``cudaGraphLaunch`` (``graph_replays``). Then ``samples`` rounds run every candidate
+marked failed; ``timings.agreement`` records the drift and the limit); all warm up; a graph check then counts
+the CUDA-graph replays of one call (``graph_replays``; no profiler: see ``check_graph``). Then ``samples`` rounds run every candidate
 once each, in an order that rotates every round (``alternating_schedule``: AB, BA, AB, ...); a round
 measures, per candidate, ``inner`` synchronized complete calls (host + GPU, clock read after
 ``synchronize``), ``inner`` pipelined calls with one sync, and the GPU-event time of ``inner`` calls queued
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -239,20 +240,54 @@ def measure_copy_bandwidth(nbytes: int = 1 << 30, reps: int = 10, trials: int = 
 
 @dataclass(frozen=True)
 class GraphCheck:
-    replays: bool | None  # None: the profiler saw no CUDA runtime calls at all (CUPTI unavailable)
-    launches: int | None  # kernel launches outside a graph
+    replays: bool | None  # None: unknown (a profile that saw no CUDA runtime calls: CUPTI unavailable)
+    launches: int | None  # kernel launches outside a graph; None: not counted (check_graph's count_launches)
 
 
-def check_graph(call) -> GraphCheck:
-    """Profile one call: does it replay a CUDA graph, and how many kernels does it launch outside one?"""
+def check_graph(call, *, count_launches: bool = False) -> GraphCheck:
+    """Does one call replay a CUDA graph? Counted by a spy on ``torch.cuda.CUDAGraph.replay`` (what CUDA-graph
+    trees, hand-captured graphs and the megakernel's step graphs all call), without CUPTI: ``torch.profiler``
+    leaves CUPTI attached after it ends (Kineto skips ``cuptiFinalize`` unless ``TEARDOWN_CUPTI=1``,
+    pytorch/pytorch#144455), which slows every later CUDA call of the process, so a profiled check before the
+    timing rounds would tax the synchronized calls it is there to measure. ``count_launches=True`` profiles the
+    call instead (graph launches and kernel launches outside graphs as CUPTI sees them): only once nothing is
+    timed after it in the process."""
     import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    if not count_launches:
+        with counting_graph_replays() as replays:
+            call(0)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+        return GraphCheck(replays=replays[0] > 0, launches=None)
     from torch.profiler import ProfilerActivity, profile
 
-    torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         call(0)
         torch.cuda.synchronize()
-    return graph_check_from_names([event.name for event in prof.events()])
+    return graph_check_from_names([event.name for event in prof.events()])  # replays as CUPTI saw them
+
+
+@contextmanager
+def counting_graph_replays():
+    """Within the block, ``torch.cuda.CUDAGraph.replay`` calls are counted into the yielded one-element list
+    (the method is restored on exit)."""
+    import torch
+
+    original = torch.cuda.CUDAGraph.replay
+    count = [0]
+
+    def replay(self, *args, **kwargs):
+        count[0] += 1
+        return original(self, *args, **kwargs)
+
+    torch.cuda.CUDAGraph.replay = replay
+    try:
+        yield count
+    finally:
+        torch.cuda.CUDAGraph.replay = original
 
 
 def graph_check_from_names(names: Sequence[str]) -> GraphCheck:
