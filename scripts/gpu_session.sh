@@ -308,10 +308,10 @@ fi
 if [[ " $PARTS " == *" host-gap "* ]]; then
   # session 31: the benchmark's cells read the synchronized call 33-58 us over the GPU time where
   # gpu_host_cost.py reads 11; walk from one setting to the other (gpu_host_cost.py --bench-like, module doc)
-  for spec in "smollm-135m 2048" "llama-3.2-1b 4096"; do
-    read -r preset capacity <<<"$spec"
+  for spec in "smollm-135m 2048 240" "llama-3.2-1b 4096 320"; do  # preset, capacity, seconds (rows print as measured)
+    read -r preset capacity limit <<<"$spec"
     log="$OUT/host-gap-$preset.log"
-    timeout 240 python3 scripts/gpu_host_cost.py "$preset" --capacity "$capacity" --bench-like \
+    timeout "$limit" python3 scripts/gpu_host_cost.py "$preset" --capacity "$capacity" --bench-like \
       --out "$OUT/host-gap-$preset" >"$log" 2>&1
     summary+=("host gap ($preset): rc=$?" "$(grep -E '^\|' "$log")")
     rm -rf "$OUT/host-gap-$preset/packages"  # the device returns at most 8 files
