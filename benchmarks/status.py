@@ -14,6 +14,8 @@ criteria against them as markdown:
   kernel reads only the window (``plan.attn_window_table``);
 - **short-context GPU targets** at batch 1 (``SHORT_TARGETS``), **batch 8 <= 1.5x batch 1** on Llama-3.2-1B, and the
   **host cost** (synchronized ms - GPU ms) within 15 us;
+- **profiled**: how many of the cells shown were timed after the harness's ``torch.profiler`` graph check (up to
+  session 31; CUPTI stays attached after a profile and can slow what is timed after it);
 - **missing**: the (preset, batch, position class) cells of every preset (not the tiny ones) at batches 1 / 4 / 8
   that no stored run has measured.
 
@@ -39,6 +41,9 @@ SHORT_TARGETS = {"llama-3.2-1b": 0.75, "qwen2.5-0.5b": 0.45, "qwen3-0.6b": 0.50,
 BATCHES = (1, 4, 8)
 POSITION_CLASSES = ("~16", "~1000", "~4000")  # ~4000: 1900 positions or more (SmolLM-135M's limit is 2048)
 CELL_KEYS = ("preset", "batch", "position", "status")
+# the timing harness profiled every candidate with torch.profiler (CUPTI, which stays attached) before timing it
+# until session 31 (docs/PERF.md, "Session 31"); cells from a later session or date were timed without it
+UNPROFILED_FROM = ("2026-12-04", 32)
 FOLDER_DATE = re.compile(r"(\d{4}-\d{2}-\d{2})")
 FOLDER_SESSION = re.compile(r"session(\d+)")
 
@@ -66,6 +71,13 @@ class Cell:
     def session(self) -> str:
         date, session = self.order
         return f"s{session}" if session else date
+
+    @property
+    def profiled(self) -> bool:
+        """Timed after the harness's CUPTI profile of each candidate (before ``UNPROFILED_FROM``)."""
+        date, session = self.order
+        last_date, first_session = UNPROFILED_FROM
+        return session < first_session and date <= last_date
 
     @property
     def passes(self) -> bool:
@@ -277,6 +289,16 @@ def _ratio_text(label: str, one: Cell, eight: Cell) -> str:
             f"{verdict}")
 
 
+def profiled_line(best: dict) -> str:
+    measured = [c for c in best.values() if c.measured]
+    profiled = sum(c.profiled for c in measured)
+    if not profiled:
+        return "Every cell shown was timed without a profiler attached."
+    return (f"{profiled} of {len(measured)} cells shown were timed after the harness had profiled each candidate with "
+            "torch.profiler (sessions up to 31), which can leave CUPTI attached and slow later calls on both sides "
+            "of the ratio (docs/PERF.md, \"Session 31\"): re-bench before trusting a ratio near the line.")
+
+
 def host_line(best: dict) -> str:
     gaps = sorted((c.sync_ms - c.gpu_ms) * 1e3 for c in best.values() if c.measured and c.sync_ms and c.gpu_ms)
     if not gaps:
@@ -306,7 +328,7 @@ def render(cells: list[Cell], presets: list[str], config_of=preset_config) -> st
     best = newest(cells)
     parts = ["# Issue 12 scorecard (from benchmarks/results)", "",
              f"{len(cells)} stored cells; the newest of each (preset, batch, position class) is shown with its session.",
-             "", "## Speedup over the strongest graphed Inductor", "", *speedup_table(best),
+             "", "## Speedup over the strongest graphed Inductor", "", *speedup_table(best), "", profiled_line(best),
              "", "## Growth with context", "",
              f"Budget: (GPU ms at ~16 + K/V bytes at {GROWTH_BANDWIDTH / 1e12:g} TB/s) x {GROWTH_MARGIN}, both from the "
              "same run; K/V bytes count sliding windows.", "", *growth_table(growth_rows(cells, config_of)),

@@ -284,7 +284,7 @@ def bench_like_rows(name: str, capacity: int, position: int, out: Path) -> list[
     decoder = MegakernelDecoder.from_package(baked.path, model=baked.model, device="cuda")
     call = megakernel_candidate(decoder, inputs).call
     record(f"package ({decoder.compile_path})", harness_measures(call))
-    baseline = baseline_candidate("inductor-default-graph", baked.model, inputs, capacity)
+    baseline = baseline_candidate("inductor-default-graph", decoder.model, inputs, capacity)  # as run_timings
     if baseline.error:
         rows.append({"preset": name, "phase": "+ baseline built", "error": baseline.error})
         return rows

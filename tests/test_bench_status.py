@@ -121,6 +121,18 @@ def test_short_targets_batch8_host_and_missing_cells(status, tmp_path):
     assert missing[1].startswith("- other: b1 ~16")
 
 
+def test_cells_timed_after_the_profiled_graph_check_are_counted(status, tmp_path):
+    write_run(tmp_path, "2026-12-04-h200-session31", [cell("llama-3.2-1b", 1, 16, 2.0, 0.741)])
+    write_run(tmp_path, "2026-12-05-h200-session32", [cell("smollm-135m", 1, 16, 3.0, 0.369)])
+    write_run(tmp_path, "2026-12-01-h200-long-context", [cell("qwen3-0.6b", 1, 16, 3.0, 0.6)])  # no session number
+    best = status.newest(status.load_cells(tmp_path))
+    assert {key[0]: c.profiled for key, c in best.items()} == \
+        {"llama-3.2-1b": True, "smollm-135m": False, "qwen3-0.6b": True}
+    assert status.profiled_line(best).startswith("2 of 3 cells shown were timed after")
+    clean = {key: c for key, c in best.items() if not c.profiled}
+    assert status.profiled_line(clean) == "Every cell shown was timed without a profiler attached."
+
+
 def test_bad_input_names_the_file(status, tmp_path):
     write_run(tmp_path, "run", [{"preset": "m", "position": 16, "speedup": 2.0}])
     with pytest.raises(ValueError, match=r"matrix.json: a benchmark cell lacks batch, status"):
