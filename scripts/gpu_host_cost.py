@@ -213,23 +213,21 @@ BLOCK_CALLS = 100  # the benchmark's back-to-back block (TimingSettings.block_ca
 
 
 def harness_measures(call, sync_rounds: int = 5) -> dict:
-    """``block`` / ``gpu`` / ``host`` (module doc) of ``call(i)`` on the timing harness's schedule, in us."""
+    """``block`` / ``gpu`` / ``host`` (module doc) of ``call(i)`` on the timing harness's schedule, in us, measured
+    by the harness's own ``measure_blocks`` and ``measure_gpu_events``."""
     import torch
 
-    from megabake.verification.timing import measure_gpu_events
+    from megabake.verification.timing import (Candidate, Samples, TimingSettings, measure_blocks,
+                                              measure_gpu_events)
 
-    indices = list(range(BENCH_INNER))
     for k in range(BENCH_INNER):
         call(k)  # one untimed pass: the previous measure's state must not leak into this one
-    torch.cuda.synchronize()
-    block, host = [], []
-    for k in range(BLOCK_CALLS):
-        start = time.perf_counter()
-        call(k % BENCH_INNER)
-        returned = time.perf_counter()
-        torch.cuda.synchronize()
-        block.append((time.perf_counter() - start) * 1e6)
-        host.append((returned - start) * 1e6)
+    samples = {"timed": Samples()}
+    settings = TimingSettings(inner=BENCH_INNER, block_calls=BLOCK_CALLS)
+    measure_blocks([Candidate("timed", "megabake", call)], settings, torch.cuda.synchronize, samples)
+    block = [ms * 1e3 for ms in samples["timed"].sync_call_block]
+    host = [ms * 1e3 for ms in samples["timed"].host_call_block]
+    indices = list(range(BENCH_INNER))
     gpu = [measure_gpu_events(call, indices, hold_ms=2.0 * BENCH_INNER) * 1e3 for _ in range(sync_rounds)]
     return {"block": statistics.median(block), "gpu": statistics.median(gpu), "host": statistics.median(host),
             "first": block[0], "samples_us": {"block": block, "gpu": gpu, "host": host}}
