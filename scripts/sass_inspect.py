@@ -31,7 +31,8 @@ sys.path.insert(0, str(ROOT))
 
 
 def build_ptx(preset_name: str, per_tile: int, unroll: int, flags: list[str], stages: int, out: Path, *,
-              capacity: int = 128, default_tiling: bool = False, build: dict | None = None) -> Path:
+              capacity: int = 128, batch: int = 1, default_tiling: bool = False,
+              build: dict | None = None) -> Path:
     from megabake.codegen import generate
     from megabake.compiler import compile_step
     from megabake.plan import GEMV_STAGES, GemvTuning
@@ -47,7 +48,7 @@ def build_ptx(preset_name: str, per_tile: int, unroll: int, flags: list[str], st
                                     **{k: v for k, v in chosen.items()
                                        if not (stage == "norm_lm_head" and k == "preload")})
                   for stage in GEMV_STAGES}
-    plan = compile_step(model, capacity=capacity, ctas=132, threads=256, tuning=tuning).plan
+    plan = compile_step(model, capacity=capacity, batch=batch, ctas=132, threads=256, tuning=tuning).plan
     result = compile_check(plan, load_module(generate(plan, **(build or {})).source), dump_dir=str(out))
     if not result.ok:
         raise SystemExit(f"CuTe DSL compile failed: {result.error}")
@@ -116,6 +117,7 @@ def main() -> None:
     parser.add_argument("--flags", nargs="*", default=[], choices=["spread", "preload", "pipeline"])
     parser.add_argument("--stages", type=int, default=0, help="cp.async ring depth of every GEMV stage (0: none)")
     parser.add_argument("--capacity", type=int, default=128, help="KV capacity of the bucket (default 128)")
+    parser.add_argument("--batch", type=int, default=1, help="sequences per step of the bucket (default 1)")
     parser.add_argument("--default-tiling", action="store_true",
                         help="the bake's default GEMV tiling instead of --tiling / --flags / --stages")
     parser.add_argument("--build", default="atom",
@@ -131,7 +133,7 @@ def main() -> None:
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     args.out.mkdir(parents=True, exist_ok=True)
     ptx = build_ptx(args.preset, *args.tiling, args.flags, args.stages, args.out, capacity=args.capacity,
-                    default_tiling=args.default_tiling, build=BUILDS[args.build])
+                    batch=args.batch, default_tiling=args.default_tiling, build=BUILDS[args.build])
     cubin, info = assemble(ptx, args.out)
     print("\n".join(line.strip() for line in info.splitlines() if "registers" in line or "spill" in line))
     nvdisasm = os.environ.get("NVDISASM") or shutil.which("nvdisasm")

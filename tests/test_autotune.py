@@ -99,7 +99,8 @@ def test_the_plans_own_default_is_a_candidate_and_wins_when_its_step_is_fastest(
 
 def test_the_rebalanced_default_is_a_candidate_built_from_the_default_plan():
     """``default-balanced`` (REBALANCED): the default plan's own tiling with rows per tile balanced per stage, built
-    from ``build(None)`` and kept when its whole step is fastest."""
+    from ``build(None)`` and kept when its whole step is fastest. Opt-in: the shipped candidates leave it out (it
+    lost every whole step measured, session 32)."""
     from megabake.runtime.autotune import CANDIDATES as SHIPPED, DEFAULT, REBALANCED
 
     ring = GemvTuning(2, 4, spread=True, preload=True, stages=4)
@@ -121,7 +122,7 @@ def test_the_rebalanced_default_is_a_candidate_built_from_the_default_plan():
     result = autotune(build, object(), candidates={DEFAULT: None, "default-balanced": REBALANCED, "a": GemvTuning()},
                       measure_plan=measure, rebalance=rebalance,
                       tuning_of=lambda plan: {stage: plan[stage] for stage in GEMV_STAGES})
-    assert list(SHIPPED)[1] == "default-balanced" and SHIPPED["default-balanced"] == REBALANCED
+    assert REBALANCED not in SHIPPED.values() and list(SHIPPED)[0] == DEFAULT
     assert rebalanced_from == [dict(default_plan, attention=False)] and built[:3] == [None, None, balanced]
     assert result.chosen == "default-balanced" and result.tuning == balanced and result.build_tuning == balanced
 

@@ -5,8 +5,11 @@ Contract: ``autotune(build, model, *, candidates=CANDIDATES, progress=...) -> Au
 kernel per candidate tiling, runs a few decode steps on this Hopper GPU and reads each step's per-stage
 clocks (``MegakernelDecoder.stage_timeline``). The first candidate, ``default`` (value None), is the plan
 ``build(None)`` makes: the kernel a bake without ``--autotune`` ships (the streaming ring since session 6), so
-autotuning can only pick something measured faster than it. The second, ``default-balanced`` (``REBALANCED``),
-is that plan's tiling with each stage's rows per tile chosen for warp balance (:func:`rebalanced_tuning`). For every GEMV stage it takes the candidate that
+autotuning can only pick something measured faster than it. ``REBALANCED`` (a candidate value callers may pass,
+not shipped) is that plan's tiling with each stage's rows per tile chosen for warp balance
+(:func:`rebalanced_tuning`): it lost the whole step on all three presets measured (H200, session 32, GPU ms
+default vs balanced: Qwen3-0.6B @16 0.619 vs 0.639, Phi-3-mini @1000 2.236 vs 2.424, SmolLM-135M @16 0.376 vs
+0.414), so a bake does not pay its build. For every GEMV stage it takes the candidate that
 spent the least time in that stage (median over steps, summed over layers), measures those per-stage winners
 together, and returns them, unless a whole candidate's step was faster (then that one); finally, in a bucket
 of at most ``ATTENTION_PRELOAD_MAX_CAPACITY`` positions, the chosen tiling is measured once more with attention
@@ -31,7 +34,6 @@ DEFAULT = "default"  # candidate name of the plan's own default tiling (value No
 REBALANCED = "rebalanced"  # candidate value: the default plan's tiling with rows per tile balanced per stage
 CANDIDATES: dict[str, GemvTuning | str | None] = {  # applied to every GEMV stage; the winner is picked per stage
     DEFAULT: None,  # what build_plan picks (the streaming ring where it fits), per stage
-    "default-balanced": REBALANCED,  # that, with each stage's rows per tile balanced (rebalanced_tuning)
     "t2u4": GemvTuning(2, 4),  # the plain register tiling (the default until session 6)
     "t2u8": GemvTuning(2, 8),
     "t1u8": GemvTuning(1, 8),

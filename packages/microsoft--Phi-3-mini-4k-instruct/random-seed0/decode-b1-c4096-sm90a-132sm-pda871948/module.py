@@ -109,7 +109,7 @@ def megakernel(
             k_cache=k_cache[layer, None, None, None, None], v_cache=v_cache[layer, None, None, None, None], pos=pos,
             first_key=cutlass.max(pos + 1 - attn_window[layer], 0), cta=cta, tidx=tidx, batch=BATCH,
             n_kv_heads=N_KV_HEADS, head_dim=HEAD_DIM, threads=THREADS, splits=KV_SPLITS, min_chunk=MIN_CHUNK,
-            quantum=CHUNK_QUANTUM, head_slices=HEAD_SLICES, long_slices=LONG_SLICES, to_l1=False)
+            quantum=CHUNK_QUANTUM, head_slices=HEAD_SLICES, long_slices=LONG_SLICES, to_l1=False, max_rows=64)
         bodies.prefetch_rows(
             weight=w_o[layer, None, None], gwarp=swarp, lane=lane, total_warps=TOTAL_WARPS, rows=3072, cols=3072,
             per_tile=2, max_tiles=0)
@@ -809,11 +809,13 @@ def split_kv_prefetch(k_cache: cute.Tensor, v_cache: cute.Tensor, pos: Int32, fi
                       head_dim: cutlass.Constexpr[int], threads: cutlass.Constexpr[int],
                       splits: cutlass.Constexpr[int], min_chunk: cutlass.Constexpr[int],
                       quantum: cutlass.Constexpr[int], head_slices: cutlass.Constexpr[int],
-                      long_slices: cutlass.Constexpr[bool], to_l1: cutlass.Constexpr[bool]):
-    """Ask L2 (``to_l1``: L1, a candidate) for the cached K and V rows of this CTA's first
+                      long_slices: cutlass.Constexpr[bool], to_l1: cutlass.Constexpr[bool],
+                      max_rows: cutlass.Constexpr[int]):
+    """Ask L2 (``to_l1``: L1, a candidate) for the first ``max_rows`` cached K and V rows of this CTA's first
     :func:`split_kv_attention` work item (same dealing, :func:`split_schedule`: item ``cta``, split-major; same
     chunking of positions [first_key, pos]), one ``prefetch.global`` per 128-byte line over the CTA's
-    threads.
+    threads. The cap (``codegen.kv_prefetch_rows``) keeps a long context's prefetch from competing with the
+    weight stream of the GEMV before the barrier; a short context's item fits in it whole.
 
     Issued before the grid barrier that precedes attention (the default build since session 16):
     the cached rows do not depend on that barrier, so their DRAM latency overlaps the wait and attention's loads
@@ -831,7 +833,7 @@ def split_kv_prefetch(k_cache: cute.Tensor, v_cache: cute.Tensor, pos: Int32, fi
         b = g // n_kv_heads
         kvh = g - b * n_kv_heads
         start = first_key + split * chunk
-        end = cutlass.min(start + chunk, pos)  # the cached rows of the item's chunk
+        end = cutlass.min(cutlass.min(start + chunk, pos), start + max_rows)  # the chunk's first cached rows
         elements_per_line = 128 * 8 // k_cache.element_type.width
         lines_per_row = (head_dim + elements_per_line - 1) // elements_per_line
         for i in range(start * lines_per_row + tidx, end * lines_per_row, threads):
