@@ -83,9 +83,8 @@ BAKE_EXIT_CODES = exit_codes_help(
                    f"bucket is small); at most --capacity minus the prefill ({GPU_PREFILL} tokens, or half the "
                    f"capacity under {2 * GPU_PREFILL}).")
 @click.option("--autotune", is_flag=True, help="On a Hopper GPU: time the default kernel and candidate GEMV tilings "
-              "stage by stage and bake the fastest whole step (the default, the default with rows per tile "
-              "balanced per stage, a candidate or the per-stage winners; "
-              "about a minute; numerics are unchanged). Needs the GPU.")
+              "stage by stage and bake the fastest whole step (the default, a candidate or the per-stage "
+              "winners; about a minute; numerics are unchanged). Needs the GPU.")
 @click.option("--tiling", default=None, metavar="SPEC",
               help="GEMV tiling of every GEMV stage, PER_TILExUNROLL[+spread][+preload][+pipeline][+ringSTAGES], "
                    "e.g. 2x4+spread+preload (from an earlier --autotune or scripts/gpu_tune.py); 'balanced:SPEC' "

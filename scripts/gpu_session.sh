@@ -38,13 +38,16 @@
 #          clocks @16 -> OUT/tune-*.log (~7 min?)
 #   batch-growth: batch 8's per-stage clocks (gpu_tune --phases) at 16 and at the long end on SmolLM-135M (2027) and
 #          Qwen2.5-0.5B (4000), and there the kv-pipeline / no-kvpf / pass-chunks builds (session 30: batch 4/8
-#          grow 3-7% past issue 12's budget) -> OUT/tune-*-b8-p*.log, OUT/b8-p*/ (~6 min?, not run yet)
+#          grow 3-7% past issue 12's budget) -> OUT/tune-*-b8-p*.log, OUT/b8-p*/ (323 s, session 32)
+#   mma-attention: the GPU test of split-KV items of 2-8 query heads on the tensor cores (a candidate, session 32),
+#          then the default against it at batch 8 (Qwen2.5-0.5B @4000 and @16, SmolLM-135M @2027, Llama-1B @4000) and
+#          Qwen3-0.6B b1 @4000 -> OUT/pytest-gpu-mma-attention.log, OUT/tune-*-mma-*.log (~7 min?, not run yet)
 #   balance: the bake's tiling with rows per tile balanced per stage (gpu_tune variant bake-balanced) against the
 #          bake's own on Qwen3-0.6B @16, Phi-3-mini @1000, SmolLM-135M @16 -> OUT/tune-*-balance-*.log (301 s in
-#          session 31, whose run balanced the plain tiling by mistake: gpu_tune.bake_plan fixed it, re-run)
+#          session 31, which balanced the plain tiling by mistake; session 32 on the bake's tiling: the bake wins, 3-10%)
 #   host-gap: the benchmark's synchronized-call gap taken apart (gpu_host_cost.py --bench-like: JIT decoder ->
 #          package -> next to a graphed baseline -> after torch.profiler) on SmolLM-135M (c2048) and
-#          Llama-3.2-1B (c4096) -> OUT/host-gap-*.log, OUT/host-gap-*/host-gap.json (~5 min?, not run yet)
+#          Llama-3.2-1B (c4096) -> OUT/host-gap-*.log, OUT/host-gap-*/host-gap.json (237 s, session 32)
 #   kvpf-cap: session 29's K/V prefetch capped at MIN_CHUNK rows per CTA (the default now): its GPU test, then the
 #          default against none and the uncapped prefetch (sessions 16-28) at 4000 (Phi-3-mini, Qwen3-0.6B), 1000
 #          (Llama-1B) and 16 (SmolLM-135M) -> OUT/pytest-gpu-kvpf-cap.log, OUT/tune-*.log (~5 min?)
@@ -291,6 +294,28 @@ if [[ " $PARTS " == *" batch-growth "* ]]; then
       --batch 8 --capacity "$capacity" --position "$position" --out "$OUT/b8-p$position" >"$log" 2>&1
     summary+=("batch-growth tune ($preset, batch 8, at $position): rc=$?" "$(grep -E '^(==|\||timeline)' "$log")")
   done
+fi
+if [[ " $PARTS " == *" mma-attention "* ]]; then
+  # session 32: at batch 8 all the growth with context is attention, bound by each item's per-head arithmetic (7
+  # query heads per item on Qwen2.5-0.5B cost 3.8x one head over the same K/V rows). The candidate that scores and
+  # sums items of 2-8 heads on the tensor cores (generate(plan, mma_attention=True)): its GPU test first (it has
+  # never run), then against the default where it deals such items: batch 8 at the long end (Qwen2.5-0.5B 7 heads,
+  # SmolLM-135M 3, Llama-3.2-1B 4), and batch 1 of Qwen3-0.6B (2 heads of 128) at 4000
+  timeout 200 python3 -m pytest -m gpu -q -x tests/test_gpu_decode.py -k mma_attention \
+    >"$OUT/pytest-gpu-mma-attention.log" 2>&1
+  rc=$?
+  summary+=("mma-attention GPU test: rc=$rc $(tail -1 "$OUT/pytest-gpu-mma-attention.log")")
+  if ((rc == 0)); then
+    for spec in "qwen2.5-0.5b 8 4096 4000" "smollm-135m 8 2048 2027" "llama-3.2-1b 8 4096 4000" \
+                "qwen3-0.6b 1 4096 4000" "qwen2.5-0.5b 8 4096 16"; do
+      read -r preset batch capacity position <<<"$spec"
+      log="$OUT/tune-$preset-b$batch-mma-p$position.log"
+      timeout 150 python3 scripts/gpu_tune.py "$preset" --variants bake --builds default mma-attention \
+        --no-composite --phases --batch "$batch" --capacity "$capacity" --position "$position" \
+        --out "$OUT/mma-b$batch-p$position" >"$log" 2>&1
+      summary+=("mma-attention tune ($preset, batch $batch, at $position): rc=$?" "$(grep -E '^(==|\||timeline)' "$log")")
+    done
+  fi
 fi
 if [[ " $PARTS " == *" balance "* ]]; then
   # session 30: the bake's tiling with rows per tile balanced per stage (gpu_tune variant bake-balanced,

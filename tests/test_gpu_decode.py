@@ -557,6 +557,31 @@ def test_kv_pipeline_gives_bit_identical_logits(preset, batch, capacity):
     assert torch.equal(pipelined, plain)
 
 
+@pytest.mark.parametrize("preset,batch,capacity", [("qwen2.5-0.5b", 8, 4096), ("smollm-135m", 1, 2048),
+                                                   ("qwen3-0.6b", 1, 4096), ("llama-3.2-1b", 2, 1024)])
+def test_mma_attention_matches_the_default_to_bf16_rounding(preset, batch, capacity):
+    """Split-KV items of 2-8 query heads scored and summed on the tensor cores (``generate(plan,
+    mma_attention=True)``, a candidate since session 32, ``bodies._mma_softmax_chunk``): from one random cache, one
+    step at positions near 0 (one 16-key step, partly masked), around 16-key and split boundaries, past the
+    middle and at capacity - 1 gives the default build's logits to the bf16 rounding of the query and the
+    probabilities that the MMA takes (rel-L2 < 2e-2; a wrong fragment layout or rescale gives O(1)); a second run
+    gives the same bits (a moving result would be a race). Qwen2.5-0.5B batch 8: 7-head items of 64 dims, 8 splits
+    per group; SmolLM-135M: 3 heads, and 1-head slices (the lane-group loop) at short contexts; Qwen3-0.6B: 2
+    heads of 128, q/k norms; Llama-3.2-1B batch 2: 4 heads, bf16 staging."""
+    from megabake.plan.attention import mma_attention_items
+    from megabake.runtime import gpu_info
+
+    compiled = compile_preset(preset, layers=2, vocab=4096, batch=batch, capacity=capacity, ctas=gpu_info().sm_count)
+    assert mma_attention_items(compiled.plan)
+    positions = sorted({0, 1, 2, 15, 16, 17, 127, 128, 129, 700, 1023, capacity // 2, capacity - 1})
+    default, mma, again = _logits_over_random_cache(compiled, positions, batch,
+                                                    [{}, {"mma_attention": True}, {"mma_attention": True}])
+    assert torch.isfinite(default).all() and torch.isfinite(mma).all()
+    assert torch.equal(again, mma)
+    errors = [float((mma[i] - default[i]).norm() / default[i].norm()) for i in range(len(positions))]
+    assert max(errors) < 2e-2, dict(zip(positions, errors))
+
+
 @pytest.mark.parametrize("preset,batch,capacity", [("smollm-1.7b", 1, 2048), ("olmo-2-1b", 1, 4096),
                                                    ("smollm-135m", 1, 2048), ("smollm-135m", 2, 2048)])
 def test_fold_merge_gives_the_default_logits(preset, batch, capacity):

@@ -91,13 +91,14 @@ def test_module_compiles_for_sm90a(shape: Shape, tmp_path):
 
 
 @pytest.mark.parametrize("build", [{"pass_chunks": True}, {"long_slices": False}, {"kv_pipeline": True},
-                                   {"fold_merge": False}],
-                         ids=["pass-chunks", "short-slices", "kv-pipeline", "no-fold-merge"])
+                                   {"fold_merge": False}, {"mma_attention": True}],
+                         ids=["pass-chunks", "short-slices", "kv-pipeline", "no-fold-merge", "mma-attention"])
 def test_split_kv_candidate_builds_compile_for_sm90a(build, tmp_path):
     """The split-KV build options a GPU session times against the default (``gpu_tune.py --builds pass-chunks
     short-slices kv-pipeline no-fold-merge``) compile too, on a shape where they deal differently (SmolLM-135M: 3
     query heads per KV head). The default folds the merge (``FOLD_SPLITS = 8``); ``fold_merge=False`` merges in
-    attention again, as before session 24."""
+    attention again, as before session 24. ``mma_attention`` scores and sums the 3-head items on the tensor cores:
+    its PTX holds the 8 + 4 MMAs of a 16-key step (64 dims) on top of the default's."""
     pytest.importorskip("cutlass")
     from megabake.codegen import generate
     from megabake.runtime.compile import compile_check, load_module
@@ -105,12 +106,31 @@ def test_split_kv_candidate_builds_compile_for_sm90a(build, tmp_path):
     compiled = compile_preset("smollm-135m", layers=2, vocab=4096, capacity=2048)
     source = generate(compiled.plan, **build).source
     expected = {"pass_chunks": "CHUNK_QUANTUM = 32", "long_slices": "LONG_SLICES = False",
-                "kv_pipeline": "KV_PIPELINE = True", "fold_merge": None}[next(iter(build))]
+                "kv_pipeline": "KV_PIPELINE = True", "fold_merge": None,
+                "mma_attention": "MMA_ATTENTION = True"}[next(iter(build))]
     default = generate(compiled.plan).source
     assert "\nFOLD_SPLITS = 8\n" in default
     if expected:
         assert f"\n{expected}\n" in source
     else:
         assert "FOLD_SPLITS" not in source
-    result = compile_check(compiled.plan, load_module(source), dump_dir=str(tmp_path))
+    result = compile_check(compiled.plan, load_module(source), dump_dir=str(tmp_path / "build"))
     assert result.ok, result.error
+    if "mma_attention" in build:
+        assert "MMA_ATTENTION" not in default
+        default_result = compile_check(compiled.plan, load_module(default), dump_dir=str(tmp_path / "default"))
+        assert default_result.ok, default_result.error
+        mmas = [next((tmp_path / name).glob("*.ptx")).read_text().count("mma.sync") for name in ("build", "default")]
+        assert mmas[0] == mmas[1] + 12, mmas
+
+
+def test_the_kernel_and_the_plan_agree_on_which_items_go_to_the_tensor_cores():
+    """``bodies.mma_attention_fits`` (copied into module.py, which cannot import MegaBake) is the plan's rule."""
+    pytest.importorskip("cutlass")
+    from megabake.codegen.bodies import mma_attention_fits as kernel_fits
+    from megabake.plan.attention import mma_attention_fits as plan_fits
+
+    for heads in range(0, 12):
+        for head_dim in (32, 64, 80, 96, 128, 256):
+            assert kernel_fits(heads, head_dim) == plan_fits(heads, head_dim), (heads, head_dim)
+    assert plan_fits(7, 64) and plan_fits(2, 128) and not plan_fits(1, 64) and not plan_fits(8, 256)

@@ -488,6 +488,31 @@ def test_fold_merge_is_refused_where_it_cannot_fold(preset, why):
     generate(compiled.plan)  # the default picks what fits
 
 
+@pytest.mark.parametrize("preset,batch,items", [("qwen2.5-0.5b", 8, [7]), ("smollm-135m", 1, [3]),
+                                                 ("llama-3.2-1b", 1, [4, 2]), ("qwen3-0.6b", 1, [2]),
+                                                 ("smollm-1.7b", 1, []), ("gemma-2b", 1, [])])
+def test_mma_attention_takes_items_of_2_to_8_heads_of_64_or_128_and_is_refused_elsewhere(preset, batch, items):
+    """``generate(plan, mma_attention=True)`` (a candidate): the split-KV items the plan can deal (the KV group, or
+    its head slices) of 2-8 query heads of 64 or 128 dims go to the tensor cores (Qwen2.5-0.5B batch 8: groups of
+    7; Llama-3.2-1B: 4, or 2 per slice). Where none can (SmolLM-1.7B: one query head per KV head; gemma-2b: heads
+    of 256) the build is refused by name. Otherwise module.py differs from the default only in its constant and
+    the attention call's keyword."""
+    from megabake.plan.attention import mma_attention_items
+
+    compiled = compile_preset(preset, layers=2, vocab=512, batch=batch, capacity=1024)
+    assert mma_attention_items(compiled.plan) == items
+    default = generate(compiled.plan).source
+    assert "MMA_ATTENTION" not in default
+    if not items:
+        with pytest.raises(ValueError, match="mma_attention puts split-KV items of 2-8 query heads .* build without it"):
+            generate(compiled.plan, mma_attention=True)
+        return
+    source = generate(compiled.plan, mma_attention=True).source
+    assert [c.get("mma_attention") for c in body_calls(source, "split_kv_attention")] == ["MMA_ATTENTION"]
+    changed = [line for line in difflib.ndiff(default.splitlines(), source.splitlines()) if line[:2] in ("- ", "+ ")]
+    assert len(changed) == 3, changed  # the constant (+1), attention's last line (-1 +1)
+
+
 def test_kv_prefetch_is_capped_at_the_shortest_split_chunk_by_default(tiny):
     """Session 29: the default K/V prefetch asks for at most the first ``MIN_CHUNK`` rows of each CTA's item (a
     short context's item whole; at 4000 positions the uncapped prefetch of the whole item slowed the QKV GEMV's

@@ -42,7 +42,7 @@ from pathlib import Path
 
 from ..plan import (ATTN_COUNT, ATTN_PART, ATTN_WINDOW, HEAD_NORMS, ROPE_TABLE, STAGE_BIAS, Plan, Stage, kv_splits,
                    ring_shape, smem_floats)
-from ..plan.attention import LONG_SLICES, PASS_CHUNKS, chunk_quantum
+from ..plan.attention import LONG_SLICES, PASS_CHUNKS, chunk_quantum, mma_attention_items
 from ..plan.stages import (ACTIVATIONS, DIMENSION_CONSTANTS, GATED_ACT_CODES, StageSpec, next_gemv, norm_slot,
                            spec_of)
 
@@ -240,6 +240,7 @@ class BuildOptions:
     prefetch_bytes: int | None = None  # L2 prefetch of the next GEMV's tiles per barrier (None: per stage)
     clock_every_cta: bool = False  # a TIMELINE_PER_CTA build: every CTA stores its phase clocks
     arrival: str | None = None  # a split barrier's arrival (SPLIT_ARRIVAL), emitted before the before-barrier calls
+    mma_attention: bool = False  # split-KV items of 2-8 query heads on the tensor cores (a candidate, session 32)
 
 
 # A KV group's outputs (query heads per KV head x head_dim) from which the spread merge is the default: on the H200
@@ -316,7 +317,7 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
              spread_merge: bool | None = None, head_slices: bool = True,
              long_slices: bool = LONG_SLICES, pass_chunks: bool = PASS_CHUNKS,
              kv_pipeline: bool | None = None, fold_merge: bool | None = None,
-             prefetch_bytes: int | None = None) -> GeneratedModule:
+             prefetch_bytes: int | None = None, mma_attention: bool = False) -> GeneratedModule:
     """module.py of ``plan``. ``merge_preload`` / ``spread_merge``: None picks them per plan
     (:func:`default_merge`); True asks for one (refused where the attention scratch cannot hold it), False
     leaves it out (both False: the plain last-arrival merge of sessions 10-16). ``head_slices=False`` deals
@@ -331,7 +332,10 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     warp otherwise: :func:`_prefetch_call`; None picks it per stage: :func:`default_prefetch_bytes`); ``barrier``
     is how CTAs meet at grid barriers (``BARRIER_ARRIVALS``; None: ``DEFAULT_BARRIER``, or a watchdog's);
     ``kv_prefetch_rows`` caps the K/V prefetch at that many cached rows per CTA (None:
-    :func:`default_kv_prefetch_rows`, one chunk)."""
+    :func:`default_kv_prefetch_rows`, one chunk). ``mma_attention`` (a candidate, session 32) scores and sums the
+    split-KV items of 2-8 query heads of 64 or 128 dims on the tensor cores (``bodies._mma_softmax_chunk``: the
+    query and the probabilities rounded to bf16, so close to the default's logits, not equal); refused where no
+    item the plan can deal has such a shape (:func:`mma_attention_applies`)."""
     if watchdog and timeline:
         raise ValueError("a watchdog build has no timeline: build them separately")
     if barrier is not None and barrier not in BARRIER_ARRIVALS:
@@ -369,10 +373,15 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
                "attention is not split")
         raise ValueError(f"fold_merge needs 2+ splits to fold and no spread merge, but {why}: build without it")
     kv_pipeline = default_kv_pipeline(plan) if kv_pipeline is None else kv_pipeline
+    if mma_attention and not mma_attention_items(plan, head_slices):
+        group = plan.dims.n_heads // plan.dims.n_kv_heads
+        raise ValueError(f"mma_attention puts split-KV items of 2-8 query heads of 64 or 128 dims on the tensor cores, "
+                         f"but this plan deals none ({'no split-KV attention' if not kv_splits(plan) else f'groups of {group} x {plan.dims.head_dim}'}): "
+                         "build without it")
     plan_hash = plan_hash or plan.hash
     w = _Writer(keyword_calls=True)
     _header(w, plan, plan_hash, kernel_arguments(plan), self_contained, head_slices, long_slices, pass_chunks,
-            kv_pipeline, folded)
+            kv_pipeline, folded, mma_attention)
     prologue = [s for s in plan.stages if s.scope == "prologue"]
     per_layer = [s for s in plan.stages if s.scope == "layer"]
     epilogue = [s for s in plan.stages if s.scope == "epilogue"]
@@ -440,7 +449,7 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
                            kv_prefetch_l1=kv_prefetch_l1, kv_prefetch_rows=kv_prefetch_rows,
                            merge_preload=merge_preload, spread_merge=spread_merge,
                            fold_splits=folded, prefetch_bytes=prefetch_bytes, clock_every_cta=every_cta,
-                           arrival=SPLIT_ARRIVAL if barrier == "split" else None)
+                           arrival=SPLIT_ARRIVAL if barrier == "split" else None, mma_attention=mma_attention)
     if phases:
         _phase_timed_stages(w, plan, prologue, per_layer, epilogue, options)
     else:
@@ -481,7 +490,7 @@ def _packed(items: list[str], indent: int) -> list[str]:
 
 def _header(w: _Writer, plan: Plan, plan_hash: str, arguments: list[str], self_contained: bool,
             head_slices: bool = True, long_slices: bool = True, pass_chunks: bool = False,
-            kv_pipeline: bool = False, folded: int = 0) -> None:
+            kv_pipeline: bool = False, folded: int = 0, mma_attention: bool = False) -> None:
     d = plan.dims
     w(f'"""Generated by MegaBake from plan {plan_hash[:16]}. Do not edit: re-bake instead.')
     w("")
@@ -524,6 +533,8 @@ def _header(w: _Writer, plan: Plan, plan_hash: str, arguments: list[str], self_c
                        "KV_PIPELINE": kv_pipeline})
         if folded:
             consts["FOLD_SPLITS"] = folded
+        if mma_attention:
+            consts["MMA_ATTENTION"] = True
     ring_stages, ring_vectors = _ring_stages(plan)
     if ring_stages:
         consts.update({"RING_STAGES": ring_stages, "RING_VECTORS": ring_vectors})
@@ -585,7 +596,8 @@ def _stage(w: _Writer, plan: Plan, stage: Stage, indent: int, layer_var, clocks:
     prefix = "layer[*]." if stage.scope == "layer" else ""
     w.begin(_entry(plan, stage, layer_var, "barrier_interval", f"{prefix}{stage.name}"))
     w(f"# ---- stage {stage.index}: {stage.name} ({stage.scope}) ----", indent)
-    calls = _body_calls(plan, stage, options.merge_preload, options.spread_merge, options.fold_splits)
+    calls = _body_calls(plan, stage, options.merge_preload, options.spread_merge, options.fold_splits,
+                        options.mma_attention)
     previous = next((s for s in plan.stages if s.index == stage.index - 1), None)
     if options.spread_merge and previous is not None and previous.kind == "attention" and kv_splits(plan):
         w(f"bodies.split_kv_counts_reset({ATTN_COUNT}, cta, tidx, BATCH * N_KV_HEADS * HEAD_SLICES, THREADS)",
@@ -790,7 +802,7 @@ def _warp_index(stage: Stage) -> str:
 
 
 def _attention_call(plan: Plan, merge_preload: bool = False, spread_merge: bool = False,
-                    folded: int = 0) -> tuple[str, str]:
+                    folded: int = 0, mma_attention: bool = False) -> tuple[str, str]:
     if kv_splits(plan):
         norms = "qk_norms[layer, None, None]" if plan.has_head_norms else "qkv"
         if plan.dims.whole_qk_norm:
@@ -804,7 +816,7 @@ def _attention_call(plan: Plan, merge_preload: bool = False, spread_merge: bool 
                 f"KV_SPLITS, ATT_UNROLL, MIN_CHUNK, CHUNK_QUANTUM, "
                 f"{'ROTARY_DIM' if plan.dims.rotary_dim else 'HEAD_DIM'}, "
                 f"{plan.dims.whole_qk_norm}, {merge_preload}, {spread_merge}, HEAD_SLICES, LONG_SLICES, KV_PIPELINE"
-                f"{', FOLD_SPLITS' if folded else ''})")
+                f"{', FOLD_SPLITS' if folded else ''}{', mma_attention=MMA_ATTENTION' if mma_attention else ''})")
     caches = (f"{_rope_arguments(plan)}, k_cache[layer, None, None, None, None], "
               "v_cache[layer, None, None, None, None], "
               "attn, pos, s_att, s_red, cta, tidx, BATCH, N_HEADS, N_KV_HEADS, HEAD_DIM, CAPACITY, CTAS, THREADS, "
@@ -905,13 +917,13 @@ def _gemv_stage_calls(plan: Plan, stage: Stage, folded: int = 0) -> list[tuple[s
 
 
 def _body_calls(plan: Plan, stage: Stage, merge_preload: bool = False,
-                spread_merge: bool = False, folded: int = 0) -> list[tuple[str, str]]:
+                spread_merge: bool = False, folded: int = 0, mma_attention: bool = False) -> list[tuple[str, str]]:
     """(body name, call text) of one stage, from the stage table (the merge options: :class:`BuildOptions`)."""
     spec = spec_of(stage, plan)
     if spec.gemv is not None:
         return _gemv_stage_calls(plan, stage, folded)
     if stage.kind == "attention":
-        return [_attention_call(plan, merge_preload, spread_merge, folded)]
+        return [_attention_call(plan, merge_preload, spread_merge, folded, mma_attention)]
     if spec.writes != ("x",):  # post-norm layouts: the residual starts in x_mid, the pending MLP output is zero
         target, pending = spec.writes
         scaled = "_scaled" if plan.dims.embed_scale != 1.0 else ""

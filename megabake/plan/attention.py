@@ -39,6 +39,9 @@ ATTN_PART = "attn_part"  # split-KV partials [B, heads, splits, head_dim + 2]: a
 ATTN_COUNT = "attn_count"  # split-KV arrival counters [B * kv_heads * head slices] (int32, reset after use)
 LONG_SLICES = True  # the default dealing deals head slices at long contexts too (split_schedule): the kernel's
 # default build (codegen.generate's long_slices) and the reference executor read it, so they deal alike
+MMA_ATT_MAX_HEADS = 8  # query heads per item that split-KV attention on the tensor cores takes (a candidate,
+# codegen.generate(plan, mma_attention=True): the M rows 0..7 of m16n8k16; bodies.mma_attention_fits mirrors this)
+MMA_ATT_HEAD_DIMS = (64, 128)
 PASS_CHUNKS = False  # a candidate (session 19; H200 session 21: within noise): chunks in whole CTA passes
 # instead of whole per_tile chunks (chunk_quantum); read like LONG_SLICES by the kernel's default and the reference
 
@@ -138,6 +141,26 @@ def kv_splits(plan_or_tiling) -> int:
     if isinstance(plan_or_tiling, Plan):
         tiling = next(s.tiling for s in plan_or_tiling.stages if s.kind == "attention")
     return tiling.tiles // tiling.units if tiling.kind == "kv_splits" else 0
+
+
+def mma_attention_fits(heads: int, head_dim: int) -> bool:
+    """Whether a split-KV item of ``heads`` query heads of ``head_dim`` runs on the tensor cores in an
+    ``mma_attention`` build (``bodies._mma_softmax_chunk``): 2 to 8 heads (one alone keeps the lane-group loop),
+    64 or 128 dims. The kernel's copy of this rule is ``bodies.mma_attention_fits``."""
+    return 2 <= heads <= MMA_ATT_MAX_HEADS and head_dim in MMA_ATT_HEAD_DIMS
+
+
+def mma_attention_items(plan: Plan, head_slices: bool = True) -> list[int]:
+    """The item sizes (query heads) the plan's split-KV attention can deal that an ``mma_attention`` build puts
+    on the tensor cores: the group, and each of its head slices (``group / s`` for every divisor ``s`` of
+    ``head_slices``; with ``head_slices=False`` the group only)."""
+    if not kv_splits(plan):
+        return []
+    tiling = next(s.tiling for s in plan.stages if s.kind == "attention")
+    group = plan.dims.n_heads // plan.dims.n_kv_heads
+    slices = max(1, tiling.head_slices) if head_slices else 1
+    sizes = sorted({group // s for s in range(1, slices + 1) if slices % s == 0}, reverse=True)
+    return [heads for heads in sizes if mma_attention_fits(heads, plan.dims.head_dim)]
 
 
 def split_kv_buffers(dims: ModelDims, batch: int, stages: list[Stage]) -> list[Buffer]:
