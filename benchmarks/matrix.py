@@ -41,6 +41,7 @@ class Cell:
     megabake_ms: float | None = None
     megabake_ci: list[float] | None = None
     megabake_gpu_ms: float | None = None
+    megabake_block_ms: float | None = None  # median of back-to-back synchronized calls (the harness's block)
     baselines_ms: dict[str, float] = field(default_factory=dict)
     baseline: str | None = None
     speedup: float | None = None
@@ -192,6 +193,7 @@ def _fill(cell: Cell, timings: dict) -> None:
     cell.megabake_ms = (mk.get("sync_call") or {}).get("median")
     cell.megabake_ci = (mk.get("sync_call") or {}).get("ci95")
     cell.megabake_gpu_ms = (mk.get("gpu_event") or {}).get("median")
+    cell.megabake_block_ms = (mk.get("sync_call_block") or {}).get("median")
     cell.baselines_ms = {name: c["sync_call"]["median"] for name, c in candidates.items()
                          if c.get("kind") == "baseline" and c.get("sync_call")}
     cell.baseline = timings.get("baseline")

@@ -116,6 +116,12 @@ def test_short_targets_batch8_host_and_missing_cells(status, tmp_path):
     assert "same run 1.100 (s5) / 0.800 (s5) = 1.38x, met" in line
     assert "newest of each 1.100 (s5) / 0.700 (s6) = 1.57x, **not met**" in line
     assert "10-40 us" in status.host_line(best) and "1 of 2 cells within 15 us" in status.host_line(best)
+    assert "Back to back" not in status.host_line(best)  # no cell stored its block median
+    write_run(tmp_path, "2026-12-04-h200-session32", [dict(cell("llama-3.2-1b", 4, 16, 2.9, 0.959, sync_ms=0.993),
+                                                           megabake_block_ms=0.9723)])
+    line = status.host_line(status.newest(status.load_cells(tmp_path)))
+    assert "alternating rounds: 10-40 us" in line and "Back to back (synchronized calls in a row, cells since " \
+        "session 32): 13-13 us, median 13; 1 of 1 cells within 15 us." in line
     missing = status.missing_lines(best, ["llama-3.2-1b", "other"])
     assert missing[0] == "- llama-3.2-1b: b1 ~1000, b1 ~4000, b4 ~16, b4 ~1000, b4 ~4000, b8 ~1000, b8 ~4000"
     assert missing[1].startswith("- other: b1 ~16")

@@ -250,6 +250,9 @@ def test_matrix_mode_buckets_positions_table_and_chart(bench, tmp_path):
     assert "| smollm-135m | 4 | 16 | measured | 0.700" in table and "inductor-graph ms" in table
     assert "2.07x" in table.splitlines()[4]  # 1.45 / 0.7
     assert json.loads((tmp_path / "matrix.json").read_text())[1]["position"] == 2027
+    assert cells[0].megabake_block_ms is None  # the synthetic report has no back-to-back block
+    _fill(cells[0], {"candidates": {"megabake": {"kind": "megabake", "sync_call_block": {"median": 0.51}}}})
+    assert cells[0].megabake_block_ms == 0.51  # status.py's back-to-back host cost reads it
     assert (tmp_path / "matrix.png").stat().st_size > 1000
 
 
