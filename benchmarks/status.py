@@ -127,7 +127,8 @@ def _cell(raw: dict, run: str, order: tuple[str, int]) -> Cell:
     numerics = raw.get("numerics") or {}
     return Cell(preset=raw["preset"], batch=int(raw["batch"]), position=int(raw["position"]),
                 measured=raw["status"] == "measured", speedup=raw.get("speedup"), sync_ms=raw.get("megabake_ms"),
-                gpu_ms=raw.get("megabake_gpu_ms"), block_ms=raw.get("megabake_block_ms"), numerics_pass=bool(numerics.get("pass")), run=run, order=order)
+                gpu_ms=raw.get("megabake_gpu_ms"), block_ms=raw.get("megabake_block_ms"),
+                numerics_pass=bool(numerics.get("pass")), run=run, order=order)
 
 
 def load_cells(root: Path) -> list[Cell]:

@@ -203,6 +203,8 @@ BUILDS = {"default": {}, "atom": {"barrier": "atom"}, "red": {"barrier": "red"},
           "no-fold-merge": {"fold_merge": False},
           # split-KV items of 2-8 query heads scored and summed on the tensor cores (session 32, a candidate)
           "mma-attention": {"mma_attention": True},
+          # ... and every split-KV dealing weighs those items by their chunk alone (whole groups, shorter chunks)
+          "mma-schedule": {"mma_attention": True, "mma_schedule": True},
           # the L2 prefetch of the next GEMV's first tiles before each barrier at one budget for every stage (the
           # default since session 26: none before a ring-prefilled GEMV, 16 MB elsewhere; pf16mb: the old default)
           "pf0": {"prefetch_bytes": 0}, "pf8mb": {"prefetch_bytes": 8 << 20}, "pf16mb": {"prefetch_bytes": 16 << 20},

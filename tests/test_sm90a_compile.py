@@ -91,14 +91,17 @@ def test_module_compiles_for_sm90a(shape: Shape, tmp_path):
 
 
 @pytest.mark.parametrize("build", [{"pass_chunks": True}, {"long_slices": False}, {"kv_pipeline": True},
-                                   {"fold_merge": False}, {"mma_attention": True}],
-                         ids=["pass-chunks", "short-slices", "kv-pipeline", "no-fold-merge", "mma-attention"])
+                                   {"fold_merge": False}, {"mma_attention": True},
+                                   {"mma_attention": True, "mma_schedule": True}],
+                         ids=["pass-chunks", "short-slices", "kv-pipeline", "no-fold-merge", "mma-attention",
+                              "mma-schedule"])
 def test_split_kv_candidate_builds_compile_for_sm90a(build, tmp_path):
     """The split-KV build options a GPU session times against the default (``gpu_tune.py --builds pass-chunks
     short-slices kv-pipeline no-fold-merge``) compile too, on a shape where they deal differently (SmolLM-135M: 3
     query heads per KV head). The default folds the merge (``FOLD_SPLITS = 8``); ``fold_merge=False`` merges in
     attention again, as before session 24. ``mma_attention`` scores and sums the 3-head items on the tensor cores:
-    its PTX holds the 8 + 4 MMAs of a 16-key step (64 dims) on top of the default's."""
+    its PTX holds the 8 + 4 MMAs of a 16-key step (64 dims) on top of the default's; ``mma_schedule`` also deals
+    for them (``MMA_SLICES``)."""
     pytest.importorskip("cutlass")
     from megabake.codegen import generate
     from megabake.runtime.compile import compile_check, load_module

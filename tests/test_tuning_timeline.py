@@ -511,6 +511,34 @@ def test_mma_attention_takes_items_of_2_to_8_heads_of_64_or_128_and_is_refused_e
     assert [c.get("mma_attention") for c in body_calls(source, "split_kv_attention")] == ["MMA_ATTENTION"]
     changed = [line for line in difflib.ndiff(default.splitlines(), source.splitlines()) if line[:2] in ("- ", "+ ")]
     assert len(changed) == 3, changed  # the constant (+1), attention's last line (-1 +1)
+    with pytest.raises(ValueError, match="mma_schedule deals split-KV items for the tensor cores: it needs"):
+        generate(compiled.plan, mma_schedule=True)
+    scheduled = generate(compiled.plan, mma_attention=True, mma_schedule=True).source
+    dealing = ["split_kv_attention", "split_kv_prefetch", "merge_splits_to_smem"]  # each calls split_schedule
+    assert {name: [c.get("mma_slices") for c in body_calls(scheduled, name)] for name in dealing} == \
+        {name: ["MMA_SLICES"] * len(body_calls(default, name)) for name in dealing}
+
+
+def test_the_mma_schedule_deals_whole_groups_over_shorter_chunks_where_heads_come_free():
+    """``split_schedule(..., mma_slices=mma_slice_mask(plan))`` (an ``mma_schedule`` build) weighs an item that
+    runs on the tensor cores by its chunk alone: Qwen2.5-0.5B at batch 1 deals its 7-head groups whole (one MMA
+    item per chunk) where the default deals 7 one-head slices, over 128-position chunks at 4095 instead of 512; a
+    dealing the default already gives whole groups (batch 8) is unchanged, and without a mask nothing changes."""
+    from megabake.plan.attention import mma_slice_mask, split_schedule
+
+    one = compile_preset("qwen2.5-0.5b", layers=2, vocab=512, capacity=4096).plan
+    eight = compile_preset("qwen2.5-0.5b", layers=2, vocab=512, capacity=4096, batch=8).plan
+    tiling = next(s.tiling for s in one.stages if s.kind == "attention")
+    assert mma_slice_mask(one) == 1 << 1 and mma_slice_mask(one, head_slices=False) == 1 << 1
+    assert (split_schedule(tiling, 4095).chunk, split_schedule(tiling, 4095).slices) == (512, 7)
+    dealt = split_schedule(tiling, 4095, mma_slices=mma_slice_mask(one))
+    assert (dealt.chunk, dealt.active, dealt.slices) == (128, 32, 1)
+    assert split_schedule(tiling, 17, mma_slices=mma_slice_mask(one)).slices == 1
+    wide = next(s.tiling for s in eight.stages if s.kind == "attention")
+    for visible in (17, 1000, 4095):
+        assert split_schedule(wide, visible, mma_slices=mma_slice_mask(eight)).chunk == \
+            split_schedule(wide, visible).chunk
+    assert mma_slice_mask(compile_preset("smollm-1.7b", layers=2, vocab=512, capacity=1024).plan) == 0
 
 
 def test_kv_prefetch_is_capped_at_the_shortest_split_chunk_by_default(tiny):

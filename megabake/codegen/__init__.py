@@ -42,7 +42,7 @@ from pathlib import Path
 
 from ..plan import (ATTN_COUNT, ATTN_PART, ATTN_WINDOW, HEAD_NORMS, ROPE_TABLE, STAGE_BIAS, Plan, Stage, kv_splits,
                    ring_shape, smem_floats)
-from ..plan.attention import LONG_SLICES, PASS_CHUNKS, chunk_quantum, mma_attention_items
+from ..plan.attention import LONG_SLICES, PASS_CHUNKS, chunk_quantum, mma_attention_items, mma_slice_mask
 from ..plan.stages import (ACTIVATIONS, DIMENSION_CONSTANTS, GATED_ACT_CODES, StageSpec, next_gemv, norm_slot,
                            spec_of)
 
@@ -241,6 +241,7 @@ class BuildOptions:
     clock_every_cta: bool = False  # a TIMELINE_PER_CTA build: every CTA stores its phase clocks
     arrival: str | None = None  # a split barrier's arrival (SPLIT_ARRIVAL), emitted before the before-barrier calls
     mma_attention: bool = False  # split-KV items of 2-8 query heads on the tensor cores (a candidate, session 32)
+    mma_schedule: bool = False  # every split-KV dealing weighs those items by their chunk alone (MMA_SLICES)
 
 
 # A KV group's outputs (query heads per KV head x head_dim) from which the spread merge is the default: on the H200
@@ -317,7 +318,8 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
              spread_merge: bool | None = None, head_slices: bool = True,
              long_slices: bool = LONG_SLICES, pass_chunks: bool = PASS_CHUNKS,
              kv_pipeline: bool | None = None, fold_merge: bool | None = None,
-             prefetch_bytes: int | None = None, mma_attention: bool = False) -> GeneratedModule:
+             prefetch_bytes: int | None = None, mma_attention: bool = False,
+             mma_schedule: bool = False) -> GeneratedModule:
     """module.py of ``plan``. ``merge_preload`` / ``spread_merge``: None picks them per plan
     (:func:`default_merge`); True asks for one (refused where the attention scratch cannot hold it), False
     leaves it out (both False: the plain last-arrival merge of sessions 10-16). ``head_slices=False`` deals
@@ -335,7 +337,10 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     :func:`default_kv_prefetch_rows`, one chunk). ``mma_attention`` (a candidate, session 32) scores and sums the
     split-KV items of 2-8 query heads of 64 or 128 dims on the tensor cores (``bodies._mma_softmax_chunk``: the
     query and the probabilities rounded to bf16, so close to the default's logits, not equal); refused where no
-    item the plan can deal has such a shape (:func:`mma_attention_applies`)."""
+    item the plan can deal has such a shape (``plan.attention.mma_attention_items``); ``mma_schedule`` (with it)
+    lets every split-KV dealing weigh those items by their chunk alone (their heads come nearly free on the
+    tensor cores), so long contexts deal whole groups over more, shorter splits (``plan.attention.split_schedule``'s
+    ``mma_slices``)."""
     if watchdog and timeline:
         raise ValueError("a watchdog build has no timeline: build them separately")
     if barrier is not None and barrier not in BARRIER_ARRIVALS:
@@ -375,13 +380,16 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     kv_pipeline = default_kv_pipeline(plan) if kv_pipeline is None else kv_pipeline
     if mma_attention and not mma_attention_items(plan, head_slices):
         group = plan.dims.n_heads // plan.dims.n_kv_heads
-        raise ValueError(f"mma_attention puts split-KV items of 2-8 query heads of 64 or 128 dims on the tensor cores, "
-                         f"but this plan deals none ({'no split-KV attention' if not kv_splits(plan) else f'groups of {group} x {plan.dims.head_dim}'}): "
-                         "build without it")
+        why = f"groups of {group} x {plan.dims.head_dim}" if kv_splits(plan) else "no split-KV attention"
+        raise ValueError("mma_attention puts split-KV items of 2-8 query heads of 64 or 128 dims on the tensor "
+                         f"cores, but this plan deals none ({why}): build without it")
+    if mma_schedule and not mma_attention:
+        raise ValueError("mma_schedule deals split-KV items for the tensor cores: it needs mma_attention=True")
+    mma_slices = mma_slice_mask(plan, head_slices) if mma_schedule else 0
     plan_hash = plan_hash or plan.hash
     w = _Writer(keyword_calls=True)
     _header(w, plan, plan_hash, kernel_arguments(plan), self_contained, head_slices, long_slices, pass_chunks,
-            kv_pipeline, folded, mma_attention)
+            kv_pipeline, folded, mma_attention, mma_slices)
     prologue = [s for s in plan.stages if s.scope == "prologue"]
     per_layer = [s for s in plan.stages if s.scope == "layer"]
     epilogue = [s for s in plan.stages if s.scope == "epilogue"]
@@ -449,7 +457,8 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
                            kv_prefetch_l1=kv_prefetch_l1, kv_prefetch_rows=kv_prefetch_rows,
                            merge_preload=merge_preload, spread_merge=spread_merge,
                            fold_splits=folded, prefetch_bytes=prefetch_bytes, clock_every_cta=every_cta,
-                           arrival=SPLIT_ARRIVAL if barrier == "split" else None, mma_attention=mma_attention)
+                           arrival=SPLIT_ARRIVAL if barrier == "split" else None, mma_attention=mma_attention,
+                           mma_schedule=mma_schedule)
     if phases:
         _phase_timed_stages(w, plan, prologue, per_layer, epilogue, options)
     else:
@@ -490,7 +499,7 @@ def _packed(items: list[str], indent: int) -> list[str]:
 
 def _header(w: _Writer, plan: Plan, plan_hash: str, arguments: list[str], self_contained: bool,
             head_slices: bool = True, long_slices: bool = True, pass_chunks: bool = False,
-            kv_pipeline: bool = False, folded: int = 0, mma_attention: bool = False) -> None:
+            kv_pipeline: bool = False, folded: int = 0, mma_attention: bool = False, mma_slices: int = 0) -> None:
     d = plan.dims
     w(f'"""Generated by MegaBake from plan {plan_hash[:16]}. Do not edit: re-bake instead.')
     w("")
@@ -535,6 +544,8 @@ def _header(w: _Writer, plan: Plan, plan_hash: str, arguments: list[str], self_c
             consts["FOLD_SPLITS"] = folded
         if mma_attention:
             consts["MMA_ATTENTION"] = True
+        if mma_slices:
+            consts["MMA_SLICES"] = mma_slices
     ring_stages, ring_vectors = _ring_stages(plan)
     if ring_stages:
         consts.update({"RING_STAGES": ring_stages, "RING_VECTORS": ring_vectors})
@@ -597,7 +608,7 @@ def _stage(w: _Writer, plan: Plan, stage: Stage, indent: int, layer_var, clocks:
     w.begin(_entry(plan, stage, layer_var, "barrier_interval", f"{prefix}{stage.name}"))
     w(f"# ---- stage {stage.index}: {stage.name} ({stage.scope}) ----", indent)
     calls = _body_calls(plan, stage, options.merge_preload, options.spread_merge, options.fold_splits,
-                        options.mma_attention)
+                        options.mma_attention, options.mma_schedule)
     previous = next((s for s in plan.stages if s.index == stage.index - 1), None)
     if options.spread_merge and previous is not None and previous.kind == "attention" and kv_splits(plan):
         w(f"bodies.split_kv_counts_reset({ATTN_COUNT}, cta, tidx, BATCH * N_KV_HEADS * HEAD_SLICES, THREADS)",
@@ -609,7 +620,7 @@ def _stage(w: _Writer, plan: Plan, stage: Stage, indent: int, layer_var, clocks:
         clock()
     if stage.barrier_after:
         before = _before_barrier_calls(plan, stage, options.kv_prefetch, options.kv_prefetch_l1,
-                                       options.prefetch_bytes, options.kv_prefetch_rows)
+                                       options.prefetch_bytes, options.kv_prefetch_rows, options.mma_schedule)
         reads = [call for call in before if call.startswith(_BEFORE_ARRIVAL)]
         for call in reads + ([options.arrival] if options.arrival else []) + [c for c in before if c not in reads]:
             w(call, indent)
@@ -702,7 +713,8 @@ def _attention_preloads(plan: Plan) -> bool:
 
 
 def _before_barrier_calls(plan: Plan, stage: Stage, kv_prefetch: bool = False, to_l1: bool = False,
-                          prefetch_bytes: int | None = None, kv_prefetch_rows: int | None = None) -> list[str]:
+                          prefetch_bytes: int | None = None, kv_prefetch_rows: int | None = None,
+                          mma_schedule: bool = False) -> list[str]:
     """Issued before a CTA waits at the barrier that ends ``stage``: the next GEMV's L2 prefetch, its register
     preload when that stage preloads, and the attention's first K/V rows when attention preloads.
 
@@ -715,7 +727,8 @@ def _before_barrier_calls(plan: Plan, stage: Stage, kv_prefetch: bool = False, t
     calls = []
     following = next((s for s in plan.stages if s.index == stage.index + 1), None)
     if kv_prefetch and following is not None and following.kind == "attention" and kv_splits(plan):
-        calls.append(_kv_prefetch_call(plan, to_l1, kv_prefetch_rows or default_kv_prefetch_rows(plan)))
+        rows = kv_prefetch_rows or default_kv_prefetch_rows(plan)
+        calls.append(_kv_prefetch_call(plan, to_l1, rows, mma_schedule))
     if following is not None and following.kind == "attention" and _attention_preloads(plan):
         calls.append("bodies.attention_preload(k_cache[layer, None, None, None, None], v_cache[layer, None, None, "
                      "None, None], pre_kv, pos, cta, tidx, BATCH, N_HEADS, N_KV_HEADS, HEAD_DIM)")
@@ -751,12 +764,13 @@ def default_kv_prefetch_rows(plan: Plan) -> int:
     return next(s.tiling for s in plan.stages if s.kind == "attention").per_tile
 
 
-def _kv_prefetch_call(plan: Plan, to_l1: bool = False, max_rows: int = 1) -> str:
+def _kv_prefetch_call(plan: Plan, to_l1: bool = False, max_rows: int = 1, mma_schedule: bool = False) -> str:
     """L2 (``to_l1``: L1) prefetch of the first ``max_rows`` cached K/V rows of this CTA's first split-KV work
     item (as ``split_kv_attention`` deals them)."""
     return ("bodies.split_kv_prefetch(k_cache[layer, None, None, None, None], v_cache[layer, None, None, None, None], "
             f"pos, {_first_key(plan)}, cta, tidx, BATCH, N_KV_HEADS, HEAD_DIM, THREADS, KV_SPLITS, MIN_CHUNK, "
-            f"CHUNK_QUANTUM, HEAD_SLICES, LONG_SLICES, {to_l1}, {max_rows})")
+            f"CHUNK_QUANTUM, HEAD_SLICES, LONG_SLICES, {to_l1}, {max_rows}"
+            f"{', mma_slices=MMA_SLICES' if mma_schedule else ''})")
 
 
 def _gemv_shape(plan: Plan, stage_name: str) -> tuple[int, int]:
@@ -802,7 +816,7 @@ def _warp_index(stage: Stage) -> str:
 
 
 def _attention_call(plan: Plan, merge_preload: bool = False, spread_merge: bool = False,
-                    folded: int = 0, mma_attention: bool = False) -> tuple[str, str]:
+                    folded: int = 0, mma_attention: bool = False, mma_schedule: bool = False) -> tuple[str, str]:
     if kv_splits(plan):
         norms = "qk_norms[layer, None, None]" if plan.has_head_norms else "qkv"
         if plan.dims.whole_qk_norm:
@@ -816,7 +830,8 @@ def _attention_call(plan: Plan, merge_preload: bool = False, spread_merge: bool 
                 f"KV_SPLITS, ATT_UNROLL, MIN_CHUNK, CHUNK_QUANTUM, "
                 f"{'ROTARY_DIM' if plan.dims.rotary_dim else 'HEAD_DIM'}, "
                 f"{plan.dims.whole_qk_norm}, {merge_preload}, {spread_merge}, HEAD_SLICES, LONG_SLICES, KV_PIPELINE"
-                f"{', FOLD_SPLITS' if folded else ''}{', mma_attention=MMA_ATTENTION' if mma_attention else ''})")
+                f"{', FOLD_SPLITS' if folded else ''}{', mma_attention=MMA_ATTENTION' if mma_attention else ''}"
+                f"{', mma_slices=MMA_SLICES' if mma_schedule else ''})")
     caches = (f"{_rope_arguments(plan)}, k_cache[layer, None, None, None, None], "
               "v_cache[layer, None, None, None, None], "
               "attn, pos, s_att, s_red, cta, tidx, BATCH, N_HEADS, N_KV_HEADS, HEAD_DIM, CAPACITY, CTAS, THREADS, "
@@ -860,14 +875,15 @@ def _gemv_label(plan: Plan, stage: Stage) -> str:
     return "gemv_rows_bias" if plan.bias_of(stage.name) else "gemv_rows"
 
 
-def _vector_call(plan: Plan, spec: StageSpec, folded: int = 0) -> tuple[str, str]:
+def _vector_call(plan: Plan, spec: StageSpec, folded: int = 0, mma_schedule: bool = False) -> tuple[str, str]:
     """The body call that stages a GEMV stage's fp32 input row(s) in ``s_vec`` (``folded``: the attention
     output's staging merges the split-KV partials attention left unmerged)."""
     vector, width = spec.vector, DIMENSION_CONSTANTS[spec.vector.width]
     if vector.kind == "copy" and vector.source == "attn" and folded:
         return ("merge_splits_to_smem",
                 f"bodies.merge_splits_to_smem(attn, {ATTN_PART}, s_vec, pos, {_first_key(plan)}, tidx, BATCH, N_HEADS, "
-                "HEAD_DIM, THREADS, KV_SPLITS, MIN_CHUNK, CHUNK_QUANTUM, HEAD_SLICES, LONG_SLICES, FOLD_SPLITS)")
+                "HEAD_DIM, THREADS, KV_SPLITS, MIN_CHUNK, CHUNK_QUANTUM, HEAD_SLICES, LONG_SLICES, FOLD_SPLITS"
+                f"{', mma_slices=MMA_SLICES' if mma_schedule else ''})")
     if vector.kind == "residual_norm":
         return "residual_norm_to_smem", _residual_norm_call(plan, vector, width)
     if vector.kind == "rmsnorm":
@@ -901,14 +917,15 @@ def _residual_norm_call(plan: Plan, vector, width: str) -> str:
             f"tidx, BATCH, {width}, THREADS, EPS, {bool(vector.write_back)}, {bool(vector.norm_role)})")
 
 
-def _gemv_stage_calls(plan: Plan, stage: Stage, folded: int = 0) -> list[tuple[str, str]]:
+def _gemv_stage_calls(plan: Plan, stage: Stage, folded: int = 0,
+                      mma_schedule: bool = False) -> list[tuple[str, str]]:
     spec = spec_of(stage, plan)
     gemv = spec.gemv
     weight = f"{gemv.weight}[layer, None, None]" if spec.per_layer else gemv.weight
     rows, cols = DIMENSION_CONSTANTS[gemv.rows], DIMENSION_CONSTANTS[gemv.cols]
     bias = plan.bias_of(stage.name) if spec.per_layer else None
     gated = GATED_ACT_CODES[plan.dims.act] if gemv.gated else 0  # the gate/up GEMV applies the activation
-    calls = [_vector_call(plan, spec, folded),
+    calls = [_vector_call(plan, spec, folded, mma_schedule),
              (_gemv_label(plan, stage), _gemv(weight, gemv.out, rows, cols, stage, gemv.accumulate, bias, gated))]
     if spec.scope == "epilogue" and plan.dims.final_softcap:
         calls.append(("softcap_rows", f"bodies.softcap_rows({gemv.out}, {_warp_index(stage)}, lane, TOTAL_WARPS, "
@@ -917,13 +934,14 @@ def _gemv_stage_calls(plan: Plan, stage: Stage, folded: int = 0) -> list[tuple[s
 
 
 def _body_calls(plan: Plan, stage: Stage, merge_preload: bool = False,
-                spread_merge: bool = False, folded: int = 0, mma_attention: bool = False) -> list[tuple[str, str]]:
+                spread_merge: bool = False, folded: int = 0, mma_attention: bool = False,
+                mma_schedule: bool = False) -> list[tuple[str, str]]:
     """(body name, call text) of one stage, from the stage table (the merge options: :class:`BuildOptions`)."""
     spec = spec_of(stage, plan)
     if spec.gemv is not None:
-        return _gemv_stage_calls(plan, stage, folded)
+        return _gemv_stage_calls(plan, stage, folded, mma_schedule)
     if stage.kind == "attention":
-        return [_attention_call(plan, merge_preload, spread_merge, folded, mma_attention)]
+        return [_attention_call(plan, merge_preload, spread_merge, folded, mma_attention, mma_schedule)]
     if spec.writes != ("x",):  # post-norm layouts: the residual starts in x_mid, the pending MLP output is zero
         target, pending = spec.writes
         scaled = "_scaled" if plan.dims.embed_scale != 1.0 else ""

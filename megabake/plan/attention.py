@@ -22,6 +22,11 @@ that gives each item less work, positions x query heads: SmolLM-135M at 2000 pos
 slices, this one deals the same (the same chunk, the same bits). ``LONG_SLICES`` / ``PASS_CHUNKS`` are the
 default dealing that both the kernel's default build and the reference executor read; ``chunk_quantum(plan)`` is
 what chunks are rounded to (whole ``per_tile`` chunks, or with ``PASS_CHUNKS``, a candidate, whole CTA passes).
+
+Tensor cores (candidates, session 32): ``mma_attention_items(plan)`` are the item sizes that
+``codegen.generate(plan, mma_attention=True)`` scores and sums with MMAs (:func:`mma_attention_fits`);
+``mma_slice_mask(plan)`` marks their slice counts, which ``split_schedule(..., mma_slices=...)`` (an
+``mma_schedule`` build) weighs by their chunk alone.
 """
 
 from __future__ import annotations
@@ -114,12 +119,14 @@ class SplitStep:
 
 
 def split_schedule(tiling: Tiling, visible: int, long_slices: bool = LONG_SLICES,
-                   quantum: int | None = None) -> SplitStep:
+                   quantum: int | None = None, mma_slices: int = 0) -> SplitStep:
     """The kernel's dealing of a split-KV step (``bodies.split_schedule``; ``quantum``: :func:`chunk_quantum`,
     default the tiling's ``per_tile``). Without ``long_slices``: the chunks of :func:`split_chunks`, sliced by
     :func:`slices_at`. With it, each divisor ``s`` of ``head_slices`` is tried with its smallest chunk that needs
     at most ``splits // s`` splits, and the one whose items do the least work (chunk x heads per item) is dealt,
-    the fewest slices on a tie. Where the first rule slices, both agree."""
+    the fewest slices on a tie. Where the first rule slices, both agree. ``mma_slices`` (:func:`mma_slice_mask`,
+    an ``mma_schedule`` build): bit ``s`` set where items of ``s`` slices run on the tensor cores, whose work is
+    then the chunk alone."""
     chunk, active = split_chunks(tiling, visible, quantum)
     slices = slices_at(tiling, active)
     if not long_slices or tiling.head_slices <= 1:
@@ -128,7 +135,7 @@ def split_schedule(tiling: Tiling, visible: int, long_slices: bool = LONG_SLICES
     for s in range(1, tiling.head_slices + 1):
         if tiling.head_slices % s == 0:
             size = split_chunk(visible, splits // s, tiling.per_tile, quantum)
-            work = size * (tiling.head_slices // s)
+            work = size * (1 if (mma_slices >> s) & 1 else tiling.head_slices // s)
             if best is None or work < best[0]:
                 best = (work, size, s)
     _, chunk, slices = best
@@ -154,13 +161,21 @@ def mma_attention_items(plan: Plan, head_slices: bool = True) -> list[int]:
     """The item sizes (query heads) the plan's split-KV attention can deal that an ``mma_attention`` build puts
     on the tensor cores: the group, and each of its head slices (``group / s`` for every divisor ``s`` of
     ``head_slices``; with ``head_slices=False`` the group only)."""
+    mask, group = mma_slice_mask(plan, head_slices), plan.dims.n_heads // plan.dims.n_kv_heads
+    return sorted({group // s for s in range(1, mask.bit_length()) if (mask >> s) & 1}, reverse=True)
+
+
+def mma_slice_mask(plan: Plan, head_slices: bool = True) -> int:
+    """Bit ``s`` set for each slice count ``s`` the plan's split-KV attention can deal whose items (``group / s``
+    query heads) run on the tensor cores in an ``mma_attention`` build (:func:`mma_attention_fits`): the
+    ``mma_slices`` of :func:`split_schedule` and of the kernel's (``generate(plan, mma_schedule=True)``)."""
     if not kv_splits(plan):
-        return []
+        return 0
     tiling = next(s.tiling for s in plan.stages if s.kind == "attention")
     group = plan.dims.n_heads // plan.dims.n_kv_heads
     slices = max(1, tiling.head_slices) if head_slices else 1
-    sizes = sorted({group // s for s in range(1, slices + 1) if slices % s == 0}, reverse=True)
-    return [heads for heads in sizes if mma_attention_fits(heads, plan.dims.head_dim)]
+    return sum(1 << s for s in range(1, slices + 1)
+               if slices % s == 0 and mma_attention_fits(group // s, plan.dims.head_dim))
 
 
 def split_kv_buffers(dims: ModelDims, batch: int, stages: list[Stage]) -> list[Buffer]:

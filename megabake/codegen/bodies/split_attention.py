@@ -362,25 +362,28 @@ def split_chunk(visible: Int32, splits: cutlass.Constexpr[int], min_chunk: cutla
 @cute.jit
 def split_schedule(visible: Int32, splits: cutlass.Constexpr[int], min_chunk: cutlass.Constexpr[int],
                    quantum: cutlass.Constexpr[int], head_slices: cutlass.Constexpr[int],
-                   long_slices: cutlass.Constexpr[bool]):
+                   long_slices: cutlass.Constexpr[bool], mma_slices: cutlass.Constexpr[int] = 0):
     """(chunk, active, slices) of a split-KV step over ``visible`` positions, as ``plan.attention.split_schedule``
     deals them (the reference executor mirrors it): ``active`` chunks of ``chunk`` positions, each as ``slices``
     items of group / slices query heads. Without ``long_slices`` the chunks of :func:`split_chunk` over every
     split, sliced by ``head_slices`` where ``active * head_slices <= splits``. With it, each divisor ``s`` of
     ``head_slices`` with its smallest chunk over at most ``splits // s`` splits, the least work per item (chunk x
-    heads) winning, the fewest slices on a tie. Shared by :func:`split_kv_prefetch` and
+    heads) winning, the fewest slices on a tie. ``mma_slices`` (a candidate, ``generate(plan, mma_schedule=True)``):
+    bit ``s`` set where items of ``s`` slices run on the tensor cores (:func:`_mma_softmax_chunk`), whose work is
+    then the chunk alone (its heads come nearly free). Shared by :func:`split_kv_prefetch` and
     :func:`split_kv_attention`, which must deal the same items."""
     chunk = split_chunk(visible, splits, min_chunk, quantum)
     active = (visible + chunk - 1) // chunk
     slices = Int32(1)
     if cutlass.const_expr(head_slices > 1):
         if cutlass.const_expr(long_slices):
-            least = chunk * head_slices
+            least = chunk * (1 if (mma_slices >> 1) & 1 else head_slices)
             for s in cutlass.range_constexpr(2, head_slices + 1):
                 if cutlass.const_expr(head_slices % s == 0):
                     size = split_chunk(visible, splits // s, min_chunk, quantum)
-                    if size * (head_slices // s) < least:
-                        least = size * (head_slices // s)
+                    weight = 1 if (mma_slices >> s) & 1 else head_slices // s
+                    if size * weight < least:
+                        least = size * weight
                         chunk = size
                         slices = Int32(s)
             active = (visible + chunk - 1) // chunk
@@ -397,7 +400,7 @@ def split_kv_prefetch(k_cache: cute.Tensor, v_cache: cute.Tensor, pos: Int32, fi
                       splits: cutlass.Constexpr[int], min_chunk: cutlass.Constexpr[int],
                       quantum: cutlass.Constexpr[int], head_slices: cutlass.Constexpr[int],
                       long_slices: cutlass.Constexpr[bool], to_l1: cutlass.Constexpr[bool],
-                      max_rows: cutlass.Constexpr[int]):
+                      max_rows: cutlass.Constexpr[int], mma_slices: cutlass.Constexpr[int] = 0):
     """Ask L2 (``to_l1``: L1, a candidate) for the first ``max_rows`` cached K and V rows of this CTA's first
     :func:`split_kv_attention` work item (same dealing, :func:`split_schedule`: item ``cta``, split-major; same
     chunking of positions [first_key, pos]), one ``prefetch.global`` per 128-byte line over the CTA's
@@ -413,7 +416,7 @@ def split_kv_prefetch(k_cache: cute.Tensor, v_cache: cute.Tensor, pos: Int32, fi
     groups = batch * n_kv_heads
     n = pos + 1
     visible = n - first_key
-    chunk, active, slices = split_schedule(visible, splits, min_chunk, quantum, head_slices, long_slices)
+    chunk, active, slices = split_schedule(visible, splits, min_chunk, quantum, head_slices, long_slices, mma_slices)
     split = cta // (groups * slices)
     if cta < groups * splits and split < active:
         g = (cta - split * groups * slices) // slices
@@ -452,7 +455,8 @@ def split_kv_attention(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Te
                        whole_qk_norm: cutlass.Constexpr[bool], merge_preload: cutlass.Constexpr[bool],
                        spread_merge: cutlass.Constexpr[bool], head_slices: cutlass.Constexpr[int],
                        long_slices: cutlass.Constexpr[bool], kv_pipeline: cutlass.Constexpr[bool],
-                       merge_above: cutlass.Constexpr[int] = 1, mma_attention: cutlass.Constexpr[bool] = False):
+                       merge_above: cutlass.Constexpr[int] = 1, mma_attention: cutlass.Constexpr[bool] = False,
+                       mma_slices: cutlass.Constexpr[int] = 0):
     """Flash decoding: RoPE + KV append + attention over positions [first_key, pos], the cached keys split across
     CTAs (``first_key`` is 0, or where the layer's sliding window starts). ``merge_preload``: the merging item
     loads its first partials at once (:func:`_merge_splits`). ``spread_merge``: every active item of a group
@@ -461,7 +465,8 @@ def split_kv_attention(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Te
     where more than that many splits are active; with 2..``merge_above`` (``generate(plan, fold_merge=True)``, the
     default since session 24) they only store their partials, and the next stage's staging merges them
     (:func:`merge_splits_to_smem`). ``mma_attention`` (a candidate): items of 2-8 query heads of 64 or 128 dims
-    score and sum their keys on the tensor cores (:func:`_mma_softmax_chunk`).
+    score and sum their keys on the tensor cores (:func:`_mma_softmax_chunk`); ``mma_slices`` deals with them in
+    mind (:func:`split_schedule`).
 
     Work items are (split, batch, KV head), split-major, dealt to CTAs. At this step the ``pos + 1 - first_key``
     visible positions are cut into ``active`` chunks of ``chunk`` positions (at least ``min_chunk``, which is the
@@ -475,7 +480,7 @@ def split_kv_attention(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Te
     """
     group = n_heads // n_kv_heads
     visible = pos + 1 - first_key
-    chunk, active, slices = split_schedule(visible, splits, min_chunk, quantum, head_slices, long_slices)
+    chunk, active, slices = split_schedule(visible, splits, min_chunk, quantum, head_slices, long_slices, mma_slices)
     if cutlass.const_expr(head_slices <= 1):
         _split_kv_items(qkv, qk_norm, rope_cos, rope_sin, k_cache, v_cache, attn, part, counts, pos, first_key,
                         chunk, active, s_att, cta, tidx, batch, n_heads, n_kv_heads, head_dim, ctas, threads, scale,
@@ -821,7 +826,8 @@ def merge_splits_to_smem(attn: cute.Tensor, part: cute.Tensor, s_vec: cute.Tenso
                          head_dim: cutlass.Constexpr[int], threads: cutlass.Constexpr[int],
                          splits: cutlass.Constexpr[int], min_chunk: cutlass.Constexpr[int],
                          quantum: cutlass.Constexpr[int], head_slices: cutlass.Constexpr[int],
-                         long_slices: cutlass.Constexpr[bool], fold: cutlass.Constexpr[int]):
+                         long_slices: cutlass.Constexpr[bool], fold: cutlass.Constexpr[int],
+                         mma_slices: cutlass.Constexpr[int] = 0):
     """The O projection's staging with the split-KV merge folded in (``generate(plan, fold_merge=True)``, the
     default since session 24): where this step's attention (same dealing, :func:`split_schedule`) left
     2..``fold`` active splits unmerged (its ``merge_above``), every CTA merges the partials
@@ -829,9 +835,9 @@ def merge_splits_to_smem(attn: cute.Tensor, part: cute.Tensor, s_vec: cute.Tenso
     it copies ``attn`` (:func:`copy_to_smem`). No arrival counter, no last-arrival chain: the grid barrier after
     attention is the only wait. Each thread loads every split's values of its 4-output vectors at once (one L2
     round trip), clamped past ``active`` (weight 0). Same merge as :func:`_merge_splits` up to fp32 rounding (sum
-    order)."""
+    order). ``mma_slices``: the attention build's dealing (:func:`split_schedule`)."""
     visible = pos + 1 - first_key
-    chunk, active, slices = split_schedule(visible, splits, min_chunk, quantum, head_slices, long_slices)
+    chunk, active, slices = split_schedule(visible, splits, min_chunk, quantum, head_slices, long_slices, mma_slices)
     width = n_heads * head_dim
     if active == 1 or active > fold:
         copy_to_smem(attn, s_vec, tidx, batch, width, threads)

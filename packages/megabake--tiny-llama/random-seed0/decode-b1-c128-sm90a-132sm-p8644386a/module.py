@@ -761,6 +761,151 @@ def _online_softmax_chunk(keys: cute.Tensor, values: cute.Tensor, s_q: cute.Tens
             l[h] = total
 
 
+# Split-KV attention on the tensor cores (``generate(plan, mma_attention=True)``, a candidate since session 32): the
+# query heads of an item are the M rows of mma.sync.m16n8k16 (rows 8..15 unused), so each cached key costs a few
+# MMAs for every head at once instead of a dot product, a shuffle tree and an online-softmax update per head.
+# A warp takes 16 keys per step (two 8-key tiles). Scores S = Q K^T: lane (g, t) = (lane // 4, lane % 4) loads
+# 16-byte vector t of each 32-dim block of key g's row (tile 0: key g, tile 1: key 8 + g) and feeds dims
+# 8t + 4m + {0, 1} to K slots 2t + {0, 1} and 8t + 4m + {2, 3} to slots 2t + 8 + {0, 1} of the m-th of two MMAs,
+# the query alike (the K order inside a dot product is free, as in gemv_rows_mma); it then holds head g's scores
+# of keys 2t, 2t + 1 of each tile. Output O^T = V^T P^T: the MMA's M is 16 dims, its K the 16 keys, its N the
+# heads. Lane (g, t) loads vector g of each 64-dim block of keys 2t, 2t + 1, 8 + 2t, 9 + 2t (dims 64c + 8g ..
+# + 7), so the A fragment of MMA j takes dims 64c + 8g + 2j (row g) and + 1 (row g + 8) of those keys: register
+# moves, no shuffle; its B fragment is the lane's own probabilities (head g, keys 2t, 2t + 1 of both tiles), bf16.
+# Lane (g, t) accumulates heads 2t, 2t + 1 at dims 64c + 8g + 2j (+ 1). Scores and sums are fp32; the query and
+# the probabilities are rounded to bf16 as the MMA takes them (what eager bf16 attention does too).
+MMA_ATT_KEYS = 16  # cached keys per warp and step
+MMA_ATT_MAX_HEADS = 8  # query heads per item (the M rows of m16n8k16 a lane group of 4 lanes holds)
+
+
+def mma_attention_fits(heads: int, head_dim: int) -> bool:
+    """Whether an item of ``heads`` query heads of ``head_dim`` runs on the tensor cores in an
+    ``mma_attention`` build (2 to 8 heads: one head alone keeps the lane-group loop; 64 or 128 dims)."""
+    return 2 <= heads <= MMA_ATT_MAX_HEADS and head_dim in (64, 128)
+
+
+@cute.jit
+def _mma_load_kv(keys: cute.Tensor, values: cute.Tensor, kbuf: cute.Tensor, vbuf: cute.Tensor, kb: Int32,
+                 end: Int32, g: Int32, t: Int32, head_dim: cutlass.Constexpr[int]):
+    """Step ``kb``'s K and V vectors of lane (g, t) into registers (rows past ``end`` clamped: scored as 0)."""
+    kblocks = head_dim // 32
+    vblocks = head_dim // 64
+    for tile in cutlass.range_constexpr(2):
+        row = cutlass.min(kb + tile * 8 + g, end - 1)
+        for c in cutlass.range_constexpr(kblocks):
+            cute.zipped_divide(kbuf, (VEC,))[(None, tile * kblocks + c)].store(
+                cute.zipped_divide(keys[row, None], (VEC,))[(None, 4 * c + t)].load())
+    for r in cutlass.range_constexpr(4):
+        row = cutlass.min(kb + (r // 2) * 8 + 2 * t + r % 2, end - 1)
+        for c in cutlass.range_constexpr(vblocks):
+            cute.zipped_divide(vbuf, (VEC,))[(None, r * vblocks + c)].store(
+                cute.zipped_divide(values[row, None], (VEC,))[(None, 8 * c + g)].load())
+
+
+@cute.jit
+def _mma_softmax_chunk(keys: cute.Tensor, values: cute.Tensor, s_q: cute.Tensor, s_part: cute.Tensor,
+                       first: Int32, end: Int32, warp: Int32, lane: Int32, heads: cutlass.Constexpr[int],
+                       head_dim: cutlass.Constexpr[int], warps: cutlass.Constexpr[int]):
+    """Keys [first, end) of one item on the tensor cores (module comment above ``MMA_ATT_KEYS``): warp ``warp``
+    takes the 16-key steps first + 16 (warp + i x warps), its next step's K/V loads issued before this step's
+    MMAs, and keeps an online softmax per head; then it writes its partial (accumulator, max, sum) per head into
+    ``s_part[:, h, warp]``, the layout the lane-group loop's warps leave there, for the same merge."""
+    g = lane // 4
+    t = lane % 4
+    kblocks = head_dim // 32
+    vblocks = head_dim // 64
+    atom = cute.make_mma_atom(cute.nvgpu.warp.MmaF16BF16Op(cutlass.BFloat16, Float32, (16, 8, 16)))
+    a_q = cute.make_rmem_tensor(cute.make_layout((8, 1, 1)), cutlass.BFloat16)
+    a_v = cute.make_rmem_tensor(cute.make_layout((8, 1, 1)), cutlass.BFloat16)
+    b = cute.make_rmem_tensor(cute.make_layout((4, 1, 1)), cutlass.BFloat16)
+    score = cute.make_rmem_tensor(cute.make_layout((4, 1, 1)), Float32)
+    probs = cute.make_rmem_tensor(cute.make_layout(4), Float32)
+    q = cute.make_rmem_tensor(cute.make_layout(VEC * kblocks), cutlass.BFloat16)
+    kbuf = cute.make_rmem_tensor(cute.make_layout(VEC * 2 * kblocks), keys.element_type)
+    vbuf = cute.make_rmem_tensor(cute.make_layout(VEC * 4 * vblocks), values.element_type)
+    knext = cute.make_rmem_tensor(cute.make_layout(VEC * 2 * kblocks), keys.element_type)
+    vnext = cute.make_rmem_tensor(cute.make_layout(VEC * 4 * vblocks), values.element_type)
+    out = cute.make_rmem_tensor(cute.make_layout((4, 1, 1, 4 * vblocks)), Float32)
+    live = Float32(0.0)
+    if g < heads:
+        live = Float32(1.0)
+    head = cutlass.min(g, heads - 1)
+    for c in cutlass.range_constexpr(kblocks):  # head g's query, dims 32c + 8t .. + 7, as A fragments' values
+        qv = cute.zipped_divide(s_q, (VEC,))[(None, head * (head_dim // VEC) + 4 * c + t)].load()
+        cute.zipped_divide(q, (VEC,))[(None, c)].store((qv * live).to(cutlass.BFloat16))
+    for i in cutlass.range_constexpr(8):
+        a_q[i] = cutlass.BFloat16(0.0)
+    for i in cutlass.range_constexpr(16 * vblocks):
+        out[i] = Float32(0.0)
+    top = Float32(ATT_NEG)
+    total = Float32(0.0)
+    stride = warps * MMA_ATT_KEYS
+    _mma_load_kv(keys, values, knext, vnext, first + warp * MMA_ATT_KEYS, end, g, t, head_dim)
+    for kb in range(first + warp * MMA_ATT_KEYS, end, stride):
+        kbuf.store(knext.load())
+        vbuf.store(vnext.load())
+        _mma_load_kv(keys, values, knext, vnext, kb + stride, end, g, t, head_dim)
+        cute.arch.sync_warp()  # a scheduling fence: keep the next step's loads above this step's MMAs
+        new_top = top
+        for tile in cutlass.range_constexpr(2):
+            for i in cutlass.range_constexpr(4):
+                score[i] = Float32(0.0)
+            for c in cutlass.range_constexpr(kblocks):
+                for m in cutlass.range_constexpr(2):
+                    a_q[0] = q[c * VEC + 4 * m]
+                    a_q[1] = q[c * VEC + 4 * m + 1]
+                    a_q[4] = q[c * VEC + 4 * m + 2]
+                    a_q[5] = q[c * VEC + 4 * m + 3]
+                    for i in cutlass.range_constexpr(4):
+                        b[i] = kbuf[(tile * kblocks + c) * VEC + 4 * m + i]
+                    cute.gemm(atom, score, a_q, b, score)
+            for e in cutlass.range_constexpr(2):
+                value = Float32(ATT_NEG)
+                if kb + tile * 8 + 2 * t + e < end:
+                    value = score[e]
+                probs[tile * 2 + e] = value
+                new_top = cute.arch.fmax(new_top, value)
+        new_top = cute.arch.fmax(new_top, cute.arch.shuffle_sync_bfly(new_top, 1))
+        new_top = cute.arch.fmax(new_top, cute.arch.shuffle_sync_bfly(new_top, 2))
+        correction = cute.math.exp(top - new_top)
+        total = total * correction
+        for i in cutlass.range_constexpr(4):
+            p = Float32(0.0)
+            if kb + (i // 2) * 8 + 2 * t + i % 2 < end:
+                p = cute.math.exp(probs[i] - new_top)
+            total = total + p
+            b[i] = p.to(cutlass.BFloat16)
+        top = new_top
+        scale_lo = cute.arch.shuffle_sync(correction, 8 * t)  # heads 2t and 2t + 1 live in lanes 8t, 8t + 4
+        scale_hi = cute.arch.shuffle_sync(correction, 8 * t + 4)
+        for c in cutlass.range_constexpr(vblocks):
+            for j in cutlass.range_constexpr(4):
+                for r in cutlass.range_constexpr(4):  # keys 2t, 2t + 1, 8 + 2t, 9 + 2t
+                    a_v[(r % 2) + 4 * (r // 2)] = vbuf[(r * vblocks + c) * VEC + 2 * j]
+                    a_v[(r % 2) + 4 * (r // 2) + 2] = vbuf[(r * vblocks + c) * VEC + 2 * j + 1]
+                acc = out[None, None, None, c * 4 + j]
+                acc[0] = acc[0] * scale_lo
+                acc[1] = acc[1] * scale_hi
+                acc[2] = acc[2] * scale_lo
+                acc[3] = acc[3] * scale_hi
+                cute.gemm(atom, acc, a_v, b, acc)
+    total = total + cute.arch.shuffle_sync_bfly(total, 1)
+    total = total + cute.arch.shuffle_sync_bfly(total, 2)
+    if t == 0 and g < heads:
+        s_part[head_dim, g, warp] = top
+        s_part[head_dim + 1, g, warp] = total
+    for c in cutlass.range_constexpr(vblocks):
+        for j in cutlass.range_constexpr(4):
+            base = (c * 4 + j) * 4
+            d = 64 * c + 8 * g + 2 * j
+            if 2 * t < heads:
+                s_part[d, 2 * t, warp] = out[base]
+                s_part[d + 1, 2 * t, warp] = out[base + 2]
+            if 2 * t + 1 < heads:
+                s_part[d, 2 * t + 1, warp] = out[base + 1]
+                s_part[d + 1, 2 * t + 1, warp] = out[base + 3]
+
+
 def split_chunk(visible: Int32, splits: cutlass.Constexpr[int], min_chunk: cutlass.Constexpr[int],
                 quantum: cutlass.Constexpr[int]) -> Int32:
     """Positions per split-KV work item at this step: ``visible`` positions over ``splits`` items, rounded up to
@@ -774,25 +919,28 @@ def split_chunk(visible: Int32, splits: cutlass.Constexpr[int], min_chunk: cutla
 @cute.jit
 def split_schedule(visible: Int32, splits: cutlass.Constexpr[int], min_chunk: cutlass.Constexpr[int],
                    quantum: cutlass.Constexpr[int], head_slices: cutlass.Constexpr[int],
-                   long_slices: cutlass.Constexpr[bool]):
+                   long_slices: cutlass.Constexpr[bool], mma_slices: cutlass.Constexpr[int] = 0):
     """(chunk, active, slices) of a split-KV step over ``visible`` positions, as ``plan.attention.split_schedule``
     deals them (the reference executor mirrors it): ``active`` chunks of ``chunk`` positions, each as ``slices``
     items of group / slices query heads. Without ``long_slices`` the chunks of :func:`split_chunk` over every
     split, sliced by ``head_slices`` where ``active * head_slices <= splits``. With it, each divisor ``s`` of
     ``head_slices`` with its smallest chunk over at most ``splits // s`` splits, the least work per item (chunk x
-    heads) winning, the fewest slices on a tie. Shared by :func:`split_kv_prefetch` and
+    heads) winning, the fewest slices on a tie. ``mma_slices`` (a candidate, ``generate(plan, mma_schedule=True)``):
+    bit ``s`` set where items of ``s`` slices run on the tensor cores (:func:`_mma_softmax_chunk`), whose work is
+    then the chunk alone (its heads come nearly free). Shared by :func:`split_kv_prefetch` and
     :func:`split_kv_attention`, which must deal the same items."""
     chunk = split_chunk(visible, splits, min_chunk, quantum)
     active = (visible + chunk - 1) // chunk
     slices = Int32(1)
     if cutlass.const_expr(head_slices > 1):
         if cutlass.const_expr(long_slices):
-            least = chunk * head_slices
+            least = chunk * (1 if (mma_slices >> 1) & 1 else head_slices)
             for s in cutlass.range_constexpr(2, head_slices + 1):
                 if cutlass.const_expr(head_slices % s == 0):
                     size = split_chunk(visible, splits // s, min_chunk, quantum)
-                    if size * (head_slices // s) < least:
-                        least = size * (head_slices // s)
+                    weight = 1 if (mma_slices >> s) & 1 else head_slices // s
+                    if size * weight < least:
+                        least = size * weight
                         chunk = size
                         slices = Int32(s)
             active = (visible + chunk - 1) // chunk
@@ -809,7 +957,7 @@ def split_kv_prefetch(k_cache: cute.Tensor, v_cache: cute.Tensor, pos: Int32, fi
                       splits: cutlass.Constexpr[int], min_chunk: cutlass.Constexpr[int],
                       quantum: cutlass.Constexpr[int], head_slices: cutlass.Constexpr[int],
                       long_slices: cutlass.Constexpr[bool], to_l1: cutlass.Constexpr[bool],
-                      max_rows: cutlass.Constexpr[int]):
+                      max_rows: cutlass.Constexpr[int], mma_slices: cutlass.Constexpr[int] = 0):
     """Ask L2 (``to_l1``: L1, a candidate) for the first ``max_rows`` cached K and V rows of this CTA's first
     :func:`split_kv_attention` work item (same dealing, :func:`split_schedule`: item ``cta``, split-major; same
     chunking of positions [first_key, pos]), one ``prefetch.global`` per 128-byte line over the CTA's
@@ -825,7 +973,7 @@ def split_kv_prefetch(k_cache: cute.Tensor, v_cache: cute.Tensor, pos: Int32, fi
     groups = batch * n_kv_heads
     n = pos + 1
     visible = n - first_key
-    chunk, active, slices = split_schedule(visible, splits, min_chunk, quantum, head_slices, long_slices)
+    chunk, active, slices = split_schedule(visible, splits, min_chunk, quantum, head_slices, long_slices, mma_slices)
     split = cta // (groups * slices)
     if cta < groups * splits and split < active:
         g = (cta - split * groups * slices) // slices
@@ -864,7 +1012,8 @@ def split_kv_attention(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Te
                        whole_qk_norm: cutlass.Constexpr[bool], merge_preload: cutlass.Constexpr[bool],
                        spread_merge: cutlass.Constexpr[bool], head_slices: cutlass.Constexpr[int],
                        long_slices: cutlass.Constexpr[bool], kv_pipeline: cutlass.Constexpr[bool],
-                       merge_above: cutlass.Constexpr[int] = 1):
+                       merge_above: cutlass.Constexpr[int] = 1, mma_attention: cutlass.Constexpr[bool] = False,
+                       mma_slices: cutlass.Constexpr[int] = 0):
     """Flash decoding: RoPE + KV append + attention over positions [first_key, pos], the cached keys split across
     CTAs (``first_key`` is 0, or where the layer's sliding window starts). ``merge_preload``: the merging item
     loads its first partials at once (:func:`_merge_splits`). ``spread_merge``: every active item of a group
@@ -872,7 +1021,9 @@ def split_kv_attention(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Te
     arrival merging them all. ``codegen.default_merge`` picks both per plan. ``merge_above``: the items merge only
     where more than that many splits are active; with 2..``merge_above`` (``generate(plan, fold_merge=True)``, the
     default since session 24) they only store their partials, and the next stage's staging merges them
-    (:func:`merge_splits_to_smem`).
+    (:func:`merge_splits_to_smem`). ``mma_attention`` (a candidate): items of 2-8 query heads of 64 or 128 dims
+    score and sum their keys on the tensor cores (:func:`_mma_softmax_chunk`); ``mma_slices`` deals with them in
+    mind (:func:`split_schedule`).
 
     Work items are (split, batch, KV head), split-major, dealt to CTAs. At this step the ``pos + 1 - first_key``
     visible positions are cut into ``active`` chunks of ``chunk`` positions (at least ``min_chunk``, which is the
@@ -886,12 +1037,12 @@ def split_kv_attention(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Te
     """
     group = n_heads // n_kv_heads
     visible = pos + 1 - first_key
-    chunk, active, slices = split_schedule(visible, splits, min_chunk, quantum, head_slices, long_slices)
+    chunk, active, slices = split_schedule(visible, splits, min_chunk, quantum, head_slices, long_slices, mma_slices)
     if cutlass.const_expr(head_slices <= 1):
         _split_kv_items(qkv, qk_norm, rope_cos, rope_sin, k_cache, v_cache, attn, part, counts, pos, first_key,
                         chunk, active, s_att, cta, tidx, batch, n_heads, n_kv_heads, head_dim, ctas, threads, scale,
                         has_qk_norm, eps, splits, unroll, rotary_dim, whole_qk_norm, merge_preload, spread_merge,
-                        group, 1, kv_pipeline, merge_above)
+                        group, 1, kv_pipeline, merge_above, mma_attention)
     else:
         for s in cutlass.range_constexpr(1, head_slices + 1):
             if cutlass.const_expr(head_slices % s == 0 and (long_slices or s == 1 or s == head_slices)):
@@ -900,7 +1051,7 @@ def split_kv_attention(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Te
                                     first_key, chunk, active, s_att, cta, tidx, batch, n_heads, n_kv_heads,
                                     head_dim, ctas, threads, scale, has_qk_norm, eps, splits, unroll, rotary_dim,
                                     whole_qk_norm, merge_preload, spread_merge, group // s, s, kv_pipeline,
-                                    merge_above)
+                                    merge_above, mma_attention)
 
 
 @cute.jit
@@ -915,7 +1066,8 @@ def _split_kv_items(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Tenso
                     rotary_dim: cutlass.Constexpr[int], whole_qk_norm: cutlass.Constexpr[bool],
                     merge_preload: cutlass.Constexpr[bool], spread_merge: cutlass.Constexpr[bool],
                     heads: cutlass.Constexpr[int], slices: cutlass.Constexpr[int],
-                    kv_pipeline: cutlass.Constexpr[bool], merge_above: cutlass.Constexpr[int]):
+                    kv_pipeline: cutlass.Constexpr[bool], merge_above: cutlass.Constexpr[int],
+                    mma_attention: cutlass.Constexpr[bool]):
     """This CTA's work items of :func:`split_kv_attention` at this step, ``slices`` head slices of ``heads`` query
     heads each per (split, batch, KV head) (1 slice: the whole group). Item ``i`` is split ``i // (groups x
     slices)``, then (batch, KV head, slice); the ``heads`` query heads of a slice are a "virtual KV group" of
@@ -976,29 +1128,33 @@ def _split_kv_items(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Tenso
             _rope_group(qkv, qk_norm, rope_cos, rope_sin, k_cache, v_cache, s_q, s_inv, b, kvh, vkvh * heads, pos,
                         owns_new, tidx, n_heads, n_kv_heads, head_dim, threads, scale, has_qk_norm, eps, rotary_dim,
                         whole_qk_norm, heads)
-            for h in cutlass.range_constexpr(heads):
-                m[h] = Float32(ATT_NEG)
-                l[h] = Float32(0.0)
-            for e in cutlass.range_constexpr(heads * VEC):
-                acc[e] = Float32(0.0)
-            _online_softmax_chunk(k_cache[b, kvh, None, None], v_cache[b, kvh, None, None], s_q, m, l, acc,
-                                  start + warp * pos_per_warp, end, grp, sub, heads, lanes_per_pos, stride, unroll,
-                                  kv_pipeline)
-            for h in cutlass.range_constexpr(heads):  # lane groups of a warp: butterfly merge
-                offset = lane_slots
-                while cutlass.const_expr(offset < WARP):
-                    m_o = cute.arch.shuffle_sync_bfly(m[h], offset)
-                    l_o = cute.arch.shuffle_sync_bfly(l[h], offset)
-                    for e in cutlass.range_constexpr(VEC):
-                        other[e] = cute.arch.shuffle_sync_bfly(acc[h * VEC + e], offset)
-                    _merge_into(m, l, acc, h, m_o, l_o, other)
-                    offset *= 2
-                if writer == 0:
-                    for e in cutlass.range_constexpr(VEC):
-                        s_part[sub * VEC + e, h, warp] = acc[h * VEC + e]
-                    if sub == 0:
-                        s_part[head_dim, h, warp] = m[h]
-                        s_part[head_dim + 1, h, warp] = l[h]
+            if cutlass.const_expr(mma_attention and mma_attention_fits(heads, head_dim)):
+                _mma_softmax_chunk(k_cache[b, kvh, None, None], v_cache[b, kvh, None, None], s_q, s_part, start,
+                                   end, warp, lane, heads, head_dim, warps)
+            else:
+                for h in cutlass.range_constexpr(heads):
+                    m[h] = Float32(ATT_NEG)
+                    l[h] = Float32(0.0)
+                for e in cutlass.range_constexpr(heads * VEC):
+                    acc[e] = Float32(0.0)
+                _online_softmax_chunk(k_cache[b, kvh, None, None], v_cache[b, kvh, None, None], s_q, m, l, acc,
+                                      start + warp * pos_per_warp, end, grp, sub, heads, lanes_per_pos, stride,
+                                      unroll, kv_pipeline)
+                for h in cutlass.range_constexpr(heads):  # lane groups of a warp: butterfly merge
+                    offset = lane_slots
+                    while cutlass.const_expr(offset < WARP):
+                        m_o = cute.arch.shuffle_sync_bfly(m[h], offset)
+                        l_o = cute.arch.shuffle_sync_bfly(l[h], offset)
+                        for e in cutlass.range_constexpr(VEC):
+                            other[e] = cute.arch.shuffle_sync_bfly(acc[h * VEC + e], offset)
+                        _merge_into(m, l, acc, h, m_o, l_o, other)
+                        offset *= 2
+                    if writer == 0:
+                        for e in cutlass.range_constexpr(VEC):
+                            s_part[sub * VEC + e, h, warp] = acc[h * VEC + e]
+                        if sub == 0:
+                            s_part[head_dim, h, warp] = m[h]
+                            s_part[head_dim + 1, h, warp] = l[h]
             cute.arch.sync_threads()
             for i in range(tidx, heads * head_dim, threads):  # warps: merge, then output or partial
                 h = i // head_dim
@@ -1216,7 +1372,8 @@ def merge_splits_to_smem(attn: cute.Tensor, part: cute.Tensor, s_vec: cute.Tenso
                          head_dim: cutlass.Constexpr[int], threads: cutlass.Constexpr[int],
                          splits: cutlass.Constexpr[int], min_chunk: cutlass.Constexpr[int],
                          quantum: cutlass.Constexpr[int], head_slices: cutlass.Constexpr[int],
-                         long_slices: cutlass.Constexpr[bool], fold: cutlass.Constexpr[int]):
+                         long_slices: cutlass.Constexpr[bool], fold: cutlass.Constexpr[int],
+                         mma_slices: cutlass.Constexpr[int] = 0):
     """The O projection's staging with the split-KV merge folded in (``generate(plan, fold_merge=True)``, the
     default since session 24): where this step's attention (same dealing, :func:`split_schedule`) left
     2..``fold`` active splits unmerged (its ``merge_above``), every CTA merges the partials
@@ -1224,9 +1381,9 @@ def merge_splits_to_smem(attn: cute.Tensor, part: cute.Tensor, s_vec: cute.Tenso
     it copies ``attn`` (:func:`copy_to_smem`). No arrival counter, no last-arrival chain: the grid barrier after
     attention is the only wait. Each thread loads every split's values of its 4-output vectors at once (one L2
     round trip), clamped past ``active`` (weight 0). Same merge as :func:`_merge_splits` up to fp32 rounding (sum
-    order)."""
+    order). ``mma_slices``: the attention build's dealing (:func:`split_schedule`)."""
     visible = pos + 1 - first_key
-    chunk, active, slices = split_schedule(visible, splits, min_chunk, quantum, head_slices, long_slices)
+    chunk, active, slices = split_schedule(visible, splits, min_chunk, quantum, head_slices, long_slices, mma_slices)
     width = n_heads * head_dim
     if active == 1 or active > fold:
         copy_to_smem(attn, s_vec, tidx, batch, width, threads)
