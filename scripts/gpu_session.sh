@@ -41,8 +41,9 @@
 #          grow 3-7% past issue 12's budget) -> OUT/tune-*-b8-p*.log, OUT/b8-p*/ (323 s, session 32)
 #   mma-attention: the GPU test of split-KV items of 2-8 query heads on the tensor cores (a candidate, session 32),
 #          then the default against it and against it with the dealing made for it (mma-schedule) at batch 8
-#          (Qwen2.5-0.5B @4000, SmolLM-135M @2027, Llama-1B @4000) and batch 1 (Qwen2.5-0.5B @4000 and @16,
-#          Qwen3-0.6B @4000) -> OUT/pytest-gpu-mma-attention.log, OUT/tune-*-mma-*.log (~8 min?, not run yet)
+#          (Qwen2.5-0.5B @4000, SmolLM-135M @2027, Llama-1B @4000) -> OUT/pytest-gpu-mma-attention.log,
+#          OUT/tune-*-mma-*.log (~8 min?, not run yet); mma-attention-b1: the same timings at batch 1 (Qwen2.5-0.5B
+#          @4000 and @16, Qwen3-0.6B @4000), in a call of its own (~5 min?)
 #   balance: the bake's tiling with rows per tile balanced per stage (gpu_tune variant bake-balanced) against the
 #          bake's own on Qwen3-0.6B @16, Phi-3-mini @1000, SmolLM-135M @16 -> OUT/tune-*-balance-*.log (301 s in
 #          session 31, which balanced the plain tiling by mistake; session 32 on the bake's tiling: the bake wins, 3-10%)
@@ -76,6 +77,7 @@ PRESETS=("$@")
 PARTS=${PARTS:-tests1}
 mkdir -p "$OUT"
 summary=()
+MMA_SPECS=()  # mma-attention / mma-attention-b1: the (preset batch capacity position) timings to run
 
 [[ " $PARTS " == *" tests "* ]] && PARTS="$PARTS tests1 tests2 tests3"
 run_tests() {  # name, -k expression, files...: one pytest run with its own limit; its summary line goes to a file
@@ -301,15 +303,20 @@ if [[ " $PARTS " == *" mma-attention "* ]]; then
   # query heads per item on Qwen2.5-0.5B cost 3.8x one head over the same K/V rows). The candidate that scores and
   # sums items of 2-8 heads on the tensor cores (generate(plan, mma_attention=True)): its GPU test first (it has
   # never run), then against the default where it deals such items: batch 8 at the long end (Qwen2.5-0.5B 7 heads,
-  # SmolLM-135M 3, Llama-3.2-1B 4), and batch 1 of Qwen3-0.6B (2 heads of 128) at 4000; mma-schedule also deals
-  # whole groups over shorter chunks where batch 1 deals 1-head slices today (Qwen2.5-0.5B at 16 and 4000)
-  timeout 200 python3 -m pytest -m gpu -q -x tests/test_gpu_decode.py -k mma_attention \
+  # SmolLM-135M 3, Llama-3.2-1B 4). A 10-minute call holds the test and these; PARTS=mma-attention-b1 times batch
+  # 1 in another: Qwen3-0.6B (2 heads of 128) at 4000, and Qwen2.5-0.5B at 16 and 4000, where only mma-schedule
+  # differs from the default (it deals whole groups over shorter chunks where batch 1 deals 1-head slices today)
+  timeout 240 python3 -m pytest -m gpu -q -x tests/test_gpu_decode.py -k mma_attention \
     >"$OUT/pytest-gpu-mma-attention.log" 2>&1
   rc=$?
   summary+=("mma-attention GPU test: rc=$rc $(tail -1 "$OUT/pytest-gpu-mma-attention.log")")
-  if ((rc == 0)); then
-    for spec in "qwen2.5-0.5b 8 4096 4000" "smollm-135m 8 2048 2027" "llama-3.2-1b 8 4096 4000" \
-                "qwen2.5-0.5b 1 4096 4000" "qwen2.5-0.5b 1 4096 16" "qwen3-0.6b 1 4096 4000"; do
+  ((rc == 0)) && MMA_SPECS=("qwen2.5-0.5b 8 4096 4000" "smollm-135m 8 2048 2027" "llama-3.2-1b 8 4096 4000")
+fi
+if [[ " $PARTS " == *" mma-attention-b1 "* ]]; then
+  MMA_SPECS+=("qwen2.5-0.5b 1 4096 4000" "qwen2.5-0.5b 1 4096 16" "qwen3-0.6b 1 4096 4000")
+fi
+if ((${#MMA_SPECS[@]})); then
+    for spec in "${MMA_SPECS[@]}"; do
       read -r preset batch capacity position <<<"$spec"
       log="$OUT/tune-$preset-b$batch-mma-p$position.log"
       timeout 150 python3 scripts/gpu_tune.py "$preset" --variants bake --builds default mma-attention mma-schedule \
@@ -317,7 +324,6 @@ if [[ " $PARTS " == *" mma-attention "* ]]; then
         --out "$OUT/mma-b$batch-p$position" >"$log" 2>&1
       summary+=("mma-attention tune ($preset, batch $batch, at $position): rc=$?" "$(grep -E '^(==|\||timeline)' "$log")")
     done
-  fi
 fi
 if [[ " $PARTS " == *" balance "* ]]; then
   # session 30: the bake's tiling with rows per tile balanced per stage (gpu_tune variant bake-balanced,
