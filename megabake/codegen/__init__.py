@@ -764,13 +764,19 @@ def default_kv_prefetch_rows(plan: Plan) -> int:
     return next(s.tiling for s in plan.stages if s.kind == "attention").per_tile
 
 
+def _mma_slices_argument(mma_schedule: bool) -> str:
+    """The keyword that hands an ``mma_schedule`` build's dealing to a body that calls ``split_schedule``
+    (attention, its K/V prefetch, the folded merge: they must deal alike); nothing otherwise."""
+    return ", mma_slices=MMA_SLICES" if mma_schedule else ""
+
+
 def _kv_prefetch_call(plan: Plan, to_l1: bool = False, max_rows: int = 1, mma_schedule: bool = False) -> str:
     """L2 (``to_l1``: L1) prefetch of the first ``max_rows`` cached K/V rows of this CTA's first split-KV work
     item (as ``split_kv_attention`` deals them)."""
     return ("bodies.split_kv_prefetch(k_cache[layer, None, None, None, None], v_cache[layer, None, None, None, None], "
             f"pos, {_first_key(plan)}, cta, tidx, BATCH, N_KV_HEADS, HEAD_DIM, THREADS, KV_SPLITS, MIN_CHUNK, "
             f"CHUNK_QUANTUM, HEAD_SLICES, LONG_SLICES, {to_l1}, {max_rows}"
-            f"{', mma_slices=MMA_SLICES' if mma_schedule else ''})")
+            f"{_mma_slices_argument(mma_schedule)})")
 
 
 def _gemv_shape(plan: Plan, stage_name: str) -> tuple[int, int]:
@@ -831,7 +837,7 @@ def _attention_call(plan: Plan, merge_preload: bool = False, spread_merge: bool 
                 f"{'ROTARY_DIM' if plan.dims.rotary_dim else 'HEAD_DIM'}, "
                 f"{plan.dims.whole_qk_norm}, {merge_preload}, {spread_merge}, HEAD_SLICES, LONG_SLICES, KV_PIPELINE"
                 f"{', FOLD_SPLITS' if folded else ''}{', mma_attention=MMA_ATTENTION' if mma_attention else ''}"
-                f"{', mma_slices=MMA_SLICES' if mma_schedule else ''})")
+                f"{_mma_slices_argument(mma_schedule)})")
     caches = (f"{_rope_arguments(plan)}, k_cache[layer, None, None, None, None], "
               "v_cache[layer, None, None, None, None], "
               "attn, pos, s_att, s_red, cta, tidx, BATCH, N_HEADS, N_KV_HEADS, HEAD_DIM, CAPACITY, CTAS, THREADS, "
@@ -883,7 +889,7 @@ def _vector_call(plan: Plan, spec: StageSpec, folded: int = 0, mma_schedule: boo
         return ("merge_splits_to_smem",
                 f"bodies.merge_splits_to_smem(attn, {ATTN_PART}, s_vec, pos, {_first_key(plan)}, tidx, BATCH, N_HEADS, "
                 "HEAD_DIM, THREADS, KV_SPLITS, MIN_CHUNK, CHUNK_QUANTUM, HEAD_SLICES, LONG_SLICES, FOLD_SPLITS"
-                f"{', mma_slices=MMA_SLICES' if mma_schedule else ''})")
+                f"{_mma_slices_argument(mma_schedule)})")
     if vector.kind == "residual_norm":
         return "residual_norm_to_smem", _residual_norm_call(plan, vector, width)
     if vector.kind == "rmsnorm":
