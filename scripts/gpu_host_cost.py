@@ -202,7 +202,7 @@ def reference_load(decoder, steps: int = 3) -> float:
     from megabake.plan.reference import reference_executor_from_buffers
 
     started = time.perf_counter()
-    reference = reference_executor_from_buffers(decoder.plan, decoder.buffers)
+    reference = reference_executor_from_buffers(decoder.plan, decoder.buffers, mma_attention=decoder.mma_attention)
     for p in range(steps):
         reference.step(torch.tensor([1 + p]), p)
     return time.perf_counter() - started

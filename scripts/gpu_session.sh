@@ -39,11 +39,11 @@
 #   batch-growth: batch 8's per-stage clocks (gpu_tune --phases) at 16 and at the long end on SmolLM-135M (2027) and
 #          Qwen2.5-0.5B (4000), and there the kv-pipeline / no-kvpf / pass-chunks builds (session 30: batch 4/8
 #          grow 3-7% past issue 12's budget) -> OUT/tune-*-b8-p*.log, OUT/b8-p*/ (323 s, session 32)
-#   mma-attention: the GPU test of split-KV items of 2-8 query heads on the tensor cores (a candidate, session 32),
-#          then the default against it and against it with the dealing made for it (mma-schedule) at batch 8
-#          (Qwen2.5-0.5B @4000, SmolLM-135M @2027, Llama-1B @4000) -> OUT/pytest-gpu-mma-attention.log,
-#          OUT/tune-*-mma-*.log (~8 min?, not run yet); mma-attention-b1: the same timings at batch 1 (Qwen2.5-0.5B
-#          @4000 and @16, Qwen3-0.6B @4000), in a call of its own (~5 min?)
+#   mma-attention: the GPU tests of split-KV items of 2-8 query heads on the tensor cores (session 32; the default
+#          since 33), then the default against the lane-group loop (lane-attention, the default before) and against
+#          the dealing made for it (mma-schedule) at batch 8 (Qwen2.5-0.5B @4000, SmolLM-135M @2027, Llama-1B @4000)
+#          -> OUT/pytest-gpu-mma-attention.log, OUT/tune-*-mma-*.log (489 s in session 33); mma-attention-b1: the
+#          same timings at batch 1 (Qwen2.5-0.5B @4000 and @16, Qwen3-0.6B @4000), in a call of its own (247 s)
 #   balance: the bake's tiling with rows per tile balanced per stage (gpu_tune variant bake-balanced) against the
 #          bake's own on Qwen3-0.6B @16, Phi-3-mini @1000, SmolLM-135M @16 -> OUT/tune-*-balance-*.log (301 s in
 #          session 31, which balanced the plain tiling by mistake; session 32 on the bake's tiling: the bake wins, 3-10%)
@@ -300,12 +300,12 @@ if [[ " $PARTS " == *" batch-growth "* ]]; then
 fi
 if [[ " $PARTS " == *" mma-attention "* ]]; then
   # session 32: at batch 8 all the growth with context is attention, bound by each item's per-head arithmetic (7
-  # query heads per item on Qwen2.5-0.5B cost 3.8x one head over the same K/V rows). The candidate that scores and
-  # sums items of 2-8 heads on the tensor cores (generate(plan, mma_attention=True)): its GPU test first (it has
-  # never run), then against the default where it deals such items: batch 8 at the long end (Qwen2.5-0.5B 7 heads,
-  # SmolLM-135M 3, Llama-3.2-1B 4). A 10-minute call holds the test and these; PARTS=mma-attention-b1 times batch
-  # 1 in another: Qwen3-0.6B (2 heads of 128) at 4000, and Qwen2.5-0.5B at 16 and 4000, where only mma-schedule
-  # differs from the default (it deals whole groups over shorter chunks where batch 1 deals 1-head slices today)
+  # query heads per item on Qwen2.5-0.5B cost 3.8x one head over the same K/V rows). Items of 2-8 heads scored and
+  # summed on the tensor cores (session 33: the default, generate(plan) / mma_attention=False for the lane-group
+  # loop): its GPU tests first, then the default against the lane-group loop where it deals such items: batch 8
+  # at the long end (Qwen2.5-0.5B 7 heads, SmolLM-135M 3, Llama-3.2-1B 4). A 10-minute call holds the tests and
+  # these; PARTS=mma-attention-b1 times batch 1 in another: Qwen3-0.6B (2 heads of 128) at 4000, and Qwen2.5-0.5B at
+  # 16 and 4000, where batch 1 deals 1-head slices (the same bits) and only mma-schedule deals whole groups
   timeout 240 python3 -m pytest -m gpu -q -x tests/test_gpu_decode.py -k mma_attention \
     >"$OUT/pytest-gpu-mma-attention.log" 2>&1
   rc=$?
@@ -319,7 +319,7 @@ if ((${#MMA_SPECS[@]})); then
     for spec in "${MMA_SPECS[@]}"; do
       read -r preset batch capacity position <<<"$spec"
       log="$OUT/tune-$preset-b$batch-mma-p$position.log"
-      timeout 150 python3 scripts/gpu_tune.py "$preset" --variants bake --builds default mma-attention mma-schedule \
+      timeout 150 python3 scripts/gpu_tune.py "$preset" --variants bake --builds default lane-attention mma-schedule \
         --no-composite --phases --batch "$batch" --capacity "$capacity" --position "$position" \
         --out "$OUT/mma-b$batch-p$position" >"$log" 2>&1
       summary+=("mma-attention tune ($preset, batch $batch, at $position): rc=$?" "$(grep -E '^(==|\||timeline)' "$log")")

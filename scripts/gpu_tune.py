@@ -145,7 +145,7 @@ def vs_reference(decoder, plan, tokens) -> float:
     """rel-L2 of the decoder's last logits against the plan's CPU reference executor on its own bf16 weights."""
     from megabake.plan.reference import reference_executor_from_buffers
 
-    reference = reference_executor_from_buffers(plan, decoder.buffers)
+    reference = reference_executor_from_buffers(plan, decoder.buffers, mma_attention=decoder.mma_attention)
     for p in range(len(tokens)):
         want = reference.step(tokens[p], p)
     got = decoder.buffers["logits"].float().cpu()
@@ -201,8 +201,9 @@ BUILDS = {"default": {}, "atom": {"barrier": "atom"}, "red": {"barrier": "red"},
           "pass-chunks": {"pass_chunks": True}, "kv-pipeline": {"kv_pipeline": True},
           "no-kv-pipeline": {"kv_pipeline": False}, "fold-merge": {"fold_merge": True},
           "no-fold-merge": {"fold_merge": False},
-          # split-KV items of 2-8 query heads scored and summed on the tensor cores (session 32, a candidate)
-          "mma-attention": {"mma_attention": True},
+          # split-KV items of 2-8 query heads scored and summed on the tensor cores (session 32; the default since
+          # session 33 wherever such items are dealt) or every item on the lane-group loop (the default before)
+          "mma-attention": {"mma_attention": True}, "lane-attention": {"mma_attention": False},
           # ... and every split-KV dealing weighs those items by their chunk alone (whole groups, shorter chunks)
           "mma-schedule": {"mma_attention": True, "mma_schedule": True},
           # the L2 prefetch of the next GEMV's first tiles before each barrier at one budget for every stage (the

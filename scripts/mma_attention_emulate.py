@@ -8,7 +8,7 @@ Each lane's registers are built exactly as the kernel builds them (which K/V row
 partial written to ``s_part`` and the warps' merge), and ``mma.sync.m16n8k16`` is applied with the PTX ISA's
 fragment layouts. A change to the kernel's mapping should be made here first: an error above ~1e-12 means the
 mapping is wrong, before any device time is spent. It checks the algebra, not CuTe DSL's semantics (the GPU test
-``test_mma_attention_matches_the_default_to_bf16_rounding`` does), and it does not round to bf16.
+``test_mma_attention_matches_the_lane_group_loop_to_bf16_rounding`` does), and it does not round to bf16.
 """
 
 from __future__ import annotations

@@ -32,7 +32,8 @@ SECONDS = {  # node-id fragment -> seconds (first match wins); from `pytest --du
     "pass_chunks_give": 16.0,  # session 21 (4 shards): 16.4 s Qwen2.5-0.5B, 12.9 SmolLM
     "kv_pipeline_gives_bit_identical": 12.0,  # session 21 (4 shards): 11.0 s OLMo-2-1B; the others not timed
     "fold_merge_gives_the_default": 20.0,  # session 23: 4 cases in 55 s alone; the suite's shards run slower
-    "mma_attention_matches_the_default": 20.0,  # session 32: three builds per case, like fold_merge (not timed yet)
+    "mma_attention_matches_the_lane_group": 32.0,  # session 33: 4 cases in 130 s alone (four builds each)
+    "mma_attention_kernel_matches_its_reference": 15.0,  # session 33: one build + a CPU reference (not timed yet)
 }
 
 

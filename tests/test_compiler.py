@@ -132,6 +132,53 @@ def test_reference_from_a_decoders_buffers_runs_on_those_weights_and_tables(tiny
     assert not torch.equal(reference_executor_from_buffers(plan, buffers).step(tokens, 0), want)
 
 
+@pytest.mark.parametrize("heads,head_dim,keys,warps", [(2, 64, 1, 4), (3, 64, 17, 4), (7, 64, 512, 4),
+                                                       (4, 128, 1000, 8), (2, 64, 33, 16)])
+def test_the_reference_tensor_core_partial_is_softmax_attention_then_bf16_rounding(heads, head_dim, keys, warps):
+    """``plan.reference._mma_partial`` mirrors ``bodies._mma_softmax_chunk``'s order (16-key steps dealt over the
+    warps, per-warp running maxima, rescales, the warps' merge): without its roundings it is the plain softmax
+    partial to fp32 order (one key; masked tails; warps with no step, 33 keys over 16 warps); with them (bf16 query
+    and probabilities into P.V, fp32 sums) the output moves by bf16 rounding, no more. Its step size is the
+    kernel's."""
+    from megabake.codegen.bodies import split_attention
+    from megabake.plan.attention import MMA_ATT_KEYS
+    from megabake.plan.reference import _mma_partial
+
+    assert MMA_ATT_KEYS == split_attention.MMA_ATT_KEYS
+    generator = torch.Generator().manual_seed(keys)
+    queries = torch.randn(heads, head_dim, generator=generator) * head_dim ** -0.5
+    k = torch.randn(keys, head_dim, generator=generator).bfloat16()
+    v = torch.randn(keys, head_dim, generator=generator).bfloat16()
+    scores = queries @ k.float().T
+    top = scores.max(dim=1).values
+    weights = torch.exp(scores - top[:, None])
+    want = (weights @ v.float()) / weights.sum(dim=1)[:, None]
+    exact = _mma_partial(queries, k, v, warps, rounded=False)
+    assert torch.equal(exact[0], top)
+    assert torch.allclose(exact[2] / exact[1][:, None], want, atol=1e-6, rtol=1e-5)
+    rounded = _mma_partial(queries, k, v, warps)
+    error = float((rounded[2] / rounded[1][:, None] - want).norm() / want.norm())
+    assert (error == 0.0) if keys == 1 else (1e-4 < error < 1e-2), error  # one key: p = 1, exact in bf16
+
+
+def test_the_reference_rounds_attention_where_the_kernel_uses_the_tensor_cores():
+    """``ReferenceExecutor(..., mma_attention=True)`` (a GPU check's reference for a default build since session
+    33) rounds only the items of 2-8 heads: Qwen2.5-0.5B batch 8 deals 1-head slices at short contexts (the same
+    logits as without) and whole 7-head groups at 1000 keys (logits moved by the rounding, 1e-3 to 2e-2)."""
+    compiled = compile_preset("qwen2.5-0.5b", layers=2, vocab=512, batch=8, capacity=1024)
+    plain, rounding = (reference_executor_for(compiled.plan, compiled.model, dtype=torch.bfloat16) for _ in range(2))
+    rounding.mma_attention = True
+    generator = torch.Generator().manual_seed(3)
+    for name in ("k_cache", "v_cache"):
+        cache = torch.randn(plain.buffers[name].shape, generator=generator).bfloat16()
+        plain.buffers[name].copy_(cache)
+        rounding.buffers[name].copy_(cache)
+    tokens = torch.randint(1, 512, (8,), generator=generator)
+    assert torch.equal(rounding.step(tokens, 5), plain.step(tokens, 5))
+    want, got = plain.step(tokens, 1000), rounding.step(tokens, 1000)
+    assert 1e-3 < float((got - want).norm() / want.norm()) < 2e-2
+
+
 def test_linear_biases_are_packed_per_stage_with_zeros_where_absent():
     """Llama's attention_bias puts biases on q, k, v and o; mlp_bias on gate, up and down."""
     from megabake.plan.packing import pack_weights

@@ -26,7 +26,7 @@ def _reference_for(compiled, decoder):
     """The plan's CPU reference executor on the decoder's own packed bf16 weights and rotary tables."""
     from megabake.plan.reference import reference_executor_from_buffers
 
-    return reference_executor_from_buffers(compiled.plan, decoder.buffers)
+    return reference_executor_from_buffers(compiled.plan, decoder.buffers, mma_attention=decoder.mma_attention)
 
 
 def _assert_random_cache_steps_match(compiled, model, *, seed: int,
@@ -382,7 +382,12 @@ def test_red_barrier_gives_bit_identical_logits_over_graph_replays():
 
 def _logits_over_random_cache(compiled, positions, batch: int, builds: list[dict]) -> list[torch.Tensor]:
     """Per build (``generate`` keyword arguments): the logits of one step at each of ``positions`` over the same
-    random KV cache (seeded), poisoned before each step."""
+    random KV cache (seeded), poisoned before each step. Builds run the lane-group loop for every split-KV item
+    (``mma_attention=False``) unless they ask: the tests that compare dealings, merges and prefetches hold its sums
+    bit for bit, while the tensor-core items (the default since session 33) round their probabilities to bf16
+    relative to a running max that depends on the chunk, so their bits move with the dealing by design
+    (``test_mma_attention_matches_the_lane_group_loop_to_bf16_rounding`` holds them to that loop, and
+    ``test_mma_attention_kernel_matches_its_reference_executor`` to the reference)."""
     from megabake.codegen import generate
     from megabake.runtime import MegakernelDecoder
 
@@ -390,8 +395,8 @@ def _logits_over_random_cache(compiled, positions, batch: int, builds: list[dict
     tokens = torch.randint(1, compiled.plan.dims.vocab, (len(positions), batch), generator=generator)
     results = []
     for build in builds:
-        decoder = MegakernelDecoder(compiled.plan, generate(compiled.plan, **build).source, compiled.model,
-                                    device="cuda")
+        decoder = MegakernelDecoder(compiled.plan, generate(compiled.plan, **{"mma_attention": False, **build}).source,
+                                    compiled.model, device="cuda")
         cache_generator = torch.Generator().manual_seed(36)
         for name in ("k_cache", "v_cache"):
             buffer = decoder.buffers[name]
@@ -559,11 +564,12 @@ def test_kv_pipeline_gives_bit_identical_logits(preset, batch, capacity):
 
 @pytest.mark.parametrize("preset,batch,capacity", [("qwen2.5-0.5b", 8, 4096), ("smollm-135m", 1, 2048),
                                                    ("qwen3-0.6b", 1, 4096), ("llama-3.2-1b", 2, 1024)])
-def test_mma_attention_matches_the_default_to_bf16_rounding(preset, batch, capacity):
+def test_mma_attention_matches_the_lane_group_loop_to_bf16_rounding(preset, batch, capacity):
     """Split-KV items of 2-8 query heads scored and summed on the tensor cores (``generate(plan,
-    mma_attention=True)``, a candidate since session 32, ``bodies._mma_softmax_chunk``): from one random cache, one
-    step at positions near 0 (one 16-key step, partly masked), around 16-key and split boundaries, past the
-    middle and at capacity - 1 gives the default build's logits to the bf16 rounding of the query and the
+    mma_attention=True)``, session 32, the default since 33, ``bodies._mma_softmax_chunk``): from one random cache,
+    one step at positions near 0 (one 16-key step, partly masked), around 16-key and split boundaries, past the
+    middle and at capacity - 1 gives the lane-group loop's logits (``mma_attention=False``, the default before
+    session 33) to the bf16 rounding of the query and the
     probabilities that the MMA takes (rel-L2 < 2e-2; a wrong fragment layout or rescale gives O(1)); a second run
     gives the same bits (a moving result would be a race). Qwen2.5-0.5B batch 8: 7-head items of 64 dims, 8 splits
     per group; SmolLM-135M: 3 heads, and 1-head slices (the lane-group loop) at short contexts; Qwen3-0.6B: 2
@@ -583,6 +589,26 @@ def test_mma_attention_matches_the_default_to_bf16_rounding(preset, batch, capac
     for build in (mma, scheduled):  # mma_schedule: whole groups over shorter chunks where batch 1 deals slices
         errors = [float((build[i] - default[i]).norm() / default[i].norm()) for i in range(len(positions))]
         assert max(errors) < 2e-2, dict(zip(positions, errors))
+
+
+@pytest.mark.parametrize("preset,batch,capacity", [("qwen2.5-0.5b", 8, 4096), ("qwen3-0.6b", 1, 4096),
+                                                   ("llama-3.2-1b", 2, 1024)])
+def test_mma_attention_kernel_matches_its_reference_executor(preset, batch, capacity):
+    """The default build's tensor-core items against the reference executor that mirrors them
+    (``ReferenceExecutor(..., mma_attention=True)``, ``plan.reference._mma_partial``: bf16 query and
+    probabilities, the kernel's 16-key steps and per-warp running maxima): from one random cache, one step near 0,
+    at split boundaries, where whole groups are dealt (Qwen2.5-0.5B batch 8 from ~1000 keys on, 7 heads; Qwen3-0.6B
+    from ~1000, 2 heads of 128; Llama-3.2-1B batch 2 at capacity - 1, 4 heads) and at capacity - 1, at the usual
+    tolerance (2e-3; bf16 staging 1e-2). The rounding alone moves these logits by 3e-3 to 7e-3 (CPU, reference
+    with and without it), so a reference that rounded differently from the kernel would fail here."""
+    from megabake.plan.attention import mma_attention_items
+    from megabake.runtime import gpu_info
+
+    compiled = compile_preset(preset, layers=2, vocab=4096, batch=batch, capacity=capacity, ctas=gpu_info().sm_count)
+    assert mma_attention_items(compiled.plan)
+    positions = sorted({0, 1, 127, 128, 129, 1000, 1023, capacity // 2, capacity - 1})
+    decoder = _assert_random_cache_steps_match(compiled, compiled.model, seed=37, positions=positions)
+    assert decoder.mma_attention
 
 
 @pytest.mark.parametrize("preset,batch,capacity", [("smollm-1.7b", 1, 2048), ("olmo-2-1b", 1, 4096),
@@ -640,8 +666,9 @@ def _assert_bf16_steps_match(compiled):
     decoder = MegakernelDecoder(compiled.plan, compiled.generated.source, compiled.model, device="cuda")
     weights = {spec.buffer: decoder.buffers[spec.buffer].cpu() for spec in compiled.plan.packed}
     rope = decoder.buffers["rope_cos"].cpu(), decoder.buffers["rope_sin"].cpu()
-    rounding = ReferenceExecutor(compiled.plan, weights, *rope)
-    exact = ReferenceExecutor(replace(compiled.plan, staging_dtype="float32"), weights, *rope)
+    rounding = ReferenceExecutor(compiled.plan, weights, *rope, mma_attention=decoder.mma_attention)
+    exact = ReferenceExecutor(replace(compiled.plan, staging_dtype="float32"), weights, *rope,
+                              mma_attention=decoder.mma_attention)
     generator = torch.Generator().manual_seed(23)
     for name in ("k_cache", "v_cache"):
         cache = torch.randn(rounding.buffers[name].shape, generator=generator).to(rounding.buffers[name].dtype)

@@ -91,17 +91,17 @@ def test_module_compiles_for_sm90a(shape: Shape, tmp_path):
 
 
 @pytest.mark.parametrize("build", [{"pass_chunks": True}, {"long_slices": False}, {"kv_pipeline": True},
-                                   {"fold_merge": False}, {"mma_attention": True},
+                                   {"fold_merge": False}, {"mma_attention": False},
                                    {"mma_attention": True, "mma_schedule": True}],
-                         ids=["pass-chunks", "short-slices", "kv-pipeline", "no-fold-merge", "mma-attention",
+                         ids=["pass-chunks", "short-slices", "kv-pipeline", "no-fold-merge", "lane-attention",
                               "mma-schedule"])
 def test_split_kv_candidate_builds_compile_for_sm90a(build, tmp_path):
     """The split-KV build options a GPU session times against the default (``gpu_tune.py --builds pass-chunks
     short-slices kv-pipeline no-fold-merge``) compile too, on a shape where they deal differently (SmolLM-135M: 3
     query heads per KV head). The default folds the merge (``FOLD_SPLITS = 8``); ``fold_merge=False`` merges in
-    attention again, as before session 24. ``mma_attention`` scores and sums the 3-head items on the tensor cores:
-    its PTX holds the 8 + 4 MMAs of a 16-key step (64 dims) on top of the default's; ``mma_schedule`` also deals
-    for them (``MMA_SLICES``)."""
+    attention again, as before session 24. The default (since session 33) scores and sums the 3-head items on the
+    tensor cores: its PTX holds the 8 + 4 MMAs of a 16-key step (64 dims) on top of the lane-group loop's
+    (``mma_attention=False``, the default before); ``mma_schedule`` also deals for them (``MMA_SLICES``)."""
     pytest.importorskip("cutlass")
     from megabake.codegen import generate
     from megabake.runtime.compile import compile_check, load_module
@@ -110,21 +110,22 @@ def test_split_kv_candidate_builds_compile_for_sm90a(build, tmp_path):
     source = generate(compiled.plan, **build).source
     expected = {"pass_chunks": "CHUNK_QUANTUM = 32", "long_slices": "LONG_SLICES = False",
                 "kv_pipeline": "KV_PIPELINE = True", "fold_merge": None,
-                "mma_attention": "MMA_ATTENTION = True"}[next(iter(build))]
+                "mma_attention": "MMA_ATTENTION = True" if build.get("mma_attention") else None}[next(iter(build))]
     default = generate(compiled.plan).source
-    assert "\nFOLD_SPLITS = 8\n" in default
+    assert "\nFOLD_SPLITS = 8\n" in default and "\nMMA_ATTENTION = True\n" in default
     if expected:
         assert f"\n{expected}\n" in source
-    else:
+    elif build == {"fold_merge": False}:
         assert "FOLD_SPLITS" not in source
+    else:
+        assert "MMA_ATTENTION" not in source
     result = compile_check(compiled.plan, load_module(source), dump_dir=str(tmp_path / "build"))
     assert result.ok, result.error
-    if "mma_attention" in build:
-        assert "MMA_ATTENTION" not in default
+    if build == {"mma_attention": False}:
         default_result = compile_check(compiled.plan, load_module(default), dump_dir=str(tmp_path / "default"))
         assert default_result.ok, default_result.error
         mmas = [next((tmp_path / name).glob("*.ptx")).read_text().count("mma.sync") for name in ("build", "default")]
-        assert mmas[0] == mmas[1] + 12, mmas
+        assert mmas[1] == mmas[0] + 12, mmas
 
 
 def test_the_kernel_and_the_plan_agree_on_which_items_go_to_the_tensor_cores():

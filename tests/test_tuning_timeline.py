@@ -492,27 +492,32 @@ def test_fold_merge_is_refused_where_it_cannot_fold(preset, why):
                                                  ("llama-3.2-1b", 1, [4, 2]), ("qwen3-0.6b", 1, [2]),
                                                  ("smollm-1.7b", 1, []), ("gemma-2b", 1, [])])
 def test_mma_attention_takes_items_of_2_to_8_heads_of_64_or_128_and_is_refused_elsewhere(preset, batch, items):
-    """``generate(plan, mma_attention=True)`` (a candidate): the split-KV items the plan can deal (the KV group, or
-    its head slices) of 2-8 query heads of 64 or 128 dims go to the tensor cores (Qwen2.5-0.5B batch 8: groups of
-    7; Llama-3.2-1B: 4, or 2 per slice). Where none can (SmolLM-1.7B: one query head per KV head; gemma-2b: heads
-    of 256) the build is refused by name. Otherwise module.py differs from the default only in its constant and
-    the attention call's keyword."""
+    """``generate(plan)`` (since session 33; ``mma_attention=True`` asks for it): the split-KV items the plan can
+    deal (the KV group, or its head slices) of 2-8 query heads of 64 or 128 dims go to the tensor cores (Qwen2.5-0.5B
+    batch 8: groups of 7; Llama-3.2-1B: 4, or 2 per slice). Where none can (SmolLM-1.7B: one query head per KV head;
+    gemma-2b: heads of 256) the default is the lane-group loop and asking for them is refused by name. Otherwise
+    module.py with ``mma_attention=False`` differs from the default only in the constant and the attention call's
+    keyword."""
+    from megabake.codegen import default_mma_attention
     from megabake.plan.attention import mma_attention_items
 
     compiled = compile_preset(preset, layers=2, vocab=512, batch=batch, capacity=1024)
     assert mma_attention_items(compiled.plan) == items
+    assert default_mma_attention(compiled.plan) == bool(items)
     default = generate(compiled.plan).source
-    assert "MMA_ATTENTION" not in default
+    lane_group = generate(compiled.plan, mma_attention=False).source
+    assert "MMA_ATTENTION" not in lane_group
     if not items:
+        assert default == lane_group
         with pytest.raises(ValueError, match="mma_attention puts split-KV items of 2-8 query heads .* build without it"):
             generate(compiled.plan, mma_attention=True)
         return
-    source = generate(compiled.plan, mma_attention=True).source
-    assert [c.get("mma_attention") for c in body_calls(source, "split_kv_attention")] == ["MMA_ATTENTION"]
-    changed = [line for line in difflib.ndiff(default.splitlines(), source.splitlines()) if line[:2] in ("- ", "+ ")]
+    assert generate(compiled.plan, mma_attention=True).source == default
+    assert [c.get("mma_attention") for c in body_calls(default, "split_kv_attention")] == ["MMA_ATTENTION"]
+    changed = [line for line in difflib.ndiff(lane_group.splitlines(), default.splitlines()) if line[:2] in ("- ", "+ ")]
     assert len(changed) == 3, changed  # the constant (+1), attention's last line (-1 +1)
     with pytest.raises(ValueError, match="mma_schedule deals split-KV items for the tensor cores: it needs"):
-        generate(compiled.plan, mma_schedule=True)
+        generate(compiled.plan, mma_attention=False, mma_schedule=True)
     scheduled = generate(compiled.plan, mma_attention=True, mma_schedule=True).source
     dealing = ["split_kv_attention", "split_kv_prefetch", "merge_splits_to_smem"]  # each calls split_schedule
     assert {name: [c.get("mma_slices") for c in body_calls(scheduled, name)] for name in dealing} == \

@@ -240,7 +240,7 @@ class BuildOptions:
     prefetch_bytes: int | None = None  # L2 prefetch of the next GEMV's tiles per barrier (None: per stage)
     clock_every_cta: bool = False  # a TIMELINE_PER_CTA build: every CTA stores its phase clocks
     arrival: str | None = None  # a split barrier's arrival (SPLIT_ARRIVAL), emitted before the before-barrier calls
-    mma_attention: bool = False  # split-KV items of 2-8 query heads on the tensor cores (a candidate, session 32)
+    mma_attention: bool = False  # split-KV items of 2-8 query heads on the tensor cores (generate: on where they fit)
     mma_schedule: bool = False  # every split-KV dealing weighs those items by their chunk alone (MMA_SLICES)
 
 
@@ -311,6 +311,16 @@ def default_kv_pipeline(plan: Plan) -> bool:
     return bool(kv_splits(plan)) and one_query_head and plan.dims.head_dim >= KV_PIPELINE_MIN_HEAD_DIM
 
 
+def default_mma_attention(plan: Plan, head_slices: bool = True) -> bool:
+    """Whether a default build scores and sums split-KV items of 2-8 query heads of 64 or 128 dims on the tensor
+    cores (``bodies._mma_softmax_chunk``): wherever the plan deals such items (``plan.attention.mma_attention_items``).
+    H200, session 33, GPU ms per step against the lane-group loop (``mma_attention=False``): batch 8 Qwen2.5-0.5B at
+    4000 1.144 -> 0.978, SmolLM-135M at 2027 0.766 -> 0.687, Llama-3.2-1B at 4000 1.592 -> 1.389; batch 1 (1-head
+    slices at long contexts, so mostly the same bits) Qwen2.5-0.5B at 16 0.522 -> 0.511 and at 4000 0.627 -> 0.608,
+    Qwen3-0.6B at 4000 0.852 -> 0.836 (benchmarks/results/2026-12-04-h200-session33)."""
+    return bool(mma_attention_items(plan, head_slices))
+
+
 def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str = False,
              self_contained: bool = True, watchdog: bool = False, barrier: str | None = None,
              kv_prefetch: bool = True, kv_prefetch_l1: bool = False, kv_prefetch_rows: int | None = None,
@@ -318,7 +328,7 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
              spread_merge: bool | None = None, head_slices: bool = True,
              long_slices: bool = LONG_SLICES, pass_chunks: bool = PASS_CHUNKS,
              kv_pipeline: bool | None = None, fold_merge: bool | None = None,
-             prefetch_bytes: int | None = None, mma_attention: bool = False,
+             prefetch_bytes: int | None = None, mma_attention: bool | None = None,
              mma_schedule: bool = False) -> GeneratedModule:
     """module.py of ``plan``. ``merge_preload`` / ``spread_merge``: None picks them per plan
     (:func:`default_merge`); True asks for one (refused where the attention scratch cannot hold it), False
@@ -334,9 +344,10 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     warp otherwise: :func:`_prefetch_call`; None picks it per stage: :func:`default_prefetch_bytes`); ``barrier``
     is how CTAs meet at grid barriers (``BARRIER_ARRIVALS``; None: ``DEFAULT_BARRIER``, or a watchdog's);
     ``kv_prefetch_rows`` caps the K/V prefetch at that many cached rows per CTA (None:
-    :func:`default_kv_prefetch_rows`, one chunk). ``mma_attention`` (a candidate, session 32) scores and sums the
-    split-KV items of 2-8 query heads of 64 or 128 dims on the tensor cores (``bodies._mma_softmax_chunk``: the
-    query and the probabilities rounded to bf16, so close to the default's logits, not equal); refused where no
+    :func:`default_kv_prefetch_rows`, one chunk). ``mma_attention`` (session 32; None: :func:`default_mma_attention`,
+    on wherever it applies) scores and sums the split-KV items of 2-8 query heads of 64 or 128 dims on the tensor
+    cores (``bodies._mma_softmax_chunk``: the query and the probabilities rounded to bf16, so close to the
+    lane-group loop's logits, not equal; False: the lane-group loop for every item); True is refused where no
     item the plan can deal has such a shape (``plan.attention.mma_attention_items``); ``mma_schedule`` (with it)
     lets every split-KV dealing weigh those items by their chunk alone (their heads come nearly free on the
     tensor cores), so long contexts deal whole groups over more, shorter splits (``plan.attention.split_schedule``'s
@@ -378,6 +389,7 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
                "attention is not split")
         raise ValueError(f"fold_merge needs 2+ splits to fold and no spread merge, but {why}: build without it")
     kv_pipeline = default_kv_pipeline(plan) if kv_pipeline is None else kv_pipeline
+    mma_attention = default_mma_attention(plan, head_slices) if mma_attention is None else mma_attention
     if mma_attention and not mma_attention_items(plan, head_slices):
         group = plan.dims.n_heads // plan.dims.n_kv_heads
         why = f"groups of {group} x {plan.dims.head_dim}" if kv_splits(plan) else "no split-KV attention"

@@ -23,10 +23,10 @@ slices, this one deals the same (the same chunk, the same bits). ``LONG_SLICES``
 default dealing that both the kernel's default build and the reference executor read; ``chunk_quantum(plan)`` is
 what chunks are rounded to (whole ``per_tile`` chunks, or with ``PASS_CHUNKS``, a candidate, whole CTA passes).
 
-Tensor cores (candidates, session 32): ``mma_attention_items(plan)`` are the item sizes that
-``codegen.generate(plan, mma_attention=True)`` scores and sums with MMAs (:func:`mma_attention_fits`);
-``mma_slice_mask(plan)`` marks their slice counts, which ``split_schedule(..., mma_slices=...)`` (an
-``mma_schedule`` build) weighs by their chunk alone.
+Tensor cores (session 32; the default build since session 33): ``mma_attention_items(plan)`` are the item sizes
+that ``codegen.generate(plan)`` scores and sums with MMAs (:func:`mma_attention_fits`; ``mma_attention=False``:
+the lane-group loop for every item); ``mma_slice_mask(plan)`` marks their slice counts, which
+``split_schedule(..., mma_slices=...)`` (an ``mma_schedule`` build, a candidate) weighs by their chunk alone.
 """
 
 from __future__ import annotations
@@ -44,9 +44,10 @@ ATTN_PART = "attn_part"  # split-KV partials [B, heads, splits, head_dim + 2]: a
 ATTN_COUNT = "attn_count"  # split-KV arrival counters [B * kv_heads * head slices] (int32, reset after use)
 LONG_SLICES = True  # the default dealing deals head slices at long contexts too (split_schedule): the kernel's
 # default build (codegen.generate's long_slices) and the reference executor read it, so they deal alike
-MMA_ATT_MAX_HEADS = 8  # query heads per item that split-KV attention on the tensor cores takes (a candidate,
-# codegen.generate(plan, mma_attention=True): the M rows 0..7 of m16n8k16; bodies.mma_attention_fits mirrors this)
+MMA_ATT_MAX_HEADS = 8  # query heads per item that split-KV attention on the tensor cores takes (the default build
+# since session 33, codegen.default_mma_attention: the M rows 0..7 of m16n8k16; bodies.mma_attention_fits mirrors it)
 MMA_ATT_HEAD_DIMS = (64, 128)
+MMA_ATT_KEYS = 16  # cached keys per warp and step on the tensor cores (bodies.MMA_ATT_KEYS; the reference mirrors it)
 PASS_CHUNKS = False  # a candidate (session 19; H200 session 21: within noise): chunks in whole CTA passes
 # instead of whole per_tile chunks (chunk_quantum); read like LONG_SLICES by the kernel's default and the reference
 

@@ -7,6 +7,12 @@ indexing into packed weights and the KV cache, and the same fused recomputation 
 KV append inside attention). It checks that every tile is owned by exactly one worker and every output row is
 written by exactly one tile (on each stage's first run: the plan deals the same tiles at every step), so
 partitioning bugs fail here, on a CPU, before any GPU run.
+
+``mma_attention=True`` mirrors a build whose split-KV items of 2-8 query heads run on the tensor cores (the
+default since session 33, ``codegen.default_mma_attention``; ``bodies._mma_softmax_chunk``): the query and the
+probabilities that meet V are rounded to bf16, over the same 16-key steps and per-warp running maxima as the
+kernel (:func:`_mma_partial`). Off (the default here) it is the plan's math in fp32, which the CPU checks
+against eager PyTorch hold to fp32 rounding.
 """
 
 from __future__ import annotations
@@ -14,15 +20,16 @@ from __future__ import annotations
 import torch
 
 from . import Plan, Stage, WARP
-from .attention import chunk_quantum, split_schedule
+from .attention import MMA_ATT_KEYS, chunk_quantum, mma_attention_fits, split_schedule
 from .packing import torch_dtype
 from .stages import VectorInput, norm_slot, spec_of
 
 
 class ReferenceExecutor:
     def __init__(self, plan: Plan, weights: dict[str, torch.Tensor], rope_cos: torch.Tensor,
-                 rope_sin: torch.Tensor, *, lm_head: str = "embed"):
+                 rope_sin: torch.Tensor, *, lm_head: str = "embed", mma_attention: bool = False):
         self.plan = plan
+        self.mma_attention = mma_attention
         self.w = {k: v.float() for k, v in weights.items()}
         self.cache_dtype = next(v.dtype for k, v in weights.items() if k == "w_qkv")
         self.cos, self.sin = rope_cos.float(), rope_sin.float()
@@ -273,6 +280,9 @@ class ReferenceExecutor:
             kc, vc = self.buffers["k_cache"][layer, b, kvh], self.buffers["v_cache"][layer, b, kvh]
             if end == n:  # every slice of the split holding `position` appends this step's key and value
                 kc[position], vc[position] = k_new.to(self.cache_dtype), v_new.to(self.cache_dtype)
+            if self.mma_attention and mma_attention_fits(heads, d.head_dim):
+                partials[(virtual, split)] = _mma_partial(queries, kc[start:end], vc[start:end], plan.warps)
+                continue
             scores = queries @ kc[start:end].float().T  # [heads, chunk]
             top = scores.max(dim=1).values
             weights = torch.exp(scores - top[:, None])
@@ -298,6 +308,37 @@ _ACTIVATIONS = {  # the model's activation in act(gate) * up (megabake.plan.stag
 }
 
 
+def _mma_partial(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, warps: int,
+                 rounded: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One tensor-core item's partial softmax (max [H], sum [H], accumulator [H, D]) over its chunk's keys [L, D]
+    and values, as ``bodies._mma_softmax_chunk`` computes it: the queries [H, D] (scaled) rounded to bf16; warp
+    ``w`` takes the 16-key steps w, w + warps, ...; per head it keeps a running max over its steps, sums the fp32
+    probabilities exp(score - running max) and feeds them, rounded to bf16, to P.V, rescaling what it holds when
+    the max rises; the warps' partials then merge as the kernel's do. ``rounded=False`` leaves out both roundings
+    (then this is the plain softmax partial, up to fp32 summation order: a CPU test holds it to that)."""
+    as_mma = (lambda x: x.to(torch.bfloat16).float()) if rounded else (lambda x: x)
+    keys_total, head_dim = keys.shape
+    steps = -(-keys_total // MMA_ATT_KEYS)
+    rounds = -(-steps // warps)
+    padded = rounds * warps * MMA_ATT_KEYS
+    scores = torch.full((queries.shape[0], padded), float("-inf"))
+    scores[:, :keys_total] = as_mma(queries) @ keys.float().T
+    scores = scores.view(-1, rounds, warps, MMA_ATT_KEYS)  # step s = round x warps + warp
+    running = torch.cummax(scores.amax(dim=3), dim=1).values  # [H, rounds, warps]: each warp's max after a step
+    probs = torch.exp(scores - running[..., None]).nan_to_num(0.0)  # steps past the chunk: -inf - -inf
+    v = torch.zeros(padded, head_dim)
+    v[:keys_total] = values.float()
+    step_out = torch.einsum("hrwk,rwkd->hrwd", as_mma(probs), v.view(rounds, warps, MMA_ATT_KEYS, head_dim))
+    last = running[:, -1:, :]  # [H, 1, warps]: a warp's max after its last step (-inf: it had none)
+    rescale = torch.exp(running - last).nan_to_num(0.0)
+    warp_top = last[:, 0, :]
+    warp_sum = (probs.sum(dim=3) * rescale).sum(dim=1)
+    warp_acc = (step_out * rescale[..., None]).sum(dim=1)
+    top = warp_top.max(dim=1).values
+    weight = torch.exp(warp_top - top[:, None])  # 0 for warps without steps
+    return top, (warp_sum * weight).sum(dim=1), (warp_acc * weight[..., None]).sum(dim=1)
+
+
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotated: int) -> torch.Tensor:
     """As the kernel: feature d pairs with d +- rotated / 2; past ``rotated`` (partial rotary) the table holds
     cos 1, sin 0, so those features pass unchanged."""
@@ -306,12 +347,15 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotated: int) -
     return x * cos + partners * sin
 
 
-def reference_executor_from_buffers(plan: Plan, buffers: dict[str, torch.Tensor]) -> ReferenceExecutor:
+def reference_executor_from_buffers(plan: Plan, buffers: dict[str, torch.Tensor], *,
+                                    mma_attention: bool = False) -> ReferenceExecutor:
     """A reference executor on a decoder's own packed weights and rotary tables (``buffers`` as a
     ``MegakernelDecoder`` holds them, on any device; copied to the CPU): what a GPU check compares the kernel
-    with, the same bf16 weights in fp32 math."""
+    with, the same bf16 weights in fp32 math; ``mma_attention``: the decoder's (``MegakernelDecoder.mma_attention``),
+    so its tensor-core items' bf16 rounding is mirrored."""
     weights = {spec.buffer: buffers[spec.buffer].cpu() for spec in plan.packed}
-    return ReferenceExecutor(plan, weights, buffers["rope_cos"].cpu(), buffers["rope_sin"].cpu())
+    return ReferenceExecutor(plan, weights, buffers["rope_cos"].cpu(), buffers["rope_sin"].cpu(),
+                             mma_attention=mma_attention)
 
 
 def reference_executor_for(plan: Plan, model, *, dtype=torch.float32) -> ReferenceExecutor:

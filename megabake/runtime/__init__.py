@@ -384,6 +384,13 @@ class MegakernelDecoder:
         values = self.buffers["barrier"][1:1 + slots].cpu().tolist()
         return [(int(values[2 * c]), int(values[2 * c + 1])) for c in range(slots // 2)]
 
+    @property
+    def mma_attention(self) -> bool:
+        """Whether this kernel runs split-KV items of 2-8 query heads on the tensor cores (its module's
+        ``MMA_ATTENTION``; the reference backend: never): what a reference executor that checks it mirrors
+        (``plan.reference.reference_executor_from_buffers(..., mma_attention=...)``)."""
+        return self.backend == "cuda" and bool(getattr(self.module, "MMA_ATTENTION", False))
+
     def reset(self) -> None:
         """Zero the KV cache (a new sequence)."""
         self.buffers["k_cache"].zero_()

@@ -43,6 +43,7 @@ LONG_SLICES = True
 CHUNK_QUANTUM = 128
 KV_PIPELINE = False
 FOLD_SPLITS = 8
+MMA_ATTENTION = True
 RING_STAGES = 4
 RING_VECTORS = 8
 EPS = 1e-05
@@ -125,7 +126,7 @@ def megakernel(
             head_dim=HEAD_DIM, ctas=CTAS, threads=THREADS, scale=ATTN_SCALE, has_qk_norm=False, eps=EPS,
             splits=KV_SPLITS, unroll=ATT_UNROLL, min_chunk=MIN_CHUNK, quantum=CHUNK_QUANTUM, rotary_dim=HEAD_DIM,
             whole_qk_norm=False, merge_preload=True, spread_merge=False, head_slices=HEAD_SLICES,
-            long_slices=LONG_SLICES, kv_pipeline=KV_PIPELINE, merge_above=FOLD_SPLITS)
+            long_slices=LONG_SLICES, kv_pipeline=KV_PIPELINE, merge_above=FOLD_SPLITS, mma_attention=MMA_ATTENTION)
         bodies.grid_arrive(barrier=barrier, next_target=bar_next, tidx=tidx, ctas=CTAS)
         bodies.grid_wait(barrier=barrier, next_target=bar_next, tidx=tidx, ctas=CTAS)
         # ---- stage 3: o_residual (layer) ----
