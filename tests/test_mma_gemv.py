@@ -121,14 +121,17 @@ def test_reference_executor_is_the_bf16_staging_math(monkeypatch):
 def test_mma_module_compiles_for_sm90a(monkeypatch, tmp_path, preset, batch, layers, mmas_per_stage, gated):
     """Two m16n8k16 bf16 MMAs per 16-byte weight vector in each GEMV stage's K loop (8 vectors per lane and
     step at Llama's shapes), CTA barriers where split partial sums meet; the gate/up GEMV applies the model's
-    activation (code 1 silu, 2 Gemma's tanh GELU) and only it."""
+    activation (code 1 silu, 2 Gemma's tanh GELU) and only it. Built with split-KV attention on the lane-group
+    loop (``mma_attention=False``), so every MMA counted is a GEMV's (the default's attention adds its own)."""
     pytest.importorskip("cutlass")
+    from megabake.codegen import generate
     from megabake.runtime.compile import compile_check, load_module
 
     monkeypatch.setenv(EXPERIMENTAL, "mma_gemv")
     compiled = compile_preset(preset, layers=layers, vocab=4096 if layers else None, batch=batch, capacity=128,
                               tuning=MMA)
-    result = compile_check(compiled.plan, load_module(compiled.generated.source), dump_dir=str(tmp_path))
+    source = generate(compiled.plan, mma_attention=False).source
+    result = compile_check(compiled.plan, load_module(source), dump_dir=str(tmp_path))
     assert result.ok, result.error
     ptx = next(tmp_path.glob("*.ptx")).read_text()
     mmas = ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32")
@@ -136,7 +139,7 @@ def test_mma_module_compiles_for_sm90a(monkeypatch, tmp_path, preset, batch, lay
     want = (mmas_per_stage * len(gemv_stages) if mmas_per_stage
             else sum(2 * s.tiling.unroll for s in gemv_stages))
     assert mmas == want, (mmas, want)
-    calls = body_calls(compiled.generated.source, "gemv_rows_mma")
+    calls = body_calls(source, "gemv_rows_mma")
     assert [c["gated"] for c in calls] == ["0", "0", gated, "0", "0"], calls
 
 

@@ -514,7 +514,8 @@ def test_mma_attention_takes_items_of_2_to_8_heads_of_64_or_128_and_is_refused_e
         return
     assert generate(compiled.plan, mma_attention=True).source == default
     assert [c.get("mma_attention") for c in body_calls(default, "split_kv_attention")] == ["MMA_ATTENTION"]
-    changed = [line for line in difflib.ndiff(lane_group.splitlines(), default.splitlines()) if line[:2] in ("- ", "+ ")]
+    changed = [line for line in difflib.ndiff(lane_group.splitlines(), default.splitlines())
+               if line[:2] in ("- ", "+ ")]
     assert len(changed) == 3, changed  # the constant (+1), attention's last line (-1 +1)
     with pytest.raises(ValueError, match="mma_schedule deals split-KV items for the tensor cores: it needs"):
         generate(compiled.plan, mma_attention=False, mma_schedule=True)
