@@ -179,6 +179,19 @@ def test_the_reference_rounds_attention_where_the_kernel_uses_the_tensor_cores()
     assert 1e-3 < float((got - want).norm() / want.norm()) < 2e-2
 
 
+def test_a_decoder_knows_whether_its_module_uses_the_tensor_core_attention():
+    """``MegakernelDecoder.mma_attention`` reads module.py's ``MMA_ATTENTION`` (what GPU checks build their
+    reference with); the reference backend mirrors it, so on a CPU the same module gives the rounded logits."""
+    from megabake.codegen import generate
+    from megabake.runtime import MegakernelDecoder
+
+    compiled = compile_preset("qwen2.5-0.5b", layers=2, vocab=512, batch=8, capacity=1024)
+    decoders = [MegakernelDecoder(compiled.plan, generate(compiled.plan, **build).source, compiled.model,
+                                  device="cpu") for build in ({}, {"mma_attention": False})]
+    assert [d.mma_attention for d in decoders] == [True, False]
+    assert [d._reference.mma_attention for d in decoders] == [True, False]
+
+
 def test_linear_biases_are_packed_per_stage_with_zeros_where_absent():
     """Llama's attention_bias puts biases on q, k, v and o; mlp_bias on gate, up and down."""
     from megabake.plan.packing import pack_weights
@@ -515,8 +528,10 @@ def test_head_slices_match_eager_fp32_on_both_sides_of_where_they_stop(position,
     """Head slices (session 18): on 8 CTAs the tiny model's 2 KV groups get 4 splits each, and the 2 query heads
     of a group are dealt over 2 items while at most 2 splits are active (positions below 256: one split, or two
     that merge per (group, slice)), one item per group above that. After an eager prefill of ``position`` tokens
-    one step matches eager fp32 in both regimes, and every slice of the split holding the position appended the
-    same key."""
+    one step matches eager fp32 in both regimes (the lane-group loop's module, ``mma_attention=False``: whole 2-head
+    groups round to bf16 on the tensor cores in the default), and every slice of the split holding the position
+    appended the same key."""
+    from megabake.codegen import generate
     from megabake.plan import slices_at, split_chunks
     from megabake.runtime import MegakernelDecoder
     from megabake.verification.numerics import rel_l2, teacher_tokens
@@ -526,7 +541,8 @@ def test_head_slices_match_eager_fp32_on_both_sides_of_where_they_stop(position,
     tiling = next(s.tiling for s in compiled.plan.stages if s.kind == "attention")
     assert (tiling.units, tiling.tiles, tiling.head_slices) == (2, 8, 2)
     assert slices_at(tiling, split_chunks(tiling, position + 1)[1]) == slices
-    decoder = MegakernelDecoder(compiled.plan, compiled.generated.source, compiled.model, device="cpu")
+    decoder = MegakernelDecoder(compiled.plan, generate(compiled.plan, mma_attention=False).source, compiled.model,
+                                device="cpu")
     eager = ReferenceDecoder(compiled.model, capacity=1024, fp32=True)
     tokens = teacher_tokens(1, position + 1, compiled.model.config.vocab_size, seed=position + 5)
     if position:
@@ -554,7 +570,10 @@ def test_long_context_slices_match_eager_fp32(position, dealt):
     """Head slices at long contexts (session 19, ``plan.split_schedule``): tiny-gemma's 4 query heads on one KV
     head over 12 splits are dealt as 2 slices of 2 heads over the same 128-position chunks at 600 positions, and
     as 4 slices of one head over 3 chunks of 384 at 800 (the short-context rule deals one item per split from
-    385 positions on). After an eager prefill one step matches eager fp32 in each regime."""
+    385 positions on). After an eager prefill one step matches eager fp32 in each regime: the dealing's math, in
+    fp32, so the module is the lane-group loop's (``mma_attention=False``; the default's 2-head items round to bf16
+    on the tensor cores, and the reference backend mirrors that)."""
+    from megabake.codegen import generate
     from megabake.plan import split_schedule
     from megabake.runtime import MegakernelDecoder
     from megabake.verification.numerics import rel_l2, teacher_tokens
@@ -565,7 +584,8 @@ def test_long_context_slices_match_eager_fp32(position, dealt):
     step = split_schedule(tiling, position + 1)
     assert (step.chunk, step.active, step.slices) == dealt
     assert split_schedule(tiling, position + 1, long_slices=False).slices == (4 if position < 384 else 1)
-    decoder = MegakernelDecoder(compiled.plan, compiled.generated.source, compiled.model, device="cpu")
+    decoder = MegakernelDecoder(compiled.plan, generate(compiled.plan, mma_attention=False).source, compiled.model,
+                                device="cpu")
     eager = ReferenceDecoder(compiled.model, capacity=1024, fp32=True)
     tokens = teacher_tokens(1, position + 1, compiled.model.config.vocab_size, seed=position + 7)
     decoder.prefill(tokens[:, :position])

@@ -265,7 +265,7 @@ class ReferenceExecutor:
         dealt = split_schedule(stage.tiling, n - first_key, quantum=chunk_quantum(plan))
         chunk, active, slices = dealt.chunk, dealt.active, dealt.slices
         heads = group // slices
-        owners, partials = {}, {}
+        owners, partials, roped = {}, {}, {}
         for item in range(groups * splits):
             split, virtual = divmod(item, groups * slices)
             owners[item] = (item % plan.ctas, 0)
@@ -275,7 +275,9 @@ class ReferenceExecutor:
             b, kvh = divmod(g, d.n_kv_heads)
             start = first_key + split * chunk
             end = min(start + chunk, n)
-            queries, k_new, v_new = self._roped_group(layer, b, kvh, position)
+            if (b, kvh) not in roped:  # the same for every split and slice of the group: rope it once
+                roped[(b, kvh)] = self._roped_group(layer, b, kvh, position)
+            queries, k_new, v_new = roped[(b, kvh)]
             queries = queries[slice_ * heads:(slice_ + 1) * heads]
             kc, vc = self.buffers["k_cache"][layer, b, kvh], self.buffers["v_cache"][layer, b, kvh]
             if end == n:  # every slice of the split holding `position` appends this step's key and value

@@ -123,6 +123,9 @@ class MegakernelDecoder:
                  package_dir: Path | None = None, report: dict | None = None, use_graph: bool = True):
         self.plan = plan
         self.module_source = module_source
+        # split-KV items of 2-8 query heads on the tensor cores (module.py's header constant, written by codegen):
+        # the reference backend mirrors their bf16 rounding, and GPU checks build their reference with it
+        self.mma_attention = "\nMMA_ATTENTION = True\n" in module_source
         self.package_dir = Path(package_dir) if package_dir else None
         self.report = report or {}
         device = torch.device(device) if device is not None else torch.device(
@@ -150,7 +153,7 @@ class MegakernelDecoder:
             dtype = next(model.parameters()).dtype
             weights = pack_weights(plan, model.get_parameter, dtype=dtype)
             cos, sin = rotary_tables(plan, self.inv_freq_fp32)
-            self._reference = ReferenceExecutor(plan, weights, cos, sin)
+            self._reference = ReferenceExecutor(plan, weights, cos, sin, mma_attention=self.mma_attention)
             self.buffers = self._reference.buffers
         else:
             raise InputError(f"unknown backend {backend!r}: use 'cuda' or 'reference'")
@@ -383,13 +386,6 @@ class MegakernelDecoder:
                                 "megabake.codegen.generate(plan, watchdog=True)")
         values = self.buffers["barrier"][1:1 + slots].cpu().tolist()
         return [(int(values[2 * c]), int(values[2 * c + 1])) for c in range(slots // 2)]
-
-    @property
-    def mma_attention(self) -> bool:
-        """Whether this kernel runs split-KV items of 2-8 query heads on the tensor cores (its module's
-        ``MMA_ATTENTION``; the reference backend: never): what a reference executor that checks it mirrors
-        (``plan.reference.reference_executor_from_buffers(..., mma_attention=...)``)."""
-        return self.backend == "cuda" and bool(getattr(self.module, "MMA_ATTENTION", False))
 
     def reset(self) -> None:
         """Zero the KV cache (a new sequence)."""
