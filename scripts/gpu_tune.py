@@ -206,6 +206,9 @@ BUILDS = {"default": {}, "atom": {"barrier": "atom"}, "red": {"barrier": "red"},
           "mma-attention": {"mma_attention": True}, "lane-attention": {"mma_attention": False},
           # ... and every split-KV dealing weighs those items by their chunk alone (whole groups, shorter chunks)
           "mma-schedule": {"mma_attention": True, "mma_schedule": True},
+          # one-split steps run attention (whole KV groups) and the O projection in one interval: one grid barrier
+          # less per layer at short contexts (session 34, codegen.fused); fused-o-lane: those groups on the lane loop
+          "fused-o": {"fused_o": True}, "fused-o-lane": {"fused_o": True, "mma_attention": False},
           # the L2 prefetch of the next GEMV's first tiles before each barrier at one budget for every stage (the
           # default since session 26: none before a ring-prefilled GEMV, 16 MB elsewhere; pf16mb: the old default)
           "pf0": {"prefetch_bytes": 0}, "pf8mb": {"prefetch_bytes": 8 << 20}, "pf16mb": {"prefetch_bytes": 16 << 20},
@@ -399,6 +402,11 @@ def measure_variant(variant: str, tuning: dict, context: dict, default_logits: l
             row["rel_l2_at_position_vs_default"] = float((at_position - default_logits[1]).norm()
                                                          / default_logits[1].norm())
         del decoder
+        if BUILDS[build].get("fused_o"):  # a fused_o build has no timeline (it skips the O stage it would clock)
+            row["build_s"] = round(time.perf_counter() - started, 1)
+            print(json.dumps(row), flush=True)
+            torch.cuda.empty_cache()
+            return row, {}
         stages = timeline(plan, model, tokens, build=build, position=context.get("position"))
         if context.get("phases"):
             row["phases_us"] = {k: round(v, 1) for k, v in timeline(plan, model, tokens, phases=True, build=build,

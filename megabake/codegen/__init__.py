@@ -45,6 +45,7 @@ from ..plan import (ATTN_COUNT, ATTN_PART, ATTN_WINDOW, HEAD_NORMS, ROPE_TABLE, 
 from ..plan.attention import LONG_SLICES, PASS_CHUNKS, chunk_quantum, mma_attention_items, mma_slice_mask
 from ..plan.stages import (ACTIVATIONS, DIMENSION_CONSTANTS, GATED_ACT_CODES, StageSpec, next_gemv, norm_slot,
                            spec_of)
+from .fused import FUSED_O_BUFFERS, fused_geometry, fused_o_refusal
 
 KERNEL_ARGUMENTS = [
     "embed", "w_qkv", "w_o", "w_gate_up", "w_down", "norms", "final_norm", "lm_head", "rope_cos", "rope_sin",
@@ -242,6 +243,7 @@ class BuildOptions:
     arrival: str | None = None  # a split barrier's arrival (SPLIT_ARRIVAL), emitted before the before-barrier calls
     mma_attention: bool = False  # split-KV items of 2-8 query heads on the tensor cores (generate: on where they fit)
     mma_schedule: bool = False  # every split-KV dealing weighs those items by their chunk alone (MMA_SLICES)
+    fused_o: bool = False  # one-split steps run attention and the O projection in one interval (codegen.fused)
 
 
 # A KV group's outputs (query heads per KV head x head_dim) from which the spread merge is the default: on the H200
@@ -329,7 +331,7 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
              long_slices: bool = LONG_SLICES, pass_chunks: bool = PASS_CHUNKS,
              kv_pipeline: bool | None = None, fold_merge: bool | None = None,
              prefetch_bytes: int | None = None, mma_attention: bool | None = None,
-             mma_schedule: bool = False) -> GeneratedModule:
+             mma_schedule: bool = False, fused_o: bool = False) -> GeneratedModule:
     """module.py of ``plan``. ``merge_preload`` / ``spread_merge``: None picks them per plan
     (:func:`default_merge`); True asks for one (refused where the attention scratch cannot hold it), False
     leaves it out (both False: the plain last-arrival merge of sessions 10-16). ``head_slices=False`` deals
@@ -351,7 +353,9 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     item the plan can deal has such a shape (``plan.attention.mma_attention_items``); ``mma_schedule`` (with it)
     lets every split-KV dealing weigh those items by their chunk alone (their heads come nearly free on the
     tensor cores), so long contexts deal whole groups over more, shorter splits (``plan.attention.split_schedule``'s
-    ``mma_slices``)."""
+    ``mma_slices``). ``fused_o`` (a candidate, session 34): a step whose attention is one split runs it and the O
+    projection in one barrier interval (``bodies.fused_attention_o``; one grid barrier less per layer), other
+    steps as before; refused where :func:`megabake.codegen.fused.fused_o_refusal` names a reason."""
     if watchdog and timeline:
         raise ValueError("a watchdog build has no timeline: build them separately")
     if barrier is not None and barrier not in BARRIER_ARRIVALS:
@@ -398,10 +402,20 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     if mma_schedule and not mma_attention:
         raise ValueError("mma_schedule deals split-KV items for the tensor cores: it needs mma_attention=True")
     mma_slices = mma_slice_mask(plan, head_slices) if mma_schedule else 0
+    if fused_o:
+        why = fused_o_refusal(plan, spread_merge=spread_merge, split_barrier=barrier == "split",
+                              timeline=bool(timeline))
+        if why:
+            raise ValueError(f"fused_o runs attention and the O projection in one interval, but {why}: build "
+                             "without it")
+        if mma_schedule:
+            raise ValueError("fused_o deals whole KV groups at one split; mma_schedule changes that dealing: build "
+                             "with one of them")
+    arguments = kernel_arguments(plan) + (list(FUSED_O_BUFFERS) if fused_o else [])
     plan_hash = plan_hash or plan.hash
     w = _Writer(keyword_calls=True)
-    _header(w, plan, plan_hash, kernel_arguments(plan), self_contained, head_slices, long_slices, pass_chunks,
-            kv_pipeline, folded, mma_attention, mma_slices)
+    _header(w, plan, plan_hash, arguments, self_contained, head_slices, long_slices, pass_chunks,
+            kv_pipeline, folded, mma_attention, mma_slices, fused_o)
     prologue = [s for s in plan.stages if s.scope == "prologue"]
     per_layer = [s for s in plan.stages if s.scope == "layer"]
     epilogue = [s for s in plan.stages if s.scope == "epilogue"]
@@ -425,7 +439,6 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
         w(f"WATCH_POLLS = {WATCHDOG_POLLS}  # polls before a CTA stops waiting at a grid barrier")
     if timeline or watchdog:
         w("")
-    arguments = kernel_arguments(plan)
     w("@cute.kernel")
     w("def megakernel(")
     for line in _packed([f"{a}: cute.Tensor" for a in arguments], indent=1):
@@ -470,7 +483,7 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
                            merge_preload=merge_preload, spread_merge=spread_merge,
                            fold_splits=folded, prefetch_bytes=prefetch_bytes, clock_every_cta=every_cta,
                            arrival=SPLIT_ARRIVAL if barrier == "split" else None, mma_attention=mma_attention,
-                           mma_schedule=mma_schedule)
+                           mma_schedule=mma_schedule, fused_o=fused_o)
     if phases:
         _phase_timed_stages(w, plan, prologue, per_layer, epilogue, options)
     else:
@@ -478,6 +491,9 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
             _stage(w, plan, stage, 1, layer_var=None, options=options)
             _timeline_store(w, 1, timeline, str(2 + i))
         w("for layer in range(LAYERS):", 1)
+        if fused_o:
+            w(f"fo = bodies.fused_o_step(pos, {_first_key(plan)}, KV_SPLITS, MIN_CHUNK, CHUNK_QUANTUM, HEAD_SLICES, "
+              "LONG_SLICES)  # 1: attention is one split, the O projection runs in its interval", 2)
         for j, stage in enumerate(per_layer):
             _stage(w, plan, stage, 2, layer_var="layer", options=options)
             _timeline_store(w, 2, timeline, f"{2 + len(prologue) + j} + layer * {len(per_layer)}")
@@ -511,7 +527,8 @@ def _packed(items: list[str], indent: int) -> list[str]:
 
 def _header(w: _Writer, plan: Plan, plan_hash: str, arguments: list[str], self_contained: bool,
             head_slices: bool = True, long_slices: bool = True, pass_chunks: bool = False,
-            kv_pipeline: bool = False, folded: int = 0, mma_attention: bool = False, mma_slices: int = 0) -> None:
+            kv_pipeline: bool = False, folded: int = 0, mma_attention: bool = False, mma_slices: int = 0,
+            fused_o: bool = False) -> None:
     d = plan.dims
     w(f'"""Generated by MegaBake from plan {plan_hash[:16]}. Do not edit: re-bake instead.')
     w("")
@@ -561,8 +578,14 @@ def _header(w: _Writer, plan: Plan, plan_hash: str, arguments: list[str], self_c
     ring_stages, ring_vectors = _ring_stages(plan)
     if ring_stages:
         consts.update({"RING_STAGES": ring_stages, "RING_VECTORS": ring_vectors})
+    if fused_o:
+        geometry = fused_geometry(plan)
+        consts.update({"FUSED_O_BLOCKS": geometry.blocks, "FUSED_O_BLOCK_ROWS": geometry.block_rows})
     for name, value in consts.items():
         w(f"{name} = {value}")
+    if fused_o:
+        w("# fp32 buffers of a fused_o build beyond the plan's (the runtime allocates them): name -> shape")
+        w(f"EXTRA_BUFFERS = {{'o_mid': (1, {d.hidden}), 'o_part': ({d.n_kv_heads}, {d.hidden})}}")
     w(f"EPS = {d.eps!r}")
     w(f"ATTN_SCALE = {d.attn_scale!r}")
     if d.embed_scale != 1.0:
@@ -616,11 +639,19 @@ def _stage(w: _Writer, plan: Plan, stage: Stage, indent: int, layer_var, clocks:
         if clocks:
             _timeline_store(w, indent, True, clocks.pop(0), options.clock_every_cta)
 
+    fused = options.fused_o and stage.scope == "layer"
+    if fused and stage.name == "o_residual":
+        return  # emitted inside the attention stage's interval (_fused_attention_stages)
+    if fused and stage.kind == "attention":
+        _fused_attention_stages(w, plan, stage, indent, layer_var, options)
+        return
     prefix = "layer[*]." if stage.scope == "layer" else ""
     w.begin(_entry(plan, stage, layer_var, "barrier_interval", f"{prefix}{stage.name}"))
     w(f"# ---- stage {stage.index}: {stage.name} ({stage.scope}) ----", indent)
     calls = _body_calls(plan, stage, options.merge_preload, options.spread_merge, options.fold_splits,
                         options.mma_attention, options.mma_schedule)
+    if fused:
+        calls = _fused_o_calls(plan, stage, calls)
     previous = next((s for s in plan.stages if s.index == stage.index - 1), None)
     if options.spread_merge and previous is not None and previous.kind == "attention" and kv_splits(plan):
         w(f"bodies.split_kv_counts_reset({ATTN_COUNT}, cta, tidx, BATCH * N_KV_HEADS * HEAD_SLICES, THREADS)",
@@ -634,12 +665,107 @@ def _stage(w: _Writer, plan: Plan, stage: Stage, indent: int, layer_var, clocks:
         before = _before_barrier_calls(plan, stage, options.kv_prefetch, options.kv_prefetch_l1,
                                        options.prefetch_bytes, options.kv_prefetch_rows, options.mma_schedule)
         reads = [call for call in before if call.startswith(_BEFORE_ARRIVAL)]
-        for call in reads + ([options.arrival] if options.arrival else []) + [c for c in before if c not in reads]:
-            w(call, indent)
+        following = next((s for s in plan.stages if s.index == stage.index + 1), None)
+        if fused and following is not None and following.kind == "attention":
+            _write_fused_o_loads(w, [options.arrival] + before, indent)
+        else:
+            for call in reads + ([options.arrival] if options.arrival else []) + [c for c in before if c not in reads]:
+                w(call, indent)
         if before:
             clock()
         w(options.barrier, indent)
         clock()
+    w.end()
+
+
+# ------------------------------------------------------------------------------ fused_o builds (codegen.fused)
+_O_RING_PREFILL = "bodies.gemv_ring_prefill(w_o["
+
+
+def _write_fused_o_loads(w: _Writer, calls: list[str], indent: int) -> None:
+    """The calls between the arrival after the QKV projection and its wait, in a ``fused_o`` build: a fused step
+    copies its W_O block into the ring's shared memory (``bodies.fused_o_load``) instead of the O projection's
+    ring fill, which the other steps keep."""
+    load = ("bodies.fused_o_load(w_o[layer, None, None], s_ring, cta, tidx, N_HEADS, N_KV_HEADS, HEAD_DIM, HIDDEN, "
+            "FUSED_O_BLOCKS, FUSED_O_BLOCK_ROWS, THREADS)")
+    prefill = [call for call in calls if call.startswith(_O_RING_PREFILL)]
+    for call in calls:
+        if call.startswith(_O_RING_PREFILL):
+            continue
+        w(call, indent)
+    w("if fo == 1:", indent)
+    w(load, indent + 1)
+    if prefill:
+        w("else:", indent)
+        for call in prefill:
+            w(call, indent + 1)
+
+
+def _fused_o_calls(plan: Plan, stage: Stage, calls: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """A ``fused_o`` build's body calls of the gate/up and down stages: the gate/up staging adds the fused step's
+    O partials to x and stores that residual in ``o_mid`` (``bodies.rmsnorm_partials_to_smem``); the down
+    projection adds its output to ``o_mid`` into x (written as its bias: the same sum, the same bits)."""
+    if stage.name == "norm_gate_up":
+        slot = norm_slot(spec_of(stage, plan).vector.norm_role, plan)
+        staging = ("rmsnorm_partials_to_smem",
+                   f"bodies.rmsnorm_partials_to_smem(x, o_mid, o_part, norms[layer, {slot}, None], s_vec, s_red, cta, "
+                   "tidx, fo, N_KV_HEADS, HIDDEN, CTAS, THREADS, EPS)")
+        return [staging] + calls[1:]
+    if stage.name == "down_residual":
+        spec = spec_of(stage, plan)
+        gemv = spec.gemv
+        rows, cols = DIMENSION_CONSTANTS[gemv.rows], DIMENSION_CONSTANTS[gemv.cols]
+        down = _gemv(f"{gemv.weight}[layer, None, None]", gemv.out, rows, cols, stage, False, bias_row="o_mid[0, None]")
+        return [calls[0], (calls[1][0], down)] + calls[2:]
+    return calls
+
+
+def _fused_attention_stages(w: _Writer, plan: Plan, attention: Stage, indent: int, layer_var,
+                            options: BuildOptions) -> None:
+    """The attention stage of a ``fused_o`` build and, in steps of more than one split (``fo == 0``), the O
+    projection's stage after it, as the default build runs them; a fused step (``fo == 1``) runs
+    ``bodies.fused_attention_o`` and goes on to the gate/up GEMV's ring fill after one arrival."""
+    o_stage = next(s for s in plan.stages if s.scope == "layer" and s.name == "o_residual")
+    w.begin(_entry(plan, attention, layer_var, "barrier_interval", f"layer[*].{attention.name}"))
+    w(f"# ---- stage {attention.index}: {attention.name} ({attention.scope}); with {o_stage.name} where fo == 1 ----",
+      indent)
+    norms = "qk_norms[layer, None, None]" if plan.has_head_norms else "qkv"
+    if plan.dims.whole_qk_norm:
+        norms = "qk_norms[layer, None]"
+    fused_call = (f"bodies.fused_attention_o(qkv, {norms}, {_rope_arguments(plan)}, k_cache[layer, None, None, None, "
+                  f"None], v_cache[layer, None, None, None, None], s_ring, o_part, pos, {_first_key(plan)}, s_att, cta, "
+                  f"tidx, N_HEADS, N_KV_HEADS, HEAD_DIM, THREADS, ATTN_SCALE, {plan.has_head_norms}, EPS, ATT_UNROLL, "
+                  f"{'ROTARY_DIM' if plan.dims.rotary_dim else 'HEAD_DIM'}, {plan.dims.whole_qk_norm}, KV_PIPELINE, "
+                  f"{options.mma_attention}, HIDDEN, FUSED_O_BLOCKS, FUSED_O_BLOCK_ROWS)")
+    body, call = _body_calls(plan, attention, options.merge_preload, options.spread_merge, options.fold_splits,
+                             options.mma_attention, options.mma_schedule)[0]
+    w("if fo == 1:", indent)
+    w.begin(_entry(plan, attention, layer_var, "body_call", "layer[*].attention.fused_attention_o"))
+    w(fused_call, indent + 1)
+    w.end()
+    w("else:", indent)
+    w.begin(_entry(plan, attention, layer_var, "body_call", f"layer[*].attention.{body}"))
+    w(call, indent + 1)
+    w.end()
+    w(options.arrival, indent)
+    w("if fo == 0:", indent)
+    for call in _before_barrier_calls(plan, attention, options.kv_prefetch, options.kv_prefetch_l1,
+                                      options.prefetch_bytes, options.kv_prefetch_rows, options.mma_schedule):
+        w(call, indent + 1)
+    w(options.barrier, indent + 1)
+    w.end()
+    w.begin(_entry(plan, o_stage, layer_var, "barrier_interval", f"layer[*].{o_stage.name}"))
+    w(f"# ---- stage {o_stage.index}: {o_stage.name} ({o_stage.scope}); only where fo == 0 ----", indent + 1)
+    for body, call in _body_calls(plan, o_stage, options.merge_preload, options.spread_merge, options.fold_splits,
+                                  options.mma_attention, options.mma_schedule):
+        w.begin(_entry(plan, o_stage, layer_var, "body_call", f"layer[*].{o_stage.name}.{body}"))
+        w(call, indent + 1)
+        w.end()
+    w(options.arrival, indent + 1)
+    for call in _before_barrier_calls(plan, o_stage, options.kv_prefetch, options.kv_prefetch_l1,
+                                      options.prefetch_bytes, options.kv_prefetch_rows, options.mma_schedule):
+        w(call, indent)
+    w(options.barrier, indent)
     w.end()
 
 
@@ -668,7 +794,7 @@ def _phase_timed_stages(w: _Writer, plan: Plan, prologue: list[Stage], per_layer
 
 
 def _gemv(weight: str, out: str, rows: str, cols: str, stage: Stage, accumulate: bool, bias: str | None = None,
-          gated: int = 0) -> str:
+          gated: int = 0, bias_row: str | None = None) -> str:
     if stage.tiling.mma:
         bias_arg = f"{bias}[layer, None]" if bias else out  # out: an unused stand-in when there is no bias
         part = "s_part" if stage.tiling.mma > 1 else "s_att"  # s_att: an unused stand-in when nothing splits
@@ -678,6 +804,8 @@ def _gemv(weight: str, out: str, rows: str, cols: str, stage: Stage, accumulate:
     args = (f"{out}, {_warp_index(stage)}, lane, TOTAL_WARPS, {rows}, {cols}, BATCH, ROWS_PER_TILE[{stage.name!r}], "
             f"{accumulate}, GEMV_UNROLL[{stage.name!r}]")
     bias_arg = f"{bias}[layer, None]" if bias else out  # out: an unused stand-in when there is no bias
+    if bias_row:  # a row of its own (fused_o: the down projection's residual o_mid), added as the bias is
+        bias, bias_arg = bias_row, bias_row
     if stage.tiling.stages:  # the cp.async ring; gated: the gate/up stage's gated write (+ringS+gated)
         return (f"bodies.gemv_rows_streamed({weight}, {_RING}, {bias_arg}, s_vec, {args}, {bool(bias)}, "
                 f"{stage.tiling.stages}, {stage.tiling.preload}, {gated})")
@@ -690,7 +818,7 @@ def _gemv(weight: str, out: str, rows: str, cols: str, stage: Stage, accumulate:
     if gated:  # +gated on the plain register tiling (the plan refuses it with +pipeline or a register preload)
         return f"bodies.gemv_rows_gated({weight}, {bias_arg}, s_vec, {args}, {bool(bias)}, {gated})"
     if bias:
-        return f"bodies.gemv_rows_bias({weight}, {bias}[layer, None], s_vec, {args})"
+        return f"bodies.gemv_rows_bias({weight}, {bias_arg}, s_vec, {args})"
     return f"bodies.gemv_rows({weight}, s_vec, {args})"
 
 

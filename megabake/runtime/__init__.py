@@ -182,10 +182,10 @@ class MegakernelDecoder:
         self._next_row = 0
         self._greedy_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._greedy_ids: torch.Tensor | None = None
-        from .compile import load_module
+        from .compile import extra_buffers, load_module
 
         self.module = load_module(self.module_source)
-        for buf in plan.buffers:
+        for buf in plan.buffers + extra_buffers(self.module):
             if buf.name not in self.buffers:
                 shape = list(buf.shape)
                 if buf.name == "barrier":  # timeline / watchdog builds store clocks or arrivals after the counter

@@ -83,9 +83,18 @@ def load_module(source: str | Path, name: str | None = None) -> types.ModuleType
     return module
 
 
+def extra_buffers(module) -> list:
+    """The fp32 workspace buffers a module declares beyond its plan's (``EXTRA_BUFFERS``, name -> shape: a
+    ``generate(plan, fused_o=True)`` build's ``o_mid`` and ``o_part``), as plan buffers; none for other builds."""
+    from ..plan import Buffer
+
+    return [Buffer(name, "workspace", "float32", list(shape))
+            for name, shape in getattr(module, "EXTRA_BUFFERS", {}).items()]
+
+
 def argument_buffers(plan: Plan, module) -> list:
     """Plan buffers in kernel-parameter order (an untied LM head falls back to the embedding)."""
-    names = {b.name: b for b in plan.buffers}
+    names = {b.name: b for b in plan.buffers + extra_buffers(module)}
     out = []
     for arg in module.ARGUMENTS:
         out.append(names.get(arg) or names["embed"])

@@ -497,6 +497,87 @@ def split_kv_attention(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Te
                                     merge_above, mma_attention)
 
 
+def _item_scratch(s_att: cute.Tensor, heads: int, head_dim: int, warps: int):
+    """(s_q, s_inv, s_flag, s_part) of a split-KV work item of ``heads`` query heads inside the attention scratch
+    ``s_att`` (layout: :func:`_split_kv_items`). Plain Python, run while the calling body is traced."""
+    s_q = cute.make_tensor(s_att.iterator, cute.make_layout(heads * head_dim))
+    s_inv = cute.make_tensor(s_att.iterator + heads * head_dim, cute.make_layout(heads + 1))
+    s_flag = cute.make_tensor(s_att.iterator + heads * head_dim + 8 * ((heads + 8) // 8), cute.make_layout(1))
+    s_part = cute.make_tensor(s_att.iterator + heads * head_dim + 8 * ((heads + 8) // 8) + 8,
+                              cute.make_layout((head_dim + 2, heads, warps)))
+    return s_q, s_inv, s_flag, s_part
+
+
+@cute.jit
+def _item_warp_partials(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Tensor, rope_sin: cute.Tensor,
+                        k_cache: cute.Tensor, v_cache: cute.Tensor, s_att: cute.Tensor, b: Int32, kvh: Int32,
+                        vkvh: Int32, pos: Int32, start: Int32, end: Int32, tidx: Int32,
+                        n_heads: cutlass.Constexpr[int], n_kv_heads: cutlass.Constexpr[int],
+                        head_dim: cutlass.Constexpr[int], threads: cutlass.Constexpr[int],
+                        scale: cutlass.Constexpr[float], has_qk_norm: cutlass.Constexpr[bool],
+                        eps: cutlass.Constexpr[float], unroll: cutlass.Constexpr[int],
+                        rotary_dim: cutlass.Constexpr[int], whole_qk_norm: cutlass.Constexpr[bool],
+                        heads: cutlass.Constexpr[int], kv_pipeline: cutlass.Constexpr[bool],
+                        mma_attention: cutlass.Constexpr[bool]):
+    """One work item up to its warps' partials: the ``heads`` query heads from ``vkvh x heads`` of KV head ``kvh``
+    of sequence ``b`` roped into ``s_q`` (and this step's key and value appended where ``end`` is ``pos + 1``),
+    keys [start, end) scored on the lane-group loop or, for ``mma_attention`` items that fit, the tensor cores,
+    and each warp's (accumulator, max, sum) per head left in ``s_part`` (:func:`_item_scratch`), then ``bar.sync``.
+    Shared by :func:`_split_kv_items` and :func:`fused_attention_o`."""
+    warps = threads // WARP
+    lane = tidx % WARP
+    warp = tidx // WARP
+    lanes_per_pos = head_dim // VEC
+    lane_slots = 1 << (lanes_per_pos - 1).bit_length()  # a lane group: lanes_per_pos padded to a power of two
+    pos_per_warp = WARP // lane_slots
+    grp = lane // lane_slots
+    sub = lane - grp * lane_slots
+    stride = warps * pos_per_warp
+    writer = grp  # lane group 0 writes the warp's merged partial (not its spare lanes, if any)
+    if cutlass.const_expr(lane_slots != lanes_per_pos):
+        if sub >= lanes_per_pos:
+            writer = Int32(1)
+    s_q, s_inv, s_flag, s_part = _item_scratch(s_att, heads, head_dim, warps)
+    m = cute.make_rmem_tensor(cute.make_layout(heads), Float32)
+    l = cute.make_rmem_tensor(cute.make_layout(heads), Float32)
+    acc = cute.make_rmem_tensor(cute.make_layout(heads * VEC), Float32)
+    other = cute.make_rmem_tensor(cute.make_layout(VEC), Float32)
+    owns_new = Int32(0)
+    if end == pos + 1:
+        owns_new = Int32(1)
+    _rope_group(qkv, qk_norm, rope_cos, rope_sin, k_cache, v_cache, s_q, s_inv, b, kvh, vkvh * heads, pos,
+                owns_new, tidx, n_heads, n_kv_heads, head_dim, threads, scale, has_qk_norm, eps, rotary_dim,
+                whole_qk_norm, heads)
+    if cutlass.const_expr(mma_attention and mma_attention_fits(heads, head_dim)):
+        _mma_softmax_chunk(k_cache[b, kvh, None, None], v_cache[b, kvh, None, None], s_q, s_part, start,
+                           end, warp, lane, heads, head_dim, warps)
+    else:
+        for h in cutlass.range_constexpr(heads):
+            m[h] = Float32(ATT_NEG)
+            l[h] = Float32(0.0)
+        for e in cutlass.range_constexpr(heads * VEC):
+            acc[e] = Float32(0.0)
+        _online_softmax_chunk(k_cache[b, kvh, None, None], v_cache[b, kvh, None, None], s_q, m, l, acc,
+                              start + warp * pos_per_warp, end, grp, sub, heads, lanes_per_pos, stride,
+                              unroll, kv_pipeline)
+        for h in cutlass.range_constexpr(heads):  # lane groups of a warp: butterfly merge
+            offset = lane_slots
+            while cutlass.const_expr(offset < WARP):
+                m_o = cute.arch.shuffle_sync_bfly(m[h], offset)
+                l_o = cute.arch.shuffle_sync_bfly(l[h], offset)
+                for e in cutlass.range_constexpr(VEC):
+                    other[e] = cute.arch.shuffle_sync_bfly(acc[h * VEC + e], offset)
+                _merge_into(m, l, acc, h, m_o, l_o, other)
+                offset *= 2
+            if writer == 0:
+                for e in cutlass.range_constexpr(VEC):
+                    s_part[sub * VEC + e, h, warp] = acc[h * VEC + e]
+                if sub == 0:
+                    s_part[head_dim, h, warp] = m[h]
+                    s_part[head_dim + 1, h, warp] = l[h]
+    cute.arch.sync_threads()
+
+
 @cute.jit
 def _split_kv_items(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Tensor, rope_sin: cute.Tensor,
                     k_cache: cute.Tensor, v_cache: cute.Tensor, attn: cute.Tensor, part: cute.Tensor,
@@ -529,32 +610,11 @@ def _split_kv_items(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Tenso
     for a whole group.
     """
     warps = threads // WARP
-    lane = tidx % WARP
-    warp = tidx // WARP
-    lanes_per_pos = head_dim // VEC
-    lane_slots = 1 << (lanes_per_pos - 1).bit_length()  # a lane group: lanes_per_pos padded to a power of two
-    pos_per_warp = WARP // lane_slots
-    grp = lane // lane_slots
-    sub = lane - grp * lane_slots
-    stride = warps * pos_per_warp
-    writer = grp  # lane group 0 writes the warp's merged partial (not its spare lanes, if any)
-    if cutlass.const_expr(lane_slots != lanes_per_pos):
-        if sub >= lanes_per_pos:
-            writer = Int32(1)
-    width = head_dim + 2
     groups = batch * n_kv_heads
     virtual_groups = groups * slices
-    s_q = cute.make_tensor(s_att.iterator, cute.make_layout(heads * head_dim))
-    s_inv = cute.make_tensor(s_att.iterator + heads * head_dim, cute.make_layout(heads + 1))
-    s_flag = cute.make_tensor(s_att.iterator + heads * head_dim + 8 * ((heads + 8) // 8), cute.make_layout(1))
-    s_part = cute.make_tensor(s_att.iterator + heads * head_dim + 8 * ((heads + 8) // 8) + 8,
-                              cute.make_layout((width, heads, warps)))
+    s_q, s_inv, s_flag, s_part = _item_scratch(s_att, heads, head_dim, warps)
     s_weight = cute.make_tensor(s_part.iterator, cute.make_layout((heads, splits)))  # reuses s_part when merging
     n = pos + 1
-    m = cute.make_rmem_tensor(cute.make_layout(heads), Float32)
-    l = cute.make_rmem_tensor(cute.make_layout(heads), Float32)
-    acc = cute.make_rmem_tensor(cute.make_layout(heads * VEC), Float32)
-    other = cute.make_rmem_tensor(cute.make_layout(VEC), Float32)
     for item in range(cta, groups * splits, ctas):
         split = item // virtual_groups
         vg = item - split * virtual_groups  # (batch, KV head, slice)
@@ -565,40 +625,9 @@ def _split_kv_items(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Tenso
             vkvh = vg - b * n_kv_heads * slices  # kvh x slices + slice: the slice's heads start at vkvh x heads
             start = first_key + split * chunk
             end = cutlass.min(start + chunk, n)
-            owns_new = Int32(0)
-            if end == n:
-                owns_new = Int32(1)
-            _rope_group(qkv, qk_norm, rope_cos, rope_sin, k_cache, v_cache, s_q, s_inv, b, kvh, vkvh * heads, pos,
-                        owns_new, tidx, n_heads, n_kv_heads, head_dim, threads, scale, has_qk_norm, eps, rotary_dim,
-                        whole_qk_norm, heads)
-            if cutlass.const_expr(mma_attention and mma_attention_fits(heads, head_dim)):
-                _mma_softmax_chunk(k_cache[b, kvh, None, None], v_cache[b, kvh, None, None], s_q, s_part, start,
-                                   end, warp, lane, heads, head_dim, warps)
-            else:
-                for h in cutlass.range_constexpr(heads):
-                    m[h] = Float32(ATT_NEG)
-                    l[h] = Float32(0.0)
-                for e in cutlass.range_constexpr(heads * VEC):
-                    acc[e] = Float32(0.0)
-                _online_softmax_chunk(k_cache[b, kvh, None, None], v_cache[b, kvh, None, None], s_q, m, l, acc,
-                                      start + warp * pos_per_warp, end, grp, sub, heads, lanes_per_pos, stride,
-                                      unroll, kv_pipeline)
-                for h in cutlass.range_constexpr(heads):  # lane groups of a warp: butterfly merge
-                    offset = lane_slots
-                    while cutlass.const_expr(offset < WARP):
-                        m_o = cute.arch.shuffle_sync_bfly(m[h], offset)
-                        l_o = cute.arch.shuffle_sync_bfly(l[h], offset)
-                        for e in cutlass.range_constexpr(VEC):
-                            other[e] = cute.arch.shuffle_sync_bfly(acc[h * VEC + e], offset)
-                        _merge_into(m, l, acc, h, m_o, l_o, other)
-                        offset *= 2
-                    if writer == 0:
-                        for e in cutlass.range_constexpr(VEC):
-                            s_part[sub * VEC + e, h, warp] = acc[h * VEC + e]
-                        if sub == 0:
-                            s_part[head_dim, h, warp] = m[h]
-                            s_part[head_dim + 1, h, warp] = l[h]
-            cute.arch.sync_threads()
+            _item_warp_partials(qkv, qk_norm, rope_cos, rope_sin, k_cache, v_cache, s_att, b, kvh, vkvh, pos, start,
+                                end, tidx, n_heads, n_kv_heads, head_dim, threads, scale, has_qk_norm, eps, unroll,
+                                rotary_dim, whole_qk_norm, heads, kv_pipeline, mma_attention)
             for i in range(tidx, heads * head_dim, threads):  # warps: merge, then output or partial
                 h = i // head_dim
                 d = i - h * head_dim
@@ -883,3 +912,124 @@ def merge_splits_to_smem(attn: cute.Tensor, part: cute.Tensor, s_vec: cute.Tenso
                 elif idx < nvec:
                     _stage_store(s_vec, b, idx, out.load())
         cute.arch.sync_threads()
+
+
+# Attention and the O projection in one interval at short contexts (``generate(plan, fused_o=True)``, a candidate
+# since session 34). A step whose attention is one split (every position in one chunk) skips the O-projection
+# stage and its grid barrier: CTA c takes KV group c % groups (whole groups, on the tensor cores where they fit:
+# :func:`_item_warp_partials`, the same arithmetic as a one-split item) and row block c // groups of W_O. Every
+# CTA of a group computes that group's attention (the same few cached rows from L2; the CTAs holding row block 0
+# alone would otherwise idle the rest), then its rows of W_O[:, group's columns] @ attention into
+# ``o_part[group, row]``, the W_O block streamed into shared memory (the idle cp.async ring) while the grid met
+# after the QKV projection. The next stage's staging sums x + o_part[0] + o_part[1] + ... in that order
+# (:func:`rmsnorm_partials_to_smem`, which also stores that residual in ``o_mid``) and the down projection adds
+# its output to ``o_mid``. Steps of more splits run the stages as before (same bits as the default build); a
+# fused step's logits differ from them by the fp32 order of the O projection's sums.
+@cute.jit
+def fused_o_step(pos: Int32, first_key: Int32, splits: cutlass.Constexpr[int], min_chunk: cutlass.Constexpr[int],
+                 quantum: cutlass.Constexpr[int], head_slices: cutlass.Constexpr[int],
+                 long_slices: cutlass.Constexpr[bool]) -> Int32:
+    """1 where this step's split-KV attention is one split (:func:`split_schedule`), so a ``fused_o`` build runs
+    attention and the O projection in one interval; 0 otherwise. Every CTA computes the same value."""
+    chunk, active, slices = split_schedule(pos + 1 - first_key, splits, min_chunk, quantum, head_slices, long_slices)
+    fused = Int32(0)
+    if active == 1:
+        fused = Int32(1)
+    return fused
+
+
+@cute.jit
+def fused_o_load(w_o: cute.Tensor, s_ring: cute.Tensor, cta: Int32, tidx: Int32, n_heads: cutlass.Constexpr[int],
+                 n_kv_heads: cutlass.Constexpr[int], head_dim: cutlass.Constexpr[int],
+                 hidden: cutlass.Constexpr[int], blocks: cutlass.Constexpr[int],
+                 block_rows: cutlass.Constexpr[int], threads: cutlass.Constexpr[int]):
+    """Issued before the grid barrier that precedes a fused step's attention: cp.async this CTA's block of the
+    layer's O projection (rows ``block x block_rows`` on, its KV group's columns) into the shared memory of the
+    cp.async ring (idle until the gate/up GEMV's fill), as [block_rows, group x head_dim] bf16; one committed group,
+    which :func:`fused_attention_o` waits for."""
+    cols = (n_heads // n_kv_heads) * head_dim
+    vecs = cols // VEC
+    group = cta % n_kv_heads
+    block = cta // n_kv_heads
+    if block < blocks:
+        s_wo = cute.make_tensor(s_ring.iterator, cute.make_layout((block_rows, cols), stride=(cols, 1)))
+        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), w_o.element_type,
+                                   num_bits_per_copy=128)
+        for i in range(tidx, block_rows * vecs, threads):
+            r = i // vecs
+            v = i - r * vecs
+            row = cutlass.min(block * block_rows + r, hidden - 1)
+            cute.copy(atom, cute.zipped_divide(w_o[row, None], (VEC,))[(None, group * vecs + v)],
+                      cute.zipped_divide(s_wo[r, None], (VEC,))[(None, v)])
+    cute.arch.cp_async_commit_group()
+
+
+FUSED_O_ROWS = 4  # W_O rows a warp reduces at once in fused_attention_o (independent sums in flight)
+
+
+@cute.jit
+def fused_attention_o(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Tensor, rope_sin: cute.Tensor,
+                      k_cache: cute.Tensor, v_cache: cute.Tensor, s_ring: cute.Tensor, o_part: cute.Tensor,
+                      pos: Int32, first_key: Int32, s_att: cute.Tensor, cta: Int32, tidx: Int32,
+                      n_heads: cutlass.Constexpr[int], n_kv_heads: cutlass.Constexpr[int],
+                      head_dim: cutlass.Constexpr[int], threads: cutlass.Constexpr[int],
+                      scale: cutlass.Constexpr[float], has_qk_norm: cutlass.Constexpr[bool],
+                      eps: cutlass.Constexpr[float], unroll: cutlass.Constexpr[int],
+                      rotary_dim: cutlass.Constexpr[int], whole_qk_norm: cutlass.Constexpr[bool],
+                      kv_pipeline: cutlass.Constexpr[bool], mma_attention: cutlass.Constexpr[bool],
+                      hidden: cutlass.Constexpr[int], blocks: cutlass.Constexpr[int],
+                      block_rows: cutlass.Constexpr[int]):
+    """A fused step's attention and O projection (batch 1; module comment above :func:`fused_o_step`): this CTA's
+    KV group over positions [first_key, pos] (this step's key and value appended, by every CTA of the group, the
+    same bits), normalised into ``s_q``, then ``o_part[group, r] = sum_c W_O[r, c] * attention[c]`` over the
+    group's columns for the rows of its block, from the block :func:`fused_o_load` put in shared memory."""
+    warps = threads // WARP
+    lane = tidx % WARP
+    warp = tidx // WARP
+    heads = n_heads // n_kv_heads
+    cols = heads * head_dim
+    vecs = cols // VEC
+    group = cta % n_kv_heads
+    block = cta // n_kv_heads
+    if block < blocks:
+        _item_warp_partials(qkv, qk_norm, rope_cos, rope_sin, k_cache, v_cache, s_att, 0, group, group, pos,
+                            first_key, pos + 1, tidx, n_heads, n_kv_heads, head_dim, threads, scale, has_qk_norm, eps,
+                            unroll, rotary_dim, whole_qk_norm, heads, kv_pipeline, mma_attention)
+        s_q, s_inv, s_flag, s_part = _item_scratch(s_att, heads, head_dim, warps)
+        for i in range(tidx, cols, threads):  # warps' partials merged, normalised into s_q (read no more)
+            h = i // head_dim
+            d = i - h * head_dim
+            top = s_part[head_dim, h, 0]
+            for w in cutlass.range_constexpr(1, warps):
+                top = cute.arch.fmax(top, s_part[head_dim, h, w])
+            total = Float32(0.0)
+            out = Float32(0.0)
+            for w in cutlass.range_constexpr(warps):
+                weight = cute.math.exp(s_part[head_dim, h, w] - top)
+                total = total + s_part[head_dim + 1, h, w] * weight
+                out = out + s_part[d, h, w] * weight
+            s_q[i] = out / total
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.sync_threads()
+        s_wo = cute.make_tensor(s_ring.iterator, cute.make_layout((block_rows, cols), stride=(cols, 1)))
+        sums = cute.make_rmem_tensor(cute.make_layout(FUSED_O_ROWS), Float32)
+        for r0 in range(warp * FUSED_O_ROWS, block_rows, warps * FUSED_O_ROWS):
+            for k in cutlass.range_constexpr(FUSED_O_ROWS):
+                sums[k] = Float32(0.0)
+            for v0 in cutlass.range_constexpr(0, vecs, WARP):
+                v = v0 + lane
+                if v < vecs:
+                    av = cute.zipped_divide(s_q, (VEC,))[(None, cutlass.min(v, vecs - 1))].load()
+                    for k in cutlass.range_constexpr(FUSED_O_ROWS):
+                        r = cutlass.min(r0 + k, block_rows - 1)
+                        wv = cute.zipped_divide(s_wo[r, None], (VEC,))[(None, cutlass.min(v, vecs - 1))].load()
+                        sums[k] = sums[k] + (wv.to(Float32) * av).reduce(cute.ReductionOp.ADD, Float32(0.0),
+                                                                         reduction_profile=0)
+            for k in cutlass.range_constexpr(FUSED_O_ROWS):
+                total = cute.arch.warp_reduction_sum(sums[k])
+                row = block * block_rows + r0 + k
+                if lane == 0 and r0 + k < block_rows and row < hidden:
+                    o_part[group, row] = total
+        cute.arch.sync_threads()  # s_q and the W_O block are read: the next stage's ring fill may overwrite them
+    else:
+        cute.arch.cp_async_wait_group(0)

@@ -273,3 +273,53 @@ def residual_norm_to_smem(x: cute.Tensor, delta: cute.Tensor, post_weight: cute.
                         _f32_vec(out[b, None], idx).store(residuals[b][j])
     cute.arch.sync_threads()
 
+
+
+@cute.jit
+def rmsnorm_partials_to_smem(x: cute.Tensor, o_mid: cute.Tensor, o_part: cute.Tensor, weight: cute.Tensor,
+                             s_vec: cute.Tensor, s_red: cute.Tensor, cta: Int32, tidx: Int32, fused: Int32,
+                             parts: cutlass.Constexpr[int], hidden: cutlass.Constexpr[int],
+                             ctas: cutlass.Constexpr[int], threads: cutlass.Constexpr[int],
+                             eps: cutlass.Constexpr[float]):
+    """The staging after a ``fused_o`` build's attention (batch 1): the residual r = x + o_part[0] + ... +
+    o_part[parts - 1] (in that order) where ``fused`` is 1, else x; every CTA stages rmsnorm(r) * weight as
+    :func:`rmsnorm_to_smem` does, and the CTA that owns each 4-float vector (vector index mod ``ctas``) stores r
+    in ``o_mid``, which the down projection then adds its output to (x itself is still read by other CTAs)."""
+    warps = threads // WARP
+    lane = tidx % WARP
+    warp = tidx // WARP
+    nvec = hidden // F32_VEC
+    slots = (nvec + threads - 1) // threads
+    values = cute.make_rmem_tensor(cute.make_layout(F32_VEC * slots), Float32)
+    for j in cutlass.range_constexpr(slots):
+        _f32_vec(values, j).store(_f32_vec(x[0, None], cutlass.min(tidx + j * threads, nvec - 1)).load())
+    if fused == 1:
+        for p in cutlass.range_constexpr(parts):
+            for j in cutlass.range_constexpr(slots):
+                _f32_vec(values, j).store(_f32_vec(values, j).load() +
+                                          _f32_vec(o_part[p, None], cutlass.min(tidx + j * threads, nvec - 1)).load())
+    scales = []
+    for j in cutlass.range_constexpr(slots):
+        scales.append(_f32_vec(weight, cutlass.min(tidx + j * threads, nvec - 1)).load())
+    partial = Float32(0.0)
+    for j in cutlass.range_constexpr(slots):
+        row = _f32_vec(values, j).load()
+        square = (row * row).reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
+        idx = tidx + j * threads
+        if idx < nvec:
+            partial = partial + square
+            if idx % ctas == cta:
+                _f32_vec(o_mid[0, None], idx).store(row)
+    partial = cute.arch.warp_reduction_sum(partial)
+    if lane == 0:
+        s_red[warp] = partial
+    cute.arch.sync_threads()
+    total = Float32(0.0)
+    for w in cutlass.range_constexpr(warps):
+        total = total + s_red[w]
+    inv = cute.math.rsqrt(total * (1.0 / hidden) + eps)
+    for j in cutlass.range_constexpr(slots):
+        idx = tidx + j * threads
+        if idx < nvec:
+            _stage_store(s_vec, 0, idx, _f32_vec(values, j).load() * inv * scales[j])
+    cute.arch.sync_threads()

@@ -1,0 +1,97 @@
+"""The ``fused_o`` build (session 34 candidate, ``megabake.codegen.fused``): where it applies, its geometry, what it
+emits, and a CuTe DSL compile for sm_90a (no GPU). Its numerics run on the H200: tests/test_fused_o_gpu.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from megabake.codegen import generate
+from megabake.codegen.fused import FUSED_O_BUFFERS, fused_geometry, fused_o_refusal
+from megabake.runtime.compile import argument_buffers, compile_check, extra_buffers, load_module
+from tests.compiler_fixtures import compile_preset
+
+# batch-1 pre-norm presets whose W_O block fits the ring (the four with short-context targets among them)
+FUSED_PRESETS = ["smollm-135m", "qwen2.5-0.5b", "qwen3-0.6b", "llama-3.2-1b", "smollm-1.7b", "granite-3.1-2b"]
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    return compile_preset("smollm-135m", layers=2, vocab=4096, capacity=2048)
+
+
+@pytest.mark.parametrize("preset", FUSED_PRESETS)
+def test_fused_geometry_covers_every_row_and_fits_the_ring(preset):
+    """Every W_O row has a block in every KV group's CTAs, the grid holds them, and a block fits the idle ring."""
+    plan = compile_preset(preset, layers=1, vocab=512, capacity=1024).plan
+    assert fused_o_refusal(plan) is None
+    geometry = fused_geometry(plan)
+    assert geometry.blocks * plan.dims.n_kv_heads <= plan.ctas
+    assert geometry.blocks * geometry.block_rows >= plan.dims.hidden
+    assert (geometry.blocks - 1) * geometry.block_rows < plan.dims.hidden  # no block wholly past the last row
+    assert geometry.cols == plan.dims.n_heads // plan.dims.n_kv_heads * plan.dims.head_dim
+    assert geometry.block_bytes <= geometry.ring_bytes
+
+
+def test_fused_o_module_declares_its_buffers_and_keeps_the_split_path(smollm):
+    """The fused build passes o_mid and o_part (fp32, declared in EXTRA_BUFFERS for the runtime and the compile
+    check), runs the default build's attention and O-projection calls where a step is split (fo == 0), and adds
+    the down projection's output to o_mid (the residual after attention) instead of accumulating into x."""
+    plan = smollm.plan
+    source = generate(plan, fused_o=True).source
+    module = load_module(source)
+    assert module.ARGUMENTS[-2:] == list(FUSED_O_BUFFERS)
+    buffers = {b.name: b for b in extra_buffers(module)}
+    assert buffers["o_mid"].shape == [1, plan.dims.hidden] and buffers["o_part"].shape == [plan.dims.n_kv_heads,
+                                                                                           plan.dims.hidden]
+    assert all(b.dtype == "float32" for b in buffers.values())
+    assert [b.name for b in argument_buffers(plan, module)][-2:] == ["o_mid", "o_part"]
+    kernel = source.split("# ====")[0]
+    default_kernel = generate(plan).source.split("# ====")[0]
+    for call in ("bodies.split_kv_attention(", "bodies.merge_splits_to_smem(", "bodies.fused_attention_o(",
+                 "bodies.fused_o_load(", "bodies.rmsnorm_partials_to_smem("):
+        assert call in kernel, call
+    assert "fo = bodies.fused_o_step(" in kernel and kernel.count("if fo == 0:") == 1
+    assert "bias=o_mid[0, None]" in kernel and "has_bias=True" in kernel
+    # the split path's calls are the default build's, in order, but the gate/up stage's staging (the per-layer
+    # RMSNorm between the layer's input norm and the final norm)
+    called = [line.strip().split("(")[0] for line in default_kernel.splitlines() if line.strip().startswith("bodies.")]
+    fused_called = [line.strip().split("(")[0] for line in kernel.splitlines() if line.strip().startswith("bodies.")]
+    norms = [i for i, name in enumerate(called) if name == "bodies.rmsnorm_to_smem"]
+    assert len(norms) == 3
+    called[norms[1]] = "bodies.rmsnorm_partials_to_smem"
+    assert [name for name in fused_called if name not in ("bodies.fused_o_load", "bodies.fused_attention_o")] == called
+    # the O projection's ring fill stays on the split path only
+    lines = kernel.splitlines()
+    fill = next(i for i, line in enumerate(lines)
+                if "bodies.gemv_ring_prefill(" in line and "weight=w_o[" in " ".join(lines[i:i + 2]))
+    assert lines[fill - 1].strip() == "else:"
+
+
+def test_fused_o_build_compiles_for_sm90a(smollm, tmp_path):
+    result = compile_check(smollm.plan, load_module(generate(smollm.plan, fused_o=True).source),
+                           dump_dir=str(tmp_path))
+    assert result.ok, result.error
+
+
+def test_fused_o_build_compiles_with_head_norms_and_the_lane_loop(tmp_path):
+    """Qwen3-0.6B: per-head q/k norms in the fused item, whole groups of 2 heads of 128 on the lane-group loop."""
+    compiled = compile_preset("qwen3-0.6b", layers=2, vocab=4096, capacity=4096)
+    source = generate(compiled.plan, fused_o=True, mma_attention=False).source
+    result = compile_check(compiled.plan, load_module(source), dump_dir=str(tmp_path))
+    assert result.ok, result.error
+
+
+@pytest.mark.parametrize("preset,build,reason", [
+    ("smollm-135m", {"batch": 2}, "batch 1"),
+    ("olmo-2-1b", {}, "not pre-norm"),
+    ("phi-3-mini", {}, "does not fit the cp.async ring"),
+    ("smollm-135m", {"timeline": True}, "timeline"),
+    ("smollm-135m", {"watchdog": True}, "split grid barrier"),
+    ("smollm-135m", {"mma_schedule": True}, "mma_schedule"),
+])
+def test_fused_o_refuses_what_it_cannot_build(preset, build, reason):
+    batch = build.pop("batch", 1)
+    plan = compile_preset(preset, layers=1, vocab=512, capacity=1024, batch=batch).plan
+    with pytest.raises(ValueError, match="fused_o") as error:
+        generate(plan, fused_o=True, **build)
+    assert reason in str(error.value)

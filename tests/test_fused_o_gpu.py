@@ -1,0 +1,93 @@
+"""The ``fused_o`` build on the H200 (session 34 candidate, ``megabake.codegen.fused``): a step whose attention is
+one split runs it and the O projection in one barrier interval. Against the default build from one random KV cache
+and against the CPU reference executor; a second run must give the same bits (a moving result is a race)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.compiler_fixtures import compile_preset
+from tests.test_gpu_decode import _assert_steps_match, _logits_over_random_cache, _reference_for
+
+pytestmark = pytest.mark.gpu
+
+
+def _fused_and_split_positions(compiled, capacity: int) -> tuple[list[int], list[int]]:
+    """Positions near 0, at the first split boundaries, halfway and at capacity - 1, parted into the steps a fused
+    build runs fused (one split) and the rest, split steps first: a fused step's K/V carry its rounding into every
+    later step that reads them."""
+    from megabake.plan import split_schedule
+
+    tiling = next(s.tiling for s in compiled.plan.stages if s.kind == "attention")
+    candidates = sorted({0, 1, 2, 63, 64, tiling.per_tile - 1, tiling.per_tile, tiling.per_tile + 1, 700,
+                         capacity // 2, capacity - 1})
+    fused = [p for p in candidates if split_schedule(tiling, p + 1).active == 1]
+    return fused, [p for p in candidates if p not in fused]
+
+
+def _compiled(preset: str, capacity: int):
+    from megabake.runtime import gpu_info
+
+    return compile_preset(preset, layers=2, vocab=4096, capacity=capacity, ctas=gpu_info().sm_count)
+
+
+@pytest.mark.parametrize("preset,capacity", [("smollm-135m", 2048), ("qwen2.5-0.5b", 4096), ("qwen3-0.6b", 4096),
+                                             ("llama-3.2-1b", 1024)])
+def test_fused_o_gives_the_default_bits_where_split_and_fp32_order_where_fused(preset, capacity):
+    """On the lane-group loop (whole groups head by head: the same attention bits as the default's head slices),
+    split steps give the default build's bits (the O stage, o_mid as the down projection's bias: the same sums),
+    fused steps its logits to fp32 order (the O projection summed per KV group, then over groups)."""
+    compiled = _compiled(preset, capacity)
+    fused, split = _fused_and_split_positions(compiled, capacity)
+    assert fused and split
+    positions = split + fused
+    default, fused_o, again = _logits_over_random_cache(compiled, positions, 1,
+                                                        [{}, {"fused_o": True}, {"fused_o": True}])
+    assert torch.isfinite(fused_o).all() and torch.equal(again, fused_o)
+    for i, position in enumerate(positions):
+        if position in fused:
+            assert float((fused_o[i] - default[i]).norm() / default[i].norm()) < 1e-5, position
+        else:
+            assert torch.equal(fused_o[i], default[i]), position
+
+
+@pytest.mark.parametrize("preset,capacity", [("smollm-135m", 2048), ("qwen3-0.6b", 4096)])
+def test_fused_o_on_the_tensor_cores_stays_within_bf16_rounding_of_the_default(preset, capacity):
+    """The timed build: fused steps score whole KV groups on the tensor cores (bf16 query and probabilities,
+    where the default deals 1-head slices to the lane-group loop at short contexts), so their logits stay within
+    that rounding (2e-2, as the tensor cores against the lane-group loop); split steps keep the default's bits."""
+    compiled = _compiled(preset, capacity)
+    fused, split = _fused_and_split_positions(compiled, capacity)
+    positions = split + fused
+    default, fused_o, again = _logits_over_random_cache(
+        compiled, positions, 1, [{"mma_attention": True}, {"fused_o": True, "mma_attention": True},
+                                 {"fused_o": True, "mma_attention": True}])
+    assert torch.isfinite(fused_o).all() and torch.equal(again, fused_o)
+    for i, position in enumerate(positions):
+        if position in fused:
+            assert float((fused_o[i] - default[i]).norm() / default[i].norm()) < 2e-2, position
+        else:
+            assert torch.equal(fused_o[i], default[i]), position
+
+
+@pytest.mark.parametrize("preset,capacity", [("smollm-135m", 2048), ("qwen3-0.6b", 4096)])
+def test_fused_o_kernel_matches_the_reference_executor(preset, capacity):
+    """The fused build (lane-group loop) against the CPU reference executor from one random cache, fused steps
+    and split steps, at the usual tolerance (2e-3)."""
+    from megabake.codegen import generate
+    from megabake.runtime import MegakernelDecoder
+
+    compiled = _compiled(preset, capacity)
+    fused, split = _fused_and_split_positions(compiled, capacity)
+    source = generate(compiled.plan, fused_o=True, mma_attention=False).source
+    decoder = MegakernelDecoder(compiled.plan, source, compiled.model, device="cuda")
+    reference = _reference_for(compiled, decoder)
+    generator = torch.Generator().manual_seed(41)
+    for name in ("k_cache", "v_cache"):
+        cache = torch.randn(reference.buffers[name].shape, generator=generator).to(reference.buffers[name].dtype)
+        reference.buffers[name].copy_(cache)
+        decoder.buffers[name].copy_(cache.to(decoder.buffers[name].device))
+    positions = fused + split
+    tokens = torch.randint(1, compiled.plan.dims.vocab, (1, len(positions)), generator=generator)
+    _assert_steps_match(decoder, reference, tokens, positions)
