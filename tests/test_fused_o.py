@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from megabake.codegen import generate
-from megabake.codegen.fused import FUSED_O_BUFFERS, fused_geometry, fused_o_refusal
+from megabake.codegen.fused import FUSED_O_BUFFERS, fused_geometry, fused_kv_refusal, fused_o_refusal
 from megabake.runtime.compile import argument_buffers, compile_check, extra_buffers, load_module
 from tests.compiler_fixtures import compile_preset
 
@@ -30,6 +30,9 @@ def test_fused_geometry_covers_every_row_and_fits_the_ring(preset):
     assert (geometry.blocks - 1) * geometry.block_rows < plan.dims.hidden  # no block wholly past the last row
     assert geometry.cols == plan.dims.n_heads // plan.dims.n_kv_heads * plan.dims.head_dim
     assert geometry.block_bytes <= geometry.ring_bytes
+    assert fused_kv_refusal(plan) is None  # and the group's K/V rows after it
+    attention = next(s.tiling for s in plan.stages if s.kind == "attention")
+    assert geometry.kv_bytes == 2 * attention.per_tile * plan.dims.head_dim * 2
 
 
 def test_fused_o_module_declares_its_buffers_and_keeps_the_split_path(smollm):
@@ -67,9 +70,11 @@ def test_fused_o_module_declares_its_buffers_and_keeps_the_split_path(smollm):
     assert lines[fill - 1].strip() == "else:"
 
 
-def test_fused_o_build_compiles_for_sm90a(smollm, tmp_path):
-    result = compile_check(smollm.plan, load_module(generate(smollm.plan, fused_o=True).source),
-                           dump_dir=str(tmp_path))
+@pytest.mark.parametrize("build", [{}, {"fused_kv_smem": True}])
+def test_fused_o_build_compiles_for_sm90a(smollm, build, tmp_path):
+    source = generate(smollm.plan, fused_o=True, **build).source
+    assert ("FUSED_KV_SMEM = True" in source) == bool(build)
+    result = compile_check(smollm.plan, load_module(source), dump_dir=str(tmp_path))
     assert result.ok, result.error
 
 
@@ -94,4 +99,19 @@ def test_fused_o_refuses_what_it_cannot_build(preset, build, reason):
     plan = compile_preset(preset, layers=1, vocab=512, capacity=1024, batch=batch).plan
     with pytest.raises(ValueError, match="fused_o") as error:
         generate(plan, fused_o=True, **build)
+    assert reason in str(error.value)
+
+
+@pytest.mark.parametrize("preset,fused_o,reason", [
+    ("smollm-135m", False, "needs fused_o=True"),
+    ("tiny-mistral", True, "sliding windows"),
+    ("gemma-2b", True, "do not fit the cp.async ring"),
+])
+def test_fused_kv_smem_refuses_what_it_cannot_build(preset, fused_o, reason):
+    plan = compile_preset(preset, layers=1, vocab=512, capacity=1024).plan
+    if preset == "gemma-2b":  # its generate refuses fused_o first (the spread merge): the rule itself
+        assert reason in fused_kv_refusal(plan)
+        return
+    with pytest.raises(ValueError, match="fused_kv_smem") as error:
+        generate(plan, fused_o=fused_o, fused_kv_smem=True)
     assert reason in str(error.value)

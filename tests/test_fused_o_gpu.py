@@ -22,7 +22,8 @@ def _fused_and_split_positions(compiled, capacity: int) -> tuple[list[int], list
     tiling = next(s.tiling for s in compiled.plan.stages if s.kind == "attention")
     candidates = sorted({0, 1, 2, 63, 64, tiling.per_tile - 1, tiling.per_tile, tiling.per_tile + 1, 700,
                          capacity // 2, capacity - 1})
-    fused = [p for p in candidates if split_schedule(tiling, p + 1).active == 1]
+    fused = [p for p in candidates if p + 1 <= tiling.per_tile]  # bodies.fused_o_step: the context fits MIN_CHUNK
+    assert all(split_schedule(tiling, p + 1).active == 1 for p in fused)
     return fused, [p for p in candidates if p not in fused]
 
 
@@ -37,14 +38,16 @@ def _compiled(preset: str, capacity: int):
 def test_fused_o_gives_the_default_bits_where_split_and_fp32_order_where_fused(preset, capacity):
     """On the lane-group loop (whole groups head by head: the same attention bits as the default's head slices),
     split steps give the default build's bits (the O stage, o_mid as the down projection's bias: the same sums),
-    fused steps its logits to fp32 order (the O projection summed per KV group, then over groups)."""
+    fused steps its logits to fp32 order (the O projection summed per KV group, then over groups); with the
+    cached K/V rows copied into shared memory first (``fused_kv_smem``) the fused build's own bits."""
     compiled = _compiled(preset, capacity)
     fused, split = _fused_and_split_positions(compiled, capacity)
     assert fused and split
     positions = split + fused
-    default, fused_o, again = _logits_over_random_cache(compiled, positions, 1,
-                                                        [{}, {"fused_o": True}, {"fused_o": True}])
+    default, fused_o, again, kv_smem = _logits_over_random_cache(
+        compiled, positions, 1, [{}, {"fused_o": True}, {"fused_o": True}, {"fused_o": True, "fused_kv_smem": True}])
     assert torch.isfinite(fused_o).all() and torch.equal(again, fused_o)
+    assert torch.equal(kv_smem, fused_o)  # the same rows from shared memory: the same bits
     for i, position in enumerate(positions):
         if position in fused:
             assert float((fused_o[i] - default[i]).norm() / default[i].norm()) < 1e-5, position

@@ -45,7 +45,7 @@ from ..plan import (ATTN_COUNT, ATTN_PART, ATTN_WINDOW, HEAD_NORMS, ROPE_TABLE, 
 from ..plan.attention import LONG_SLICES, PASS_CHUNKS, chunk_quantum, mma_attention_items, mma_slice_mask
 from ..plan.stages import (ACTIVATIONS, DIMENSION_CONSTANTS, GATED_ACT_CODES, StageSpec, next_gemv, norm_slot,
                            spec_of)
-from .fused import FUSED_O_BUFFERS, fused_geometry, fused_o_refusal
+from .fused import FUSED_O_BUFFERS, fused_geometry, fused_kv_refusal, fused_o_refusal
 
 KERNEL_ARGUMENTS = [
     "embed", "w_qkv", "w_o", "w_gate_up", "w_down", "norms", "final_norm", "lm_head", "rope_cos", "rope_sin",
@@ -244,6 +244,7 @@ class BuildOptions:
     mma_attention: bool = False  # split-KV items of 2-8 query heads on the tensor cores (generate: on where they fit)
     mma_schedule: bool = False  # every split-KV dealing weighs those items by their chunk alone (MMA_SLICES)
     fused_o: bool = False  # one-split steps run attention and the O projection in one interval (codegen.fused)
+    fused_kv_smem: bool = False  # ... scoring their cached K/V rows from shared memory (codegen.fused)
 
 
 # A KV group's outputs (query heads per KV head x head_dim) from which the spread merge is the default: on the H200
@@ -331,7 +332,7 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
              long_slices: bool = LONG_SLICES, pass_chunks: bool = PASS_CHUNKS,
              kv_pipeline: bool | None = None, fold_merge: bool | None = None,
              prefetch_bytes: int | None = None, mma_attention: bool | None = None,
-             mma_schedule: bool = False, fused_o: bool = False) -> GeneratedModule:
+             mma_schedule: bool = False, fused_o: bool = False, fused_kv_smem: bool = False) -> GeneratedModule:
     """module.py of ``plan``. ``merge_preload`` / ``spread_merge``: None picks them per plan
     (:func:`default_merge`); True asks for one (refused where the attention scratch cannot hold it), False
     leaves it out (both False: the plain last-arrival merge of sessions 10-16). ``head_slices=False`` deals
@@ -355,7 +356,9 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     tensor cores), so long contexts deal whole groups over more, shorter splits (``plan.attention.split_schedule``'s
     ``mma_slices``). ``fused_o`` (a candidate, session 34): a step whose attention is one split runs it and the O
     projection in one barrier interval (``bodies.fused_attention_o``; one grid barrier less per layer), other
-    steps as before; refused where :func:`megabake.codegen.fused.fused_o_refusal` names a reason."""
+    steps as before; refused where :func:`megabake.codegen.fused.fused_o_refusal` names a reason.
+    ``fused_kv_smem`` (with it) also copies each fused step's cached K/V rows into shared memory before the barrier
+    (:func:`megabake.codegen.fused.fused_kv_refusal`)."""
     if watchdog and timeline:
         raise ValueError("a watchdog build has no timeline: build them separately")
     if barrier is not None and barrier not in BARRIER_ARRIVALS:
@@ -411,11 +414,16 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
         if mma_schedule:
             raise ValueError("fused_o deals whole KV groups at one split; mma_schedule changes that dealing: build "
                              "with one of them")
+    if fused_kv_smem:
+        why = "it needs fused_o=True" if not fused_o else fused_kv_refusal(plan)
+        if why:
+            raise ValueError(f"fused_kv_smem copies a fused step's cached K/V rows into shared memory, but {why}: "
+                             "build without it")
     arguments = kernel_arguments(plan) + (list(FUSED_O_BUFFERS) if fused_o else [])
     plan_hash = plan_hash or plan.hash
     w = _Writer(keyword_calls=True)
     _header(w, plan, plan_hash, arguments, self_contained, head_slices, long_slices, pass_chunks,
-            kv_pipeline, folded, mma_attention, mma_slices, fused_o)
+            kv_pipeline, folded, mma_attention, mma_slices, fused_o, fused_kv_smem)
     prologue = [s for s in plan.stages if s.scope == "prologue"]
     per_layer = [s for s in plan.stages if s.scope == "layer"]
     epilogue = [s for s in plan.stages if s.scope == "epilogue"]
@@ -483,7 +491,7 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
                            merge_preload=merge_preload, spread_merge=spread_merge,
                            fold_splits=folded, prefetch_bytes=prefetch_bytes, clock_every_cta=every_cta,
                            arrival=SPLIT_ARRIVAL if barrier == "split" else None, mma_attention=mma_attention,
-                           mma_schedule=mma_schedule, fused_o=fused_o)
+                           mma_schedule=mma_schedule, fused_o=fused_o, fused_kv_smem=fused_kv_smem)
     if phases:
         _phase_timed_stages(w, plan, prologue, per_layer, epilogue, options)
     else:
@@ -492,8 +500,8 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
             _timeline_store(w, 1, timeline, str(2 + i))
         w("for layer in range(LAYERS):", 1)
         if fused_o:
-            w(f"fo = bodies.fused_o_step(pos, {_first_key(plan)}, KV_SPLITS, MIN_CHUNK, CHUNK_QUANTUM, HEAD_SLICES, "
-              "LONG_SLICES)  # 1: attention is one split, the O projection runs in its interval", 2)
+            w(f"fo = bodies.fused_o_step(pos, {_first_key(plan)}, MIN_CHUNK)  # 1: the context fits one chunk; the O "
+              "projection runs in attention's interval", 2)
         for j, stage in enumerate(per_layer):
             _stage(w, plan, stage, 2, layer_var="layer", options=options)
             _timeline_store(w, 2, timeline, f"{2 + len(prologue) + j} + layer * {len(per_layer)}")
@@ -528,7 +536,7 @@ def _packed(items: list[str], indent: int) -> list[str]:
 def _header(w: _Writer, plan: Plan, plan_hash: str, arguments: list[str], self_contained: bool,
             head_slices: bool = True, long_slices: bool = True, pass_chunks: bool = False,
             kv_pipeline: bool = False, folded: int = 0, mma_attention: bool = False, mma_slices: int = 0,
-            fused_o: bool = False) -> None:
+            fused_o: bool = False, fused_kv_smem: bool = False) -> None:
     d = plan.dims
     w(f'"""Generated by MegaBake from plan {plan_hash[:16]}. Do not edit: re-bake instead.')
     w("")
@@ -580,7 +588,8 @@ def _header(w: _Writer, plan: Plan, plan_hash: str, arguments: list[str], self_c
         consts.update({"RING_STAGES": ring_stages, "RING_VECTORS": ring_vectors})
     if fused_o:
         geometry = fused_geometry(plan)
-        consts.update({"FUSED_O_BLOCKS": geometry.blocks, "FUSED_O_BLOCK_ROWS": geometry.block_rows})
+        consts.update({"FUSED_O_BLOCKS": geometry.blocks, "FUSED_O_BLOCK_ROWS": geometry.block_rows,
+                       "FUSED_KV_SMEM": fused_kv_smem})
     for name, value in consts.items():
         w(f"{name} = {value}")
     if fused_o:
@@ -686,8 +695,9 @@ def _write_fused_o_loads(w: _Writer, calls: list[str], indent: int) -> None:
     """The calls between the arrival after the QKV projection and its wait, in a ``fused_o`` build: a fused step
     copies its W_O block into the ring's shared memory (``bodies.fused_o_load``) instead of the O projection's
     ring fill, which the other steps keep."""
-    load = ("bodies.fused_o_load(w_o[layer, None, None], s_ring, cta, tidx, N_HEADS, N_KV_HEADS, HEAD_DIM, HIDDEN, "
-            "FUSED_O_BLOCKS, FUSED_O_BLOCK_ROWS, THREADS)")
+    load = ("bodies.fused_o_load(w_o[layer, None, None], k_cache[layer, None, None, None, None], "
+            "v_cache[layer, None, None, None, None], s_ring, pos, cta, tidx, N_HEADS, N_KV_HEADS, HEAD_DIM, HIDDEN, "
+            "FUSED_O_BLOCKS, FUSED_O_BLOCK_ROWS, MIN_CHUNK, FUSED_KV_SMEM, THREADS)")
     prefill = [call for call in calls if call.startswith(_O_RING_PREFILL)]
     for call in calls:
         if call.startswith(_O_RING_PREFILL):
@@ -736,7 +746,7 @@ def _fused_attention_stages(w: _Writer, plan: Plan, attention: Stage, indent: in
                   f"None], v_cache[layer, None, None, None, None], s_ring, o_part, pos, {_first_key(plan)}, s_att, cta, "
                   f"tidx, N_HEADS, N_KV_HEADS, HEAD_DIM, THREADS, ATTN_SCALE, {plan.has_head_norms}, EPS, ATT_UNROLL, "
                   f"{'ROTARY_DIM' if plan.dims.rotary_dim else 'HEAD_DIM'}, {plan.dims.whole_qk_norm}, KV_PIPELINE, "
-                  f"{options.mma_attention}, HIDDEN, FUSED_O_BLOCKS, FUSED_O_BLOCK_ROWS)")
+                  f"{options.mma_attention}, HIDDEN, FUSED_O_BLOCKS, FUSED_O_BLOCK_ROWS, MIN_CHUNK, FUSED_KV_SMEM)")
     body, call = _body_calls(plan, attention, options.merge_preload, options.spread_merge, options.fold_splits,
                              options.mma_attention, options.mma_schedule)[0]
     w("if fo == 1:", indent)

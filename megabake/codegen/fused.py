@@ -2,7 +2,8 @@
 
 Contract: pure functions of a :class:`~megabake.plan.Plan` and the build's other choices; no code is written
 here. A fused build runs a short-context step's attention and O projection in one barrier interval
-(``bodies.fused_attention_o``, module comment above ``bodies.fused_o_step``): CTA ``c`` takes KV group
+(``bodies.fused_attention_o``, module comment above ``bodies.fused_o_step``; a step is fused where its visible
+positions fit the first split-KV chunk, ``MIN_CHUNK``): CTA ``c`` takes KV group
 ``c % n_kv_heads`` and row block ``c // n_kv_heads`` of W_O, whose bf16 block must fit the idle cp.async ring.
 It needs the pre-norm residual layout (x += O(attn); x += down(act(gate/up(norm(x))))) at batch 1, split-KV
 attention and the split grid barrier; :func:`fused_o_refusal` names what is missing otherwise.
@@ -21,13 +22,15 @@ FUSED_O_BUFFERS = ("o_mid", "o_part")  # fp32 [1, hidden] residual after attenti
 @dataclass(frozen=True)
 class FusedGeometry:
     """How a fused step deals W_O: ``blocks`` row blocks of ``block_rows`` rows per KV group, ``cols`` columns
-    (the group's query heads x head_dim) each, in ``block_bytes`` of the ``ring_bytes`` of shared memory."""
+    (the group's query heads x head_dim) each, in ``block_bytes`` of the ``ring_bytes`` of shared memory; with
+    ``fused_kv_smem`` the group's cached K and V rows (at most ``MIN_CHUNK`` each) take ``kv_bytes`` after it."""
 
     blocks: int
     block_rows: int
     cols: int
     block_bytes: int
     ring_bytes: int
+    kv_bytes: int
 
 
 def fused_geometry(plan: Plan) -> FusedGeometry:
@@ -37,7 +40,10 @@ def fused_geometry(plan: Plan) -> FusedGeometry:
     blocks = -(-d.hidden // block_rows) if most else 0  # no block wholly past the last row
     cols = (d.n_heads // d.n_kv_heads) * d.head_dim
     stages, vectors = ring_shape(s.tiling for s in plan.stages if s.tiling.kind == "rows")
-    return FusedGeometry(blocks, block_rows, cols, block_rows * cols * 2, plan.warps * stages * vectors * 256 * 2)
+    attention = next((s.tiling for s in plan.stages if s.kind == "attention"), None)
+    min_chunk = attention.per_tile if attention is not None and kv_splits(plan) else 0
+    return FusedGeometry(blocks, block_rows, cols, block_rows * cols * 2, plan.warps * stages * vectors * 256 * 2,
+                         2 * min_chunk * d.head_dim * 2)
 
 
 def _layer_stage(plan: Plan, name: str):
@@ -75,4 +81,16 @@ def fused_o_refusal(plan: Plan, *, spread_merge: bool = False, split_barrier: bo
         return "it needs the split grid barrier (barrier='split', no watchdog)"
     if timeline:
         return "a timeline build clocks the O-projection stage it skips: build the timeline without fused_o"
+    return None
+
+
+def fused_kv_refusal(plan: Plan) -> str | None:
+    """Why ``fused_kv_smem`` (a fused step's cached K/V rows in shared memory) cannot build this ``fused_o``
+    plan, or None where it can."""
+    if plan.has_windows:
+        return "the model has sliding windows (the rows would not start at 0)"
+    geometry = fused_geometry(plan)
+    if geometry.block_bytes + geometry.kv_bytes > geometry.ring_bytes:
+        return (f"the W_O block ({geometry.block_bytes} bytes) and the group's K/V rows ({geometry.kv_bytes}) do not "
+                f"fit the cp.async ring ({geometry.ring_bytes} bytes)")
     return None

@@ -30,7 +30,8 @@ def _rope_group(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Tensor, r
                 threads: cutlass.Constexpr[int], scale: cutlass.Constexpr[float],
                 has_qk_norm: cutlass.Constexpr[bool], eps: cutlass.Constexpr[float],
                 rotary_dim: cutlass.Constexpr[int], whole_qk_norm: cutlass.Constexpr[bool],
-                group: cutlass.Constexpr[int]):
+                group: cutlass.Constexpr[int], s_keys: cute.Tensor, s_values: cute.Tensor,
+                kv_smem: cutlass.Constexpr[bool]):
     """Query heads ``head0 .. head0 + group - 1`` of KV head ``kvh`` (all its query heads, or one head slice of
     them), roped and pre-scaled by ``scale``, into ``s_q`` [group * head_dim]; a CTA whose split holds ``pos``
     (``owns_new``) also ropes this step's key and appends it and the value to the cache (with head slices, every
@@ -38,7 +39,9 @@ def _rope_group(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Tensor, r
     With ``has_qk_norm`` (Qwen3) q and k are RMS-normalised per head first (one warp per head); with
     ``whole_qk_norm`` too (OLMo-2) over the whole q and k projections (warp 0 and the last warp; ``qk_norm`` is
     then the layer's [q_rows + kv_rows] weights, at the offsets of the qkv row). Feature d pairs
-    with d +- rotary_dim / 2; past ``rotary_dim`` (partial rotary) the tables hold cos 1 and sin 0."""
+    with d +- rotary_dim / 2; past ``rotary_dim`` (partial rotary) the tables hold cos 1 and sin 0. With
+    ``kv_smem`` the appended key and value also go to row ``pos`` of ``s_keys`` / ``s_values``, the group's
+    cached rows in shared memory (:func:`fused_o_load`)."""
     warps = threads // WARP
     lane = tidx % WARP
     warp = tidx // WARP
@@ -106,6 +109,9 @@ def _rope_group(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Tensor, r
         elif owns_new != 0:
             k_cache[b, kvh, pos, d] = roped.to(k_cache.element_type)
             v_cache[b, kvh, pos, d] = qkv[b, q_rows + kv_rows + kvh * head_dim + d].to(v_cache.element_type)
+            if cutlass.const_expr(kv_smem):
+                s_keys[pos, d] = roped.to(k_cache.element_type)
+                s_values[pos, d] = qkv[b, q_rows + kv_rows + kvh * head_dim + d].to(v_cache.element_type)
     cute.arch.sync_threads()
 
 
@@ -518,12 +524,14 @@ def _item_warp_partials(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.T
                         eps: cutlass.Constexpr[float], unroll: cutlass.Constexpr[int],
                         rotary_dim: cutlass.Constexpr[int], whole_qk_norm: cutlass.Constexpr[bool],
                         heads: cutlass.Constexpr[int], kv_pipeline: cutlass.Constexpr[bool],
-                        mma_attention: cutlass.Constexpr[bool]):
+                        mma_attention: cutlass.Constexpr[bool], s_keys: cute.Tensor,
+                        s_values: cute.Tensor, kv_smem: cutlass.Constexpr[bool]):
     """One work item up to its warps' partials: the ``heads`` query heads from ``vkvh x heads`` of KV head ``kvh``
     of sequence ``b`` roped into ``s_q`` (and this step's key and value appended where ``end`` is ``pos + 1``),
     keys [start, end) scored on the lane-group loop or, for ``mma_attention`` items that fit, the tensor cores,
     and each warp's (accumulator, max, sum) per head left in ``s_part`` (:func:`_item_scratch`), then ``bar.sync``.
-    Shared by :func:`_split_kv_items` and :func:`fused_attention_o`."""
+    Shared by :func:`_split_kv_items` and :func:`fused_attention_o`; with ``kv_smem`` (a fused step's group whose
+    cached rows :func:`fused_o_load` put in shared memory) the keys are scored from ``s_keys`` / ``s_values``."""
     warps = threads // WARP
     lane = tidx % WARP
     warp = tidx // WARP
@@ -547,19 +555,22 @@ def _item_warp_partials(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.T
         owns_new = Int32(1)
     _rope_group(qkv, qk_norm, rope_cos, rope_sin, k_cache, v_cache, s_q, s_inv, b, kvh, vkvh * heads, pos,
                 owns_new, tidx, n_heads, n_kv_heads, head_dim, threads, scale, has_qk_norm, eps, rotary_dim,
-                whole_qk_norm, heads)
+                whole_qk_norm, heads, s_keys, s_values, kv_smem)
+    keys = k_cache[b, kvh, None, None]
+    values = v_cache[b, kvh, None, None]
+    if cutlass.const_expr(kv_smem):
+        keys = s_keys
+        values = s_values
     if cutlass.const_expr(mma_attention and mma_attention_fits(heads, head_dim)):
-        _mma_softmax_chunk(k_cache[b, kvh, None, None], v_cache[b, kvh, None, None], s_q, s_part, start,
-                           end, warp, lane, heads, head_dim, warps)
+        _mma_softmax_chunk(keys, values, s_q, s_part, start, end, warp, lane, heads, head_dim, warps)
     else:
         for h in cutlass.range_constexpr(heads):
             m[h] = Float32(ATT_NEG)
             l[h] = Float32(0.0)
         for e in cutlass.range_constexpr(heads * VEC):
             acc[e] = Float32(0.0)
-        _online_softmax_chunk(k_cache[b, kvh, None, None], v_cache[b, kvh, None, None], s_q, m, l, acc,
-                              start + warp * pos_per_warp, end, grp, sub, heads, lanes_per_pos, stride,
-                              unroll, kv_pipeline)
+        _online_softmax_chunk(keys, values, s_q, m, l, acc, start + warp * pos_per_warp, end, grp, sub, heads,
+                              lanes_per_pos, stride, unroll, kv_pipeline)
         for h in cutlass.range_constexpr(heads):  # lane groups of a warp: butterfly merge
             offset = lane_slots
             while cutlass.const_expr(offset < WARP):
@@ -627,7 +638,8 @@ def _split_kv_items(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Tenso
             end = cutlass.min(start + chunk, n)
             _item_warp_partials(qkv, qk_norm, rope_cos, rope_sin, k_cache, v_cache, s_att, b, kvh, vkvh, pos, start,
                                 end, tidx, n_heads, n_kv_heads, head_dim, threads, scale, has_qk_norm, eps, unroll,
-                                rotary_dim, whole_qk_norm, heads, kv_pipeline, mma_attention)
+                                rotary_dim, whole_qk_norm, heads, kv_pipeline, mma_attention,
+                                k_cache[b, kvh, None, None], v_cache[b, kvh, None, None], False)
             for i in range(tidx, heads * head_dim, threads):  # warps: merge, then output or partial
                 h = i // head_dim
                 d = i - h * head_dim
@@ -915,8 +927,8 @@ def merge_splits_to_smem(attn: cute.Tensor, part: cute.Tensor, s_vec: cute.Tenso
 
 
 # Attention and the O projection in one interval at short contexts (``generate(plan, fused_o=True)``, a candidate
-# since session 34). A step whose attention is one split (every position in one chunk) skips the O-projection
-# stage and its grid barrier: CTA c takes KV group c % groups (whole groups, on the tensor cores where they fit:
+# since session 34). A step whose visible positions fit the first split-KV chunk (``MIN_CHUNK``: one split) skips
+# the O-projection stage and its grid barrier: CTA c takes KV group c % groups (whole groups, on the tensor cores where they fit:
 # :func:`_item_warp_partials`, the same arithmetic as a one-split item) and row block c // groups of W_O. Every
 # CTA of a group computes that group's attention (the same few cached rows from L2; the CTAs holding row block 0
 # alone would otherwise idle the rest), then its rows of W_O[:, group's columns] @ attention into
@@ -924,29 +936,30 @@ def merge_splits_to_smem(attn: cute.Tensor, part: cute.Tensor, s_vec: cute.Tenso
 # after the QKV projection. The next stage's staging sums x + o_part[0] + o_part[1] + ... in that order
 # (:func:`rmsnorm_partials_to_smem`, which also stores that residual in ``o_mid``) and the down projection adds
 # its output to ``o_mid``. Steps of more splits run the stages as before (same bits as the default build); a
-# fused step's logits differ from them by the fp32 order of the O projection's sums.
+# fused step's logits differ from them by the fp32 order of the O projection's sums. ``fused_kv_smem`` also copies
+# the group's cached K/V rows into that shared memory before the barrier, so the item scores them from there.
 @cute.jit
-def fused_o_step(pos: Int32, first_key: Int32, splits: cutlass.Constexpr[int], min_chunk: cutlass.Constexpr[int],
-                 quantum: cutlass.Constexpr[int], head_slices: cutlass.Constexpr[int],
-                 long_slices: cutlass.Constexpr[bool]) -> Int32:
-    """1 where this step's split-KV attention is one split (:func:`split_schedule`), so a ``fused_o`` build runs
-    attention and the O projection in one interval; 0 otherwise. Every CTA computes the same value."""
-    chunk, active, slices = split_schedule(pos + 1 - first_key, splits, min_chunk, quantum, head_slices, long_slices)
+def fused_o_step(pos: Int32, first_key: Int32, min_chunk: cutlass.Constexpr[int]) -> Int32:
+    """1 where every visible position of this step fits the first split-KV chunk (``pos + 1 - first_key <=
+    min_chunk``: one split in every dealing :func:`split_schedule` makes), so a ``fused_o`` build runs attention
+    and the O projection in one interval; 0 otherwise. Every CTA computes the same value."""
     fused = Int32(0)
-    if active == 1:
+    if pos + 1 - first_key <= min_chunk:
         fused = Int32(1)
     return fused
 
 
 @cute.jit
-def fused_o_load(w_o: cute.Tensor, s_ring: cute.Tensor, cta: Int32, tidx: Int32, n_heads: cutlass.Constexpr[int],
-                 n_kv_heads: cutlass.Constexpr[int], head_dim: cutlass.Constexpr[int],
-                 hidden: cutlass.Constexpr[int], blocks: cutlass.Constexpr[int],
-                 block_rows: cutlass.Constexpr[int], threads: cutlass.Constexpr[int]):
+def fused_o_load(w_o: cute.Tensor, k_cache: cute.Tensor, v_cache: cute.Tensor, s_ring: cute.Tensor, pos: Int32,
+                 cta: Int32, tidx: Int32, n_heads: cutlass.Constexpr[int], n_kv_heads: cutlass.Constexpr[int],
+                 head_dim: cutlass.Constexpr[int], hidden: cutlass.Constexpr[int], blocks: cutlass.Constexpr[int],
+                 block_rows: cutlass.Constexpr[int], kv_rows: cutlass.Constexpr[int],
+                 kv_smem: cutlass.Constexpr[bool], threads: cutlass.Constexpr[int]):
     """Issued before the grid barrier that precedes a fused step's attention: cp.async this CTA's block of the
     layer's O projection (rows ``block x block_rows`` on, its KV group's columns) into the shared memory of the
-    cp.async ring (idle until the gate/up GEMV's fill), as [block_rows, group x head_dim] bf16; one committed group,
-    which :func:`fused_attention_o` waits for."""
+    cp.async ring (idle until the gate/up GEMV's fill), as [block_rows, group x head_dim] bf16, and with
+    ``kv_smem`` its group's cached K and V rows [0, pos) after it (:func:`_fused_kv_views`; this step's row is
+    appended by the attention itself); one committed group, which :func:`fused_attention_o` waits for."""
     cols = (n_heads // n_kv_heads) * head_dim
     vecs = cols // VEC
     group = cta % n_kv_heads
@@ -961,7 +974,26 @@ def fused_o_load(w_o: cute.Tensor, s_ring: cute.Tensor, cta: Int32, tidx: Int32,
             row = cutlass.min(block * block_rows + r, hidden - 1)
             cute.copy(atom, cute.zipped_divide(w_o[row, None], (VEC,))[(None, group * vecs + v)],
                       cute.zipped_divide(s_wo[r, None], (VEC,))[(None, v)])
+        if cutlass.const_expr(kv_smem):
+            s_keys, s_values = _fused_kv_views(s_ring, block_rows * cols, kv_rows, head_dim)
+            kv_vecs = head_dim // VEC
+            for i in range(tidx, pos * kv_vecs, threads):
+                r = i // kv_vecs
+                v = i - r * kv_vecs
+                cute.copy(atom, cute.zipped_divide(k_cache[0, group, r, None], (VEC,))[(None, v)],
+                          cute.zipped_divide(s_keys[r, None], (VEC,))[(None, v)])
+                cute.copy(atom, cute.zipped_divide(v_cache[0, group, r, None], (VEC,))[(None, v)],
+                          cute.zipped_divide(s_values[r, None], (VEC,))[(None, v)])
     cute.arch.cp_async_commit_group()
+
+
+def _fused_kv_views(s_ring: cute.Tensor, offset: int, kv_rows: int, head_dim: int):
+    """(s_keys, s_values): a fused step's cached K and V rows of its group, [kv_rows, head_dim] each, in the ring's
+    shared memory after the W_O block (``offset`` elements in). Plain Python, run while the calling body is traced."""
+    s_keys = cute.make_tensor(s_ring.iterator + offset, cute.make_layout((kv_rows, head_dim), stride=(head_dim, 1)))
+    s_values = cute.make_tensor(s_ring.iterator + offset + kv_rows * head_dim,
+                                cute.make_layout((kv_rows, head_dim), stride=(head_dim, 1)))
+    return s_keys, s_values
 
 
 FUSED_O_ROWS = 4  # W_O rows a warp reduces at once in fused_attention_o (independent sums in flight)
@@ -978,11 +1010,13 @@ def fused_attention_o(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Ten
                       rotary_dim: cutlass.Constexpr[int], whole_qk_norm: cutlass.Constexpr[bool],
                       kv_pipeline: cutlass.Constexpr[bool], mma_attention: cutlass.Constexpr[bool],
                       hidden: cutlass.Constexpr[int], blocks: cutlass.Constexpr[int],
-                      block_rows: cutlass.Constexpr[int]):
+                      block_rows: cutlass.Constexpr[int], kv_rows: cutlass.Constexpr[int],
+                      kv_smem: cutlass.Constexpr[bool]):
     """A fused step's attention and O projection (batch 1; module comment above :func:`fused_o_step`): this CTA's
     KV group over positions [first_key, pos] (this step's key and value appended, by every CTA of the group, the
     same bits), normalised into ``s_q``, then ``o_part[group, r] = sum_c W_O[r, c] * attention[c]`` over the
-    group's columns for the rows of its block, from the block :func:`fused_o_load` put in shared memory."""
+    group's columns for the rows of its block, from the block :func:`fused_o_load` put in shared memory. With
+    ``kv_smem`` the group's cached rows are scored from shared memory too (no window: they start at 0)."""
     warps = threads // WARP
     lane = tidx % WARP
     warp = tidx // WARP
@@ -992,9 +1026,17 @@ def fused_attention_o(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Ten
     group = cta % n_kv_heads
     block = cta // n_kv_heads
     if block < blocks:
+        s_keys, s_values = _fused_kv_views(s_ring, block_rows * cols, kv_rows, head_dim)
+        if cutlass.const_expr(kv_smem):
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.sync_threads()
+        else:
+            s_keys = k_cache[0, group, None, None]
+            s_values = v_cache[0, group, None, None]
         _item_warp_partials(qkv, qk_norm, rope_cos, rope_sin, k_cache, v_cache, s_att, 0, group, group, pos,
                             first_key, pos + 1, tidx, n_heads, n_kv_heads, head_dim, threads, scale, has_qk_norm, eps,
-                            unroll, rotary_dim, whole_qk_norm, heads, kv_pipeline, mma_attention)
+                            unroll, rotary_dim, whole_qk_norm, heads, kv_pipeline, mma_attention, s_keys, s_values,
+                            kv_smem)
         s_q, s_inv, s_flag, s_part = _item_scratch(s_att, heads, head_dim, warps)
         for i in range(tidx, cols, threads):  # warps' partials merged, normalised into s_q (read no more)
             h = i // head_dim

@@ -588,7 +588,8 @@ def _rope_group(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Tensor, r
                 threads: cutlass.Constexpr[int], scale: cutlass.Constexpr[float],
                 has_qk_norm: cutlass.Constexpr[bool], eps: cutlass.Constexpr[float],
                 rotary_dim: cutlass.Constexpr[int], whole_qk_norm: cutlass.Constexpr[bool],
-                group: cutlass.Constexpr[int]):
+                group: cutlass.Constexpr[int], s_keys: cute.Tensor, s_values: cute.Tensor,
+                kv_smem: cutlass.Constexpr[bool]):
     """Query heads ``head0 .. head0 + group - 1`` of KV head ``kvh`` (all its query heads, or one head slice of
     them), roped and pre-scaled by ``scale``, into ``s_q`` [group * head_dim]; a CTA whose split holds ``pos``
     (``owns_new``) also ropes this step's key and appends it and the value to the cache (with head slices, every
@@ -596,7 +597,9 @@ def _rope_group(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Tensor, r
     With ``has_qk_norm`` (Qwen3) q and k are RMS-normalised per head first (one warp per head); with
     ``whole_qk_norm`` too (OLMo-2) over the whole q and k projections (warp 0 and the last warp; ``qk_norm`` is
     then the layer's [q_rows + kv_rows] weights, at the offsets of the qkv row). Feature d pairs
-    with d +- rotary_dim / 2; past ``rotary_dim`` (partial rotary) the tables hold cos 1 and sin 0."""
+    with d +- rotary_dim / 2; past ``rotary_dim`` (partial rotary) the tables hold cos 1 and sin 0. With
+    ``kv_smem`` the appended key and value also go to row ``pos`` of ``s_keys`` / ``s_values``, the group's
+    cached rows in shared memory (:func:`fused_o_load`)."""
     warps = threads // WARP
     lane = tidx % WARP
     warp = tidx // WARP
@@ -664,6 +667,9 @@ def _rope_group(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Tensor, r
         elif owns_new != 0:
             k_cache[b, kvh, pos, d] = roped.to(k_cache.element_type)
             v_cache[b, kvh, pos, d] = qkv[b, q_rows + kv_rows + kvh * head_dim + d].to(v_cache.element_type)
+            if cutlass.const_expr(kv_smem):
+                s_keys[pos, d] = roped.to(k_cache.element_type)
+                s_values[pos, d] = qkv[b, q_rows + kv_rows + kvh * head_dim + d].to(v_cache.element_type)
     cute.arch.sync_threads()
 
 
@@ -1055,6 +1061,92 @@ def split_kv_attention(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Te
                                     merge_above, mma_attention)
 
 
+def _item_scratch(s_att: cute.Tensor, heads: int, head_dim: int, warps: int):
+    """(s_q, s_inv, s_flag, s_part) of a split-KV work item of ``heads`` query heads inside the attention scratch
+    ``s_att`` (layout: :func:`_split_kv_items`). Plain Python, run while the calling body is traced."""
+    s_q = cute.make_tensor(s_att.iterator, cute.make_layout(heads * head_dim))
+    s_inv = cute.make_tensor(s_att.iterator + heads * head_dim, cute.make_layout(heads + 1))
+    s_flag = cute.make_tensor(s_att.iterator + heads * head_dim + 8 * ((heads + 8) // 8), cute.make_layout(1))
+    s_part = cute.make_tensor(s_att.iterator + heads * head_dim + 8 * ((heads + 8) // 8) + 8,
+                              cute.make_layout((head_dim + 2, heads, warps)))
+    return s_q, s_inv, s_flag, s_part
+
+
+@cute.jit
+def _item_warp_partials(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Tensor, rope_sin: cute.Tensor,
+                        k_cache: cute.Tensor, v_cache: cute.Tensor, s_att: cute.Tensor, b: Int32, kvh: Int32,
+                        vkvh: Int32, pos: Int32, start: Int32, end: Int32, tidx: Int32,
+                        n_heads: cutlass.Constexpr[int], n_kv_heads: cutlass.Constexpr[int],
+                        head_dim: cutlass.Constexpr[int], threads: cutlass.Constexpr[int],
+                        scale: cutlass.Constexpr[float], has_qk_norm: cutlass.Constexpr[bool],
+                        eps: cutlass.Constexpr[float], unroll: cutlass.Constexpr[int],
+                        rotary_dim: cutlass.Constexpr[int], whole_qk_norm: cutlass.Constexpr[bool],
+                        heads: cutlass.Constexpr[int], kv_pipeline: cutlass.Constexpr[bool],
+                        mma_attention: cutlass.Constexpr[bool], s_keys: cute.Tensor,
+                        s_values: cute.Tensor, kv_smem: cutlass.Constexpr[bool]):
+    """One work item up to its warps' partials: the ``heads`` query heads from ``vkvh x heads`` of KV head ``kvh``
+    of sequence ``b`` roped into ``s_q`` (and this step's key and value appended where ``end`` is ``pos + 1``),
+    keys [start, end) scored on the lane-group loop or, for ``mma_attention`` items that fit, the tensor cores,
+    and each warp's (accumulator, max, sum) per head left in ``s_part`` (:func:`_item_scratch`), then ``bar.sync``.
+    Shared by :func:`_split_kv_items` and :func:`fused_attention_o`; with ``kv_smem`` (a fused step's group whose
+    cached rows :func:`fused_o_load` put in shared memory) the keys are scored from ``s_keys`` / ``s_values``."""
+    warps = threads // WARP
+    lane = tidx % WARP
+    warp = tidx // WARP
+    lanes_per_pos = head_dim // VEC
+    lane_slots = 1 << (lanes_per_pos - 1).bit_length()  # a lane group: lanes_per_pos padded to a power of two
+    pos_per_warp = WARP // lane_slots
+    grp = lane // lane_slots
+    sub = lane - grp * lane_slots
+    stride = warps * pos_per_warp
+    writer = grp  # lane group 0 writes the warp's merged partial (not its spare lanes, if any)
+    if cutlass.const_expr(lane_slots != lanes_per_pos):
+        if sub >= lanes_per_pos:
+            writer = Int32(1)
+    s_q, s_inv, s_flag, s_part = _item_scratch(s_att, heads, head_dim, warps)
+    m = cute.make_rmem_tensor(cute.make_layout(heads), Float32)
+    l = cute.make_rmem_tensor(cute.make_layout(heads), Float32)
+    acc = cute.make_rmem_tensor(cute.make_layout(heads * VEC), Float32)
+    other = cute.make_rmem_tensor(cute.make_layout(VEC), Float32)
+    owns_new = Int32(0)
+    if end == pos + 1:
+        owns_new = Int32(1)
+    _rope_group(qkv, qk_norm, rope_cos, rope_sin, k_cache, v_cache, s_q, s_inv, b, kvh, vkvh * heads, pos,
+                owns_new, tidx, n_heads, n_kv_heads, head_dim, threads, scale, has_qk_norm, eps, rotary_dim,
+                whole_qk_norm, heads, s_keys, s_values, kv_smem)
+    keys = k_cache[b, kvh, None, None]
+    values = v_cache[b, kvh, None, None]
+    if cutlass.const_expr(kv_smem):
+        keys = s_keys
+        values = s_values
+    if cutlass.const_expr(mma_attention and mma_attention_fits(heads, head_dim)):
+        _mma_softmax_chunk(keys, values, s_q, s_part, start, end, warp, lane, heads, head_dim, warps)
+    else:
+        for h in cutlass.range_constexpr(heads):
+            m[h] = Float32(ATT_NEG)
+            l[h] = Float32(0.0)
+        for e in cutlass.range_constexpr(heads * VEC):
+            acc[e] = Float32(0.0)
+        _online_softmax_chunk(keys, values, s_q, m, l, acc, start + warp * pos_per_warp, end, grp, sub, heads,
+                              lanes_per_pos, stride, unroll, kv_pipeline)
+        for h in cutlass.range_constexpr(heads):  # lane groups of a warp: butterfly merge
+            offset = lane_slots
+            while cutlass.const_expr(offset < WARP):
+                m_o = cute.arch.shuffle_sync_bfly(m[h], offset)
+                l_o = cute.arch.shuffle_sync_bfly(l[h], offset)
+                for e in cutlass.range_constexpr(VEC):
+                    other[e] = cute.arch.shuffle_sync_bfly(acc[h * VEC + e], offset)
+                _merge_into(m, l, acc, h, m_o, l_o, other)
+                offset *= 2
+            if writer == 0:
+                for e in cutlass.range_constexpr(VEC):
+                    s_part[sub * VEC + e, h, warp] = acc[h * VEC + e]
+                if sub == 0:
+                    s_part[head_dim, h, warp] = m[h]
+                    s_part[head_dim + 1, h, warp] = l[h]
+    cute.arch.sync_threads()
+
+
 @cute.jit
 def _split_kv_items(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Tensor, rope_sin: cute.Tensor,
                     k_cache: cute.Tensor, v_cache: cute.Tensor, attn: cute.Tensor, part: cute.Tensor,
@@ -1087,32 +1179,11 @@ def _split_kv_items(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Tenso
     for a whole group.
     """
     warps = threads // WARP
-    lane = tidx % WARP
-    warp = tidx // WARP
-    lanes_per_pos = head_dim // VEC
-    lane_slots = 1 << (lanes_per_pos - 1).bit_length()  # a lane group: lanes_per_pos padded to a power of two
-    pos_per_warp = WARP // lane_slots
-    grp = lane // lane_slots
-    sub = lane - grp * lane_slots
-    stride = warps * pos_per_warp
-    writer = grp  # lane group 0 writes the warp's merged partial (not its spare lanes, if any)
-    if cutlass.const_expr(lane_slots != lanes_per_pos):
-        if sub >= lanes_per_pos:
-            writer = Int32(1)
-    width = head_dim + 2
     groups = batch * n_kv_heads
     virtual_groups = groups * slices
-    s_q = cute.make_tensor(s_att.iterator, cute.make_layout(heads * head_dim))
-    s_inv = cute.make_tensor(s_att.iterator + heads * head_dim, cute.make_layout(heads + 1))
-    s_flag = cute.make_tensor(s_att.iterator + heads * head_dim + 8 * ((heads + 8) // 8), cute.make_layout(1))
-    s_part = cute.make_tensor(s_att.iterator + heads * head_dim + 8 * ((heads + 8) // 8) + 8,
-                              cute.make_layout((width, heads, warps)))
+    s_q, s_inv, s_flag, s_part = _item_scratch(s_att, heads, head_dim, warps)
     s_weight = cute.make_tensor(s_part.iterator, cute.make_layout((heads, splits)))  # reuses s_part when merging
     n = pos + 1
-    m = cute.make_rmem_tensor(cute.make_layout(heads), Float32)
-    l = cute.make_rmem_tensor(cute.make_layout(heads), Float32)
-    acc = cute.make_rmem_tensor(cute.make_layout(heads * VEC), Float32)
-    other = cute.make_rmem_tensor(cute.make_layout(VEC), Float32)
     for item in range(cta, groups * splits, ctas):
         split = item // virtual_groups
         vg = item - split * virtual_groups  # (batch, KV head, slice)
@@ -1123,40 +1194,10 @@ def _split_kv_items(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Tenso
             vkvh = vg - b * n_kv_heads * slices  # kvh x slices + slice: the slice's heads start at vkvh x heads
             start = first_key + split * chunk
             end = cutlass.min(start + chunk, n)
-            owns_new = Int32(0)
-            if end == n:
-                owns_new = Int32(1)
-            _rope_group(qkv, qk_norm, rope_cos, rope_sin, k_cache, v_cache, s_q, s_inv, b, kvh, vkvh * heads, pos,
-                        owns_new, tidx, n_heads, n_kv_heads, head_dim, threads, scale, has_qk_norm, eps, rotary_dim,
-                        whole_qk_norm, heads)
-            if cutlass.const_expr(mma_attention and mma_attention_fits(heads, head_dim)):
-                _mma_softmax_chunk(k_cache[b, kvh, None, None], v_cache[b, kvh, None, None], s_q, s_part, start,
-                                   end, warp, lane, heads, head_dim, warps)
-            else:
-                for h in cutlass.range_constexpr(heads):
-                    m[h] = Float32(ATT_NEG)
-                    l[h] = Float32(0.0)
-                for e in cutlass.range_constexpr(heads * VEC):
-                    acc[e] = Float32(0.0)
-                _online_softmax_chunk(k_cache[b, kvh, None, None], v_cache[b, kvh, None, None], s_q, m, l, acc,
-                                      start + warp * pos_per_warp, end, grp, sub, heads, lanes_per_pos, stride,
-                                      unroll, kv_pipeline)
-                for h in cutlass.range_constexpr(heads):  # lane groups of a warp: butterfly merge
-                    offset = lane_slots
-                    while cutlass.const_expr(offset < WARP):
-                        m_o = cute.arch.shuffle_sync_bfly(m[h], offset)
-                        l_o = cute.arch.shuffle_sync_bfly(l[h], offset)
-                        for e in cutlass.range_constexpr(VEC):
-                            other[e] = cute.arch.shuffle_sync_bfly(acc[h * VEC + e], offset)
-                        _merge_into(m, l, acc, h, m_o, l_o, other)
-                        offset *= 2
-                    if writer == 0:
-                        for e in cutlass.range_constexpr(VEC):
-                            s_part[sub * VEC + e, h, warp] = acc[h * VEC + e]
-                        if sub == 0:
-                            s_part[head_dim, h, warp] = m[h]
-                            s_part[head_dim + 1, h, warp] = l[h]
-            cute.arch.sync_threads()
+            _item_warp_partials(qkv, qk_norm, rope_cos, rope_sin, k_cache, v_cache, s_att, b, kvh, vkvh, pos, start,
+                                end, tidx, n_heads, n_kv_heads, head_dim, threads, scale, has_qk_norm, eps, unroll,
+                                rotary_dim, whole_qk_norm, heads, kv_pipeline, mma_attention,
+                                k_cache[b, kvh, None, None], v_cache[b, kvh, None, None], False)
             for i in range(tidx, heads * head_dim, threads):  # warps: merge, then output or partial
                 h = i // head_dim
                 d = i - h * head_dim
