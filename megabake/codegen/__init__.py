@@ -243,7 +243,7 @@ class BuildOptions:
     arrival: str | None = None  # a split barrier's arrival (SPLIT_ARRIVAL), emitted before the before-barrier calls
     mma_attention: bool = False  # split-KV items of 2-8 query heads on the tensor cores (generate: on where they fit)
     mma_schedule: bool = False  # every split-KV dealing weighs those items by their chunk alone (MMA_SLICES)
-    fused_o: bool = False  # one-split steps run attention and the O projection in one interval (codegen.fused)
+    fused_o: bool = False  # steps within MIN_CHUNK run attention and the O projection in one interval (codegen.fused)
     fused_kv_smem: bool = False  # ... scoring their cached K/V rows from shared memory (codegen.fused)
 
 
@@ -354,9 +354,9 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     item the plan can deal has such a shape (``plan.attention.mma_attention_items``); ``mma_schedule`` (with it)
     lets every split-KV dealing weigh those items by their chunk alone (their heads come nearly free on the
     tensor cores), so long contexts deal whole groups over more, shorter splits (``plan.attention.split_schedule``'s
-    ``mma_slices``). ``fused_o`` (a candidate, session 34): a step whose attention is one split runs it and the O
-    projection in one barrier interval (``bodies.fused_attention_o``; one grid barrier less per layer), other
-    steps as before; refused where :func:`megabake.codegen.fused.fused_o_refusal` names a reason.
+    ``mma_slices``). ``fused_o`` (a candidate, session 34): a step whose context fits the first split-KV chunk runs
+    its attention and the O projection in one barrier interval (``bodies.fused_attention_o``; one grid barrier less
+    per layer), other steps as before; refused where :func:`megabake.codegen.fused.fused_o_refusal` names a reason.
     ``fused_kv_smem`` (with it) also copies each fused step's cached K/V rows into shared memory before the barrier
     (:func:`megabake.codegen.fused.fused_kv_refusal`)."""
     if watchdog and timeline:
@@ -739,11 +739,9 @@ def _fused_attention_stages(w: _Writer, plan: Plan, attention: Stage, indent: in
     w.begin(_entry(plan, attention, layer_var, "barrier_interval", f"layer[*].{attention.name}"))
     w(f"# ---- stage {attention.index}: {attention.name} ({attention.scope}); with {o_stage.name} where fo == 1 ----",
       indent)
-    norms = "qk_norms[layer, None, None]" if plan.has_head_norms else "qkv"
-    if plan.dims.whole_qk_norm:
-        norms = "qk_norms[layer, None]"
-    fused_call = (f"bodies.fused_attention_o(qkv, {norms}, {_rope_arguments(plan)}, k_cache[layer, None, None, None, "
-                  f"None], v_cache[layer, None, None, None, None], s_ring, o_part, pos, {_first_key(plan)}, s_att, cta, "
+    fused_call = (f"bodies.fused_attention_o(qkv, {_qk_norm_argument(plan)}, {_rope_arguments(plan)}, "
+                  "k_cache[layer, None, None, None, None], v_cache[layer, None, None, None, None], s_ring, o_part, "
+                  f"pos, {_first_key(plan)}, s_att, cta, "
                   f"tidx, N_HEADS, N_KV_HEADS, HEAD_DIM, THREADS, ATTN_SCALE, {plan.has_head_norms}, EPS, ATT_UNROLL, "
                   f"{'ROTARY_DIM' if plan.dims.rotary_dim else 'HEAD_DIM'}, {plan.dims.whole_qk_norm}, KV_PIPELINE, "
                   f"{options.mma_attention}, HIDDEN, FUSED_O_BLOCKS, FUSED_O_BLOCK_ROWS, MIN_CHUNK, FUSED_KV_SMEM)")
@@ -974,11 +972,8 @@ def _warp_index(stage: Stage) -> str:
 def _attention_call(plan: Plan, merge_preload: bool = False, spread_merge: bool = False,
                     folded: int = 0, mma_attention: bool = False, mma_schedule: bool = False) -> tuple[str, str]:
     if kv_splits(plan):
-        norms = "qk_norms[layer, None, None]" if plan.has_head_norms else "qkv"
-        if plan.dims.whole_qk_norm:
-            norms = "qk_norms[layer, None]"
         return ("split_kv_attention",
-                f"bodies.split_kv_attention(qkv, {norms}, {_rope_arguments(plan)}, "
+                f"bodies.split_kv_attention(qkv, {_qk_norm_argument(plan)}, {_rope_arguments(plan)}, "
                 "k_cache[layer, None, None, None, None], "
                 f"v_cache[layer, None, None, None, None], attn, {ATTN_PART}, {ATTN_COUNT}, pos, {_first_key(plan)}, "
                 "s_att, cta, tidx, "
@@ -1000,6 +995,14 @@ def _attention_call(plan: Plan, merge_preload: bool = False, spread_merge: bool 
     if plan.has_head_norms:
         return "decode_attention_qk_norm", f"bodies.decode_attention_qk_norm(qkv, qk_norms[layer, None, None], {caches}, EPS)"
     return "decode_attention", f"bodies.decode_attention(qkv, {caches})"
+
+
+def _qk_norm_argument(plan: Plan) -> str:
+    """The split-KV attention's q/k norm weights: the layer's per-head ones, its whole-projection ones (OLMo-2), or
+    ``qkv`` as an unused stand-in."""
+    if plan.dims.whole_qk_norm:
+        return "qk_norms[layer, None]"
+    return "qk_norms[layer, None, None]" if plan.has_head_norms else "qkv"
 
 
 def _rope_arguments(plan: Plan) -> str:

@@ -928,16 +928,16 @@ def merge_splits_to_smem(attn: cute.Tensor, part: cute.Tensor, s_vec: cute.Tenso
 
 # Attention and the O projection in one interval at short contexts (``generate(plan, fused_o=True)``, a candidate
 # since session 34). A step whose visible positions fit the first split-KV chunk (``MIN_CHUNK``: one split) skips
-# the O-projection stage and its grid barrier: CTA c takes KV group c % groups (whole groups, on the tensor cores where they fit:
-# :func:`_item_warp_partials`, the same arithmetic as a one-split item) and row block c // groups of W_O. Every
-# CTA of a group computes that group's attention (the same few cached rows from L2; the CTAs holding row block 0
-# alone would otherwise idle the rest), then its rows of W_O[:, group's columns] @ attention into
-# ``o_part[group, row]``, the W_O block streamed into shared memory (the idle cp.async ring) while the grid met
-# after the QKV projection. The next stage's staging sums x + o_part[0] + o_part[1] + ... in that order
+# the O-projection stage and its grid barrier: CTA c takes KV group c % groups (whole groups, on the tensor cores
+# where they fit: :func:`_item_warp_partials`, the same arithmetic as a one-split item) and row block c // groups
+# of W_O. Every CTA of a group computes that group's attention (the same few cached rows from L2; in the default
+# build most CTAs idle in that interval), then its rows of W_O[:, group's columns] @ attention into
+# ``o_part[group, row]``, the W_O block copied into shared memory (the idle cp.async ring) while the grid met after
+# the QKV projection. The next stage's staging sums x + o_part[0] + o_part[1] + ... in that order
 # (:func:`rmsnorm_partials_to_smem`, which also stores that residual in ``o_mid``) and the down projection adds
-# its output to ``o_mid``. Steps of more splits run the stages as before (same bits as the default build); a
-# fused step's logits differ from them by the fp32 order of the O projection's sums. ``fused_kv_smem`` also copies
-# the group's cached K/V rows into that shared memory before the barrier, so the item scores them from there.
+# its output to ``o_mid``. Other steps run the stages as before (same bits as the default build); a fused step's
+# logits differ from them by the fp32 order of the O projection's sums. ``fused_kv_smem`` also copies the group's
+# cached K/V rows into that shared memory before the barrier, so the item scores them from there.
 @cute.jit
 def fused_o_step(pos: Int32, first_key: Int32, min_chunk: cutlass.Constexpr[int]) -> Int32:
     """1 where every visible position of this step fits the first split-KV chunk (``pos + 1 - first_key <=
