@@ -274,7 +274,6 @@ def residual_norm_to_smem(x: cute.Tensor, delta: cute.Tensor, post_weight: cute.
     cute.arch.sync_threads()
 
 
-
 @cute.jit
 def rmsnorm_partials_to_smem(x: cute.Tensor, o_mid: cute.Tensor, o_part: cute.Tensor, weight: cute.Tensor,
                              s_vec: cute.Tensor, s_red: cute.Tensor, cta: Int32, tidx: Int32, fused: Int32,
