@@ -115,3 +115,21 @@ def test_fused_kv_smem_refuses_what_it_cannot_build(preset, fused_o, reason):
     with pytest.raises(ValueError, match="fused_kv_smem") as error:
         generate(plan, fused_o=fused_o, fused_kv_smem=True)
     assert reason in str(error.value)
+
+
+def test_default_fused_o_is_off_until_measured_and_then_only_where_it_applies(smollm, monkeypatch):
+    """``generate(plan)`` leaves fused_o off while ``FUSED_O_DEFAULT`` is False (session 34: not measured); turned on,
+    it fuses where the build can and quietly stays off where it cannot (a timeline, batch 2), unlike an explicit
+    ``fused_o=True``, which refuses."""
+    import megabake.codegen as codegen
+
+    assert codegen.FUSED_O_DEFAULT is False
+    assert "bodies.fused_attention_o(" not in generate(smollm.plan).source
+    monkeypatch.setattr(codegen, "FUSED_O_DEFAULT", True)
+    assert "bodies.fused_attention_o(" in generate(smollm.plan).source
+    assert "bodies.fused_attention_o(" not in generate(smollm.plan, timeline=True).source
+    assert "bodies.fused_attention_o(" not in generate(smollm.plan, fused_o=False).source
+    batch2 = compile_preset("smollm-135m", layers=1, vocab=512, capacity=1024, batch=2).plan
+    assert "bodies.fused_attention_o(" not in generate(batch2).source
+    with pytest.raises(ValueError, match="batch 1"):
+        generate(batch2, fused_o=True)

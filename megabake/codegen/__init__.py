@@ -324,6 +324,18 @@ def default_mma_attention(plan: Plan, head_slices: bool = True) -> bool:
     return bool(mma_attention_items(plan, head_slices))
 
 
+FUSED_O_DEFAULT = False  # session 34's candidate, not measured yet: True makes generate(plan, fused_o=None) use it
+
+
+def default_fused_o(plan: Plan, *, spread_merge: bool = False, barrier: str = DEFAULT_BARRIER, timeline: bool = False,
+                    mma_schedule: bool = False) -> bool:
+    """Whether ``generate(plan, fused_o=None)`` fuses short-context steps' attention and O projection: where
+    ``FUSED_O_DEFAULT`` is on and the build can (:func:`megabake.codegen.fused.fused_o_refusal` finds nothing, no
+    ``mma_schedule``). Off until the H200 has measured it (docs/PERF.md, "Session 34")."""
+    return FUSED_O_DEFAULT and not mma_schedule and fused_o_refusal(
+        plan, spread_merge=spread_merge, split_barrier=barrier == "split", timeline=timeline) is None
+
+
 def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str = False,
              self_contained: bool = True, watchdog: bool = False, barrier: str | None = None,
              kv_prefetch: bool = True, kv_prefetch_l1: bool = False, kv_prefetch_rows: int | None = None,
@@ -332,7 +344,8 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
              long_slices: bool = LONG_SLICES, pass_chunks: bool = PASS_CHUNKS,
              kv_pipeline: bool | None = None, fold_merge: bool | None = None,
              prefetch_bytes: int | None = None, mma_attention: bool | None = None,
-             mma_schedule: bool = False, fused_o: bool = False, fused_kv_smem: bool = False) -> GeneratedModule:
+             mma_schedule: bool = False, fused_o: bool | None = None, fused_kv_smem: bool = False
+             ) -> GeneratedModule:
     """module.py of ``plan``. ``merge_preload`` / ``spread_merge``: None picks them per plan
     (:func:`default_merge`); True asks for one (refused where the attention scratch cannot hold it), False
     leaves it out (both False: the plain last-arrival merge of sessions 10-16). ``head_slices=False`` deals
@@ -356,7 +369,8 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     tensor cores), so long contexts deal whole groups over more, shorter splits (``plan.attention.split_schedule``'s
     ``mma_slices``). ``fused_o`` (a candidate, session 34): a step whose context fits the first split-KV chunk runs
     its attention and the O projection in one barrier interval (``bodies.fused_attention_o``; one grid barrier less
-    per layer), other steps as before; refused where :func:`megabake.codegen.fused.fused_o_refusal` names a reason.
+    per layer), other steps as before; refused where :func:`megabake.codegen.fused.fused_o_refusal` names a reason
+    (None: on where it applies and ``FUSED_O_DEFAULT`` is True, :func:`default_fused_o`).
     ``fused_kv_smem`` (with it) also copies each fused step's cached K/V rows into shared memory before the barrier
     (:func:`megabake.codegen.fused.fused_kv_refusal`)."""
     if watchdog and timeline:
@@ -405,6 +419,9 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     if mma_schedule and not mma_attention:
         raise ValueError("mma_schedule deals split-KV items for the tensor cores: it needs mma_attention=True")
     mma_slices = mma_slice_mask(plan, head_slices) if mma_schedule else 0
+    if fused_o is None:
+        fused_o = default_fused_o(plan, spread_merge=spread_merge, barrier=barrier, timeline=bool(timeline),
+                                  mma_schedule=mma_schedule)
     if fused_o:
         why = fused_o_refusal(plan, spread_merge=spread_merge, split_barrier=barrier == "split",
                               timeline=bool(timeline))
