@@ -590,6 +590,23 @@ def _item_warp_partials(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.T
 
 
 @cute.jit
+def _merge_warp_partials(s_part: cute.Tensor, h: Int32, d: Int32, head_dim: cutlass.Constexpr[int],
+                         warps: cutlass.Constexpr[int]):
+    """(max, sum, accumulator at dim ``d``) of head ``h`` over the warps' partials an item left in ``s_part``
+    (:func:`_item_warp_partials`): exact, warps in order."""
+    top = s_part[head_dim, h, 0]
+    for w in cutlass.range_constexpr(1, warps):
+        top = cute.arch.fmax(top, s_part[head_dim, h, w])
+    total = Float32(0.0)
+    out = Float32(0.0)
+    for w in cutlass.range_constexpr(warps):
+        weight = cute.math.exp(s_part[head_dim, h, w] - top)
+        total = total + s_part[head_dim + 1, h, w] * weight
+        out = out + s_part[d, h, w] * weight
+    return top, total, out
+
+
+@cute.jit
 def _split_kv_items(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Tensor, rope_sin: cute.Tensor,
                     k_cache: cute.Tensor, v_cache: cute.Tensor, attn: cute.Tensor, part: cute.Tensor,
                     counts: cute.Tensor, pos: Int32, first_key: Int32, chunk: Int32, active: Int32,
@@ -643,15 +660,7 @@ def _split_kv_items(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Tenso
             for i in range(tidx, heads * head_dim, threads):  # warps: merge, then output or partial
                 h = i // head_dim
                 d = i - h * head_dim
-                top = s_part[head_dim, h, 0]
-                for w in cutlass.range_constexpr(1, warps):
-                    top = cute.arch.fmax(top, s_part[head_dim, h, w])
-                total = Float32(0.0)
-                out = Float32(0.0)
-                for w in cutlass.range_constexpr(warps):
-                    weight = cute.math.exp(s_part[head_dim, h, w] - top)
-                    total = total + s_part[head_dim + 1, h, w] * weight
-                    out = out + s_part[d, h, w] * weight
+                top, total, out = _merge_warp_partials(s_part, h, d, head_dim, warps)
                 head = vkvh * heads + h
                 if active == 1:
                     attn[b, head * head_dim + d] = out / total
@@ -1041,15 +1050,7 @@ def fused_attention_o(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Ten
         for i in range(tidx, cols, threads):  # warps' partials merged, normalised into s_q (read no more)
             h = i // head_dim
             d = i - h * head_dim
-            top = s_part[head_dim, h, 0]
-            for w in cutlass.range_constexpr(1, warps):
-                top = cute.arch.fmax(top, s_part[head_dim, h, w])
-            total = Float32(0.0)
-            out = Float32(0.0)
-            for w in cutlass.range_constexpr(warps):
-                weight = cute.math.exp(s_part[head_dim, h, w] - top)
-                total = total + s_part[head_dim + 1, h, w] * weight
-                out = out + s_part[d, h, w] * weight
+            top, total, out = _merge_warp_partials(s_part, h, d, head_dim, warps)
             s_q[i] = out / total
         cute.arch.cp_async_wait_group(0)
         cute.arch.sync_threads()
