@@ -206,10 +206,11 @@ BUILDS = {"default": {}, "atom": {"barrier": "atom"}, "red": {"barrier": "red"},
           "mma-attention": {"mma_attention": True}, "lane-attention": {"mma_attention": False},
           # ... and every split-KV dealing weighs those items by their chunk alone (whole groups, shorter chunks)
           "mma-schedule": {"mma_attention": True, "mma_schedule": True},
-          # one-split steps run attention (whole KV groups) and the O projection in one interval: one grid barrier
-          # less per layer at short contexts (session 34, codegen.fused); fused-o-lane: those groups on the lane loop
-          "fused-o": {"fused_o": True}, "fused-o-lane": {"fused_o": True, "mma_attention": False},
-          "fused-o-kv": {"fused_o": True, "fused_kv_smem": True},  # ... and the K/V rows from shared memory
+          # one-split steps run attention (whole KV groups, fp32 lane-group loop) and the O projection in one
+          # interval: one grid barrier less per layer at short contexts (session 34, codegen.fused); fused-o-mma:
+          # those groups on the tensor cores; fused-o-kv: their cached K/V rows from shared memory
+          "fused-o": {"fused_o": True}, "fused-o-mma": {"fused_o": True, "fused_mma": True},
+          "fused-o-kv": {"fused_o": True, "fused_kv_smem": True},
           # the L2 prefetch of the next GEMV's first tiles before each barrier at one budget for every stage (the
           # default since session 26: none before a ring-prefilled GEMV, 16 MB elsewhere; pf16mb: the old default)
           "pf0": {"prefetch_bytes": 0}, "pf8mb": {"prefetch_bytes": 8 << 20}, "pf16mb": {"prefetch_bytes": 16 << 20},

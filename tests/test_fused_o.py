@@ -78,12 +78,52 @@ def test_fused_o_build_compiles_for_sm90a(smollm, build, tmp_path):
     assert result.ok, result.error
 
 
-def test_fused_o_build_compiles_with_head_norms_and_the_lane_loop(tmp_path):
-    """Qwen3-0.6B: per-head q/k norms in the fused item, whole groups of 2 heads of 128 on the lane-group loop."""
+def test_fused_o_build_compiles_with_head_norms_and_the_tensor_cores(tmp_path):
+    """Qwen3-0.6B: per-head q/k norms in the fused item, whole groups of 2 heads of 128 on the tensor cores
+    (``fused_mma``)."""
     compiled = compile_preset("qwen3-0.6b", layers=2, vocab=4096, capacity=4096)
-    source = generate(compiled.plan, fused_o=True, mma_attention=False).source
+    source = generate(compiled.plan, fused_o=True, fused_mma=True).source
+    assert "FUSED_MMA = True" in source
     result = compile_check(compiled.plan, load_module(source), dump_dir=str(tmp_path))
     assert result.ok, result.error
+
+
+def test_fused_steps_score_on_the_lane_loop_unless_fused_mma(smollm):
+    """A fused step's whole KV group runs the fp32 lane-group loop, as the default's short-context head slices do
+    (1-head items never take the tensor cores), whatever ``mma_attention`` picks for the split steps' items;
+    ``fused_mma`` puts it on the tensor cores. The item reads the module constant FUSED_MMA."""
+    plan = smollm.plan
+    default = generate(plan, fused_o=True).source
+    assert "MMA_ATTENTION = True" in default and "FUSED_MMA = False" in default
+    assert "mma_attention=FUSED_MMA," in default
+    assert "FUSED_MMA = True" in generate(plan, fused_o=True, fused_mma=True).source
+    header = default.split('"""')[1]
+    layers = plan.dims.layers
+    assert (f"{plan.barriers_per_step} grid barriers per step ({plan.barriers_per_step - layers} where the context "
+            "fits MIN_CHUNK: fused_o)") in header
+
+
+@pytest.mark.parametrize("preset,build,reason", [
+    ("smollm-135m", {}, "needs fused_o=True"),
+    ("smollm-135m", {"fused_o": True, "mma_attention": False}, "needs mma_attention=True"),
+])
+def test_fused_mma_refuses_what_it_cannot_build(preset, build, reason):
+    plan = compile_preset(preset, layers=1, vocab=512, capacity=1024).plan
+    with pytest.raises(ValueError, match="fused_mma") as error:
+        generate(plan, fused_mma=True, **build)
+    assert reason in str(error.value)
+
+
+def test_fused_mma_refuses_groups_the_tensor_cores_cannot_take(monkeypatch):
+    """SmolLM-1.7B has one query head per KV head: no tensor-core item (the rule itself; its generate refuses
+    mma_attention=True first)."""
+    import megabake.codegen as codegen
+
+    plan = compile_preset("smollm-1.7b", layers=1, vocab=512, capacity=1024).plan
+    monkeypatch.setattr(codegen, "mma_attention_items", lambda *args: [1])  # let mma_attention=True through
+    with pytest.raises(ValueError, match="fused_mma") as error:
+        generate(plan, fused_o=True, mma_attention=True, fused_mma=True)
+    assert "a KV group of 1 x 64 is not 2-8 heads of 64 or 128 dims" in str(error.value)
 
 
 @pytest.mark.parametrize("preset,build,reason", [

@@ -36,10 +36,11 @@ def _compiled(preset: str, capacity: int):
 @pytest.mark.parametrize("preset,capacity", [("smollm-135m", 2048), ("qwen2.5-0.5b", 4096), ("qwen3-0.6b", 4096),
                                              ("llama-3.2-1b", 1024)])
 def test_fused_o_gives_the_default_bits_where_split_and_fp32_order_where_fused(preset, capacity):
-    """On the lane-group loop (whole groups head by head: the same attention bits as the default's head slices),
-    split steps give the default build's bits (the O stage, o_mid as the down projection's bias: the same sums),
-    fused steps its logits to fp32 order (the O projection summed per KV group, then over groups); with the
-    cached K/V rows copied into shared memory first (``fused_kv_smem``) the fused build's own bits."""
+    """The fused build as timed (its whole KV groups on the fp32 lane-group loop, as the default's short-context
+    head slices; the split steps here on the lane-group loop too): split steps give the default build's bits (the
+    O stage, o_mid as the down projection's bias: the same sums), fused steps its logits to fp32 order (the
+    attention per group, the O projection summed per KV group, then over groups); with the cached K/V rows copied
+    into shared memory first (``fused_kv_smem``) the fused build's own bits."""
     compiled = _compiled(preset, capacity)
     fused, split = _fused_and_split_positions(compiled, capacity)
     assert fused and split
@@ -57,15 +58,16 @@ def test_fused_o_gives_the_default_bits_where_split_and_fp32_order_where_fused(p
 
 @pytest.mark.parametrize("preset,capacity", [("smollm-135m", 2048), ("qwen3-0.6b", 4096)])
 def test_fused_o_on_the_tensor_cores_stays_within_bf16_rounding_of_the_default(preset, capacity):
-    """The timed build: fused steps score whole KV groups on the tensor cores (bf16 query and probabilities,
-    where the default deals 1-head slices to the lane-group loop at short contexts), so their logits stay within
-    that rounding (2e-2, as the tensor cores against the lane-group loop); split steps keep the default's bits."""
+    """``fused_mma`` (gpu_tune build fused-o-mma): fused steps score whole KV groups on the tensor cores (bf16
+    query and probabilities, where the default deals 1-head slices to the lane-group loop at short contexts), so
+    their logits stay within that rounding (2e-2, as the tensor cores against the lane-group loop); split steps
+    keep the default's bits (tensor-core items where the default deals them)."""
     compiled = _compiled(preset, capacity)
     fused, split = _fused_and_split_positions(compiled, capacity)
     positions = split + fused
     default, fused_o, again = _logits_over_random_cache(
-        compiled, positions, 1, [{"mma_attention": True}, {"fused_o": True, "mma_attention": True},
-                                 {"fused_o": True, "mma_attention": True}])
+        compiled, positions, 1, [{"mma_attention": True}, {"fused_o": True, "mma_attention": True, "fused_mma": True},
+                                 {"fused_o": True, "mma_attention": True, "fused_mma": True}])
     assert torch.isfinite(fused_o).all() and torch.equal(again, fused_o)
     for i, position in enumerate(positions):
         if position in fused:
@@ -76,14 +78,15 @@ def test_fused_o_on_the_tensor_cores_stays_within_bf16_rounding_of_the_default(p
 
 @pytest.mark.parametrize("preset,capacity", [("smollm-135m", 2048), ("qwen3-0.6b", 4096)])
 def test_fused_o_kernel_matches_the_reference_executor(preset, capacity):
-    """The fused build (lane-group loop) against the CPU reference executor from one random cache, fused steps
-    and split steps, at the usual tolerance (2e-3)."""
+    """The fused build as timed (fused steps on the lane-group loop; split steps on the tensor cores where the
+    default deals such items, which the reference executor mirrors) against the CPU reference executor from one
+    random cache, fused steps and split steps, at the usual tolerance (2e-3)."""
     from megabake.codegen import generate
     from megabake.runtime import MegakernelDecoder
 
     compiled = _compiled(preset, capacity)
     fused, split = _fused_and_split_positions(compiled, capacity)
-    source = generate(compiled.plan, fused_o=True, mma_attention=False).source
+    source = generate(compiled.plan, fused_o=True).source
     decoder = MegakernelDecoder(compiled.plan, source, compiled.model, device="cuda")
     reference = _reference_for(compiled, decoder)
     generator = torch.Generator().manual_seed(41)

@@ -937,16 +937,18 @@ def merge_splits_to_smem(attn: cute.Tensor, part: cute.Tensor, s_vec: cute.Tenso
 
 # Attention and the O projection in one interval at short contexts (``generate(plan, fused_o=True)``, a candidate
 # since session 34). A step whose visible positions fit the first split-KV chunk (``MIN_CHUNK``: one split) skips
-# the O-projection stage and its grid barrier: CTA c takes KV group c % groups (whole groups, on the tensor cores
-# where they fit: :func:`_item_warp_partials`, the same arithmetic as a one-split item) and row block c // groups
-# of W_O. Every CTA of a group computes that group's attention (the same few cached rows from L2; in the default
+# the O-projection stage and its grid barrier: CTA c takes KV group c % groups (whole groups on the fp32 lane-group
+# loop, as the default's short-context head slices; with ``FUSED_MMA`` on the tensor cores:
+# :func:`_item_warp_partials`, the same arithmetic as a one-split item) and row block c // groups of W_O. Every CTA of a group computes that group's attention (the same few cached rows from L2; in the default
 # build most CTAs idle in that interval), then its rows of W_O[:, group's columns] @ attention into
 # ``o_part[group, row]``, the W_O block copied into shared memory (the idle cp.async ring) while the grid met after
 # the QKV projection. The next stage's staging sums x + o_part[0] + o_part[1] + ... in that order
 # (:func:`rmsnorm_partials_to_smem`, which also stores that residual in ``o_mid``) and the down projection adds
 # its output to ``o_mid``. Other steps run the stages as before (same bits as the default build); a fused step's
-# logits differ from them by the fp32 order of the O projection's sums. ``fused_kv_smem`` also copies the group's
-# cached K/V rows into that shared memory before the barrier, so the item scores them from there.
+# logits differ from them by the fp32 order of the attention's and the O projection's sums (with ``FUSED_MMA`` also
+# by the bf16 rounding of the query and the probabilities). ``fused_kv_smem`` also copies the group's cached K/V
+# rows into that shared memory before the barrier (a cp.async group of their own, committed before the W_O
+# block's, so the item can score them while the block still lands), and the item scores them from there.
 @cute.jit
 def fused_o_step(pos: Int32, first_key: Int32, min_chunk: cutlass.Constexpr[int]) -> Int32:
     """1 where every visible position of this step fits the first split-KV chunk (``pos + 1 - first_key <=
@@ -968,7 +970,9 @@ def fused_o_load(w_o: cute.Tensor, k_cache: cute.Tensor, v_cache: cute.Tensor, s
     layer's O projection (rows ``block x block_rows`` on, its KV group's columns) into the shared memory of the
     cp.async ring (idle until the gate/up GEMV's fill), as [block_rows, group x head_dim] bf16, and with
     ``kv_smem`` its group's cached K and V rows [0, pos) after it (:func:`_fused_kv_views`; this step's row is
-    appended by the attention itself); one committed group, which :func:`fused_attention_o` waits for."""
+    appended by the attention itself); with ``kv_smem`` the K/V rows then the W_O block as two committed cp.async
+    groups, else the block as one: :func:`fused_attention_o` waits for the rows before scoring, for the block
+    before its O rows."""
     cols = (n_heads // n_kv_heads) * head_dim
     vecs = cols // VEC
     group = cta % n_kv_heads
@@ -977,12 +981,6 @@ def fused_o_load(w_o: cute.Tensor, k_cache: cute.Tensor, v_cache: cute.Tensor, s
         s_wo = cute.make_tensor(s_ring.iterator, cute.make_layout((block_rows, cols), stride=(cols, 1)))
         atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), w_o.element_type,
                                    num_bits_per_copy=128)
-        for i in range(tidx, block_rows * vecs, threads):
-            r = i // vecs
-            v = i - r * vecs
-            row = cutlass.min(block * block_rows + r, hidden - 1)
-            cute.copy(atom, cute.zipped_divide(w_o[row, None], (VEC,))[(None, group * vecs + v)],
-                      cute.zipped_divide(s_wo[r, None], (VEC,))[(None, v)])
         if cutlass.const_expr(kv_smem):
             s_keys, s_values = _fused_kv_views(s_ring, block_rows * cols, kv_rows, head_dim)
             kv_vecs = head_dim // VEC
@@ -993,6 +991,13 @@ def fused_o_load(w_o: cute.Tensor, k_cache: cute.Tensor, v_cache: cute.Tensor, s
                           cute.zipped_divide(s_keys[r, None], (VEC,))[(None, v)])
                 cute.copy(atom, cute.zipped_divide(v_cache[0, group, r, None], (VEC,))[(None, v)],
                           cute.zipped_divide(s_values[r, None], (VEC,))[(None, v)])
+            cute.arch.cp_async_commit_group()
+        for i in range(tidx, block_rows * vecs, threads):
+            r = i // vecs
+            v = i - r * vecs
+            row = cutlass.min(block * block_rows + r, hidden - 1)
+            cute.copy(atom, cute.zipped_divide(w_o[row, None], (VEC,))[(None, group * vecs + v)],
+                      cute.zipped_divide(s_wo[r, None], (VEC,))[(None, v)])
     cute.arch.cp_async_commit_group()
 
 
@@ -1037,7 +1042,7 @@ def fused_attention_o(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Ten
     if block < blocks:
         s_keys, s_values = _fused_kv_views(s_ring, block_rows * cols, kv_rows, head_dim)
         if cutlass.const_expr(kv_smem):
-            cute.arch.cp_async_wait_group(0)
+            cute.arch.cp_async_wait_group(1)  # the K/V rows (the W_O block, committed after them, may still land)
             cute.arch.sync_threads()
         else:
             s_keys = k_cache[0, group, None, None]
