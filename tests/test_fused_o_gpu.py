@@ -15,15 +15,23 @@ pytestmark = pytest.mark.gpu
 
 def _fused_and_split_positions(compiled, capacity: int) -> tuple[list[int], list[int]]:
     """Positions near 0, at the first split boundaries, halfway and at capacity - 1, parted into the steps a fused
-    build runs fused (one split) and the rest, split steps first: a fused step's K/V carry its rounding into every
-    later step that reads them."""
+    build runs fused in some layer (one split over the layer's visible positions: its sliding window's, where it
+    has one) and the rest, split steps first: a fused step's K/V carry its rounding into every later step that
+    reads them."""
     from megabake.plan import split_schedule
 
-    tiling = next(s.tiling for s in compiled.plan.stages if s.kind == "attention")
-    candidates = sorted({0, 1, 2, 63, 64, tiling.per_tile - 1, tiling.per_tile, tiling.per_tile + 1, 700,
-                         capacity // 2, capacity - 1})
-    fused = [p for p in candidates if p + 1 <= tiling.per_tile]  # bodies.fused_o_step: the context fits MIN_CHUNK
-    assert all(split_schedule(tiling, p + 1).active == 1 for p in fused)
+    plan = compiled.plan
+    tiling = next(s.tiling for s in plan.stages if s.kind == "attention")
+    windows = plan.attn_window_table()  # the capacity where a layer has no window
+    candidates = sorted(p for p in {0, 1, 2, 63, 64, tiling.per_tile - 1, tiling.per_tile, tiling.per_tile + 1, 700,
+                                    capacity // 2, capacity - 1} if p < capacity)
+
+    def visible(p: int) -> list[int]:
+        return [min(p + 1, window) for window in windows]
+
+    # bodies.fused_o_step: the layer's visible positions fit MIN_CHUNK
+    fused = [p for p in candidates if min(visible(p)) <= tiling.per_tile]
+    assert all(split_schedule(tiling, v).active == 1 for p in fused for v in visible(p) if v <= tiling.per_tile)
     return fused, [p for p in candidates if p not in fused]
 
 
@@ -34,21 +42,27 @@ def _compiled(preset: str, capacity: int):
 
 
 @pytest.mark.parametrize("preset,capacity", [("smollm-135m", 2048), ("qwen2.5-0.5b", 4096), ("qwen3-0.6b", 4096),
-                                             ("llama-3.2-1b", 1024)])
+                                             ("llama-3.2-1b", 1024), ("tiny-mistral", 256), ("tiny-phi3", 256)])
 def test_fused_o_gives_the_default_bits_where_split_and_fp32_order_where_fused(preset, capacity):
     """The fused build as timed (its whole KV groups on the fp32 lane-group loop, as the default's short-context
     head slices; the split steps here on the lane-group loop too): split steps give the default build's bits (the
     O stage, o_mid as the down projection's bias: the same sums), fused steps its logits to fp32 order (the
     attention per group, the O projection summed per KV group, then over groups); with the cached K/V rows copied
-    into shared memory first (``fused_kv_smem``) the fused build's own bits."""
+    into shared memory first (``fused_kv_smem``, no sliding windows) the fused build's own bits. Sliding windows:
+    tiny-mistral's 96 positions fit MIN_CHUNK (128), so every step is fused; tiny-phi3's do not (64): fused
+    only up to position 63."""
     compiled = _compiled(preset, capacity)
     fused, split = _fused_and_split_positions(compiled, capacity)
-    assert fused and split
+    assert fused and (split or preset == "tiny-mistral")
     positions = split + fused
-    default, fused_o, again, kv_smem = _logits_over_random_cache(
-        compiled, positions, 1, [{}, {"fused_o": True}, {"fused_o": True}, {"fused_o": True, "fused_kv_smem": True}])
+    builds = [{}, {"fused_o": True}, {"fused_o": True}]
+    windows = compiled.plan.has_windows
+    results = _logits_over_random_cache(compiled, positions, 1,
+                                        builds + ([] if windows else [{"fused_o": True, "fused_kv_smem": True}]))
+    default, fused_o, again = results[:3]
     assert torch.isfinite(fused_o).all() and torch.equal(again, fused_o)
-    assert torch.equal(kv_smem, fused_o)  # the same rows from shared memory: the same bits
+    if not windows:
+        assert torch.equal(results[3], fused_o)  # the same rows from shared memory: the same bits
     for i, position in enumerate(positions):
         if position in fused:
             assert float((fused_o[i] - default[i]).norm() / default[i].norm()) < 1e-5, position
@@ -76,7 +90,7 @@ def test_fused_o_on_the_tensor_cores_stays_within_bf16_rounding_of_the_default(p
             assert torch.equal(fused_o[i], default[i]), position
 
 
-@pytest.mark.parametrize("preset,capacity", [("smollm-135m", 2048), ("qwen3-0.6b", 4096)])
+@pytest.mark.parametrize("preset,capacity", [("smollm-135m", 2048), ("qwen3-0.6b", 4096), ("tiny-mistral", 256)])
 def test_fused_o_kernel_matches_the_reference_executor(preset, capacity):
     """The fused build as timed (fused steps on the lane-group loop; split steps on the tensor cores where the
     default deals such items, which the reference executor mirrors) against the CPU reference executor from one
