@@ -98,10 +98,8 @@ def bake(model: str, *, revision: str | None = None, batch: int = 1, capacity: i
     plan, generated = compiled.plan, compiled.generated
     with clock(f"reference executor vs eager fp32 ({reference_steps} steps)"):
         reference = reference_check(plan, source.model, steps=reference_steps)
-    with clock("CuTe DSL compile check for sm_90a"):
-        compile_result = _compile_check(plan, generated.source)
-    with clock("precompile the kernel for sm_90a (loads without JIT)"):
-        precompiled = _export_precompiled(plan, generated.source) if compile_result.ok else {"files": {}, "report": None}
+    with clock("CuTe DSL compile check for sm_90a and the precompiled kernel (loads without JIT)"):
+        compile_result, precompiled = _compile_and_export(plan, generated.source)
 
     dest, variant = package_destination(out, source.model_id, source.revision, "decode", batch, capacity, gpu_class,
                                         plan.hash)
@@ -258,6 +256,21 @@ def _compile_check(plan, source: str):
     except Exception as exc:  # a missing cutlass or broken module is recorded, with the fix
         return CompileResult(False, "sm_90a", 0.0, error=f"{type(exc).__name__}: {exc}")
     return compile_check(plan, module)
+
+
+def _compile_and_export(plan, source: str):
+    """(compile check, precompiled kernel) of module.py for sm_90a from one compile where the export succeeds
+    (it compiles the launch as the runtime calls it: that is the check); where it fails, the plain compile check
+    tells a module that does not compile (the bake fails) from an export that did not work (recorded, JIT at
+    load)."""
+    from .runtime.compile import PRECOMPILED_ARCH, CompileResult
+
+    precompiled = _export_precompiled(plan, source)
+    report = precompiled["report"]
+    if report["ok"]:
+        return CompileResult(True, PRECOMPILED_ARCH, report["seconds"]), precompiled
+    compile_result = _compile_check(plan, source)
+    return compile_result, precompiled if compile_result.ok else {"files": {}, "report": None}
 
 
 def _export_precompiled(plan, source: str) -> dict:
