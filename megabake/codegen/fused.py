@@ -60,10 +60,9 @@ def fused_o_refusal(plan: Plan, *, spread_merge: bool = False, split_barrier: bo
     stages = {name: _layer_stage(plan, name) for name in ("o_residual", "norm_gate_up", "down_residual")}
     if any(stage is None for stage in stages.values()):
         return "the layer has no o_residual / norm_gate_up / down_residual stages"
-    order = [s.name for s in plan.stages if s.scope == "layer"]
-    attention = next((s.name for s in plan.stages if s.scope == "layer" and s.kind == "attention"), None)
-    if attention is None or order.index(attention) == 0 or order[order.index(attention) - 1] != "norm_qkv" \
-            or order[order.index(attention) + 1:order.index(attention) + 2] != ["o_residual"]:
+    layer = [s for s in plan.stages if s.scope == "layer"]
+    at = next((i for i, s in enumerate(layer) if s.kind == "attention"), 0)
+    if not 0 < at < len(layer) - 1 or (layer[at - 1].name, layer[at + 1].name) != ("norm_qkv", "o_residual"):
         return ("the layer's stages are not QKV projection, attention, O projection in a row (the W_O block is "
                 "loaded while the grid meets after the QKV projection)")
     o_spec, up_spec, down_spec = (spec_of(stages[n], plan) for n in ("o_residual", "norm_gate_up", "down_residual"))

@@ -939,8 +939,9 @@ def merge_splits_to_smem(attn: cute.Tensor, part: cute.Tensor, s_vec: cute.Tenso
 # since session 34). A step whose visible positions fit the first split-KV chunk (``MIN_CHUNK``: one split) skips
 # the O-projection stage and its grid barrier: CTA c takes KV group c % groups (whole groups on the fp32 lane-group
 # loop, as the default's short-context head slices; with ``FUSED_MMA`` on the tensor cores:
-# :func:`_item_warp_partials`, the same arithmetic as a one-split item) and row block c // groups of W_O. Every CTA of a group computes that group's attention (the same few cached rows from L2; in the default
-# build most CTAs idle in that interval), then its rows of W_O[:, group's columns] @ attention into
+# :func:`_item_warp_partials`, the same arithmetic as a one-split item) and row block c // groups of W_O. Every
+# CTA of a group computes that group's attention (the same few cached rows from L2; in the default build most
+# CTAs idle in that interval), then its rows of W_O[:, group's columns] @ attention into
 # ``o_part[group, row]``, the W_O block copied into shared memory (the idle cp.async ring) while the grid met after
 # the QKV projection. The next stage's staging sums x + o_part[0] + o_part[1] + ... in that order
 # (:func:`rmsnorm_partials_to_smem`, which also stores that residual in ``o_mid``) and the down projection adds
