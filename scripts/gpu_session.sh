@@ -47,9 +47,9 @@
 #   fused-o: attention and the O projection in one interval at short contexts (session 34, generate(plan,
 #          fused_o=True)): its GPU tests, then GPU ms at 16 on SmolLM-135M against the default, fused-o-mma
 #          (whole groups on the tensor cores), fused-o-kv (+ K/V rows in shared memory) and kvpf-l1; fused-o-more:
-#          Qwen3-0.6B and Qwen2.5-0.5B at 16 and Qwen3-0.6B at 1000; fused-o-llama: Llama-3.2-1B at 16
-#          -> OUT/pytest-gpu-fused-o.log,
-#          OUT/tune-*-fused-o-*.log (not run yet; about 7 + 8 + 3 min?)
+#          Qwen3-0.6B and Qwen2.5-0.5B at 16 and Qwen3-0.6B at 1000; fused-o-llama: Llama-3.2-1B at 16;
+#          fused-o-times: fused-o's SmolLM-135M timings without its GPU tests (tests-parallel runs them)
+#          -> OUT/pytest-gpu-fused-o.log, OUT/tune-*-fused-o-*.log (not run yet; about 7 + 8 + 3 min?)
 #   balance: the bake's tiling with rows per tile balanced per stage (gpu_tune variant bake-balanced) against the
 #          bake's own on Qwen3-0.6B @16, Phi-3-mini @1000, SmolLM-135M @16 -> OUT/tune-*-balance-*.log (301 s in
 #          session 31, which balanced the plain tiling by mistake; session 32 on the bake's tiling: the bake wins, 3-10%)
@@ -68,7 +68,8 @@
 #          4 presets need two calls: the second with BENCH_RESUME, see below)
 #   tune:  GEMV tiling / preload / pipeline sweep with per-stage clocks (scripts/gpu_tune.py) -> OUT/tune-*.json
 #          (~2 min per preset for all 17 variants; VARIANTS="default t2u4-pipe ..." picks some)
-#   tests-parallel: the same tests as tests1-3 at once, as SHARDS (default 4) pytest processes on the one GPU
+#   tests-parallel: the same tests as tests1-3 and the fused_o build's (tests/test_fused_o_gpu.py) at once, as
+#          SHARDS (default 4) pytest processes on the one GPU
 #          (pytest --shard I/N, tests/sharding.py: their CPU-bound setup, random init and CuTe DSL compiles,
 #          overlaps; kernels time-share the GPU) -> OUT/pytest-gpu-shard*.log (3 processes: 6.6 min, session 16)
 # A device call is limited to 10 minutes: pick parts with PARTS (default "tests1"), e.g.
@@ -118,7 +119,7 @@ if [[ " $PARTS " == *" tests-parallel "* ]]; then
   names=()
   for ((i = 0; i < shards; i++)); do
     names+=("shard$i")
-    OMP_NUM_THREADS=$threads run_tests "shard$i" "" --shard "$i/$shards" "${TESTS3[@]:2}" &
+    OMP_NUM_THREADS=$threads run_tests "shard$i" "" --shard "$i/$shards" "${TESTS3[@]:2}" tests/test_fused_o_gpu.py &
   done
   wait
   collect_tests "${names[@]}"
@@ -348,6 +349,10 @@ if [[ " $PARTS " == *" fused-o "* ]]; then
   rc=$?
   summary+=("fused-o GPU tests: rc=$rc $(tail -1 "$OUT/pytest-gpu-fused-o.log")")
   ((rc == 0)) && FUSED_SPECS=("smollm-135m 2048 16 $FUSED_BUILDS")
+fi
+if [[ " $PARTS " == *" fused-o-times "* ]]; then
+  # the same SmolLM-135M timings without the GPU tests, where tests-parallel (which runs them) passed already
+  FUSED_SPECS+=("smollm-135m 2048 16 $FUSED_BUILDS")
 fi
 if [[ " $PARTS " == *" fused-o-more "* ]]; then
   FUSED_SPECS+=("qwen3-0.6b 4096 16 $FUSED_BUILDS" "qwen2.5-0.5b 4096 16 default fused-o fused-o-mma fused-o-kv"

@@ -34,6 +34,9 @@ SECONDS = {  # node-id fragment -> seconds (first match wins); from `pytest --du
     "fold_merge_gives_the_default": 20.0,  # session 23: 4 cases in 55 s alone; the suite's shards run slower
     "mma_attention_matches_the_lane_group": 32.0,  # session 33: 4 cases in 130 s alone (four builds each)
     "mma_attention_kernel_matches_its_reference": 15.0,  # session 33: one build + a CPU reference (not timed yet)
+    # tests/test_fused_o_gpu.py (session 34-35, not timed yet): four, three and one builds per case
+    "fused_o_gives_the_default_bits": 30.0, "fused_o_on_the_tensor_cores": 25.0,
+    "fused_o_kernel_matches_the_reference": 15.0,
 }
 
 
