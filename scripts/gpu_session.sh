@@ -45,11 +45,12 @@
 #          -> OUT/pytest-gpu-mma-attention.log, OUT/tune-*-mma-*.log (489 s in session 33); mma-attention-b1: the
 #          same timings at batch 1 (Qwen2.5-0.5B @4000 and @16, Qwen3-0.6B @4000), in a call of its own (247 s)
 #   fused-o: attention and the O projection in one interval at short contexts (session 34, generate(plan,
-#          fused_o=True)): its GPU tests, then GPU ms at 16 on SmolLM-135M against the default, fused-o-mma
-#          (whole groups on the tensor cores), fused-o-kv (+ K/V rows in shared memory) and kvpf-l1; fused-o-more:
+#          fused_o=True)): its GPU tests, then GPU ms at 16 on SmolLM-135M against the default, fused-o-lane (the
+#          groups on the fp32 lane loop), fused-o-kv (+ K/V rows in shared memory) and kvpf-l1; fused-o-more:
 #          Qwen3-0.6B and Qwen2.5-0.5B at 16 and Qwen3-0.6B at 1000; fused-o-llama: Llama-3.2-1B at 16;
 #          fused-o-times: fused-o's SmolLM-135M timings without its GPU tests (tests-parallel runs them)
-#          -> OUT/pytest-gpu-fused-o.log, OUT/tune-*-fused-o-*.log (not run yet; about 7 + 8 + 3 min?)
+#          -> OUT/pytest-gpu-fused-o.log, OUT/tune-*-fused-o-*.log (session 35: 135 s for fused-o-times and
+#          fused-o-llama, 176 s for fused-o-more)
 #   balance: the bake's tiling with rows per tile balanced per stage (gpu_tune variant bake-balanced) against the
 #          bake's own on Qwen3-0.6B @16, Phi-3-mini @1000, SmolLM-135M @16 -> OUT/tune-*-balance-*.log (301 s in
 #          session 31, which balanced the plain tiling by mistake; session 32 on the bake's tiling: the bake wins, 3-10%)
@@ -333,14 +334,14 @@ if ((${#MMA_SPECS[@]})); then
     done
 fi
 FUSED_SPECS=()  # fused-o / fused-o-more: the timings to run, "preset capacity position builds..."
-FUSED_BUILDS="default fused-o fused-o-mma fused-o-kv kvpf-l1"
+FUSED_BUILDS="default fused-o fused-o-lane fused-o-kv kvpf-l1"
 if [[ " $PARTS " == *" fused-o "* ]]; then
   # session 34 (built without a GPU): a step whose context fits the first split-KV chunk runs its attention (whole
   # KV groups, every CTA) and the O projection in one barrier interval (generate(plan, fused_o=True),
   # codegen.fused): one grid barrier and the O stage's staging less per layer at short contexts. Its GPU tests
   # first (the default build's bits where steps are split, fp32 order where fused, the reference executor, a
   # second run's bits, fused_kv_smem's bits), then GPU ms at 16 on SmolLM-135M against the default, the fused
-  # build with whole groups on the tensor cores (fused-o-mma), with the cached K/V rows in shared memory
+  # build with whole groups on the fp32 lane loop (fused-o-lane), with the cached K/V rows in shared memory
   # (fused-o-kv), and the L1 K/V prefetch
   # (kvpf-l1, never timed at short contexts). PARTS=fused-o-more, in a call of its own: Qwen3-0.6B and
   # Qwen2.5-0.5B at 16, Qwen3-0.6B at 1000 (split steps: the default's bits, the branch's cost); then
@@ -355,11 +356,11 @@ if [[ " $PARTS " == *" fused-o-times "* ]]; then
   FUSED_SPECS+=("smollm-135m 2048 16 $FUSED_BUILDS")
 fi
 if [[ " $PARTS " == *" fused-o-more "* ]]; then
-  FUSED_SPECS+=("qwen3-0.6b 4096 16 $FUSED_BUILDS" "qwen2.5-0.5b 4096 16 default fused-o fused-o-mma fused-o-kv"
+  FUSED_SPECS+=("qwen3-0.6b 4096 16 $FUSED_BUILDS" "qwen2.5-0.5b 4096 16 default fused-o fused-o-lane fused-o-kv"
                 "qwen3-0.6b 4096 1000 default fused-o")
 fi
 if [[ " $PARTS " == *" fused-o-llama "* ]]; then
-  FUSED_SPECS+=("llama-3.2-1b 4096 16 default fused-o fused-o-mma fused-o-kv")
+  FUSED_SPECS+=("llama-3.2-1b 4096 16 default fused-o fused-o-lane fused-o-kv")
 fi
 if ((${#FUSED_SPECS[@]})); then
   for spec in "${FUSED_SPECS[@]}"; do

@@ -43,7 +43,8 @@ def check_preset(name: str, capacity: int, steps: int) -> dict:
     decoder = MegakernelDecoder(plan, source, model, device="cuda", use_graph=False)
     compile_s = time.perf_counter() - t0
     # reference: the decoder's own packed bf16 weights and tables, fp32 math on the CPU
-    reference = reference_executor_from_buffers(plan, decoder.buffers, mma_attention=decoder.mma_attention)
+    reference = reference_executor_from_buffers(plan, decoder.buffers, mma_attention=decoder.mma_attention,
+                                                fused_mma=decoder.fused_mma)
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(1, plan.dims.vocab, (steps,), generator=gen)
     errors = []

@@ -145,7 +145,8 @@ def vs_reference(decoder, plan, tokens) -> float:
     """rel-L2 of the decoder's last logits against the plan's CPU reference executor on its own bf16 weights."""
     from megabake.plan.reference import reference_executor_from_buffers
 
-    reference = reference_executor_from_buffers(plan, decoder.buffers, mma_attention=decoder.mma_attention)
+    reference = reference_executor_from_buffers(plan, decoder.buffers, mma_attention=decoder.mma_attention,
+                                                fused_mma=decoder.fused_mma)
     for p in range(len(tokens)):
         want = reference.step(tokens[p], p)
     got = decoder.buffers["logits"].float().cpu()
@@ -206,10 +207,11 @@ BUILDS = {"default": {}, "atom": {"barrier": "atom"}, "red": {"barrier": "red"},
           "mma-attention": {"mma_attention": True}, "lane-attention": {"mma_attention": False},
           # ... and every split-KV dealing weighs those items by their chunk alone (whole groups, shorter chunks)
           "mma-schedule": {"mma_attention": True, "mma_schedule": True},
-          # one-split steps run attention (whole KV groups, fp32 lane-group loop) and the O projection in one
-          # interval: one grid barrier less per layer at short contexts (session 34, codegen.fused); fused-o-mma:
-          # those groups on the tensor cores; fused-o-kv: their cached K/V rows from shared memory
-          "fused-o": {"fused_o": True}, "fused-o-mma": {"fused_o": True, "fused_mma": True},
+          # one-split steps run attention (whole KV groups, on the tensor cores where they fit) and the O projection
+          # in one interval: one grid barrier less per layer at short contexts (codegen.fused; session 35: -2% to
+          # -8% at 16); fused-o-lane: those groups on the fp32 lane-group loop (slower: +8% on Qwen2.5-0.5B);
+          # fused-o-kv: their cached K/V rows from shared memory
+          "fused-o": {"fused_o": True}, "fused-o-lane": {"fused_o": True, "fused_mma": False},
           "fused-o-kv": {"fused_o": True, "fused_kv_smem": True},
           # the L2 prefetch of the next GEMV's first tiles before each barrier at one budget for every stage (the
           # default since session 26: none before a ring-prefilled GEMV, 16 MB elsewhere; pf16mb: the old default)

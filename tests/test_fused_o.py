@@ -49,7 +49,7 @@ def test_fused_o_module_declares_its_buffers_and_keeps_the_split_path(smollm):
     assert all(b.dtype == "float32" for b in buffers.values())
     assert [b.name for b in argument_buffers(plan, module)][-2:] == ["o_mid", "o_part"]
     kernel = source.split("# ====")[0]
-    default_kernel = generate(plan).source.split("# ====")[0]
+    default_kernel = generate(plan, fused_o=False).source.split("# ====")[0]
     for call in ("bodies.split_kv_attention(", "bodies.merge_splits_to_smem(", "bodies.fused_attention_o(",
                  "bodies.fused_o_load(", "bodies.rmsnorm_partials_to_smem("):
         assert call in kernel, call
@@ -70,10 +70,11 @@ def test_fused_o_module_declares_its_buffers_and_keeps_the_split_path(smollm):
     assert lines[fill - 1].strip() == "else:"
 
 
-@pytest.mark.parametrize("build", [{}, {"fused_kv_smem": True}])
+@pytest.mark.parametrize("build", [{}, {"fused_kv_smem": True}, {"fused_mma": False}])
 def test_fused_o_build_compiles_for_sm90a(smollm, build, tmp_path):
     source = generate(smollm.plan, fused_o=True, **build).source
-    assert ("FUSED_KV_SMEM = True" in source) == bool(build)
+    assert ("FUSED_KV_SMEM = True" in source) == ("fused_kv_smem" in build)
+    assert ("FUSED_MMA = True" in source) == ("fused_mma" not in build)
     result = compile_check(smollm.plan, load_module(source), dump_dir=str(tmp_path))
     assert result.ok, result.error
 
@@ -88,15 +89,15 @@ def test_fused_o_build_compiles_with_head_norms_and_the_tensor_cores(tmp_path):
     assert result.ok, result.error
 
 
-def test_fused_steps_score_on_the_lane_loop_unless_fused_mma(smollm):
-    """A fused step's whole KV group runs the fp32 lane-group loop, as the default's short-context head slices do
-    (1-head items never take the tensor cores), whatever ``mma_attention`` picks for the split steps' items;
-    ``fused_mma`` puts it on the tensor cores. The item reads the module constant FUSED_MMA."""
+def test_fused_steps_score_on_the_tensor_cores_unless_fused_mma_is_off(smollm):
+    """A fused step's whole KV group runs on the tensor cores where it fits (``fused_mma=None``: the default);
+    ``fused_mma=False`` puts it on the fp32 lane-group loop, as the default's short-context head slices do. The
+    item reads the module constant FUSED_MMA; the header counts the fused steps' barriers."""
     plan = smollm.plan
     default = generate(plan, fused_o=True).source
-    assert "MMA_ATTENTION = True" in default and "FUSED_MMA = False" in default
+    assert "MMA_ATTENTION = True" in default and "FUSED_MMA = True" in default
     assert "mma_attention=FUSED_MMA," in default
-    assert "FUSED_MMA = True" in generate(plan, fused_o=True, fused_mma=True).source
+    assert "FUSED_MMA = False" in generate(plan, fused_o=True, fused_mma=False).source
     header = default.split('"""')[1]
     layers = plan.dims.layers
     assert (f"{plan.barriers_per_step} grid barriers per step ({plan.barriers_per_step - layers} where the context "
@@ -104,7 +105,7 @@ def test_fused_steps_score_on_the_lane_loop_unless_fused_mma(smollm):
 
 
 @pytest.mark.parametrize("preset,build,reason", [
-    ("smollm-135m", {}, "needs fused_o=True"),
+    ("smollm-135m", {"fused_o": False}, "needs fused_o=True"),
     ("smollm-135m", {"fused_o": True, "mma_attention": False}, "needs mma_attention=True"),
 ])
 def test_fused_mma_refuses_what_it_cannot_build(preset, build, reason):
@@ -157,19 +158,58 @@ def test_fused_kv_smem_refuses_what_it_cannot_build(preset, fused_o, reason):
     assert reason in str(error.value)
 
 
-def test_default_fused_o_is_off_until_measured_and_then_only_where_it_applies(smollm, monkeypatch):
-    """``generate(plan)`` leaves fused_o off while ``FUSED_O_DEFAULT`` is False (session 34: not measured); turned on,
-    it fuses where the build can and quietly stays off where it cannot (a timeline, batch 2), unlike an explicit
-    ``fused_o=True``, which refuses."""
+def test_default_fused_o_is_on_where_its_groups_take_the_tensor_cores(smollm, monkeypatch):
+    """With ``FUSED_O_DEFAULT`` on (session 35 measured it faster on four presets; off until the GPU suite has
+    passed with it), ``generate(plan)`` fuses short-context steps with their whole KV groups on the tensor cores,
+    and quietly stays off where the build cannot (a timeline, batch 2) or where the groups would run the
+    lane-group loop (mma_attention=False, or one query head per KV head: SmolLM-1.7B), which the H200 measured
+    slower (Qwen2.5-0.5B); an explicit ``fused_o=True`` refuses instead."""
     import megabake.codegen as codegen
 
     assert codegen.FUSED_O_DEFAULT is False
     assert "bodies.fused_attention_o(" not in generate(smollm.plan).source
     monkeypatch.setattr(codegen, "FUSED_O_DEFAULT", True)
-    assert "bodies.fused_attention_o(" in generate(smollm.plan).source
+    source = generate(smollm.plan).source
+    assert "bodies.fused_attention_o(" in source and "FUSED_MMA = True" in source
     assert "bodies.fused_attention_o(" not in generate(smollm.plan, timeline=True).source
     assert "bodies.fused_attention_o(" not in generate(smollm.plan, fused_o=False).source
+    assert "bodies.fused_attention_o(" not in generate(smollm.plan, mma_attention=False).source
+    lane = generate(smollm.plan, fused_o=True, mma_attention=False).source
+    assert "bodies.fused_attention_o(" in lane and "FUSED_MMA = False" in lane
     batch2 = compile_preset("smollm-135m", layers=1, vocab=512, capacity=1024, batch=2).plan
     assert "bodies.fused_attention_o(" not in generate(batch2).source
     with pytest.raises(ValueError, match="batch 1"):
         generate(batch2, fused_o=True)
+    mha = compile_preset("smollm-1.7b", layers=1, vocab=512, capacity=1024).plan
+    assert fused_o_refusal(mha) is None and "bodies.fused_attention_o(" not in generate(mha).source
+
+
+def test_reference_mirrors_fused_groups_on_the_tensor_cores_only_where_steps_are_fused():
+    """``ReferenceExecutor(..., fused_mma=True)`` (a GPU check's reference for a default build since session 35):
+    a step whose visible positions fit MIN_CHUNK scores whole KV groups with the tensor cores' bf16 rounding, so
+    its logits move by that rounding from the plan's fp32 dealing (1-head items there); a split step is the same
+    computation, bit for bit."""
+    import torch
+
+    from megabake.plan.reference import reference_executor_for
+
+    compiled = compile_preset("smollm-135m", layers=2, vocab=512, capacity=512)
+    plan = compiled.plan
+    min_chunk = next(s.tiling for s in plan.stages if s.kind == "attention").per_tile
+    mirrors = [reference_executor_for(plan, compiled.model) for _ in range(2)]
+    mirrors[1].mma_attention = mirrors[1].fused_mma = True
+    generator = torch.Generator().manual_seed(5)
+    for name in ("k_cache", "v_cache"):
+        cache = torch.randn(mirrors[0].buffers[name].shape, generator=generator).to(mirrors[0].buffers[name].dtype)
+        for mirror in mirrors:
+            mirror.buffers[name].copy_(cache)
+    token = torch.tensor([7])
+    # split steps first (a fused step's attention reaches the next layer's cached K/V rows): 1-head items at
+    # these positions, none on the tensor cores
+    for position in (min_chunk, 400):
+        plain, fused = (mirror.step(token, position) for mirror in mirrors)
+        assert torch.equal(plain, fused), position
+    for position in (3, min_chunk - 1):  # fused: within bf16 rounding, not equal
+        plain, fused = (mirror.step(token, position) for mirror in mirrors)
+        error = float((fused - plain).norm() / plain.norm())
+        assert 1e-5 < error < 2e-2, (position, error)

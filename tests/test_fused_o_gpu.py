@@ -72,7 +72,7 @@ def test_fused_o_gives_the_default_bits_where_split_and_fp32_order_where_fused(p
 
 @pytest.mark.parametrize("preset,capacity", [("smollm-135m", 2048), ("qwen3-0.6b", 4096)])
 def test_fused_o_on_the_tensor_cores_stays_within_bf16_rounding_of_the_default(preset, capacity):
-    """``fused_mma`` (gpu_tune build fused-o-mma): fused steps score whole KV groups on the tensor cores (bf16
+    """``fused_mma`` (gpu_tune build fused-o): fused steps score whole KV groups on the tensor cores (bf16
     query and probabilities, where the default deals 1-head slices to the lane-group loop at short contexts), so
     their logits stay within that rounding (2e-2, as the tensor cores against the lane-group loop); split steps
     keep the default's bits (tensor-core items where the default deals them)."""
@@ -92,15 +92,17 @@ def test_fused_o_on_the_tensor_cores_stays_within_bf16_rounding_of_the_default(p
 
 @pytest.mark.parametrize("preset,capacity", [("smollm-135m", 2048), ("qwen3-0.6b", 4096), ("tiny-mistral", 256)])
 def test_fused_o_kernel_matches_the_reference_executor(preset, capacity):
-    """The fused build as timed (fused steps on the lane-group loop; split steps on the tensor cores where the
-    default deals such items, which the reference executor mirrors) against the CPU reference executor from one
-    random cache, fused steps and split steps, at the usual tolerance (2e-3)."""
+    """The fused build as ``FUSED_O_DEFAULT`` makes it (fused steps' whole groups on the tensor cores, split
+    steps' items there where the default deals such items; ``ReferenceExecutor(..., fused_mma=True)`` mirrors both
+    roundings) against the CPU reference executor from one random cache, fused steps and split steps, at the usual
+    tolerance (2e-3)."""
     from megabake.codegen import generate
     from megabake.runtime import MegakernelDecoder
 
     compiled = _compiled(preset, capacity)
     fused, split = _fused_and_split_positions(compiled, capacity)
     source = generate(compiled.plan, fused_o=True).source
+    assert "\nFUSED_MMA = True\n" in source
     decoder = MegakernelDecoder(compiled.plan, source, compiled.model, device="cuda")
     reference = _reference_for(compiled, decoder)
     generator = torch.Generator().manual_seed(41)

@@ -26,7 +26,8 @@ def _reference_for(compiled, decoder):
     """The plan's CPU reference executor on the decoder's own packed bf16 weights and rotary tables."""
     from megabake.plan.reference import reference_executor_from_buffers
 
-    return reference_executor_from_buffers(compiled.plan, decoder.buffers, mma_attention=decoder.mma_attention)
+    return reference_executor_from_buffers(compiled.plan, decoder.buffers, mma_attention=decoder.mma_attention,
+                                           fused_mma=decoder.fused_mma)
 
 
 def _assert_random_cache_steps_match(compiled, model, *, seed: int,
@@ -360,7 +361,8 @@ def test_red_barrier_gives_bit_identical_logits_over_graph_replays():
     """``generate(plan, barrier="red")``, ``"red-fence"`` (fire-and-forget arrivals, written in session 14
     without a GPU) and ``"split"`` (arrive before the ring fill and prefetches, wait after them; session 27) change
     only how CTAs meet: over 24 advancing steps (graph replays, so every launch re-learns its barrier generation
-    from the counter) their logits equal the one-call "atom" barrier's exactly."""
+    from the counter) their logits equal the one-call "atom" barrier's exactly (unfused: only the split barrier
+    can fuse short-context steps, ``codegen.fused``)."""
     from megabake.codegen import generate
     from megabake.runtime import MegakernelDecoder, gpu_info
 
@@ -368,8 +370,8 @@ def test_red_barrier_gives_bit_identical_logits_over_graph_replays():
     tokens = torch.randint(1, 4096, (24,), generator=torch.Generator().manual_seed(33))
     results = []
     for barrier in ("atom", "red", "red-fence", "split"):
-        decoder = MegakernelDecoder(compiled.plan, generate(compiled.plan, barrier=barrier).source, compiled.model,
-                                    device="cuda")
+        decoder = MegakernelDecoder(compiled.plan, generate(compiled.plan, barrier=barrier, fused_o=False).source,
+                                    compiled.model, device="cuda")
         steps = []
         for position, token in enumerate(tokens):
             decoder.buffers["logits"].fill_(float("nan"))
@@ -666,9 +668,10 @@ def _assert_bf16_steps_match(compiled):
     decoder = MegakernelDecoder(compiled.plan, compiled.generated.source, compiled.model, device="cuda")
     weights = {spec.buffer: decoder.buffers[spec.buffer].cpu() for spec in compiled.plan.packed}
     rope = decoder.buffers["rope_cos"].cpu(), decoder.buffers["rope_sin"].cpu()
-    rounding = ReferenceExecutor(compiled.plan, weights, *rope, mma_attention=decoder.mma_attention)
+    rounding = ReferenceExecutor(compiled.plan, weights, *rope, mma_attention=decoder.mma_attention,
+                                 fused_mma=decoder.fused_mma)
     exact = ReferenceExecutor(replace(compiled.plan, staging_dtype="float32"), weights, *rope,
-                              mma_attention=decoder.mma_attention)
+                              mma_attention=decoder.mma_attention, fused_mma=decoder.fused_mma)
     generator = torch.Generator().manual_seed(23)
     for name in ("k_cache", "v_cache"):
         cache = torch.randn(rounding.buffers[name].shape, generator=generator).to(rounding.buffers[name].dtype)
@@ -759,12 +762,15 @@ def test_greedy_tokens_on_the_gpu_equal_step_by_step_argmax(batch):
 
 def test_timeline_build_accounts_for_the_step():
     """The profiling build records a clock per stage (or per phase of each stage); their sum is the kernel's
-    time, and logits are unchanged; the same for the phases build and the per-CTA phases build, whose clocks also
-    show every grid barrier holding every CTA until the last one arrived."""
+    time, and logits are unchanged (against the unfused build: a timeline clocks the O-projection stage that a
+    fused step skips, so timelines are never fused); the same for the phases build and the per-CTA phases build,
+    whose clocks also show every grid barrier holding every CTA until the last one arrived."""
     from megabake.codegen import TIMELINE_PER_CTA, TIMELINE_PHASES, generate, timeline_labels
-    from megabake.runtime import MegakernelDecoder
+    from megabake.runtime import MegakernelDecoder, gpu_info
 
-    compiled, decoder = _decoder("tiny-llama")
+    compiled = compile_preset("tiny-llama", capacity=128, ctas=gpu_info().sm_count)
+    decoder = MegakernelDecoder(compiled.plan, generate(compiled.plan, fused_o=False).source, compiled.model,
+                                device="cuda", use_graph=False)
     timed = MegakernelDecoder(compiled.plan, generate(compiled.plan, timeline=True).source, compiled.model,
                               device="cuda", use_graph=False)
     for position, token in enumerate([11, 5, 42]):

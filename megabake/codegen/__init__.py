@@ -325,16 +325,29 @@ def default_mma_attention(plan: Plan, head_slices: bool = True) -> bool:
     return bool(mma_attention_items(plan, head_slices))
 
 
-FUSED_O_DEFAULT = False  # session 34's candidate, not measured yet: True makes generate(plan, fused_o=None) use it
+# Session 35 measured the fused build faster on four presets (default_fused_o) and its GPU tests passed, but the
+# GPU suite with it as the default did not finish inside that session's device time: True once it has.
+FUSED_O_DEFAULT = False
+
+
+def fused_mma_fits(plan: Plan) -> bool:
+    """A fused step's whole KV group fits the tensor-core item (2-8 query heads of 64 or 128 dims)."""
+    return mma_attention_fits(plan.dims.n_heads // plan.dims.n_kv_heads, plan.dims.head_dim)
 
 
 def default_fused_o(plan: Plan, *, spread_merge: bool = False, barrier: str = DEFAULT_BARRIER, timeline: bool = False,
-                    mma_schedule: bool = False) -> bool:
+                    mma_schedule: bool = False, mma_attention: bool = True) -> bool:
     """Whether ``generate(plan, fused_o=None)`` fuses short-context steps' attention and O projection: where
-    ``FUSED_O_DEFAULT`` is on and the build can (:func:`megabake.codegen.fused.fused_o_refusal` finds nothing, no
-    ``mma_schedule``). Off until the H200 has measured it (docs/PERF.md, "Session 34")."""
-    return FUSED_O_DEFAULT and not mma_schedule and fused_o_refusal(
-        plan, spread_merge=spread_merge, split_barrier=barrier == "split", timeline=timeline) is None
+    ``FUSED_O_DEFAULT`` is on, the build can (:func:`megabake.codegen.fused.fused_o_refusal` finds nothing, no
+    ``mma_schedule``) and the fused groups run on the tensor cores (``mma_attention`` on and
+    :func:`fused_mma_fits`), the build the H200 measured faster. Session 35, GPU ms per step at position 16
+    (graph replay; default -> fused on the tensor cores, and the fp32 lane-group loop's fused build): SmolLM-135M
+    0.365 -> 0.335 (lane 0.360), Llama-3.2-1B 0.764 -> 0.737 (0.754), Qwen3-0.6B 0.625 -> 0.607 (0.613),
+    Qwen2.5-0.5B 0.509 -> 0.499 (0.551: a 7-head group on the lane loop is slower than seven 1-head items); Qwen3
+    at 1000, where steps are split, 0.728 -> 0.725 (benchmarks/results/2026-12-05-h200-session35)."""
+    return (FUSED_O_DEFAULT and not mma_schedule and mma_attention and fused_mma_fits(plan)
+            and fused_o_refusal(plan, spread_merge=spread_merge, split_barrier=barrier == "split",
+                                timeline=timeline) is None)
 
 
 def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str = False,
@@ -346,7 +359,7 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
              kv_pipeline: bool | None = None, fold_merge: bool | None = None,
              prefetch_bytes: int | None = None, mma_attention: bool | None = None,
              mma_schedule: bool = False, fused_o: bool | None = None, fused_kv_smem: bool = False,
-             fused_mma: bool = False) -> GeneratedModule:
+             fused_mma: bool | None = None) -> GeneratedModule:
     """module.py of ``plan``. ``merge_preload`` / ``spread_merge``: None picks them per plan
     (:func:`default_merge`); True asks for one (refused where the attention scratch cannot hold it), False
     leaves it out (both False: the plain last-arrival merge of sessions 10-16). ``head_slices=False`` deals
@@ -368,15 +381,15 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     item the plan can deal has such a shape (``plan.attention.mma_attention_items``); ``mma_schedule`` (with it)
     lets every split-KV dealing weigh those items by their chunk alone (their heads come nearly free on the
     tensor cores), so long contexts deal whole groups over more, shorter splits (``plan.attention.split_schedule``'s
-    ``mma_slices``). ``fused_o`` (a candidate, session 34): a step whose context fits the first split-KV chunk runs
-    its attention and the O projection in one barrier interval (``bodies.fused_attention_o``; one grid barrier less
-    per layer), other steps as before; refused where :func:`megabake.codegen.fused.fused_o_refusal` names a reason
-    (None: on where it applies and ``FUSED_O_DEFAULT`` is True, :func:`default_fused_o`).
+    ``mma_slices``). ``fused_o`` (session 34; the default since session 35): a step whose context fits the first split-KV
+    chunk runs its attention and the O projection in one barrier interval (``bodies.fused_attention_o``; one grid
+    barrier less per layer), other steps as before; refused where :func:`megabake.codegen.fused.fused_o_refusal`
+    names a reason (None: on where it applies with its groups on the tensor cores, :func:`default_fused_o`).
     ``fused_kv_smem`` (with it) also copies each fused step's cached K/V rows into shared memory before the barrier
-    (:func:`megabake.codegen.fused.fused_kv_refusal`). A fused step scores its whole KV group on the fp32 lane-group
-    loop, as the default build's short-context head slices do (logits within fp32 order of the default's);
-    ``fused_mma`` (with ``fused_o`` and ``mma_attention``) puts those groups on the tensor cores instead (the query
-    and probabilities rounded to bf16; refused where the group is not 2-8 heads of 64 or 128 dims)."""
+    (:func:`megabake.codegen.fused.fused_kv_refusal`). ``fused_mma`` (with ``fused_o`` and ``mma_attention``) scores
+    a fused step's whole KV group on the tensor cores (the query and probabilities rounded to bf16, as every
+    tensor-core item; refused where the group is not 2-8 heads of 64 or 128 dims); False on the fp32 lane-group
+    loop (logits within fp32 order of the default's split path); None: on wherever it fits."""
     if watchdog and timeline:
         raise ValueError("a watchdog build has no timeline: build them separately")
     if barrier is not None and barrier not in BARRIER_ARRIVALS:
@@ -425,7 +438,7 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     mma_slices = mma_slice_mask(plan, head_slices) if mma_schedule else 0
     if fused_o is None:
         fused_o = default_fused_o(plan, spread_merge=spread_merge, barrier=barrier, timeline=bool(timeline),
-                                  mma_schedule=mma_schedule)
+                                  mma_schedule=mma_schedule, mma_attention=mma_attention)
     if fused_o:
         why = fused_o_refusal(plan, spread_merge=spread_merge, split_barrier=barrier == "split",
                               timeline=bool(timeline))
@@ -435,6 +448,8 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
         if mma_schedule:
             raise ValueError("fused_o deals whole KV groups at one split; mma_schedule changes that dealing: build "
                              "with one of them")
+    if fused_mma is None:
+        fused_mma = bool(fused_o and mma_attention and fused_mma_fits(plan))
     if fused_mma:
         group = plan.dims.n_heads // plan.dims.n_kv_heads
         why = ("it needs fused_o=True" if not fused_o else "it needs mma_attention=True" if not mma_attention else
@@ -759,7 +774,8 @@ def _fused_o_calls(plan: Plan, stage: Stage, calls: list[tuple[str, str]]) -> li
         gemv = spec.gemv
         rows, cols = DIMENSION_CONSTANTS[gemv.rows], DIMENSION_CONSTANTS[gemv.cols]
         down = _gemv(f"{gemv.weight}[layer, None, None]", gemv.out, rows, cols, stage, False, bias_row="o_mid[0, None]")
-        assert calls[1][1].split("(")[0] == down.split("(")[0], (calls, down)  # the same GEMV body, o_mid its bias
+        body = calls[1][1].split("(")[0].removesuffix("_bias")  # the same GEMV (its _bias form where it has one)
+        assert down.split("(")[0].removesuffix("_bias") == body, (calls, down)
         return [calls[0], (calls[1][0], down)] + calls[2:]
     return calls
 

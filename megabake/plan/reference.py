@@ -12,12 +12,17 @@ partitioning bugs fail here, on a CPU, before any GPU run.
 default since session 33, ``codegen.default_mma_attention``; ``bodies._mma_softmax_chunk``): the query and the
 probabilities that meet V are rounded to bf16, over the same 16-key steps and per-warp running maxima as the
 kernel (:func:`_mma_partial`). Off (the default here) it is the plan's math in fp32, which the CPU checks
-against eager PyTorch hold to fp32 rounding.
+against eager PyTorch hold to fp32 rounding. ``fused_mma=True`` (with it) mirrors a ``fused_o`` build whose fused
+steps score whole KV groups on the tensor cores (``FUSED_MMA``, the default since session 35): a step whose
+visible positions fit ``MIN_CHUNK`` is one item per group (``bodies.fused_attention_o``); the O projection's sums
+are the plan's (the kernel's per-group partials differ by fp32 order only).
 """
 
 from __future__ import annotations
 
 import torch
+
+import dataclasses
 
 from . import Plan, Stage, WARP
 from .attention import MMA_ATT_KEYS, chunk_quantum, mma_attention_fits, split_schedule
@@ -27,9 +32,11 @@ from .stages import VectorInput, norm_slot, spec_of
 
 class ReferenceExecutor:
     def __init__(self, plan: Plan, weights: dict[str, torch.Tensor], rope_cos: torch.Tensor,
-                 rope_sin: torch.Tensor, *, lm_head: str = "embed", mma_attention: bool = False):
+                 rope_sin: torch.Tensor, *, lm_head: str = "embed", mma_attention: bool = False,
+                 fused_mma: bool = False):
         self.plan = plan
         self.mma_attention = mma_attention
+        self.fused_mma = fused_mma
         self.w = {k: v.float() for k, v in weights.items()}
         self.cache_dtype = next(v.dtype for k, v in weights.items() if k == "w_qkv")
         self.cos, self.sin = rope_cos.float(), rope_sin.float()
@@ -263,6 +270,8 @@ class ReferenceExecutor:
         n = position + 1
         first_key = max(n - plan.attn_window_table()[layer], 0) if plan.has_windows else 0  # sliding window
         dealt = split_schedule(stage.tiling, n - first_key, quantum=chunk_quantum(plan))
+        if self.fused_mma and n - first_key <= stage.tiling.per_tile:  # bodies.fused_o_step: whole groups
+            dealt = dataclasses.replace(dealt, active=1, slices=1)
         chunk, active, slices = dealt.chunk, dealt.active, dealt.slices
         heads = group // slices
         owners, partials, roped = {}, {}, {}
@@ -350,14 +359,14 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotated: int) -
 
 
 def reference_executor_from_buffers(plan: Plan, buffers: dict[str, torch.Tensor], *,
-                                    mma_attention: bool = False) -> ReferenceExecutor:
+                                    mma_attention: bool = False, fused_mma: bool = False) -> ReferenceExecutor:
     """A reference executor on a decoder's own packed weights and rotary tables (``buffers`` as a
     ``MegakernelDecoder`` holds them, on any device; copied to the CPU): what a GPU check compares the kernel
-    with, the same bf16 weights in fp32 math; ``mma_attention``: the decoder's (``MegakernelDecoder.mma_attention``),
-    so its tensor-core items' bf16 rounding is mirrored."""
+    with, the same bf16 weights in fp32 math; ``mma_attention`` and ``fused_mma``: the decoder's
+    (``MegakernelDecoder.mma_attention`` / ``.fused_mma``), so its tensor-core items' bf16 rounding is mirrored."""
     weights = {spec.buffer: buffers[spec.buffer].cpu() for spec in plan.packed}
     return ReferenceExecutor(plan, weights, buffers["rope_cos"].cpu(), buffers["rope_sin"].cpu(),
-                             mma_attention=mma_attention)
+                             mma_attention=mma_attention, fused_mma=fused_mma)
 
 
 def reference_executor_for(plan: Plan, model, *, dtype=torch.float32) -> ReferenceExecutor:

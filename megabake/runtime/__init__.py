@@ -126,6 +126,7 @@ class MegakernelDecoder:
         # split-KV items of 2-8 query heads on the tensor cores (module.py's header constant, written by codegen):
         # the reference backend mirrors their bf16 rounding, and GPU checks build their reference with it
         self.mma_attention = "\nMMA_ATTENTION = True\n" in module_source
+        self.fused_mma = "\nFUSED_MMA = True\n" in module_source  # fused steps' groups on the tensor cores
         self.package_dir = Path(package_dir) if package_dir else None
         self.report = report or {}
         device = torch.device(device) if device is not None else torch.device(
@@ -153,7 +154,8 @@ class MegakernelDecoder:
             dtype = next(model.parameters()).dtype
             weights = pack_weights(plan, model.get_parameter, dtype=dtype)
             cos, sin = rotary_tables(plan, self.inv_freq_fp32)
-            self._reference = ReferenceExecutor(plan, weights, cos, sin, mma_attention=self.mma_attention)
+            self._reference = ReferenceExecutor(plan, weights, cos, sin, mma_attention=self.mma_attention,
+                                                fused_mma=self.fused_mma)
             self.buffers = self._reference.buffers
         else:
             raise InputError(f"unknown backend {backend!r}: use 'cuda' or 'reference'")
