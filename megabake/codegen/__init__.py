@@ -381,10 +381,11 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     item the plan can deal has such a shape (``plan.attention.mma_attention_items``); ``mma_schedule`` (with it)
     lets every split-KV dealing weigh those items by their chunk alone (their heads come nearly free on the
     tensor cores), so long contexts deal whole groups over more, shorter splits (``plan.attention.split_schedule``'s
-    ``mma_slices``). ``fused_o`` (session 34; the default since session 35): a step whose context fits the first split-KV
-    chunk runs its attention and the O projection in one barrier interval (``bodies.fused_attention_o``; one grid
-    barrier less per layer), other steps as before; refused where :func:`megabake.codegen.fused.fused_o_refusal`
-    names a reason (None: on where it applies with its groups on the tensor cores, :func:`default_fused_o`).
+    ``mma_slices``). ``fused_o`` (session 34, measured faster in session 35): a step whose context fits the first
+    split-KV chunk runs its attention and the O projection in one barrier interval (``bodies.fused_attention_o``;
+    one grid barrier less per layer), other steps as before; refused where
+    :func:`megabake.codegen.fused.fused_o_refusal` names a reason (None: :func:`default_fused_o`, on where it
+    applies with its groups on the tensor cores once ``FUSED_O_DEFAULT`` is True).
     ``fused_kv_smem`` (with it) also copies each fused step's cached K/V rows into shared memory before the barrier
     (:func:`megabake.codegen.fused.fused_kv_refusal`). ``fused_mma`` (with ``fused_o`` and ``mma_attention``) scores
     a fused step's whole KV group on the tensor cores (the query and probabilities rounded to bf16, as every

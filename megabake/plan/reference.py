@@ -13,16 +13,16 @@ default since session 33, ``codegen.default_mma_attention``; ``bodies._mma_softm
 probabilities that meet V are rounded to bf16, over the same 16-key steps and per-warp running maxima as the
 kernel (:func:`_mma_partial`). Off (the default here) it is the plan's math in fp32, which the CPU checks
 against eager PyTorch hold to fp32 rounding. ``fused_mma=True`` (with it) mirrors a ``fused_o`` build whose fused
-steps score whole KV groups on the tensor cores (``FUSED_MMA``, the default since session 35): a step whose
-visible positions fit ``MIN_CHUNK`` is one item per group (``bodies.fused_attention_o``); the O projection's sums
-are the plan's (the kernel's per-group partials differ by fp32 order only).
+steps score whole KV groups on the tensor cores (``FUSED_MMA``: the build ``codegen.FUSED_O_DEFAULT`` makes): a
+step whose visible positions fit ``MIN_CHUNK`` is one item per group (``bodies.fused_attention_o``); the O
+projection's sums are the plan's (the kernel's per-group partials differ by fp32 order only).
 """
 
 from __future__ import annotations
 
-import torch
-
 import dataclasses
+
+import torch
 
 from . import Plan, Stage, WARP
 from .attention import MMA_ATT_KEYS, chunk_quantum, mma_attention_fits, split_schedule
