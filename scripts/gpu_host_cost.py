@@ -199,11 +199,8 @@ def reference_load(decoder, steps: int = 3) -> float:
     own weights, ``steps`` decode steps. Returns its seconds."""
     import torch
 
-    from megabake.plan.reference import reference_executor_from_buffers
-
     started = time.perf_counter()
-    reference = reference_executor_from_buffers(decoder.plan, decoder.buffers, mma_attention=decoder.mma_attention,
-                                                fused_mma=decoder.fused_mma)
+    reference = decoder.reference_executor()
     for p in range(steps):
         reference.step(torch.tensor([1 + p]), p)
     return time.perf_counter() - started

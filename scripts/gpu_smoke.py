@@ -25,7 +25,6 @@ def check_preset(name: str, capacity: int, steps: int) -> dict:
     from megabake.codegen import generate
     from megabake.ir import lower
     from megabake.plan import build_plan
-    from megabake.plan.reference import reference_executor_from_buffers
     from megabake.plan.rotary import recover_rotary
     from megabake.presets import get_preset
     from megabake.runtime import MegakernelDecoder, gpu_info
@@ -43,8 +42,7 @@ def check_preset(name: str, capacity: int, steps: int) -> dict:
     decoder = MegakernelDecoder(plan, source, model, device="cuda", use_graph=False)
     compile_s = time.perf_counter() - t0
     # reference: the decoder's own packed bf16 weights and tables, fp32 math on the CPU
-    reference = reference_executor_from_buffers(plan, decoder.buffers, mma_attention=decoder.mma_attention,
-                                                fused_mma=decoder.fused_mma)
+    reference = decoder.reference_executor()
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(1, plan.dims.vocab, (steps,), generator=gen)
     errors = []

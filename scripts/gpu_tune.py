@@ -143,10 +143,7 @@ STEPS = 3  # decode steps from an empty cache before timing (positions 0..STEPS-
 
 def vs_reference(decoder, plan, tokens) -> float:
     """rel-L2 of the decoder's last logits against the plan's CPU reference executor on its own bf16 weights."""
-    from megabake.plan.reference import reference_executor_from_buffers
-
-    reference = reference_executor_from_buffers(plan, decoder.buffers, mma_attention=decoder.mma_attention,
-                                                fused_mma=decoder.fused_mma)
+    reference = decoder.reference_executor()
     for p in range(len(tokens)):
         want = reference.step(tokens[p], p)
     got = decoder.buffers["logits"].float().cpu()

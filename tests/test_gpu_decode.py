@@ -24,10 +24,7 @@ def _decoder(name: str, capacity: int = 128):
 
 def _reference_for(compiled, decoder):
     """The plan's CPU reference executor on the decoder's own packed bf16 weights and rotary tables."""
-    from megabake.plan.reference import reference_executor_from_buffers
-
-    return reference_executor_from_buffers(compiled.plan, decoder.buffers, mma_attention=decoder.mma_attention,
-                                           fused_mma=decoder.fused_mma)
+    return decoder.reference_executor()
 
 
 def _assert_random_cache_steps_match(compiled, model, *, seed: int,

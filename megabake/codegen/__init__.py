@@ -454,7 +454,7 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     if fused_mma:
         group = plan.dims.n_heads // plan.dims.n_kv_heads
         why = ("it needs fused_o=True" if not fused_o else "it needs mma_attention=True" if not mma_attention else
-               None if mma_attention_fits(group, plan.dims.head_dim) else
+               None if fused_mma_fits(plan) else
                f"a KV group of {group} x {plan.dims.head_dim} is not 2-8 heads of 64 or 128 dims")
         if why:
             raise ValueError(f"fused_mma scores a fused step's whole KV group on the tensor cores, but {why}: build "

@@ -349,6 +349,14 @@ class MegakernelDecoder:
         for key, value in saved.items():
             self.buffers[key].copy_(value)
 
+    def reference_executor(self):
+        """The plan's CPU reference executor on this (cuda) decoder's own packed weights and rotary tables, mirroring
+        the module's tensor-core roundings (``mma_attention``, ``fused_mma``): what a GPU check compares with."""
+        from ..plan.reference import reference_executor_from_buffers
+
+        return reference_executor_from_buffers(self.plan, self.buffers, mma_attention=self.mma_attention,
+                                               fused_mma=self.fused_mma)
+
     def stage_timeline(self) -> list[tuple[str, float]]:
         """(stage, microseconds as seen by CTA 0) of the last step; needs a ``generate(timeline=True)`` module
         (``timeline="phases"``: one entry per phase of each stage, ``<stage>.<phase>``)."""
