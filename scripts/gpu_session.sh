@@ -408,6 +408,7 @@ if [[ " $PARTS " == *" smoke "* ]]; then
 fi
 if [[ " $PARTS " == *" bench "* ]]; then
   # BENCH_ARGS="--tiling 2x4+preload+ring4 --attention-preload" benches a chosen kernel instead of the default.
+  # BENCH_LIMIT: seconds for the benchmark (default 560; less where other parts share the call).
   # BENCH_RESUME=DIR (a folder of the repo holding <preset>-report.json files from a run cut short) seeds the
   # run with them and passes --resume, so only the missing presets are measured.
   # The device returns at most 8 files: the run works in a scratch folder and OUT/bench gets the table, chart,
@@ -420,8 +421,8 @@ if [[ " $PARTS " == *" bench "* ]]; then
     resume=(--resume)
   fi
   read -r -a bench_args <<<"${BENCH_ARGS:-}"  # BENCH_ARGS is a list of words
-  timeout 560 python3 benchmarks/decode.py --presets "${PRESETS[@]}" --out "$work" "${resume[@]}" "${bench_args[@]}" \
-    >"$OUT/bench.log" 2>&1
+  timeout "${BENCH_LIMIT:-560}" python3 benchmarks/decode.py --presets "${PRESETS[@]}" --out "$work" "${resume[@]}" \
+    "${bench_args[@]}" >"$OUT/bench.log" 2>&1
   rc=$?
   mkdir -p "$OUT/bench"
   # decode.md / decode.png / results.json without --positions; matrix.md (and the archive's matrix.*) with it

@@ -223,7 +223,8 @@ def test_biased_module_compiles_for_sm90a_and_llama_modules_stay_bias_free(tiny)
 
     qwen = compile_model(_randomise_biases(_small("Qwen2ForCausalLM")))
     module = load_module(qwen.generated.source)
-    assert module.ARGUMENTS == KERNEL_ARGUMENTS + ["bias_qkv", "attn_part", "attn_count"]
+    # o_mid / o_part: the fused attention+O steps' workspace (short contexts, the default since session 36)
+    assert module.ARGUMENTS == KERNEL_ARGUMENTS + ["bias_qkv", "attn_part", "attn_count", "o_mid", "o_part"]
     # the default streaming tiling passes the bias to the QKV GEMV (the plain tiling calls gemv_rows_bias)
     qkv_call = body_calls(qwen.generated.source, "gemv_rows_streamed")[0]
     assert (qkv_call["weight"], qkv_call["bias"], qkv_call["out"], qkv_call["has_bias"]) == (
@@ -231,7 +232,8 @@ def test_biased_module_compiles_for_sm90a_and_llama_modules_stay_bias_free(tiny)
     result = compile_check(qwen.plan, module)
     assert result.ok, result.error
     # a model without biases gets exactly the kernel it had before biases existed
-    assert load_module(tiny.generated.source).ARGUMENTS == KERNEL_ARGUMENTS + ["attn_part", "attn_count"]
+    assert load_module(tiny.generated.source).ARGUMENTS == KERNEL_ARGUMENTS + ["attn_part", "attn_count", "o_mid",
+                                                                            "o_part"]
     assert "gemv_rows_bias" not in tiny.generated.source and "bias_qkv" not in tiny.generated.source
 
 
@@ -493,9 +495,12 @@ def test_committed_default_package_matches_the_compiler():
 def test_split_kv_attention_matches_eager_fp32_near_0_at_split_boundaries_and_at_capacity(position):
     """Flash decoding on the CPU: the plan's reference executor splits the cached keys as the kernel does
     (chunks of 128 positions for the tiny model: boundaries at 127/128/129) and merges the partial softmaxes;
-    after an eager prefill of ``position`` tokens one step matches eager fp32 (the last slot included)."""
+    after an eager prefill of ``position`` tokens one step matches eager fp32 (the last slot included). The split
+    build (``fused_o=False``): the default fuses steps within the first chunk, on the tensor cores' bf16 rounding
+    (tests/test_fused_o.py)."""
     import torch
 
+    from megabake.codegen import generate
     from megabake.runtime import MegakernelDecoder
     from megabake.verification.numerics import rel_l2, teacher_tokens
     from megabake.verification.reference import ReferenceDecoder
@@ -504,7 +509,7 @@ def test_split_kv_attention_matches_eager_fp32_near_0_at_split_boundaries_and_at
     stage = next(s for s in compiled.plan.stages if s.kind == "attention")
     assert stage.tiling.kind == "kv_splits" and stage.tiling.per_tile == 128
     model = compiled.model
-    decoder = MegakernelDecoder(compiled.plan, compiled.generated.source, model, device="cpu")
+    decoder = MegakernelDecoder(compiled.plan, generate(compiled.plan, fused_o=False).source, model, device="cpu")
     eager = ReferenceDecoder(model, capacity=1024, fp32=True)
     tokens = teacher_tokens(1, position + 1, model.config.vocab_size, seed=position)
     if position:

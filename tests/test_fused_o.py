@@ -159,16 +159,14 @@ def test_fused_kv_smem_refuses_what_it_cannot_build(preset, fused_o, reason):
 
 
 def test_default_fused_o_is_on_where_its_groups_take_the_tensor_cores(smollm, monkeypatch):
-    """With ``FUSED_O_DEFAULT`` on (session 35 measured it faster on four presets; off until the GPU suite has
-    passed with it), ``generate(plan)`` fuses short-context steps with their whole KV groups on the tensor cores,
-    and quietly stays off where the build cannot (a timeline, batch 2) or where the groups would run the
-    lane-group loop (mma_attention=False, or one query head per KV head: SmolLM-1.7B), which the H200 measured
-    slower (Qwen2.5-0.5B); an explicit ``fused_o=True`` refuses instead."""
+    """``FUSED_O_DEFAULT`` is on (session 35 measured it faster on four presets; session 36's GPU suite passed with
+    it): ``generate(plan)`` fuses short-context steps with their whole KV groups on the tensor cores, and quietly
+    stays off where the build cannot (a timeline, batch 2) or where the groups would run the lane-group loop
+    (mma_attention=False, or one query head per KV head: SmolLM-1.7B), which the H200 measured slower
+    (Qwen2.5-0.5B); an explicit ``fused_o=True`` refuses instead. Off, every plan gets the split build."""
     import megabake.codegen as codegen
 
-    assert codegen.FUSED_O_DEFAULT is False
-    assert "bodies.fused_attention_o(" not in generate(smollm.plan).source
-    monkeypatch.setattr(codegen, "FUSED_O_DEFAULT", True)
+    assert codegen.FUSED_O_DEFAULT is True
     source = generate(smollm.plan).source
     assert "bodies.fused_attention_o(" in source and "FUSED_MMA = True" in source
     assert "bodies.fused_attention_o(" not in generate(smollm.plan, timeline=True).source
@@ -182,6 +180,8 @@ def test_default_fused_o_is_on_where_its_groups_take_the_tensor_cores(smollm, mo
         generate(batch2, fused_o=True)
     mha = compile_preset("smollm-1.7b", layers=1, vocab=512, capacity=1024).plan
     assert fused_o_refusal(mha) is None and "bodies.fused_attention_o(" not in generate(mha).source
+    monkeypatch.setattr(codegen, "FUSED_O_DEFAULT", False)
+    assert "bodies.fused_attention_o(" not in generate(smollm.plan).source
 
 
 def test_reference_mirrors_fused_groups_on_the_tensor_cores_only_where_steps_are_fused():

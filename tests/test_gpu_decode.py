@@ -893,11 +893,15 @@ def test_tilings_give_bit_identical_logits(name):
 
 def _logits(plan, model, tokens, positions, decoder_from=None):
     """Logits of ``plan``'s kernel, one step per (token, position); ``decoder_from``: start from that decoder's KV
-    cache (a copy), so plans with other packings can be compared from one random cache."""
+    cache (a copy), so plans with other packings can be compared from one random cache. Built with ``fused_o=False``:
+    the default fuses short-context steps' attention and O projection only where the plan's O tiling lets it
+    (a cp.async ring that holds a W_O block), on the tensor cores (bf16 probabilities), so tilings that differ there
+    would differ by that rounding; these tests hold the split path's sums bit for bit, and
+    ``tests/test_fused_o_gpu.py`` holds the fused build to it."""
     from megabake.codegen import generate
     from megabake.runtime import MegakernelDecoder
 
-    decoder = MegakernelDecoder(plan, generate(plan).source, model, device="cuda")
+    decoder = MegakernelDecoder(plan, generate(plan, fused_o=False).source, model, device="cuda")
     if decoder_from is not None:
         for name in ("k_cache", "v_cache"):
             decoder.buffers[name].copy_(decoder_from.buffers[name])

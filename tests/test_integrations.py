@@ -62,6 +62,13 @@ def _eager_cache(model, ids):
     return cache
 
 
+def _fp32_tolerance(decoder):
+    """Relative L2 of served logits (max abs of K/V) from eager fp32: fp32 rounding, or the bf16 query and
+    probabilities of batch 1's fused short-context steps where their KV groups run on the tensor cores
+    (``decoder.fused_mma``, the default since session 36: ~5e-4 on these random weights)."""
+    return 5e-3 if decoder.fused_mma else 1e-5
+
+
 def _max_cache_diff(a, b):
     return max(float((x.keys - y.keys).abs().max()) + float((x.values - y.values).abs().max())
                for x, y in zip(a.layers, b.layers))
@@ -108,9 +115,9 @@ def test_dropin_logits_are_eager_hfs_and_the_hf_cache_stays_exact(model, decoder
                            output_logits=True, return_dict_in_generate=True)
     assert torch.equal(served.sequences, eager.sequences)
     for got, want in zip(served.logits, eager.logits):
-        assert float((got - want).norm() / want.norm()) < 1e-5
+        assert float((got - want).norm() / want.norm()) < _fp32_tolerance(decoder1)
     assert int(cache.get_seq_length()) == PROMPT1.shape[1] + NEW - 1
-    assert _max_cache_diff(cache, _eager_cache(model, served.sequences[:, :-1])) < 1e-5
+    assert _max_cache_diff(cache, _eager_cache(model, served.sequences[:, :-1])) < _fp32_tolerance(decoder1)
 
 
 def test_dropin_batch_two_bucket(model, decoder2, want2):
@@ -135,7 +142,7 @@ def test_dropin_reloads_the_decoder_after_a_write_it_did_not_make(model, decoder
         reference = model(sequence, past_key_values=_static(model), use_cache=True).logits[:, -1]
     assert (server.stats.prefills, server.stats.decode_steps, server.stats.eager_calls) == (1, 2, 1)
     assert server.cache_loads == 1
-    assert float((served - reference).norm() / reference.norm()) < 1e-5
+    assert float((served - reference).norm() / reference.norm()) < _fp32_tolerance(decoder1)
     assert int(cache.get_seq_length()) == sequence.shape[1]
 
 
@@ -198,7 +205,8 @@ def test_backend_decode_calls_run_the_megakernel_with_generates_tokens(want1):
     assert sum(r.megakernel_calls for r in decode) == NEW - 1 and sum(r.fallback_calls for r in decode) == 0
     assert decode[-1].bucket == f"batch 1, capacity {CAPACITY}, reference"
     assert len(backend.decoders()) == 1
-    assert _max_cache_diff(cache, _eager_cache(model, got[:, :-1])) < 1e-5  # HF's cache written as the graph would
+    tolerance = _fp32_tolerance(backend.decoders()[0])
+    assert _max_cache_diff(cache, _eager_cache(model, got[:, :-1])) < tolerance  # HF's cache written as the graph would
 
 
 def test_backend_under_hf_generate_prefill_inductor_decode_megakernel_batch_two(want2):
@@ -431,15 +439,17 @@ def test_dropin_serves_mixed_windows_through_the_mask_mapping():
 
 def test_first_call_tolerance_follows_the_plans_input_rounding():
     """The drop-in's first-call check: tight for the fp32 reference executor with fp32 GEMV inputs, looser where
-    the plan rounds them to bf16 as the kernel does (batched tensor-core buckets, session 14), loosest for kernels."""
+    the plan rounds them to bf16 as the kernel does (batched tensor-core buckets, session 14) or rounds fused
+    steps' attention (batch 1's fused KV groups on the tensor cores, session 36), loosest for kernels."""
     from types import SimpleNamespace
 
     from megabake.integrations.backend import _first_call_tolerance
 
-    def decoder(backend, staging):
-        return SimpleNamespace(backend=backend, plan=SimpleNamespace(staging_dtype=staging))
+    def decoder(backend, staging, fused_mma=False):
+        return SimpleNamespace(backend=backend, plan=SimpleNamespace(staging_dtype=staging), fused_mma=fused_mma)
 
     assert _first_call_tolerance(decoder("reference", "float32"), torch.float32) == 1e-3
+    assert _first_call_tolerance(decoder("reference", "float32", fused_mma=True), torch.float32) == 2e-2
     assert _first_call_tolerance(decoder("reference", "bfloat16"), torch.float32) == 2e-2
     assert _first_call_tolerance(decoder("cuda", "float32"), torch.float32) == 0.1
     assert _first_call_tolerance(decoder("reference", "float32"), torch.bfloat16) == 0.1

@@ -233,13 +233,15 @@ def test_export_on_cpu_is_deterministic_and_describes_the_runtime_arguments(tiny
                                   "dtype": "bfloat16", "align": 16}
 
 
-def _runtime_tensors(plan, names):
-    """CPU stand-ins laid out as MegakernelDecoder._bind_cuda lays out its buffers."""
+def _runtime_tensors(plan, names, source):
+    """CPU stand-ins laid out as MegakernelDecoder._bind_cuda lays out its buffers: the plan's and the module's
+    own workspace (``EXTRA_BUFFERS``: the fused attention+O build's ``o_mid`` / ``o_part``)."""
     from megabake.plan.packing import torch_dtype
+    from megabake.runtime.compile import extra_buffers, load_module
 
     inputs = torch.zeros(plan.batch + 1, dtype=torch.int32)
     tensors = {"tokens": inputs[:plan.batch], "position": inputs[plan.batch:]}
-    for buf in plan.buffers:
+    for buf in plan.buffers + extra_buffers(load_module(source)):
         tensors.setdefault(buf.name, torch.zeros(buf.shape, dtype=torch_dtype(buf.dtype)))
     return [tensors.get(name, tensors["embed"]) for name in names]  # a tied LM head is the embedding
 
@@ -251,7 +253,7 @@ def test_precompiled_kernel_loads_without_jit(tiny, exported, monkeypatch):
 
     source, directory, one, _ = exported
     monkeypatch.setattr(cute, "compile", lambda *a, **k: pytest.fail("load_precompiled must not compile"))
-    tensors = _runtime_tensors(tiny.plan, generate(tiny.plan).arguments)
+    tensors = _runtime_tensors(tiny.plan, generate(tiny.plan).arguments, source)
     loaded = load_precompiled(directory, module_source=source, tensors=tensors)
     assert loaded.reason is None and loaded.function is not None
     assert sorted(loaded.function.kernel_info) == one["metadata"]["kernels"]
@@ -264,11 +266,11 @@ def test_precompiled_kernel_that_does_not_fit_gives_a_reason(tiny, exported, tmp
     names = generate(tiny.plan).arguments
     assert "no precompiled kernel" in load_precompiled(tmp_path, module_source=source).reason
     assert "another module.py" in load_precompiled(directory, module_source=source + "# edited\n").reason
-    tensors = _runtime_tensors(tiny.plan, names)
+    tensors = _runtime_tensors(tiny.plan, names, source)
     tensors[names.index("logits")] = torch.zeros(3, 3)
     assert "argument logits is" in load_precompiled(directory, module_source=source, tensors=tensors).reason
     whole = torch.zeros(tiny.plan.batch + 4, dtype=torch.int32)  # position 16-byte aligned: another kernel
-    tensors = _runtime_tensors(tiny.plan, names)
+    tensors = _runtime_tensors(tiny.plan, names, source)
     tensors[names.index("position")] = whole[4:5]
     assert "'align': 16" in load_precompiled(directory, module_source=source, tensors=tensors).reason
 

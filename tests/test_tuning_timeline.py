@@ -372,8 +372,8 @@ def test_merge_preload_is_a_flag_of_split_kv_attention_and_compiles(preset):
     from megabake.runtime.compile import compile_check
 
     compiled = compile_preset(preset, layers=2, vocab=512, capacity=1024)
-    plain = generate(compiled.plan, merge_preload=False).source.split("\n# ====")[0]
-    preloaded = generate(compiled.plan, merge_preload=True).source.split("\n# ====")[0]
+    plain = generate(compiled.plan, merge_preload=False, fused_o=False).source.split("\n# ====")[0]
+    preloaded = generate(compiled.plan, merge_preload=True, fused_o=False).source.split("\n# ====")[0]
     changed = [(a, b) for a, b in zip(plain.splitlines(), preloaded.splitlines()) if a != b]
     assert len(plain.splitlines()) == len(preloaded.splitlines()) and len(changed) == 1
     assert "merge_preload=False" in changed[0][0]
@@ -419,7 +419,8 @@ def test_spread_merge_flags_attention_resets_counters_after_its_barrier_and_comp
     from megabake.runtime.compile import compile_check
 
     compiled = compile_preset(preset, layers=2, vocab=512, capacity=1024)
-    default = generate(compiled.plan, spread_merge=False, fold_merge=False).source.split("\n# ====")[0].splitlines()
+    default = generate(compiled.plan, spread_merge=False, fold_merge=False,
+                       fused_o=False).source.split("\n# ====")[0].splitlines()  # the spread merge is never fused
     source = generate(compiled.plan, spread_merge=True).source
     lines = source.split("\n# ====")[0].splitlines()
     reset = [i for i, line in enumerate(lines) if "bodies.split_kv_counts_reset(" in line]
@@ -504,7 +505,7 @@ def test_mma_attention_takes_items_of_2_to_8_heads_of_64_or_128_and_is_refused_e
     compiled = compile_preset(preset, layers=2, vocab=512, batch=batch, capacity=1024)
     assert mma_attention_items(compiled.plan) == items
     assert default_mma_attention(compiled.plan) == bool(items)
-    default = generate(compiled.plan).source
+    default = generate(compiled.plan, fused_o=False).source  # fused steps: tests/test_fused_o.py
     lane_group = generate(compiled.plan, mma_attention=False).source
     assert "MMA_ATTENTION" not in lane_group
     if not items:
@@ -512,7 +513,7 @@ def test_mma_attention_takes_items_of_2_to_8_heads_of_64_or_128_and_is_refused_e
         with pytest.raises(ValueError, match="mma_attention puts split-KV items of 2-8 query heads .* build without it"):
             generate(compiled.plan, mma_attention=True)
         return
-    assert generate(compiled.plan, mma_attention=True).source == default
+    assert generate(compiled.plan, mma_attention=True, fused_o=False).source == default
     assert [c.get("mma_attention") for c in body_calls(default, "split_kv_attention")] == ["MMA_ATTENTION"]
     changed = [line for line in difflib.ndiff(lane_group.splitlines(), default.splitlines())
                if line[:2] in ("- ", "+ ")]

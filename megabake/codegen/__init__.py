@@ -325,9 +325,9 @@ def default_mma_attention(plan: Plan, head_slices: bool = True) -> bool:
     return bool(mma_attention_items(plan, head_slices))
 
 
-# Session 35 measured the fused build faster on four presets (default_fused_o) and its GPU tests passed, but the
-# GPU suite with it as the default did not finish inside that session's device time: True once it has.
-FUSED_O_DEFAULT = False
+# Session 35 measured the fused build faster on four presets (default_fused_o); session 36 ran the GPU suite with
+# it as the default. False goes back to the split build of sessions 1-35 for every plan.
+FUSED_O_DEFAULT = True
 
 
 def fused_mma_fits(plan: Plan) -> bool:
@@ -385,7 +385,7 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     split-KV chunk runs its attention and the O projection in one barrier interval (``bodies.fused_attention_o``;
     one grid barrier less per layer), other steps as before; refused where
     :func:`megabake.codegen.fused.fused_o_refusal` names a reason (None: :func:`default_fused_o`, on where it
-    applies with its groups on the tensor cores once ``FUSED_O_DEFAULT`` is True).
+    applies with its groups on the tensor cores: the default since session 36).
     ``fused_kv_smem`` (with it) also copies each fused step's cached K/V rows into shared memory before the barrier
     (:func:`megabake.codegen.fused.fused_kv_refusal`). ``fused_mma`` (with ``fused_o`` and ``mma_attention``) scores
     a fused step's whole KV group on the tensor cores (the query and probabilities rounded to bf16, as every
