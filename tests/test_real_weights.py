@@ -88,9 +88,9 @@ def test_tensor_core_attention_after_a_long_prompt_stays_as_close_to_fp32_as_eag
     keys). Random weights make that check weak (their attention is nearly flat); on real weights the reference
     backend, which mirrors the kernel's dealing, 16-key steps and roundings for such a module, decodes a batch of
     2 after a 1,900-token prompt (whole groups there: 15 splits of 128 keys) as close to fp32 as eager bf16 does
-    (median over 8 steps within 1.5x: eager bf16's own error moves 0.0035-0.0063 from step to step, and with how
-    the CPU rounds bf16 matmuls; session 36 read 1.31x over 3 steps on an AVX2-only CPU, where the lane-group
-    loop's fp32 attention read 0.96x), and picks the same tokens as often."""
+    (the median over 8 steps: eager bf16's own error moves 0.0035-0.0063 from step to step, and with how the CPU
+    rounds bf16 matmuls; over 3 steps session 36 read 1.31x on an AVX2-only CPU, where the lane-group loop's fp32
+    attention read 0.96x), and picks the same tokens as often."""
     from megabake.plan.attention import chunk_quantum, split_schedule
     from megabake.runtime import MegakernelDecoder
     from megabake.verification import run_numerics
@@ -106,7 +106,7 @@ def test_tensor_core_attention_after_a_long_prompt_stays_as_close_to_fp32_as_eag
     numerics = run_numerics(decoder, prefill=LONG_PROMPT, steps=8, seed=4)
     summary = numerics["summary"]
     assert numerics["pass"], numerics["failures"]
-    assert summary["median_rel_l2_vs_fp32"] <= 1.5 * summary["median_rel_l2_bf16_vs_fp32"], summary
+    assert summary["median_rel_l2_vs_fp32"] <= 1.25 * summary["median_rel_l2_bf16_vs_fp32"], summary
     assert summary["top1_vs_fp32"] >= summary["bf16_top1_vs_fp32"], summary
 
 
