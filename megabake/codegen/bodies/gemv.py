@@ -316,7 +316,7 @@ def gemv_rows_streamed(weight: cute.Tensor, ring: cute.Tensor, bias: cute.Tensor
                        per_tile: cutlass.Constexpr[int], accumulate: cutlass.Constexpr[bool],
                        unroll: cutlass.Constexpr[int], has_bias: cutlass.Constexpr[bool],
                        stages: cutlass.Constexpr[int], prefilled: cutlass.Constexpr[bool],
-                       act: cutlass.Constexpr[int]):
+                       act: cutlass.Constexpr[int], flagged: cutlass.Constexpr[bool]):
     """:func:`gemv_rows` streaming its weights through this warp's shared-memory ring ``ring`` ([stages,
     vectors, 32 lanes, 8]): cp.async keeps ``stages - 1`` chunks (the next tiles' included) in flight while
     the warp reduces the current one, without holding registers for them.
@@ -328,7 +328,9 @@ def gemv_rows_streamed(weight: cute.Tensor, ring: cute.Tensor, bias: cute.Tensor
     the writes are those of :func:`gemv_rows_pipelined`: results are bit-identical to :func:`gemv_rows`.
     With ``prefilled``, :func:`gemv_ring_prefill` already copied (and committed) the first ``stages - 1``
     chunks before the barrier that precedes this stage. A non-zero ``act`` is the gated write (tiling
-    ``+ringS+gated``, :func:`_gemv_write`).
+    ``+ringS+gated``, :func:`_gemv_write`); with ``flagged`` too (``generate(plan, act_flags=True)``) its words
+    are relaxed stores that the down stage polls (:func:`act_flags_to_smem`), the warp's first one after a
+    ``fence.acq_rel.gpu`` by lane 0 (release: its CTA's staging, reads of x and writes of o_mid, before it).
     """
     tiles = (rows + per_tile - 1) // per_tile
     chunk = WARP * unroll
@@ -356,8 +358,14 @@ def gemv_rows_streamed(weight: cute.Tensor, ring: cute.Tensor, bias: cute.Tensor
             elif kv < kvecs:  # the partial last chunk of a tile
                 _gemv_chunk_ring(ring, slot, s_vec, acc, u, kv, lane, batch, per_tile, unroll)
         if c == chunks - 1:
-            _gemv_write(acc, out, bias, gwarp + step // chunks * total_warps, lane, rows, batch, per_tile,
-                        accumulate, has_bias, act)
+            if cutlass.const_expr(flagged):
+                if step < chunks and lane == 0:
+                    cute.arch.fence_acq_rel_gpu()  # release before this warp's first flagged word
+                _gemv_write_flagged(acc, out, bias, gwarp + step // chunks * total_warps, lane, rows, batch,
+                                    per_tile, has_bias, act)
+            else:
+                _gemv_write(acc, out, bias, gwarp + step // chunks * total_warps, lane, rows, batch, per_tile,
+                            accumulate, has_bias, act)
             for i in cutlass.range_constexpr(per_tile * batch):
                 acc[i] = Float32(0.0)
     cute.arch.cp_async_wait_group(0)  # nothing in flight into the ring when the next GEMV stage refills it
@@ -413,6 +421,25 @@ def _gemv_write_gated(acc: cute.Tensor, out: cute.Tensor, bias: cute.Tensor, til
                     up = up + bias[row + 1]
                 out[b, row // 2] = _gated_act(gate, up, act)
 
+
+
+@cute.jit
+def _gemv_write_flagged(acc: cute.Tensor, out: cute.Tensor, bias: cute.Tensor, tile: Int32, lane: Int32,
+                        rows: cutlass.Constexpr[int], batch: cutlass.Constexpr[int], per_tile: cutlass.Constexpr[int],
+                        has_bias: cutlass.Constexpr[bool], act: cutlass.Constexpr[int]):
+    """:func:`_gemv_write_gated` with each act(gate) * up word written by a relaxed ``st.relaxed.gpu`` (the same
+    value, the same place): the flag :func:`act_flags_to_smem` polls for."""
+    for r in cutlass.range_constexpr(per_tile // 2):
+        row = tile * per_tile + 2 * r
+        for b in cutlass.range_constexpr(batch):
+            gate = cute.arch.warp_reduction_sum(acc[2 * r * batch + b])
+            up = cute.arch.warp_reduction_sum(acc[(2 * r + 1) * batch + b])
+            if lane == 0 and row < rows:
+                if cutlass.const_expr(has_bias):
+                    gate = gate + bias[row]
+                    up = up + bias[row + 1]
+                cute.arch.store((out[b, None].iterator + row // 2).llvm_ptr, _gated_act(gate, up, act),
+                                sem="relaxed", scope="gpu")
 
 @cute.jit
 def softcap_rows(out: cute.Tensor, gwarp: Int32, lane: Int32, total_warps: cutlass.Constexpr[int],

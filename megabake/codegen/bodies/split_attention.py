@@ -1026,12 +1026,14 @@ def fused_attention_o(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Ten
                       kv_pipeline: cutlass.Constexpr[bool], mma_attention: cutlass.Constexpr[bool],
                       hidden: cutlass.Constexpr[int], blocks: cutlass.Constexpr[int],
                       block_rows: cutlass.Constexpr[int], kv_rows: cutlass.Constexpr[int],
-                      kv_smem: cutlass.Constexpr[bool]):
+                      kv_smem: cutlass.Constexpr[bool], flagged: cutlass.Constexpr[bool]):
     """A fused step's attention and O projection (batch 1; module comment above :func:`fused_o_step`): this CTA's
     KV group over positions [first_key, pos] (this step's key and value appended, by every CTA of the group, the
     same bits), normalised into ``s_q``, then ``o_part[group, r] = sum_c W_O[r, c] * attention[c]`` over the
     group's columns for the rows of its block, from the block :func:`fused_o_load` put in shared memory. With
-    ``kv_smem`` the group's cached rows are scored from shared memory too (no window: they start at 0)."""
+    ``kv_smem`` the group's cached rows are scored from shared memory too (no window: they start at 0). With
+    ``flagged`` (``generate(plan, o_flags=True)``) each ``o_part`` word is a relaxed store that the next stage's
+    staging polls (:func:`rmsnorm_partials_to_smem`) instead of meeting the grid."""
     warps = threads // WARP
     lane = tidx % WARP
     warp = tidx // WARP
@@ -1078,7 +1080,11 @@ def fused_attention_o(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Ten
                 total = cute.arch.warp_reduction_sum(sums[k])
                 row = block * block_rows + r0 + k
                 if lane == 0 and r0 + k < block_rows and row < hidden:
-                    o_part[group, row] = total
+                    if cutlass.const_expr(flagged):
+                        cute.arch.store((o_part[group, None].iterator + row).llvm_ptr, total, sem="relaxed",
+                                        scope="gpu")
+                    else:
+                        o_part[group, row] = total
         cute.arch.sync_threads()  # s_q and the W_O block are read: the next stage's ring fill may overwrite them
     else:
         cute.arch.cp_async_wait_group(0)

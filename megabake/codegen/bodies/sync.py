@@ -152,3 +152,54 @@ def prefetch_rows(weight: cute.Tensor, gwarp: Int32, lane: Int32, total_warps: c
                     for line in range(lane, lines_per_row, WARP):
                         ptr = weight[row, None].iterator + line * 64
                         cute.arch.prefetch(ptr.llvm_ptr, cache_level="L2")
+
+
+# ------------------------------------------------------------------------------------ flagged words
+# generate(plan, act_flags=True) / o_flags=True (candidates since session 37): a GEMV's or an item's output words and
+# the staging that reads them meet through the words themselves instead of a grid barrier. Each word holds FLAG_UNSET
+# until its owner writes its value there (a relaxed store), and the staging polls its words with relaxed loads until
+# none reads FLAG_UNSET (codegen.act_flags says where each edge's ordering comes from and where the words are unset).
+FLAG_UNSET = -1  # int32 bits 0xFFFFFFFF: a negative NaN no arithmetic writes (an sm_90 NaN result is 0x7FFFFFFF)
+
+
+@cute.jit
+def flags_reset(words: cute.Tensor, cta: Int32, tidx: Int32, rows: cutlass.Constexpr[int],
+                cols: cutlass.Constexpr[int], ctas: cutlass.Constexpr[int], threads: cutlass.Constexpr[int]):
+    """words[r, :cols] = FLAG_UNSET (as int32 bits) for r < rows, over all CTAs' threads (a layer's start unsets the
+    words its stages will write, a grid barrier after their last reader and one before their first writer)."""
+    bits = cute.recast_tensor(words, Int32)
+    for i in range(cta * threads + tidx, rows * cols, ctas * threads):
+        r = i // cols
+        bits[r, i - r * cols] = Int32(FLAG_UNSET)
+
+
+@cute.jit
+def act_flags_to_smem(act: cute.Tensor, s_vec: cute.Tensor, tidx: Int32, batch: cutlass.Constexpr[int],
+                      inter: cutlass.Constexpr[int], threads: cutlass.Constexpr[int]):
+    """s_vec[b, :inter] = act[b, :inter] once every word is written (``act_flags``): each thread polls its words
+    (relaxed loads, all issued before any is tested) until none reads FLAG_UNSET, copying their bits into s_vec,
+    then a ``fence.acq_rel.gpu`` (acquire: each writer's accesses before its release fence happen before this CTA's
+    later ones, and L1 holds no stale line of them) and ``bar.sync``. The copy of :func:`copy_to_smem`, bit for
+    bit."""
+    bits = cute.recast_tensor(act, Int32)
+    s_bits = cute.recast_tensor(s_vec, Int32)
+    total = batch * inter
+    slots = (total + threads - 1) // threads
+    missing = Int32(1)
+    while missing > 0:
+        missing = Int32(0)
+        values = []
+        for j in cutlass.range_constexpr(slots):
+            i = cutlass.min(tidx + j * threads, total - 1)
+            b = i // inter
+            values.append(cute.arch.load((bits[b, None].iterator + (i - b * inter)).llvm_ptr, Int32, sem="relaxed",
+                                         scope="gpu"))
+        for j in cutlass.range_constexpr(slots):
+            i = cutlass.min(tidx + j * threads, total - 1)
+            b = i // inter
+            if values[j] == FLAG_UNSET:
+                missing = missing + 1
+            else:
+                s_bits[b, i - b * inter] = values[j]
+    cute.arch.fence_acq_rel_gpu()
+    cute.arch.sync_threads()

@@ -50,6 +50,7 @@ FUSED_O_BLOCKS = 64
 FUSED_O_BLOCK_ROWS = 4
 FUSED_KV_SMEM = False
 FUSED_MMA = True
+O_FLAGS = False
 # fp32 buffers of a fused_o build beyond the plan's (the runtime allocates them): name -> shape
 EXTRA_BUFFERS = {'o_mid': (1, 256), 'o_part': (2, 256)}
 EPS = 1e-05
@@ -111,7 +112,7 @@ def megakernel(
             weight=w_qkv[layer, None, None], ring=s_ring[tidx // 32, None, None, None, None], bias=qkv, s_vec=s_vec,
             out=qkv, gwarp=swarp, lane=lane, total_warps=TOTAL_WARPS, rows=QKV_ROWS, cols=HIDDEN, batch=BATCH,
             per_tile=ROWS_PER_TILE['norm_qkv'], accumulate=False, unroll=GEMV_UNROLL['norm_qkv'], has_bias=False,
-            stages=4, prefilled=True, act=0)
+            stages=4, prefilled=True, act=0, flagged=False)
         bodies.grid_arrive(barrier=barrier, next_target=bar_next, tidx=tidx, ctas=CTAS)
         bodies.split_kv_prefetch(
             k_cache=k_cache[layer, None, None, None, None], v_cache=v_cache[layer, None, None, None, None], pos=pos,
@@ -141,7 +142,7 @@ def megakernel(
                 n_kv_heads=N_KV_HEADS, head_dim=HEAD_DIM, threads=THREADS, scale=ATTN_SCALE, has_qk_norm=False, eps=EPS,
                 unroll=ATT_UNROLL, rotary_dim=HEAD_DIM, whole_qk_norm=False, kv_pipeline=KV_PIPELINE,
                 mma_attention=FUSED_MMA, hidden=HIDDEN, blocks=FUSED_O_BLOCKS, block_rows=FUSED_O_BLOCK_ROWS,
-                kv_rows=MIN_CHUNK, kv_smem=FUSED_KV_SMEM)
+                kv_rows=MIN_CHUNK, kv_smem=FUSED_KV_SMEM, flagged=O_FLAGS)
         else:
             bodies.split_kv_attention(
                 qkv=qkv, qk_norm=qkv, rope_cos=rope_cos, rope_sin=rope_sin,
@@ -164,7 +165,7 @@ def megakernel(
                 weight=w_o[layer, None, None], ring=s_ring[tidx // 32, None, None, None, None], bias=x, s_vec=s_vec,
                 out=x, gwarp=swarp, lane=lane, total_warps=TOTAL_WARPS, rows=HIDDEN, cols=Q_ROWS, batch=BATCH,
                 per_tile=ROWS_PER_TILE['o_residual'], accumulate=True, unroll=GEMV_UNROLL['o_residual'], has_bias=False,
-                stages=4, prefilled=True, act=0)
+                stages=4, prefilled=True, act=0, flagged=False)
             bodies.grid_arrive(barrier=barrier, next_target=bar_next, tidx=tidx, ctas=CTAS)
         bodies.prefetch_rows(
             weight=w_gate_up[layer, None, None], gwarp=swarp, lane=lane, total_warps=TOTAL_WARPS, rows=1024, cols=256,
@@ -176,12 +177,12 @@ def megakernel(
         # ---- stage 4: norm_gate_up (layer) ----
         bodies.rmsnorm_partials_to_smem(
             x=x, o_mid=o_mid, o_part=o_part, weight=norms[layer, 1, None], s_vec=s_vec, s_red=s_red, cta=cta, tidx=tidx,
-            fused=fo, parts=N_KV_HEADS, hidden=HIDDEN, ctas=CTAS, threads=THREADS, eps=EPS)
+            fused=fo, parts=N_KV_HEADS, hidden=HIDDEN, ctas=CTAS, threads=THREADS, eps=EPS, flagged=O_FLAGS)
         bodies.gemv_rows_streamed(
             weight=w_gate_up[layer, None, None], ring=s_ring[tidx // 32, None, None, None, None], bias=gate_up,
             s_vec=s_vec, out=gate_up, gwarp=swarp, lane=lane, total_warps=TOTAL_WARPS, rows=2 * INTER, cols=HIDDEN,
             batch=BATCH, per_tile=ROWS_PER_TILE['norm_gate_up'], accumulate=False, unroll=GEMV_UNROLL['norm_gate_up'],
-            has_bias=False, stages=4, prefilled=True, act=1)
+            has_bias=False, stages=4, prefilled=True, act=1, flagged=False)
         bodies.grid_arrive(barrier=barrier, next_target=bar_next, tidx=tidx, ctas=CTAS)
         bodies.prefetch_rows(
             weight=w_down[layer, None, None], gwarp=swarp, lane=lane, total_warps=TOTAL_WARPS, rows=256, cols=512,
@@ -196,7 +197,7 @@ def megakernel(
             weight=w_down[layer, None, None], ring=s_ring[tidx // 32, None, None, None, None], bias=o_mid[0, None],
             s_vec=s_vec, out=x, gwarp=swarp, lane=lane, total_warps=TOTAL_WARPS, rows=HIDDEN, cols=INTER, batch=BATCH,
             per_tile=ROWS_PER_TILE['down_residual'], accumulate=False, unroll=GEMV_UNROLL['down_residual'],
-            has_bias=True, stages=4, prefilled=True, act=0)
+            has_bias=True, stages=4, prefilled=True, act=0, flagged=False)
         bodies.grid_arrive(barrier=barrier, next_target=bar_next, tidx=tidx, ctas=CTAS)
         bodies.prefetch_rows(
             weight=w_qkv[cutlass.min(layer + 1, LAYERS - 1), None, None], gwarp=swarp, lane=lane,
@@ -215,7 +216,7 @@ def megakernel(
         weight=lm_head, ring=s_ring[tidx // 32, None, None, None, None], bias=logits, s_vec=s_vec, out=logits,
         gwarp=swarp, lane=lane, total_warps=TOTAL_WARPS, rows=VOCAB, cols=HIDDEN, batch=BATCH,
         per_tile=ROWS_PER_TILE['norm_lm_head'], accumulate=False, unroll=GEMV_UNROLL['norm_lm_head'], has_bias=False,
-        stages=4, prefilled=False, act=0)
+        stages=4, prefilled=False, act=0, flagged=False)
 
 @cute.jit
 def launch(
@@ -303,6 +304,14 @@ def prefetch_rows(weight: cute.Tensor, gwarp: Int32, lane: Int32, total_warps: c
                     for line in range(lane, lines_per_row, WARP):
                         ptr = weight[row, None].iterator + line * 64
                         cute.arch.prefetch(ptr.llvm_ptr, cache_level="L2")
+
+
+# ------------------------------------------------------------------------------------ flagged words
+# generate(plan, act_flags=True) / o_flags=True (candidates since session 37): a GEMV's or an item's output words and
+# the staging that reads them meet through the words themselves instead of a grid barrier. Each word holds FLAG_UNSET
+# until its owner writes its value there (a relaxed store), and the staging polls its words with relaxed loads until
+# none reads FLAG_UNSET (codegen.act_flags says where each edge's ordering comes from and where the words are unset).
+FLAG_UNSET = -1  # int32 bits 0xFFFFFFFF: a negative NaN no arithmetic writes (an sm_90 NaN result is 0x7FFFFFFF)
 
 
 # --------------------------------------------------------------------------------------- embedding
@@ -409,15 +418,40 @@ INV_SQRT2 = 0.7071067811865476
 
 
 @cute.jit
+def _poll_parts(o_part: cute.Tensor, tidx: Int32, parts: cutlass.Constexpr[int], nvec: cutlass.Constexpr[int],
+                slots: cutlass.Constexpr[int], threads: cutlass.Constexpr[int]) -> cute.Tensor:
+    """This thread's 4-float vectors of every ``o_part`` row (vector ``min(tidx + j * threads, nvec - 1)`` of part
+    p at ``p * slots + j``), polled with relaxed gpu-scope loads until none reads the unset bits: an ``o_flags``
+    build's fused attention writes them without a grid barrier after it."""
+    bits = cute.recast_tensor(o_part, Int32)
+    words = cute.make_rmem_tensor(cute.make_layout(parts * slots * F32_VEC), Int32)
+    missing = Int32(1)
+    while missing > 0:
+        missing = Int32(0)
+        for p in cutlass.range_constexpr(parts):
+            for j in cutlass.range_constexpr(slots):
+                base = cutlass.min(tidx + j * threads, nvec - 1) * F32_VEC
+                for e in cutlass.range_constexpr(F32_VEC):
+                    words[(p * slots + j) * F32_VEC + e] = cute.arch.load(
+                        (bits[p, None].iterator + base + e).llvm_ptr, Int32, sem="relaxed", scope="gpu")
+        for k in cutlass.range_constexpr(parts * slots * F32_VEC):
+            if words[k] == FLAG_UNSET:
+                missing = missing + 1
+    return cute.recast_tensor(words, Float32)
+
+
+@cute.jit
 def rmsnorm_partials_to_smem(x: cute.Tensor, o_mid: cute.Tensor, o_part: cute.Tensor, weight: cute.Tensor,
                              s_vec: cute.Tensor, s_red: cute.Tensor, cta: Int32, tidx: Int32, fused: Int32,
                              parts: cutlass.Constexpr[int], hidden: cutlass.Constexpr[int],
                              ctas: cutlass.Constexpr[int], threads: cutlass.Constexpr[int],
-                             eps: cutlass.Constexpr[float]):
+                             eps: cutlass.Constexpr[float], flagged: cutlass.Constexpr[bool]):
     """The staging after a ``fused_o`` build's attention (batch 1): the residual r = x + o_part[0] + ... +
     o_part[parts - 1] (in that order) where ``fused`` is 1, else x; every CTA stages rmsnorm(r) * weight as
     :func:`rmsnorm_to_smem` does, and the CTA that owns each 4-float vector (vector index mod ``ctas``) stores r
-    in ``o_mid``, which the down projection then adds its output to (x itself is still read by other CTAs)."""
+    in ``o_mid``, which the down projection then adds its output to (x itself is still read by other CTAs). With
+    ``flagged`` (``o_flags``: no grid barrier after a fused step's attention) the ``o_part`` words are polled until
+    every one is written (:func:`_poll_parts`); the sums are the same."""
     warps = threads // WARP
     lane = tidx % WARP
     warp = tidx // WARP
@@ -427,10 +461,17 @@ def rmsnorm_partials_to_smem(x: cute.Tensor, o_mid: cute.Tensor, o_part: cute.Te
     for j in cutlass.range_constexpr(slots):
         _f32_vec(values, j).store(_f32_vec(x[0, None], cutlass.min(tidx + j * threads, nvec - 1)).load())
     if fused == 1:
-        for p in cutlass.range_constexpr(parts):
-            for j in cutlass.range_constexpr(slots):
-                _f32_vec(values, j).store(_f32_vec(values, j).load() +
-                                          _f32_vec(o_part[p, None], cutlass.min(tidx + j * threads, nvec - 1)).load())
+        if cutlass.const_expr(flagged):
+            parts_read = _poll_parts(o_part, tidx, parts, nvec, slots, threads)
+            for p in cutlass.range_constexpr(parts):
+                for j in cutlass.range_constexpr(slots):
+                    _f32_vec(values, j).store(_f32_vec(values, j).load() + _f32_vec(parts_read, p * slots + j).load())
+        else:
+            for p in cutlass.range_constexpr(parts):
+                for j in cutlass.range_constexpr(slots):
+                    _f32_vec(values, j).store(
+                        _f32_vec(values, j).load() + _f32_vec(o_part[p, None], cutlass.min(tidx + j * threads,
+                                                                                          nvec - 1)).load())
     scales = []
     for j in cutlass.range_constexpr(slots):
         scales.append(_f32_vec(weight, cutlass.min(tidx + j * threads, nvec - 1)).load())
@@ -571,7 +612,7 @@ def gemv_rows_streamed(weight: cute.Tensor, ring: cute.Tensor, bias: cute.Tensor
                        per_tile: cutlass.Constexpr[int], accumulate: cutlass.Constexpr[bool],
                        unroll: cutlass.Constexpr[int], has_bias: cutlass.Constexpr[bool],
                        stages: cutlass.Constexpr[int], prefilled: cutlass.Constexpr[bool],
-                       act: cutlass.Constexpr[int]):
+                       act: cutlass.Constexpr[int], flagged: cutlass.Constexpr[bool]):
     """:func:`gemv_rows` streaming its weights through this warp's shared-memory ring ``ring`` ([stages,
     vectors, 32 lanes, 8]): cp.async keeps ``stages - 1`` chunks (the next tiles' included) in flight while
     the warp reduces the current one, without holding registers for them.
@@ -583,7 +624,9 @@ def gemv_rows_streamed(weight: cute.Tensor, ring: cute.Tensor, bias: cute.Tensor
     the writes are those of :func:`gemv_rows_pipelined`: results are bit-identical to :func:`gemv_rows`.
     With ``prefilled``, :func:`gemv_ring_prefill` already copied (and committed) the first ``stages - 1``
     chunks before the barrier that precedes this stage. A non-zero ``act`` is the gated write (tiling
-    ``+ringS+gated``, :func:`_gemv_write`).
+    ``+ringS+gated``, :func:`_gemv_write`); with ``flagged`` too (``generate(plan, act_flags=True)``) its words
+    are relaxed stores that the down stage polls (:func:`act_flags_to_smem`), the warp's first one after a
+    ``fence.acq_rel.gpu`` by lane 0 (release: its CTA's staging, reads of x and writes of o_mid, before it).
     """
     tiles = (rows + per_tile - 1) // per_tile
     chunk = WARP * unroll
@@ -611,8 +654,14 @@ def gemv_rows_streamed(weight: cute.Tensor, ring: cute.Tensor, bias: cute.Tensor
             elif kv < kvecs:  # the partial last chunk of a tile
                 _gemv_chunk_ring(ring, slot, s_vec, acc, u, kv, lane, batch, per_tile, unroll)
         if c == chunks - 1:
-            _gemv_write(acc, out, bias, gwarp + step // chunks * total_warps, lane, rows, batch, per_tile,
-                        accumulate, has_bias, act)
+            if cutlass.const_expr(flagged):
+                if step < chunks and lane == 0:
+                    cute.arch.fence_acq_rel_gpu()  # release before this warp's first flagged word
+                _gemv_write_flagged(acc, out, bias, gwarp + step // chunks * total_warps, lane, rows, batch,
+                                    per_tile, has_bias, act)
+            else:
+                _gemv_write(acc, out, bias, gwarp + step // chunks * total_warps, lane, rows, batch, per_tile,
+                            accumulate, has_bias, act)
             for i in cutlass.range_constexpr(per_tile * batch):
                 acc[i] = Float32(0.0)
     cute.arch.cp_async_wait_group(0)  # nothing in flight into the ring when the next GEMV stage refills it
@@ -634,6 +683,26 @@ def _gemv_write_gated(acc: cute.Tensor, out: cute.Tensor, bias: cute.Tensor, til
                     gate = gate + bias[row]
                     up = up + bias[row + 1]
                 out[b, row // 2] = _gated_act(gate, up, act)
+
+
+
+@cute.jit
+def _gemv_write_flagged(acc: cute.Tensor, out: cute.Tensor, bias: cute.Tensor, tile: Int32, lane: Int32,
+                        rows: cutlass.Constexpr[int], batch: cutlass.Constexpr[int], per_tile: cutlass.Constexpr[int],
+                        has_bias: cutlass.Constexpr[bool], act: cutlass.Constexpr[int]):
+    """:func:`_gemv_write_gated` with each act(gate) * up word written by a relaxed ``st.relaxed.gpu`` (the same
+    value, the same place): the flag :func:`act_flags_to_smem` polls for."""
+    for r in cutlass.range_constexpr(per_tile // 2):
+        row = tile * per_tile + 2 * r
+        for b in cutlass.range_constexpr(batch):
+            gate = cute.arch.warp_reduction_sum(acc[2 * r * batch + b])
+            up = cute.arch.warp_reduction_sum(acc[(2 * r + 1) * batch + b])
+            if lane == 0 and row < rows:
+                if cutlass.const_expr(has_bias):
+                    gate = gate + bias[row]
+                    up = up + bias[row + 1]
+                cute.arch.store((out[b, None].iterator + row // 2).llvm_ptr, _gated_act(gate, up, act),
+                                sem="relaxed", scope="gpu")
 
 
 @cute.jit
@@ -1649,12 +1718,14 @@ def fused_attention_o(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Ten
                       kv_pipeline: cutlass.Constexpr[bool], mma_attention: cutlass.Constexpr[bool],
                       hidden: cutlass.Constexpr[int], blocks: cutlass.Constexpr[int],
                       block_rows: cutlass.Constexpr[int], kv_rows: cutlass.Constexpr[int],
-                      kv_smem: cutlass.Constexpr[bool]):
+                      kv_smem: cutlass.Constexpr[bool], flagged: cutlass.Constexpr[bool]):
     """A fused step's attention and O projection (batch 1; module comment above :func:`fused_o_step`): this CTA's
     KV group over positions [first_key, pos] (this step's key and value appended, by every CTA of the group, the
     same bits), normalised into ``s_q``, then ``o_part[group, r] = sum_c W_O[r, c] * attention[c]`` over the
     group's columns for the rows of its block, from the block :func:`fused_o_load` put in shared memory. With
-    ``kv_smem`` the group's cached rows are scored from shared memory too (no window: they start at 0)."""
+    ``kv_smem`` the group's cached rows are scored from shared memory too (no window: they start at 0). With
+    ``flagged`` (``generate(plan, o_flags=True)``) each ``o_part`` word is a relaxed store that the next stage's
+    staging polls (:func:`rmsnorm_partials_to_smem`) instead of meeting the grid."""
     warps = threads // WARP
     lane = tidx % WARP
     warp = tidx // WARP
@@ -1701,7 +1772,11 @@ def fused_attention_o(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Ten
                 total = cute.arch.warp_reduction_sum(sums[k])
                 row = block * block_rows + r0 + k
                 if lane == 0 and r0 + k < block_rows and row < hidden:
-                    o_part[group, row] = total
+                    if cutlass.const_expr(flagged):
+                        cute.arch.store((o_part[group, None].iterator + row).llvm_ptr, total, sem="relaxed",
+                                        scope="gpu")
+                    else:
+                        o_part[group, row] = total
         cute.arch.sync_threads()  # s_q and the W_O block are read: the next stage's ring fill may overwrite them
     else:
         cute.arch.cp_async_wait_group(0)
