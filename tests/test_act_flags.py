@@ -23,15 +23,23 @@ def _called(source: str) -> list[str]:
 
 
 def _layer_loop(source: str) -> str:
+    """The kernel's layer loop, its whitespace runs as single spaces (calls are wrapped at 120 columns)."""
     kernel = source.split("# ====")[0]
-    return kernel[kernel.index("for layer in range(LAYERS):"):kernel.index("(epilogue) ----")]
+    return _flat(kernel[kernel.index("for layer in range(LAYERS):"):kernel.index("(epilogue) ----")])
+
+
+def _flat(text: str) -> str:
+    """``text`` with its whitespace runs as single spaces and none after an opening parenthesis."""
+    return " ".join(text.split()).replace("( ", "(")
 
 
 @pytest.mark.parametrize("fused_o", [None, False])
 def test_act_flags_drop_one_grid_barrier_per_layer_and_keep_every_other_call(smollm, fused_o):
-    """Per layer: the gate/up GEMV writes flagged words (``flagged=True``), its stage ends without an arrival or a
-    wait (the down GEMV's ring fill stays), the down stage polls the words (``act_flags_to_smem``) where the default
-    copies them, and the layer starts by unsetting them. Every other call is the default build's, in order."""
+    """Per layer: the gate/up GEMV writes flagged words (``flagged=True``) into this layer's half of its buffer
+    (``act_now``, by layer parity), its stage ends without an arrival or a wait (the down GEMV's ring fill stays),
+    the down stage polls the words (``act_flags_to_smem``) where the default copies them, then unsets the next
+    layer's half (``act_next``; the prologue unsets both halves for the first layer). Every other call is the
+    default build's, in order."""
     plan = smollm.plan
     build = {} if fused_o is None else {"fused_o": fused_o}
     default = generate(plan, **build).source
@@ -48,12 +56,17 @@ def test_act_flags_drop_one_grid_barrier_per_layer_and_keep_every_other_call(smo
     wait = len(before) - 1 - before[::-1].index("bodies.grid_wait")
     arrive = len(before) - 1 - before[::-1].index("bodies.grid_arrive")
     expected = [name for i, name in enumerate(expected) if i not in (wait, arrive)]
-    loop = expected.index("bodies.rmsnorm_to_smem")  # the layer's first call
-    expected.insert(loop, "bodies.flags_reset")
+    expected.insert(expected.index("bodies.act_flags_to_smem") + 1, "bodies.flags_reset")
+    expected.insert(expected.index("bodies.embed_gather") + 1, "bodies.flags_reset")
     assert new == expected
     loop_text = _layer_loop(flagged)
     assert "act=1, flagged=True)" in loop_text and loop_text.count("flagged=True") == 1
-    assert "bodies.flags_reset(words=gate_up," in loop_text
+    assert "bias=act_now, s_vec=s_vec, out=act_now," in loop_text
+    assert "bodies.act_flags_to_smem(act=act_now," in loop_text
+    assert ("bodies.flags_reset(words=act_next, cta=cta, tidx=tidx, active=cutlass.min(LAYERS - 1 - layer, 1), "
+            "rows=BATCH, cols=INTER,") in loop_text
+    prologue = _flat(flagged.split("# ====")[0].split("for layer in range(LAYERS):")[0])
+    assert "bodies.flags_reset(words=gate_up, cta=cta, tidx=tidx, active=1, rows=BATCH, cols=2 * INTER," in prologue
     header = flagged.split('"""')[1]
     per_step = plan.barriers_per_step - plan.dims.layers
     assert f"{per_step} grid barriers per step" in header and "act_flags" in header
@@ -106,12 +119,13 @@ def test_act_flags_refuse_tensor_core_gate_up_and_grids_a_gate_up_cannot_cover()
         generate(wide, act_flags=True)
 
 
-@pytest.mark.parametrize("preset,capacity,build", [("smollm-135m", 2048, {"o_flags": True}),
-                                                   ("qwen3-0.6b", 4096, {"fused_o": False})])
+@pytest.mark.parametrize("preset,capacity,build", [("smollm-135m", 2048, {"o_flags": True, "qkv_flags": True}),
+                                                   ("qwen3-0.6b", 4096, {"fused_o": False}),
+                                                   ("qwen2.5-0.5b", 4096, {"o_flags": True, "qkv_flags": True})])
 def test_act_flags_build_compiles_for_sm90a(preset, capacity, build, tmp_path):
-    """CuTe DSL compiles the flagged builds for sm_90a (SmolLM-135M with o_flags too), and their PTX has what the
-    memory-model argument needs: the polls are relaxed gpu-scope loads, the words relaxed gpu-scope stores, fences on
-    both sides of the activation's words."""
+    """CuTe DSL compiles the flagged builds for sm_90a (SmolLM-135M and Qwen2.5-0.5B, a QKV bias, with every flag),
+    and their PTX has what the memory-model argument needs: the polls are relaxed gpu-scope loads, the words relaxed
+    gpu-scope stores, fences on both sides of the activation's words (and after the qkv polls)."""
     compiled = compile_preset(preset, layers=2, vocab=4096, capacity=capacity)
     source = generate(compiled.plan, act_flags=True, **build).source
     result = compile_check(compiled.plan, load_module(source), dump_dir=str(tmp_path))
@@ -128,9 +142,14 @@ def test_o_flags_drop_a_fused_steps_barrier_after_attention(smollm):
     plan = smollm.plan
     source = generate(plan, o_flags=True).source
     kernel = source.split("# ====")[0]
+    flat = _flat(kernel)
     assert "\nO_FLAGS = True\n" in kernel and "\nO_FLAGS = False\n" in generate(plan).source
-    assert "bodies.flags_reset(words=o_part, cta=cta, tidx=tidx, rows=N_KV_HEADS, cols=HIDDEN," in kernel
-    assert "kv_smem=FUSED_KV_SMEM, flagged=O_FLAGS)" in kernel and "eps=EPS, flagged=O_FLAGS)" in kernel
+    prologue, loop = flat.split("for layer in range(LAYERS):")
+    assert "bodies.flags_reset(words=o_part, cta=cta, tidx=tidx, active=1, rows=N_KV_HEADS, cols=HIDDEN," in prologue
+    down = loop[loop.index("stage 5: down_residual"):]
+    assert down.index("bodies.copy_to_smem(") < down.index("bodies.flags_reset(words=o_part") < down.index(
+        "bodies.gemv_rows_streamed(")
+    assert "flagged=O_FLAGS, poll_qkv=QKV_FLAGS)" in flat and "eps=EPS, flagged=O_FLAGS)" in flat
     lines = [line.strip() for line in kernel.splitlines()]
     fused = lines.index(next(line for line in lines if line.startswith("bodies.fused_attention_o(")))
     gate_up = lines.index("# ---- stage 4: norm_gate_up (layer) ----")
@@ -144,6 +163,34 @@ def test_o_flags_drop_a_fused_steps_barrier_after_attention(smollm):
     assert f"({plan.barriers_per_step - 2 * plan.dims.layers} where the context fits MIN_CHUNK" in header
 
 
-def test_o_flags_need_the_fused_build(smollm):
+def test_qkv_flags_drop_a_fused_steps_barrier_after_the_qkv_projection(smollm):
+    """``qkv_flags``: the QKV GEMV writes flagged words; a fused step arrives and waits at no grid barrier after it
+    (both under ``if fo == 0:``), its fused attention polls its group's words (``poll_qkv=QKV_FLAGS``); the prologue
+    and each layer's down stage unset them. With all three flags a fused step meets one grid barrier per layer."""
+    plan = smollm.plan
+    source = generate(plan, act_flags=True, o_flags=True, qkv_flags=True).source
+    kernel = source.split("# ====")[0]
+    assert "\nQKV_FLAGS = True\n" in kernel and "\nQKV_FLAGS = False\n" in generate(plan).source
+    flat = _flat(kernel)
+    assert "flagged=O_FLAGS, poll_qkv=QKV_FLAGS)" in flat
+    assert "bodies.flags_reset(words=qkv, cta=cta, tidx=tidx, active=1, rows=BATCH, cols=QKV_ROWS," in flat
+    loop = kernel.split("for layer in range(LAYERS):")[1]
+    lines = [line.strip() for line in loop.splitlines()]
+    qkv = lines.index("# ---- stage 1: norm_qkv (layer) ----")
+    attention = next(i for i, line in enumerate(lines) if line.startswith("# ---- stage 2: attention"))
+    between = lines[qkv:attention]
+    assert "act=0, flagged=True)" in " ".join(between)
+    for call in ("bodies.grid_arrive(", "bodies.grid_wait("):
+        at = next(i for i, line in enumerate(between) if line.startswith(call))
+        assert between[at - 1] == "if fo == 0:", call
+    assert "bodies.flags_reset(words=qkv, cta=cta, tidx=tidx, active=cutlass.min(LAYERS - 1 - layer, 1)," in flat
+    header = source.split('"""')[1]
+    per_step = plan.barriers_per_step - plan.dims.layers
+    assert f"{per_step} grid barriers per step ({per_step - 3 * plan.dims.layers} where the context fits" in header
+    assert per_step - 3 * plan.dims.layers == 1 + plan.dims.layers  # the prologue's and one per layer
+
+
+@pytest.mark.parametrize("flag", ["o_flags", "qkv_flags"])
+def test_fused_step_flags_need_the_fused_build(smollm, flag):
     with pytest.raises(ValueError, match="needs fused_o"):
-        generate(smollm.plan, fused_o=False, o_flags=True)
+        generate(smollm.plan, fused_o=False, **{flag: True})

@@ -1,6 +1,6 @@
-"""The ``act_flags`` and ``o_flags`` builds on the H200 (session 37 candidates, ``megabake.codegen.act_flags``): each
-layer's gate/up GEMV and down projection, and a fused step's attention and gate/up staging, meet through flagged words
-instead of a grid barrier. The words carry the same values
+"""The flagged-word builds on the H200 (session 37 candidates, ``megabake.codegen.act_flags``): each layer's gate/up
+GEMV and down projection (``act_flags``), a fused step's attention and gate/up staging (``o_flags``) and its QKV
+projection and attention (``qkv_flags``) meet through flagged words instead of a grid barrier. The words carry the same values
 to the same shared memory, so every step must give the default build's logits bit for bit, at fused and split steps,
 over consecutive positions (each launch's first layer resets the words the previous launch left written), in CUDA
 graph replays and in the greedy graph of several launches; a second run must give the same bits (a moving result is
@@ -38,13 +38,17 @@ def _positions(compiled, capacity: int) -> list[int]:
                                                      ("tiny-phi3", 256, None)])
 def test_flagged_builds_give_the_default_bits(preset, capacity, fused_o):
     """From one random KV cache, one step at each position (fused and split steps; sliding windows on tiny-mistral
-    and tiny-phi3): ``act_flags``, ``o_flags`` (fused builds) and both give the default build's logits (the same
-    fused_o choice) bit for bit, and a second run of both its own."""
+    and tiny-phi3): ``act_flags`` and all three flags (on fused builds; ``o_flags`` and ``qkv_flags`` alone too on
+    SmolLM-135M and Qwen3-0.6B) give the default build's logits (the same fused_o choice) bit for bit, and a second
+    run of the last build its own."""
     compiled = _compiled(preset, capacity)
     positions = _positions(compiled, capacity)
-    base = {} if fused_o is None else {"fused_o": fused_o}
-    flagged = [{"act_flags": True}] + ([] if fused_o is False else [{"o_flags": True}, {"act_flags": True,
-                                                                                        "o_flags": True}])
+    # the helper builds every split-KV item on the lane-group loop (mma_attention=False), where the default would not
+    # fuse: ask for the fused build (its groups on the lane loop then) or the split one outright
+    base = {"fused_o": fused_o is None}
+    every = {"act_flags": True, "o_flags": True, "qkv_flags": True}
+    alone = [{"o_flags": True}, {"qkv_flags": True}] if preset in ("smollm-135m", "qwen3-0.6b") else []
+    flagged = [{"act_flags": True}] + ([] if fused_o is False else alone + [every])
     builds = [base] + [{**base, **flags} for flags in flagged] + [{**base, **flagged[-1]}]
     default, *results, again = _logits_over_random_cache(compiled, positions, 1, builds)
     assert torch.equal(again, results[-1])
@@ -63,7 +67,7 @@ def test_act_flags_repeat_a_position_and_run_greedy_graphs():
 
     compiled = _compiled("smollm-135m", 2048)
     results = {}
-    for name, build in (("default", {}), ("flags", {"act_flags": True, "o_flags": True})):
+    for name, build in (("default", {}), ("flags", {"act_flags": True, "o_flags": True, "qkv_flags": True})):
         decoder = MegakernelDecoder(compiled.plan, generate(compiled.plan, **build).source, compiled.model,
                                     device="cuda")
         generator = torch.Generator().manual_seed(37)

@@ -84,3 +84,22 @@ def o_flags_refusal(plan: Plan, *, fused_o: bool) -> str | None:
     if not fused_o:
         return "it flags a fused step's o_part words: it needs fused_o (a batch-1 plan the fused build takes)"
     return None
+
+
+def qkv_flags_refusal(plan: Plan, *, fused_o: bool) -> str | None:
+    """Why ``qkv_flags`` cannot build this plan, or None where it can: a ``fused_o`` step's QKV GEMV writes its words
+    flagged (relaxed stores) and each CTA's fused attention polls its KV group's query, key and value words, then
+    fences (no stale L1 line of them) and meets its CTA. Nothing else crosses that interval: the QKV projection
+    reads x, its weights and norms; a fused step's attention writes o_part (unset in the down stage of the layer
+    before, or the prologue) and its K/V row, which no CTA reads in the QKV interval (the K/V prefetch only asks L2
+    for rows). The qkv words are unset in the down stage of the layer before (every CTA's attention is behind a
+    grid barrier there, or behind its release of the activation words) and the prologue."""
+    if not fused_o:
+        return "it flags a fused step's qkv words: it needs fused_o (a batch-1 plan the fused build takes)"
+    qkv = _layer_stage(plan, "norm_qkv")
+    if qkv is None or qkv.tiling.kind != "rows" or qkv.tiling.mma or not qkv.tiling.stages:
+        return "the QKV GEMV is not the streamed cp.async ring on rows (tensor-core or register tilings)"
+    spec = spec_of(qkv, plan)
+    if spec.gemv.out != "qkv" or spec.gemv.accumulate:
+        return "the QKV GEMV does not write the qkv buffer"
+    return None

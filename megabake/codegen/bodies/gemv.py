@@ -331,6 +331,8 @@ def gemv_rows_streamed(weight: cute.Tensor, ring: cute.Tensor, bias: cute.Tensor
     ``+ringS+gated``, :func:`_gemv_write`); with ``flagged`` too (``generate(plan, act_flags=True)``) its words
     are relaxed stores that the down stage polls (:func:`act_flags_to_smem`), the warp's first one after a
     ``fence.acq_rel.gpu`` by lane 0 (release: its CTA's staging, reads of x and writes of o_mid, before it).
+    ``flagged`` without ``act`` (the QKV projection of a ``qkv_flags`` build) writes each output word with a
+    relaxed store, no fence (:func:`_gemv_write_relaxed`; not accumulating).
     """
     tiles = (rows + per_tile - 1) // per_tile
     chunk = WARP * unroll
@@ -358,11 +360,14 @@ def gemv_rows_streamed(weight: cute.Tensor, ring: cute.Tensor, bias: cute.Tensor
             elif kv < kvecs:  # the partial last chunk of a tile
                 _gemv_chunk_ring(ring, slot, s_vec, acc, u, kv, lane, batch, per_tile, unroll)
         if c == chunks - 1:
-            if cutlass.const_expr(flagged):
+            if cutlass.const_expr(flagged and act != 0):
                 if step < chunks and lane == 0:
                     cute.arch.fence_acq_rel_gpu()  # release before this warp's first flagged word
                 _gemv_write_flagged(acc, out, bias, gwarp + step // chunks * total_warps, lane, rows, batch,
                                     per_tile, has_bias, act)
+            elif cutlass.const_expr(flagged):
+                _gemv_write_relaxed(acc, out, bias, gwarp + step // chunks * total_warps, lane, rows, batch,
+                                    per_tile, has_bias)
             else:
                 _gemv_write(acc, out, bias, gwarp + step // chunks * total_warps, lane, rows, batch, per_tile,
                             accumulate, has_bias, act)
@@ -440,6 +445,22 @@ def _gemv_write_flagged(acc: cute.Tensor, out: cute.Tensor, bias: cute.Tensor, t
                     up = up + bias[row + 1]
                 cute.arch.store((out[b, None].iterator + row // 2).llvm_ptr, _gated_act(gate, up, act),
                                 sem="relaxed", scope="gpu")
+
+
+@cute.jit
+def _gemv_write_relaxed(acc: cute.Tensor, out: cute.Tensor, bias: cute.Tensor, tile: Int32, lane: Int32,
+                        rows: cutlass.Constexpr[int], batch: cutlass.Constexpr[int], per_tile: cutlass.Constexpr[int],
+                        has_bias: cutlass.Constexpr[bool]):
+    """:func:`_gemv_write` (not accumulating) with each output word written by a relaxed ``st.relaxed.gpu``: the
+    flag a ``qkv_flags`` build's fused attention polls (:func:`_poll_group_qkv`)."""
+    for r in cutlass.range_constexpr(per_tile):
+        row = tile * per_tile + r
+        for b in cutlass.range_constexpr(batch):
+            total = cute.arch.warp_reduction_sum(acc[r * batch + b])
+            if lane == 0 and row < rows:
+                if cutlass.const_expr(has_bias):
+                    total = total + bias[row]
+                cute.arch.store((out[b, None].iterator + row).llvm_ptr, total, sem="relaxed", scope="gpu")
 
 @cute.jit
 def softcap_rows(out: cute.Tensor, gwarp: Int32, lane: Int32, total_warps: cutlass.Constexpr[int],

@@ -12,6 +12,7 @@ from cutlass import Float32, Int32, Int64
 
 from .common import VEC, WARP
 from .staging import F32_VEC, _f32_vec, _stage_store, copy_to_smem
+from .sync import FLAG_UNSET
 
 
 # ------------------------------------------------------------------------------ split-KV (flash) decoding
@@ -1011,6 +1012,39 @@ def _fused_kv_views(s_ring: cute.Tensor, offset: int, kv_rows: int, head_dim: in
     return s_keys, s_values
 
 
+@cute.jit
+def _poll_group_qkv(qkv: cute.Tensor, group: Int32, tidx: Int32, n_heads: cutlass.Constexpr[int],
+                    n_kv_heads: cutlass.Constexpr[int], head_dim: cutlass.Constexpr[int],
+                    threads: cutlass.Constexpr[int]):
+    """Wait until KV group ``group``'s words of this step's projection are written (``qkv_flags``: no grid barrier
+    after a fused step's QKV GEMV): its query heads' rows, its key row and its value row of ``qkv`` (batch 1), polled
+    with relaxed gpu-scope loads until none reads FLAG_UNSET; then ``fence.acq_rel.gpu`` (no stale L1 line of them
+    for the plain loads that follow) and ``bar.sync``."""
+    heads = n_heads // n_kv_heads
+    q_words = heads * head_dim
+    total = (heads + 2) * head_dim
+    slots = (total + threads - 1) // threads
+    bits = cute.recast_tensor(qkv, Int32)
+    missing = Int32(1)
+    while missing > 0:
+        missing = Int32(0)
+        values = []
+        for j in cutlass.range_constexpr(slots):
+            i = cutlass.min(tidx + j * threads, total - 1)
+            column = group * q_words + i  # a query row of the group's heads
+            if i >= q_words + head_dim:  # its value row
+                column = n_heads * head_dim + n_kv_heads * head_dim + group * head_dim + i - q_words - head_dim
+            elif i >= q_words:  # its key row
+                column = n_heads * head_dim + group * head_dim + i - q_words
+            values.append(cute.arch.load((bits[0, None].iterator + column).llvm_ptr, Int32, sem="relaxed",
+                                         scope="gpu"))
+        for j in cutlass.range_constexpr(slots):
+            if values[j] == FLAG_UNSET:
+                missing = missing + 1
+    cute.arch.fence_acq_rel_gpu()
+    cute.arch.sync_threads()
+
+
 FUSED_O_ROWS = 4  # W_O rows a warp reduces at once in fused_attention_o (independent sums in flight)
 
 
@@ -1026,14 +1060,17 @@ def fused_attention_o(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Ten
                       kv_pipeline: cutlass.Constexpr[bool], mma_attention: cutlass.Constexpr[bool],
                       hidden: cutlass.Constexpr[int], blocks: cutlass.Constexpr[int],
                       block_rows: cutlass.Constexpr[int], kv_rows: cutlass.Constexpr[int],
-                      kv_smem: cutlass.Constexpr[bool], flagged: cutlass.Constexpr[bool]):
+                      kv_smem: cutlass.Constexpr[bool], flagged: cutlass.Constexpr[bool],
+                      poll_qkv: cutlass.Constexpr[bool]):
     """A fused step's attention and O projection (batch 1; module comment above :func:`fused_o_step`): this CTA's
     KV group over positions [first_key, pos] (this step's key and value appended, by every CTA of the group, the
     same bits), normalised into ``s_q``, then ``o_part[group, r] = sum_c W_O[r, c] * attention[c]`` over the
     group's columns for the rows of its block, from the block :func:`fused_o_load` put in shared memory. With
     ``kv_smem`` the group's cached rows are scored from shared memory too (no window: they start at 0). With
     ``flagged`` (``generate(plan, o_flags=True)``) each ``o_part`` word is a relaxed store that the next stage's
-    staging polls (:func:`rmsnorm_partials_to_smem`) instead of meeting the grid."""
+    staging polls (:func:`rmsnorm_partials_to_smem`) instead of meeting the grid. With ``poll_qkv``
+    (``qkv_flags``: no grid barrier after the QKV projection of a fused step) it first polls its group's words of
+    ``qkv`` (:func:`_poll_group_qkv`)."""
     warps = threads // WARP
     lane = tidx % WARP
     warp = tidx // WARP
@@ -1043,6 +1080,8 @@ def fused_attention_o(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Ten
     group = cta % n_kv_heads
     block = cta // n_kv_heads
     if block < blocks:
+        if cutlass.const_expr(poll_qkv):
+            _poll_group_qkv(qkv, group, tidx, n_heads, n_kv_heads, head_dim, threads)
         s_keys, s_values = _fused_kv_views(s_ring, block_rows * cols, kv_rows, head_dim)
         if cutlass.const_expr(kv_smem):
             cute.arch.cp_async_wait_group(1)  # the K/V rows (the W_O block, committed after them, may still land)

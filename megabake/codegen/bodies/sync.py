@@ -163,12 +163,13 @@ FLAG_UNSET = -1  # int32 bits 0xFFFFFFFF: a negative NaN no arithmetic writes (a
 
 
 @cute.jit
-def flags_reset(words: cute.Tensor, cta: Int32, tidx: Int32, rows: cutlass.Constexpr[int],
+def flags_reset(words: cute.Tensor, cta: Int32, tidx: Int32, active: Int32, rows: cutlass.Constexpr[int],
                 cols: cutlass.Constexpr[int], ctas: cutlass.Constexpr[int], threads: cutlass.Constexpr[int]):
-    """words[r, :cols] = FLAG_UNSET (as int32 bits) for r < rows, over all CTAs' threads (a layer's start unsets the
-    words its stages will write, a grid barrier after their last reader and one before their first writer)."""
+    """words[r, :cols] = FLAG_UNSET (as int32 bits) for r < rows, over all CTAs' threads; nothing where ``active``
+    is 0 (after the last layer). The prologue unsets the first layer's words and each layer's down stage the next
+    layer's: a grid barrier (or a flagged edge's acquire) after their last reader, one before their first writer."""
     bits = cute.recast_tensor(words, Int32)
-    for i in range(cta * threads + tidx, rows * cols, ctas * threads):
+    for i in range(cta * threads + tidx, rows * cols * active, ctas * threads):
         r = i // cols
         bits[r, i - r * cols] = Int32(FLAG_UNSET)
 

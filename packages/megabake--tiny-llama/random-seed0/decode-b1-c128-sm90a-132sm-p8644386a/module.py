@@ -51,6 +51,7 @@ FUSED_O_BLOCK_ROWS = 4
 FUSED_KV_SMEM = False
 FUSED_MMA = True
 O_FLAGS = False
+QKV_FLAGS = False
 # fp32 buffers of a fused_o build beyond the plan's (the runtime allocates them): name -> shape
 EXTRA_BUFFERS = {'o_mid': (1, 256), 'o_part': (2, 256)}
 EPS = 1e-05
@@ -142,7 +143,7 @@ def megakernel(
                 n_kv_heads=N_KV_HEADS, head_dim=HEAD_DIM, threads=THREADS, scale=ATTN_SCALE, has_qk_norm=False, eps=EPS,
                 unroll=ATT_UNROLL, rotary_dim=HEAD_DIM, whole_qk_norm=False, kv_pipeline=KV_PIPELINE,
                 mma_attention=FUSED_MMA, hidden=HIDDEN, blocks=FUSED_O_BLOCKS, block_rows=FUSED_O_BLOCK_ROWS,
-                kv_rows=MIN_CHUNK, kv_smem=FUSED_KV_SMEM, flagged=O_FLAGS)
+                kv_rows=MIN_CHUNK, kv_smem=FUSED_KV_SMEM, flagged=O_FLAGS, poll_qkv=QKV_FLAGS)
         else:
             bodies.split_kv_attention(
                 qkv=qkv, qk_norm=qkv, rope_cos=rope_cos, rope_sin=rope_sin,
@@ -627,6 +628,8 @@ def gemv_rows_streamed(weight: cute.Tensor, ring: cute.Tensor, bias: cute.Tensor
     ``+ringS+gated``, :func:`_gemv_write`); with ``flagged`` too (``generate(plan, act_flags=True)``) its words
     are relaxed stores that the down stage polls (:func:`act_flags_to_smem`), the warp's first one after a
     ``fence.acq_rel.gpu`` by lane 0 (release: its CTA's staging, reads of x and writes of o_mid, before it).
+    ``flagged`` without ``act`` (the QKV projection of a ``qkv_flags`` build) writes each output word with a
+    relaxed store, no fence (:func:`_gemv_write_relaxed`; not accumulating).
     """
     tiles = (rows + per_tile - 1) // per_tile
     chunk = WARP * unroll
@@ -654,11 +657,14 @@ def gemv_rows_streamed(weight: cute.Tensor, ring: cute.Tensor, bias: cute.Tensor
             elif kv < kvecs:  # the partial last chunk of a tile
                 _gemv_chunk_ring(ring, slot, s_vec, acc, u, kv, lane, batch, per_tile, unroll)
         if c == chunks - 1:
-            if cutlass.const_expr(flagged):
+            if cutlass.const_expr(flagged and act != 0):
                 if step < chunks and lane == 0:
                     cute.arch.fence_acq_rel_gpu()  # release before this warp's first flagged word
                 _gemv_write_flagged(acc, out, bias, gwarp + step // chunks * total_warps, lane, rows, batch,
                                     per_tile, has_bias, act)
+            elif cutlass.const_expr(flagged):
+                _gemv_write_relaxed(acc, out, bias, gwarp + step // chunks * total_warps, lane, rows, batch,
+                                    per_tile, has_bias)
             else:
                 _gemv_write(acc, out, bias, gwarp + step // chunks * total_warps, lane, rows, batch, per_tile,
                             accumulate, has_bias, act)
@@ -703,6 +709,22 @@ def _gemv_write_flagged(acc: cute.Tensor, out: cute.Tensor, bias: cute.Tensor, t
                     up = up + bias[row + 1]
                 cute.arch.store((out[b, None].iterator + row // 2).llvm_ptr, _gated_act(gate, up, act),
                                 sem="relaxed", scope="gpu")
+
+
+@cute.jit
+def _gemv_write_relaxed(acc: cute.Tensor, out: cute.Tensor, bias: cute.Tensor, tile: Int32, lane: Int32,
+                        rows: cutlass.Constexpr[int], batch: cutlass.Constexpr[int], per_tile: cutlass.Constexpr[int],
+                        has_bias: cutlass.Constexpr[bool]):
+    """:func:`_gemv_write` (not accumulating) with each output word written by a relaxed ``st.relaxed.gpu``: the
+    flag a ``qkv_flags`` build's fused attention polls (:func:`_poll_group_qkv`)."""
+    for r in cutlass.range_constexpr(per_tile):
+        row = tile * per_tile + r
+        for b in cutlass.range_constexpr(batch):
+            total = cute.arch.warp_reduction_sum(acc[r * batch + b])
+            if lane == 0 and row < rows:
+                if cutlass.const_expr(has_bias):
+                    total = total + bias[row]
+                cute.arch.store((out[b, None].iterator + row).llvm_ptr, total, sem="relaxed", scope="gpu")
 
 
 @cute.jit
@@ -1703,6 +1725,39 @@ def _fused_kv_views(s_ring: cute.Tensor, offset: int, kv_rows: int, head_dim: in
     return s_keys, s_values
 
 
+@cute.jit
+def _poll_group_qkv(qkv: cute.Tensor, group: Int32, tidx: Int32, n_heads: cutlass.Constexpr[int],
+                    n_kv_heads: cutlass.Constexpr[int], head_dim: cutlass.Constexpr[int],
+                    threads: cutlass.Constexpr[int]):
+    """Wait until KV group ``group``'s words of this step's projection are written (``qkv_flags``: no grid barrier
+    after a fused step's QKV GEMV): its query heads' rows, its key row and its value row of ``qkv`` (batch 1), polled
+    with relaxed gpu-scope loads until none reads FLAG_UNSET; then ``fence.acq_rel.gpu`` (no stale L1 line of them
+    for the plain loads that follow) and ``bar.sync``."""
+    heads = n_heads // n_kv_heads
+    q_words = heads * head_dim
+    total = (heads + 2) * head_dim
+    slots = (total + threads - 1) // threads
+    bits = cute.recast_tensor(qkv, Int32)
+    missing = Int32(1)
+    while missing > 0:
+        missing = Int32(0)
+        values = []
+        for j in cutlass.range_constexpr(slots):
+            i = cutlass.min(tidx + j * threads, total - 1)
+            column = group * q_words + i  # a query row of the group's heads
+            if i >= q_words + head_dim:  # its value row
+                column = n_heads * head_dim + n_kv_heads * head_dim + group * head_dim + i - q_words - head_dim
+            elif i >= q_words:  # its key row
+                column = n_heads * head_dim + group * head_dim + i - q_words
+            values.append(cute.arch.load((bits[0, None].iterator + column).llvm_ptr, Int32, sem="relaxed",
+                                         scope="gpu"))
+        for j in cutlass.range_constexpr(slots):
+            if values[j] == FLAG_UNSET:
+                missing = missing + 1
+    cute.arch.fence_acq_rel_gpu()
+    cute.arch.sync_threads()
+
+
 FUSED_O_ROWS = 4  # W_O rows a warp reduces at once in fused_attention_o (independent sums in flight)
 
 
@@ -1718,14 +1773,17 @@ def fused_attention_o(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Ten
                       kv_pipeline: cutlass.Constexpr[bool], mma_attention: cutlass.Constexpr[bool],
                       hidden: cutlass.Constexpr[int], blocks: cutlass.Constexpr[int],
                       block_rows: cutlass.Constexpr[int], kv_rows: cutlass.Constexpr[int],
-                      kv_smem: cutlass.Constexpr[bool], flagged: cutlass.Constexpr[bool]):
+                      kv_smem: cutlass.Constexpr[bool], flagged: cutlass.Constexpr[bool],
+                      poll_qkv: cutlass.Constexpr[bool]):
     """A fused step's attention and O projection (batch 1; module comment above :func:`fused_o_step`): this CTA's
     KV group over positions [first_key, pos] (this step's key and value appended, by every CTA of the group, the
     same bits), normalised into ``s_q``, then ``o_part[group, r] = sum_c W_O[r, c] * attention[c]`` over the
     group's columns for the rows of its block, from the block :func:`fused_o_load` put in shared memory. With
     ``kv_smem`` the group's cached rows are scored from shared memory too (no window: they start at 0). With
     ``flagged`` (``generate(plan, o_flags=True)``) each ``o_part`` word is a relaxed store that the next stage's
-    staging polls (:func:`rmsnorm_partials_to_smem`) instead of meeting the grid."""
+    staging polls (:func:`rmsnorm_partials_to_smem`) instead of meeting the grid. With ``poll_qkv``
+    (``qkv_flags``: no grid barrier after the QKV projection of a fused step) it first polls its group's words of
+    ``qkv`` (:func:`_poll_group_qkv`)."""
     warps = threads // WARP
     lane = tidx % WARP
     warp = tidx // WARP
@@ -1735,6 +1793,8 @@ def fused_attention_o(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Ten
     group = cta % n_kv_heads
     block = cta // n_kv_heads
     if block < blocks:
+        if cutlass.const_expr(poll_qkv):
+            _poll_group_qkv(qkv, group, tidx, n_heads, n_kv_heads, head_dim, threads)
         s_keys, s_values = _fused_kv_views(s_ring, block_rows * cols, kv_rows, head_dim)
         if cutlass.const_expr(kv_smem):
             cute.arch.cp_async_wait_group(1)  # the K/V rows (the W_O block, committed after them, may still land)
