@@ -216,6 +216,8 @@ BUILDS = {"default": {}, "atom": {"barrier": "atom"}, "red": {"barrier": "red"},
           "act-flags": {"act_flags": True}, "o-flags": {"o_flags": True}, "qkv-flags": {"qkv_flags": True},
           "flags": {"act_flags": True, "o_flags": True},
           "all-flags": {"act_flags": True, "o_flags": True, "qkv_flags": True},
+          # ... their polls 256 SM clocks apart (fewer L2 requests while the last writers stream their weights)
+          "all-flags-backoff": {"act_flags": True, "o_flags": True, "qkv_flags": True, "flag_backoff": 256},
           # the L2 prefetch of the next GEMV's first tiles before each barrier at one budget for every stage (the
           # default since session 26: none before a ring-prefilled GEMV, 16 MB elsewhere; pf16mb: the old default)
           "pf0": {"prefetch_bytes": 0}, "pf8mb": {"prefetch_bytes": 8 << 20}, "pf16mb": {"prefetch_bytes": 16 << 20},

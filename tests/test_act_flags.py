@@ -119,7 +119,8 @@ def test_act_flags_refuse_tensor_core_gate_up_and_grids_a_gate_up_cannot_cover()
         generate(wide, act_flags=True)
 
 
-@pytest.mark.parametrize("preset,capacity,build", [("smollm-135m", 2048, {"o_flags": True, "qkv_flags": True}),
+@pytest.mark.parametrize("preset,capacity,build", [("smollm-135m", 2048, {"o_flags": True, "qkv_flags": True,
+                                                                           "flag_backoff": 256}),
                                                    ("qwen3-0.6b", 4096, {"fused_o": False}),
                                                    ("qwen2.5-0.5b", 4096, {"o_flags": True, "qkv_flags": True})])
 def test_act_flags_build_compiles_for_sm90a(preset, capacity, build, tmp_path):
@@ -133,6 +134,7 @@ def test_act_flags_build_compiles_for_sm90a(preset, capacity, build, tmp_path):
     ptx = "\n".join(p.read_text() for p in tmp_path.rglob("*.ptx"))
     assert "ld.relaxed.gpu.global.b32" in ptx and "st.relaxed.gpu.global" in ptx
     assert ptx.count("fence.acq_rel.gpu") >= 2
+    assert ("%clock" in ptx) == bool(build.get("flag_backoff"))  # the backoff spins on the SM clock
 
 
 def test_o_flags_drop_a_fused_steps_barrier_after_attention(smollm):
@@ -149,7 +151,8 @@ def test_o_flags_drop_a_fused_steps_barrier_after_attention(smollm):
     down = loop[loop.index("stage 5: down_residual"):]
     assert down.index("bodies.copy_to_smem(") < down.index("bodies.flags_reset(words=o_part") < down.index(
         "bodies.gemv_rows_streamed(")
-    assert "flagged=O_FLAGS, poll_qkv=QKV_FLAGS)" in flat and "eps=EPS, flagged=O_FLAGS)" in flat
+    assert "flagged=O_FLAGS, poll_qkv=QKV_FLAGS, backoff=FLAG_BACKOFF)" in flat
+    assert "eps=EPS, flagged=O_FLAGS, backoff=FLAG_BACKOFF)" in flat
     lines = [line.strip() for line in kernel.splitlines()]
     fused = lines.index(next(line for line in lines if line.startswith("bodies.fused_attention_o(")))
     gate_up = lines.index("# ---- stage 4: norm_gate_up (layer) ----")
@@ -172,7 +175,7 @@ def test_qkv_flags_drop_a_fused_steps_barrier_after_the_qkv_projection(smollm):
     kernel = source.split("# ====")[0]
     assert "\nQKV_FLAGS = True\n" in kernel and "\nQKV_FLAGS = False\n" in generate(plan).source
     flat = _flat(kernel)
-    assert "flagged=O_FLAGS, poll_qkv=QKV_FLAGS)" in flat
+    assert "flagged=O_FLAGS, poll_qkv=QKV_FLAGS, backoff=FLAG_BACKOFF)" in flat
     assert "bodies.flags_reset(words=qkv, cta=cta, tidx=tidx, active=1, rows=BATCH, cols=QKV_ROWS," in flat
     loop = kernel.split("for layer in range(LAYERS):")[1]
     lines = [line.strip() for line in loop.splitlines()]
@@ -194,3 +197,18 @@ def test_qkv_flags_drop_a_fused_steps_barrier_after_the_qkv_projection(smollm):
 def test_fused_step_flags_need_the_fused_build(smollm, flag):
     with pytest.raises(ValueError, match="needs fused_o"):
         generate(smollm.plan, fused_o=False, **{flag: True})
+
+
+def test_flag_backoff_is_a_count_of_clocks_for_flagged_builds(smollm):
+    """``flag_backoff`` (SM clocks between poll rounds) reaches the module as FLAG_BACKOFF, which every poll takes;
+    it is refused without a flag and where it is not an int >= 0."""
+    source = generate(smollm.plan, act_flags=True, o_flags=True, qkv_flags=True, flag_backoff=300).source
+    kernel = _flat(source.split("# ====")[0])
+    assert "\nFLAG_BACKOFF = 300\n" in source
+    assert kernel.count("backoff=FLAG_BACKOFF") == 3  # the activation, o_part and qkv polls
+    assert "\nFLAG_BACKOFF = 0\n" in generate(smollm.plan).source  # fused builds pass it (unused) to their bodies
+    with pytest.raises(ValueError, match="needs act_flags, o_flags or qkv_flags"):
+        generate(smollm.plan, flag_backoff=100)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="flag_backoff="):
+            generate(smollm.plan, act_flags=True, flag_backoff=bad)

@@ -1,10 +1,10 @@
 """The flagged-word builds on the H200 (session 37 candidates, ``megabake.codegen.act_flags``): each layer's gate/up
 GEMV and down projection (``act_flags``), a fused step's attention and gate/up staging (``o_flags``) and its QKV
-projection and attention (``qkv_flags``) meet through flagged words instead of a grid barrier. The words carry the same values
-to the same shared memory, so every step must give the default build's logits bit for bit, at fused and split steps,
-over consecutive positions (each launch's first layer resets the words the previous launch left written), in CUDA
-graph replays and in the greedy graph of several launches; a second run must give the same bits (a moving result is
-a race). A missing word would hang the step: these run under the device call's timeout."""
+projection and attention (``qkv_flags``) meet through flagged words instead of a grid barrier. The words carry the
+same values to the same shared memory, so every step must give the default build's logits bit for bit, at fused and
+split steps, over consecutive positions (each launch's prologue unsets the words the previous launch left written),
+in CUDA graph replays and in the greedy graph of several launches; a second run must give the same bits (a moving
+result is a race). A missing word would hang the step: these run under the device call's timeout."""
 
 from __future__ import annotations
 

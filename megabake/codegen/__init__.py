@@ -250,6 +250,7 @@ class BuildOptions:
     act_flags: bool = False  # the gate/up -> down grid barrier replaced by flagged activation words (codegen.act_flags)
     o_flags: bool = False  # a fused step's attention -> gate/up grid barrier replaced by flagged o_part words (same)
     qkv_flags: bool = False  # a fused step's QKV -> attention grid barrier replaced by flagged qkv words (same)
+    flag_backoff: int = 0  # SM clocks a flagged build's polls wait between rounds (bodies.flags_backoff)
 
 
 # A KV group's outputs (query heads per KV head x head_dim) from which the spread merge is the default: on the H200
@@ -364,7 +365,7 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
              prefetch_bytes: int | None = None, mma_attention: bool | None = None,
              mma_schedule: bool = False, fused_o: bool | None = None, fused_kv_smem: bool = False,
              fused_mma: bool | None = None, act_flags: bool = False, o_flags: bool = False,
-             qkv_flags: bool = False) -> GeneratedModule:
+             qkv_flags: bool = False, flag_backoff: int = 0) -> GeneratedModule:
     """module.py of ``plan``. ``merge_preload`` / ``spread_merge``: None picks them per plan
     (:func:`default_merge`); True asks for one (refused where the attention scratch cannot hold it), False
     leaves it out (both False: the plain last-arrival merge of sessions 10-16). ``head_slices=False`` deals
@@ -403,7 +404,8 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     staging polls them, so fused steps meet no grid barrier after attention (the same bits;
     :func:`megabake.codegen.act_flags.o_flags_refusal`). ``qkv_flags`` (likewise, with ``fused_o``): a fused step's
     QKV projection writes its words flagged and each CTA's fused attention polls its group's, so fused steps meet
-    no grid barrier after the QKV projection either (:func:`megabake.codegen.act_flags.qkv_flags_refusal`)."""
+    no grid barrier after the QKV projection either (:func:`megabake.codegen.act_flags.qkv_flags_refusal`).
+    ``flag_backoff``: SM clocks the flagged builds' polls wait between rounds (0: poll again at once)."""
     if watchdog and timeline:
         raise ValueError("a watchdog build has no timeline: build them separately")
     if barrier is not None and barrier not in BARRIER_ARRIVALS:
@@ -487,17 +489,21 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
         if why:
             raise ValueError(f"o_flags replaces a fused step's grid barrier after attention with flagged o_part words, "
                              f"but {why}: build without it")
+    if isinstance(flag_backoff, bool) or not isinstance(flag_backoff, int) or flag_backoff < 0:
+        raise ValueError(f"flag_backoff={flag_backoff!r}: give the SM clocks between poll rounds, an int >= 0")
+    if flag_backoff and not (act_flags or o_flags or qkv_flags):
+        raise ValueError("flag_backoff paces the polls of flagged words: it needs act_flags, o_flags or qkv_flags")
     if qkv_flags:
         why = qkv_flags_refusal(plan, fused_o=fused_o)
         if why:
-            raise ValueError(f"qkv_flags replaces a fused step's grid barrier after the QKV projection with flagged qkv "
-                             f"words, but {why}: build without it")
+            raise ValueError(f"qkv_flags replaces a fused step's grid barrier after the QKV projection with flagged "
+                             f"qkv words, but {why}: build without it")
     arguments = kernel_arguments(plan) + (list(FUSED_O_BUFFERS) if fused_o else [])
     plan_hash = plan_hash or plan.hash
     w = _Writer(keyword_calls=True)
     _header(w, plan, plan_hash, arguments, self_contained, head_slices, long_slices, pass_chunks,
             kv_pipeline, folded, mma_attention, mma_slices, fused_o, fused_kv_smem, fused_mma, act_flags, o_flags,
-            qkv_flags)
+            qkv_flags, flag_backoff)
     prologue = [s for s in plan.stages if s.scope == "prologue"]
     per_layer = [s for s in plan.stages if s.scope == "layer"]
     epilogue = [s for s in plan.stages if s.scope == "epilogue"]
@@ -566,7 +572,7 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
                            fold_splits=folded, prefetch_bytes=prefetch_bytes, clock_every_cta=every_cta,
                            arrival=SPLIT_ARRIVAL if barrier == "split" else None, mma_attention=mma_attention,
                            mma_schedule=mma_schedule, fused_o=fused_o, fused_kv_smem=fused_kv_smem,
-                           act_flags=act_flags, o_flags=o_flags, qkv_flags=qkv_flags)
+                           act_flags=act_flags, o_flags=o_flags, qkv_flags=qkv_flags, flag_backoff=flag_backoff)
     if phases:
         _phase_timed_stages(w, plan, prologue, per_layer, epilogue, options)
     else:
@@ -618,7 +624,7 @@ def _header(w: _Writer, plan: Plan, plan_hash: str, arguments: list[str], self_c
             head_slices: bool = True, long_slices: bool = True, pass_chunks: bool = False,
             kv_pipeline: bool = False, folded: int = 0, mma_attention: bool = False, mma_slices: int = 0,
             fused_o: bool = False, fused_kv_smem: bool = False, fused_mma: bool = False,
-            act_flags: bool = False, o_flags: bool = False, qkv_flags: bool = False) -> None:
+            act_flags: bool = False, o_flags: bool = False, qkv_flags: bool = False, flag_backoff: int = 0) -> None:
     d = plan.dims
     w(f'"""Generated by MegaBake from plan {plan_hash[:16]}. Do not edit: re-bake instead.')
     w("")
@@ -685,6 +691,8 @@ def _header(w: _Writer, plan: Plan, plan_hash: str, arguments: list[str], self_c
         consts["ACT_FLAGS"] = True
     if fused_o:
         consts.update({"O_FLAGS": o_flags, "QKV_FLAGS": qkv_flags})
+    if fused_o or act_flags:
+        consts["FLAG_BACKOFF"] = flag_backoff  # SM clocks between poll rounds of flagged words
     for name, value in consts.items():
         w(f"{name} = {value}")
     if fused_o:
@@ -828,7 +836,8 @@ def _flags_calls(plan: Plan, stage: Stage, calls: list[tuple[str, str]],
         staging = calls[0]
         if options.act_flags:
             assert staging[0] == "copy_to_smem", calls  # act_flags_refusal: the down stage copies the gated words
-            staging = ("act_flags_to_smem", "bodies.act_flags_to_smem(act_now, s_vec, tidx, BATCH, INTER, THREADS)")
+            staging = ("act_flags_to_smem",
+                       "bodies.act_flags_to_smem(act_now, s_vec, tidx, BATCH, INTER, THREADS, FLAG_BACKOFF)")
         return [staging] + _flags_resets(plan, options, "next") + calls[1:]
     return calls
 
@@ -899,7 +908,7 @@ def _fused_o_calls(plan: Plan, stage: Stage, calls: list[tuple[str, str]]) -> li
         slot = norm_slot(spec_of(stage, plan).vector.norm_role, plan)
         staging = ("rmsnorm_partials_to_smem",
                    f"bodies.rmsnorm_partials_to_smem(x, o_mid, o_part, norms[layer, {slot}, None], s_vec, s_red, cta, "
-                   "tidx, fo, N_KV_HEADS, HIDDEN, CTAS, THREADS, EPS, O_FLAGS)")
+                   "tidx, fo, N_KV_HEADS, HIDDEN, CTAS, THREADS, EPS, O_FLAGS, FLAG_BACKOFF)")
         return [staging] + calls[1:]
     if stage.name == "down_residual":
         spec = spec_of(stage, plan)
@@ -927,7 +936,7 @@ def _fused_attention_stages(w: _Writer, plan: Plan, attention: Stage, indent: in
                   f"tidx, N_HEADS, N_KV_HEADS, HEAD_DIM, THREADS, ATTN_SCALE, {plan.has_head_norms}, EPS, ATT_UNROLL, "
                   f"{'ROTARY_DIM' if plan.dims.rotary_dim else 'HEAD_DIM'}, {plan.dims.whole_qk_norm}, KV_PIPELINE, "
                   "FUSED_MMA, HIDDEN, FUSED_O_BLOCKS, FUSED_O_BLOCK_ROWS, MIN_CHUNK, FUSED_KV_SMEM, O_FLAGS, "
-                  "QKV_FLAGS)")
+                  "QKV_FLAGS, FLAG_BACKOFF)")
     body, call = _body_calls(plan, attention, options.merge_preload, options.spread_merge, options.fold_splits,
                              options.mma_attention, options.mma_schedule)[0]
     w("if fo == 1:", indent)

@@ -12,7 +12,7 @@ from cutlass import Float32, Int32, Int64
 
 from .common import VEC, WARP
 from .staging import F32_VEC, _f32_vec, _stage_store, copy_to_smem
-from .sync import FLAG_UNSET
+from .sync import FLAG_UNSET, flags_backoff
 
 
 # ------------------------------------------------------------------------------ split-KV (flash) decoding
@@ -1015,11 +1015,11 @@ def _fused_kv_views(s_ring: cute.Tensor, offset: int, kv_rows: int, head_dim: in
 @cute.jit
 def _poll_group_qkv(qkv: cute.Tensor, group: Int32, tidx: Int32, n_heads: cutlass.Constexpr[int],
                     n_kv_heads: cutlass.Constexpr[int], head_dim: cutlass.Constexpr[int],
-                    threads: cutlass.Constexpr[int]):
+                    threads: cutlass.Constexpr[int], backoff: cutlass.Constexpr[int]):
     """Wait until KV group ``group``'s words of this step's projection are written (``qkv_flags``: no grid barrier
     after a fused step's QKV GEMV): its query heads' rows, its key row and its value row of ``qkv`` (batch 1), polled
     with relaxed gpu-scope loads until none reads FLAG_UNSET; then ``fence.acq_rel.gpu`` (no stale L1 line of them
-    for the plain loads that follow) and ``bar.sync``."""
+    for the plain loads that follow) and ``bar.sync``; ``backoff`` SM clocks between poll rounds."""
     heads = n_heads // n_kv_heads
     q_words = heads * head_dim
     total = (heads + 2) * head_dim
@@ -1041,6 +1041,8 @@ def _poll_group_qkv(qkv: cute.Tensor, group: Int32, tidx: Int32, n_heads: cutlas
         for j in cutlass.range_constexpr(slots):
             if values[j] == FLAG_UNSET:
                 missing = missing + 1
+        if missing > 0:
+            flags_backoff(backoff)
     cute.arch.fence_acq_rel_gpu()
     cute.arch.sync_threads()
 
@@ -1061,7 +1063,7 @@ def fused_attention_o(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Ten
                       hidden: cutlass.Constexpr[int], blocks: cutlass.Constexpr[int],
                       block_rows: cutlass.Constexpr[int], kv_rows: cutlass.Constexpr[int],
                       kv_smem: cutlass.Constexpr[bool], flagged: cutlass.Constexpr[bool],
-                      poll_qkv: cutlass.Constexpr[bool]):
+                      poll_qkv: cutlass.Constexpr[bool], backoff: cutlass.Constexpr[int]):
     """A fused step's attention and O projection (batch 1; module comment above :func:`fused_o_step`): this CTA's
     KV group over positions [first_key, pos] (this step's key and value appended, by every CTA of the group, the
     same bits), normalised into ``s_q``, then ``o_part[group, r] = sum_c W_O[r, c] * attention[c]`` over the
@@ -1081,7 +1083,7 @@ def fused_attention_o(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Ten
     block = cta // n_kv_heads
     if block < blocks:
         if cutlass.const_expr(poll_qkv):
-            _poll_group_qkv(qkv, group, tidx, n_heads, n_kv_heads, head_dim, threads)
+            _poll_group_qkv(qkv, group, tidx, n_heads, n_kv_heads, head_dim, threads, backoff)
         s_keys, s_values = _fused_kv_views(s_ring, block_rows * cols, kv_rows, head_dim)
         if cutlass.const_expr(kv_smem):
             cute.arch.cp_async_wait_group(1)  # the K/V rows (the W_O block, committed after them, may still land)

@@ -175,13 +175,26 @@ def flags_reset(words: cute.Tensor, cta: Int32, tidx: Int32, active: Int32, rows
 
 
 @cute.jit
+def flags_backoff(cycles: cutlass.Constexpr[int]):
+    """Spin ``cycles`` SM clocks without touching memory (after a poll round that found an unset word), so every
+    CTA's polls do not crowd L2 while the last writers still stream their weights (``generate(plan,
+    flag_backoff=N)``, a candidate knob); nothing where 0 (the default)."""
+    if cutlass.const_expr(cycles > 0):
+        start = cute.arch.clock()
+        now = start
+        while now - start < cycles:
+            now = cute.arch.clock()
+
+
+@cute.jit
 def act_flags_to_smem(act: cute.Tensor, s_vec: cute.Tensor, tidx: Int32, batch: cutlass.Constexpr[int],
-                      inter: cutlass.Constexpr[int], threads: cutlass.Constexpr[int]):
+                      inter: cutlass.Constexpr[int], threads: cutlass.Constexpr[int],
+                      backoff: cutlass.Constexpr[int]):
     """s_vec[b, :inter] = act[b, :inter] once every word is written (``act_flags``): each thread polls its words
     (relaxed loads, all issued before any is tested) until none reads FLAG_UNSET, copying their bits into s_vec,
     then a ``fence.acq_rel.gpu`` (acquire: each writer's accesses before its release fence happen before this CTA's
     later ones, and L1 holds no stale line of them) and ``bar.sync``. The copy of :func:`copy_to_smem`, bit for
-    bit."""
+    bit. ``backoff``: SM clocks between poll rounds (:func:`flags_backoff`)."""
     bits = cute.recast_tensor(act, Int32)
     s_bits = cute.recast_tensor(s_vec, Int32)
     total = batch * inter
@@ -202,5 +215,7 @@ def act_flags_to_smem(act: cute.Tensor, s_vec: cute.Tensor, tidx: Int32, batch: 
                 missing = missing + 1
             else:
                 s_bits[b, i - b * inter] = values[j]
+        if missing > 0:
+            flags_backoff(backoff)
     cute.arch.fence_acq_rel_gpu()
     cute.arch.sync_threads()

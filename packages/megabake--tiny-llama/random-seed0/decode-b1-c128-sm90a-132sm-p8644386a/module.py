@@ -52,6 +52,7 @@ FUSED_KV_SMEM = False
 FUSED_MMA = True
 O_FLAGS = False
 QKV_FLAGS = False
+FLAG_BACKOFF = 0
 # fp32 buffers of a fused_o build beyond the plan's (the runtime allocates them): name -> shape
 EXTRA_BUFFERS = {'o_mid': (1, 256), 'o_part': (2, 256)}
 EPS = 1e-05
@@ -143,7 +144,7 @@ def megakernel(
                 n_kv_heads=N_KV_HEADS, head_dim=HEAD_DIM, threads=THREADS, scale=ATTN_SCALE, has_qk_norm=False, eps=EPS,
                 unroll=ATT_UNROLL, rotary_dim=HEAD_DIM, whole_qk_norm=False, kv_pipeline=KV_PIPELINE,
                 mma_attention=FUSED_MMA, hidden=HIDDEN, blocks=FUSED_O_BLOCKS, block_rows=FUSED_O_BLOCK_ROWS,
-                kv_rows=MIN_CHUNK, kv_smem=FUSED_KV_SMEM, flagged=O_FLAGS, poll_qkv=QKV_FLAGS)
+                kv_rows=MIN_CHUNK, kv_smem=FUSED_KV_SMEM, flagged=O_FLAGS, poll_qkv=QKV_FLAGS, backoff=FLAG_BACKOFF)
         else:
             bodies.split_kv_attention(
                 qkv=qkv, qk_norm=qkv, rope_cos=rope_cos, rope_sin=rope_sin,
@@ -178,7 +179,8 @@ def megakernel(
         # ---- stage 4: norm_gate_up (layer) ----
         bodies.rmsnorm_partials_to_smem(
             x=x, o_mid=o_mid, o_part=o_part, weight=norms[layer, 1, None], s_vec=s_vec, s_red=s_red, cta=cta, tidx=tidx,
-            fused=fo, parts=N_KV_HEADS, hidden=HIDDEN, ctas=CTAS, threads=THREADS, eps=EPS, flagged=O_FLAGS)
+            fused=fo, parts=N_KV_HEADS, hidden=HIDDEN, ctas=CTAS, threads=THREADS, eps=EPS, flagged=O_FLAGS,
+            backoff=FLAG_BACKOFF)
         bodies.gemv_rows_streamed(
             weight=w_gate_up[layer, None, None], ring=s_ring[tidx // 32, None, None, None, None], bias=gate_up,
             s_vec=s_vec, out=gate_up, gwarp=swarp, lane=lane, total_warps=TOTAL_WARPS, rows=2 * INTER, cols=HIDDEN,
@@ -315,6 +317,18 @@ def prefetch_rows(weight: cute.Tensor, gwarp: Int32, lane: Int32, total_warps: c
 FLAG_UNSET = -1  # int32 bits 0xFFFFFFFF: a negative NaN no arithmetic writes (an sm_90 NaN result is 0x7FFFFFFF)
 
 
+@cute.jit
+def flags_backoff(cycles: cutlass.Constexpr[int]):
+    """Spin ``cycles`` SM clocks without touching memory (after a poll round that found an unset word), so every
+    CTA's polls do not crowd L2 while the last writers still stream their weights (``generate(plan,
+    flag_backoff=N)``, a candidate knob); nothing where 0 (the default)."""
+    if cutlass.const_expr(cycles > 0):
+        start = cute.arch.clock()
+        now = start
+        while now - start < cycles:
+            now = cute.arch.clock()
+
+
 # --------------------------------------------------------------------------------------- embedding
 @cute.jit
 def embed_gather(embed: cute.Tensor, tokens: cute.Tensor, x: cute.Tensor, cta: Int32, tidx: Int32,
@@ -420,7 +434,8 @@ INV_SQRT2 = 0.7071067811865476
 
 @cute.jit
 def _poll_parts(o_part: cute.Tensor, tidx: Int32, parts: cutlass.Constexpr[int], nvec: cutlass.Constexpr[int],
-                slots: cutlass.Constexpr[int], threads: cutlass.Constexpr[int]) -> cute.Tensor:
+                slots: cutlass.Constexpr[int], threads: cutlass.Constexpr[int],
+                backoff: cutlass.Constexpr[int]) -> cute.Tensor:
     """This thread's 4-float vectors of every ``o_part`` row (vector ``min(tidx + j * threads, nvec - 1)`` of part
     p at ``p * slots + j``), polled with relaxed gpu-scope loads until none reads the unset bits: an ``o_flags``
     build's fused attention writes them without a grid barrier after it."""
@@ -438,6 +453,8 @@ def _poll_parts(o_part: cute.Tensor, tidx: Int32, parts: cutlass.Constexpr[int],
         for k in cutlass.range_constexpr(parts * slots * F32_VEC):
             if words[k] == FLAG_UNSET:
                 missing = missing + 1
+        if missing > 0:
+            flags_backoff(backoff)
     return cute.recast_tensor(words, Float32)
 
 
@@ -446,13 +463,14 @@ def rmsnorm_partials_to_smem(x: cute.Tensor, o_mid: cute.Tensor, o_part: cute.Te
                              s_vec: cute.Tensor, s_red: cute.Tensor, cta: Int32, tidx: Int32, fused: Int32,
                              parts: cutlass.Constexpr[int], hidden: cutlass.Constexpr[int],
                              ctas: cutlass.Constexpr[int], threads: cutlass.Constexpr[int],
-                             eps: cutlass.Constexpr[float], flagged: cutlass.Constexpr[bool]):
+                             eps: cutlass.Constexpr[float], flagged: cutlass.Constexpr[bool],
+                             backoff: cutlass.Constexpr[int]):
     """The staging after a ``fused_o`` build's attention (batch 1): the residual r = x + o_part[0] + ... +
     o_part[parts - 1] (in that order) where ``fused`` is 1, else x; every CTA stages rmsnorm(r) * weight as
     :func:`rmsnorm_to_smem` does, and the CTA that owns each 4-float vector (vector index mod ``ctas``) stores r
     in ``o_mid``, which the down projection then adds its output to (x itself is still read by other CTAs). With
     ``flagged`` (``o_flags``: no grid barrier after a fused step's attention) the ``o_part`` words are polled until
-    every one is written (:func:`_poll_parts`); the sums are the same."""
+    every one is written (:func:`_poll_parts`, ``backoff`` SM clocks between rounds); the sums are the same."""
     warps = threads // WARP
     lane = tidx % WARP
     warp = tidx // WARP
@@ -463,7 +481,7 @@ def rmsnorm_partials_to_smem(x: cute.Tensor, o_mid: cute.Tensor, o_part: cute.Te
         _f32_vec(values, j).store(_f32_vec(x[0, None], cutlass.min(tidx + j * threads, nvec - 1)).load())
     if fused == 1:
         if cutlass.const_expr(flagged):
-            parts_read = _poll_parts(o_part, tidx, parts, nvec, slots, threads)
+            parts_read = _poll_parts(o_part, tidx, parts, nvec, slots, threads, backoff)
             for p in cutlass.range_constexpr(parts):
                 for j in cutlass.range_constexpr(slots):
                     _f32_vec(values, j).store(_f32_vec(values, j).load() + _f32_vec(parts_read, p * slots + j).load())
@@ -1728,11 +1746,11 @@ def _fused_kv_views(s_ring: cute.Tensor, offset: int, kv_rows: int, head_dim: in
 @cute.jit
 def _poll_group_qkv(qkv: cute.Tensor, group: Int32, tidx: Int32, n_heads: cutlass.Constexpr[int],
                     n_kv_heads: cutlass.Constexpr[int], head_dim: cutlass.Constexpr[int],
-                    threads: cutlass.Constexpr[int]):
+                    threads: cutlass.Constexpr[int], backoff: cutlass.Constexpr[int]):
     """Wait until KV group ``group``'s words of this step's projection are written (``qkv_flags``: no grid barrier
     after a fused step's QKV GEMV): its query heads' rows, its key row and its value row of ``qkv`` (batch 1), polled
     with relaxed gpu-scope loads until none reads FLAG_UNSET; then ``fence.acq_rel.gpu`` (no stale L1 line of them
-    for the plain loads that follow) and ``bar.sync``."""
+    for the plain loads that follow) and ``bar.sync``; ``backoff`` SM clocks between poll rounds."""
     heads = n_heads // n_kv_heads
     q_words = heads * head_dim
     total = (heads + 2) * head_dim
@@ -1754,6 +1772,8 @@ def _poll_group_qkv(qkv: cute.Tensor, group: Int32, tidx: Int32, n_heads: cutlas
         for j in cutlass.range_constexpr(slots):
             if values[j] == FLAG_UNSET:
                 missing = missing + 1
+        if missing > 0:
+            flags_backoff(backoff)
     cute.arch.fence_acq_rel_gpu()
     cute.arch.sync_threads()
 
@@ -1774,7 +1794,7 @@ def fused_attention_o(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Ten
                       hidden: cutlass.Constexpr[int], blocks: cutlass.Constexpr[int],
                       block_rows: cutlass.Constexpr[int], kv_rows: cutlass.Constexpr[int],
                       kv_smem: cutlass.Constexpr[bool], flagged: cutlass.Constexpr[bool],
-                      poll_qkv: cutlass.Constexpr[bool]):
+                      poll_qkv: cutlass.Constexpr[bool], backoff: cutlass.Constexpr[int]):
     """A fused step's attention and O projection (batch 1; module comment above :func:`fused_o_step`): this CTA's
     KV group over positions [first_key, pos] (this step's key and value appended, by every CTA of the group, the
     same bits), normalised into ``s_q``, then ``o_part[group, r] = sum_c W_O[r, c] * attention[c]`` over the
@@ -1794,7 +1814,7 @@ def fused_attention_o(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Ten
     block = cta // n_kv_heads
     if block < blocks:
         if cutlass.const_expr(poll_qkv):
-            _poll_group_qkv(qkv, group, tidx, n_heads, n_kv_heads, head_dim, threads)
+            _poll_group_qkv(qkv, group, tidx, n_heads, n_kv_heads, head_dim, threads, backoff)
         s_keys, s_values = _fused_kv_views(s_ring, block_rows * cols, kv_rows, head_dim)
         if cutlass.const_expr(kv_smem):
             cute.arch.cp_async_wait_group(1)  # the K/V rows (the W_O block, committed after them, may still land)
