@@ -125,7 +125,8 @@ if [[ " $PARTS " == *" tests-parallel "* ]]; then
   names=()
   for ((i = 0; i < shards; i++)); do
     names+=("shard$i")
-    OMP_NUM_THREADS=$threads run_tests "shard$i" "" --shard "$i/$shards" "${TESTS3[@]:2}" tests/test_fused_o_gpu.py &
+    OMP_NUM_THREADS=$threads run_tests "shard$i" "" --shard "$i/$shards" "${TESTS3[@]:2}" tests/test_fused_o_gpu.py \
+      tests/test_act_flags_gpu.py &
   done
   wait
   collect_tests "${names[@]}"
@@ -380,10 +381,16 @@ fi
 if [[ " $PARTS " == *" act-flags "* ]]; then
   # session 37 (built without a GPU): grid barriers replaced by flagged words (codegen.act_flags; the same bits):
   # each layer's gate/up -> down (act_flags), a fused step's attention -> gate/up (o_flags) and QKV -> attention
-  # (qkv_flags). Their GPU tests (a missing word hangs a step: the timeout ends it); the timings in
-  # PARTS=act-flags-times, a call of its own
-  timeout 450 python3 -m pytest -m gpu -q -x tests/test_act_flags_gpu.py >"$OUT/pytest-gpu-act-flags.log" 2>&1
-  summary+=("act-flags GPU tests: rc=$? $(tail -1 "$OUT/pytest-gpu-act-flags.log")")
+  # (qkv_flags). Their GPU tests as 4 shards at once (a missing word hangs a step: TEST_LIMIT, default 450 s here,
+  # ends it; faulthandler dumps the stacks after 150 s); the timings in PARTS=act-flags-times, a call of its own
+  names=()
+  for ((i = 0; i < 4; i++)); do
+    names+=("act-flags$i")
+    OMP_NUM_THREADS=$(( $(nproc) / 4 )) TEST_LIMIT=${TEST_LIMIT:-450} run_tests "act-flags$i" "" --shard "$i/4" \
+      tests/test_act_flags_gpu.py &
+  done
+  wait
+  collect_tests "${names[@]}"
 fi
 if [[ " $PARTS " == *" act-flags-times "* ]]; then
   # GPU ms of the default, act-flags, flags (+ o_flags), all-flags (+ qkv_flags: one grid barrier per layer on a

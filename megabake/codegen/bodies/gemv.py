@@ -427,7 +427,6 @@ def _gemv_write_gated(acc: cute.Tensor, out: cute.Tensor, bias: cute.Tensor, til
                 out[b, row // 2] = _gated_act(gate, up, act)
 
 
-
 @cute.jit
 def _gemv_write_flagged(acc: cute.Tensor, out: cute.Tensor, bias: cute.Tensor, tile: Int32, lane: Int32,
                         rows: cutlass.Constexpr[int], batch: cutlass.Constexpr[int], per_tile: cutlass.Constexpr[int],
@@ -461,6 +460,7 @@ def _gemv_write_relaxed(acc: cute.Tensor, out: cute.Tensor, bias: cute.Tensor, t
                 if cutlass.const_expr(has_bias):
                     total = total + bias[row]
                 cute.arch.store((out[b, None].iterator + row).llvm_ptr, total, sem="relaxed", scope="gpu")
+
 
 @cute.jit
 def softcap_rows(out: cute.Tensor, gwarp: Int32, lane: Int32, total_warps: cutlass.Constexpr[int],

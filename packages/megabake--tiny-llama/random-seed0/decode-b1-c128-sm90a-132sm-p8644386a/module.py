@@ -310,8 +310,8 @@ def prefetch_rows(weight: cute.Tensor, gwarp: Int32, lane: Int32, total_warps: c
 
 
 # ------------------------------------------------------------------------------------ flagged words
-# generate(plan, act_flags=True) / o_flags=True (candidates since session 37): a GEMV's or an item's output words and
-# the staging that reads them meet through the words themselves instead of a grid barrier. Each word holds FLAG_UNSET
+# generate(plan, act_flags=True) / o_flags=True / qkv_flags=True (candidates since session 37): a GEMV's or an item's
+# output words and the staging or item that reads them meet through the words themselves instead of a grid barrier. Each word holds FLAG_UNSET
 # until its owner writes its value there (a relaxed store), and the staging polls its words with relaxed loads until
 # none reads FLAG_UNSET (codegen.act_flags says where each edge's ordering comes from and where the words are unset).
 FLAG_UNSET = -1  # int32 bits 0xFFFFFFFF: a negative NaN no arithmetic writes (an sm_90 NaN result is 0x7FFFFFFF)
@@ -707,7 +707,6 @@ def _gemv_write_gated(acc: cute.Tensor, out: cute.Tensor, bias: cute.Tensor, til
                     gate = gate + bias[row]
                     up = up + bias[row + 1]
                 out[b, row // 2] = _gated_act(gate, up, act)
-
 
 
 @cute.jit
