@@ -140,7 +140,8 @@ def test_act_flags_build_compiles_for_sm90a(preset, capacity, build, tmp_path):
 def test_o_flags_drop_a_fused_steps_barrier_after_attention(smollm):
     """``o_flags``: a fused step's attention writes flagged o_part words (``flagged=O_FLAGS``), meets no grid barrier
     after it, and the gate/up staging polls the words (``flagged=O_FLAGS``); a split step (``fo == 0``) still
-    arrives and waits twice (after attention and after the O projection). Each layer starts by unsetting o_part."""
+    arrives and waits twice (after attention and after the O projection). The prologue and each layer's down stage
+    (for the next layer) unset o_part."""
     plan = smollm.plan
     source = generate(plan, o_flags=True).source
     kernel = source.split("# ====")[0]

@@ -1,11 +1,11 @@
-"""Where the flagged-word builds apply: ``generate(plan, act_flags=True)`` and ``o_flags=True`` (candidates since
-session 37; :func:`o_flags_refusal` for the second).
+"""Where the flagged-word builds apply: ``generate(plan, act_flags=True)``, ``o_flags=True`` and ``qkv_flags=True``
+(candidates since session 37; :func:`o_flags_refusal` and :func:`qkv_flags_refusal` for the last two).
 
 Contract: pure functions of a :class:`~megabake.plan.Plan` and the build's other choices; no code is written
 here. An ``act_flags`` build drops the grid barrier between each layer's gate/up GEMV and its down projection: the
 gate/up GEMV's gated write stores every act(gate) * up word with a relaxed store (its warp's lane 0 runs a
 ``fence.acq_rel.gpu`` before its first: release), and the down stage's staging polls the words until none holds
-``bodies.FLAG_UNSET`` (the bits every layer's start writes there), then fences (acquire) and meets its own CTA
+``bodies.FLAG_UNSET`` (the bits the layer before unset there), then fences (acquire) and meets its own CTA
 (``bodies.act_flags_to_smem``). The same values reach the same shared memory, so the logits are the default
 build's, bit for bit. One grid barrier less per layer (SmolLM-135M: 121 -> 91 on a fused step).
 
@@ -13,14 +13,17 @@ Why it is safe where :func:`act_flags_refusal` finds nothing: the layer is pre-n
 the down projection accumulates into x, nothing else crosses the interval but, in a ``fused_o`` build, ``o_mid``),
 and every CTA owns at least one gate/up tile. So a CTA that has seen every word has, through each writer's release
 and its own acquire, every CTA's gate/up staging behind it: their reads of x (which its down projection then
-overwrites) and their writes of ``o_mid`` (which it adds). The words are unset at the next layer's start: the down
-projection's grid barrier lies between every CTA's reads and the unsetting, the QKV projection's between the unsetting
-and the next writes.
+overwrites) and their writes of ``o_mid`` (which it adds). The words of a layer live in one half of the gate/up
+buffer by layer parity; the down stage of the layer before unsets that half (``bodies.flags_reset``, the prologue
+for the first layer): its last readers polled it a layer earlier, behind the down projection's grid barrier, and the
+down projection's grid barrier lies between the unsetting and the next writes.
 
 ``o_flags`` does the same for a ``fused_o`` step's attention -> gate/up barrier: the fused attention writes its
 ``o_part`` words with relaxed stores and the gate/up staging polls them (``bodies.rmsnorm_partials_to_smem``). No
 fence is needed there: nothing but o_part crosses that interval (:func:`o_flags_refusal`). A fused SmolLM-135M step
-with both meets 61 grid barriers instead of 121.
+with both meets 61 grid barriers instead of 121. ``qkv_flags`` drops the QKV -> attention barrier of a fused step the
+same way (each CTA polls its KV group's words, then fences: its plain loads of them follow); with all three a fused
+step meets one grid barrier per layer (the down projection's) and the prologue's: 31 on SmolLM-135M.
 """
 
 from __future__ import annotations
@@ -78,9 +81,10 @@ def o_flags_refusal(plan: Plan, *, fused_o: bool) -> str | None:
     """Why ``o_flags`` cannot build this plan, or None where it can: it flags a ``fused_o`` step's ``o_part`` words
     (the gate/up staging polls them), so it needs the fused build. Where it applies nothing else crosses the
     interval it drops: a fused step's attention reads qkv, the K/V cache and W_O and writes o_part and its K/V row,
-    and the gate/up stage reads x and o_part and writes o_mid and the activation; the words are unset at the
-    layer's start, a grid barrier after every CTA polled the last layer's (the down projection's) and one before
-    this layer's fused attention writes them (the QKV projection's)."""
+    and the gate/up stage reads x and o_part and writes o_mid and the activation. The words are unset in the down
+    stage of the layer before, after its staging (every CTA's polls of them are behind a grid barrier there, or
+    behind its release of the activation words), and in the prologue; the down projection's grid barrier then lies
+    between the unsetting and this layer's writes."""
     if not fused_o:
         return "it flags a fused step's o_part words: it needs fused_o (a batch-1 plan the fused build takes)"
     return None
