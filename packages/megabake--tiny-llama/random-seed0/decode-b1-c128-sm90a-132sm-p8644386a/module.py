@@ -540,7 +540,7 @@ def _gemv_write(acc: cute.Tensor, out: cute.Tensor, bias: cute.Tensor, tile: Int
     act(gate) * up once at ``out[b, i]`` (:func:`_gemv_write_gated`): the down stage copies that row instead
     of evaluating the activation in every CTA (``accumulate`` is unused: the gate/up output is written)."""
     if cutlass.const_expr(act):
-        _gemv_write_gated(acc, out, bias, tile, lane, rows, batch, per_tile, has_bias, act)
+        _gemv_write_gated(acc, out, bias, tile, lane, rows, batch, per_tile, has_bias, act, False)
     else:
         for r in cutlass.range_constexpr(per_tile):
             row = tile * per_tile + r
@@ -678,8 +678,8 @@ def gemv_rows_streamed(weight: cute.Tensor, ring: cute.Tensor, bias: cute.Tensor
             if cutlass.const_expr(flagged and act != 0):
                 if step < chunks and lane == 0:
                     cute.arch.fence_acq_rel_gpu()  # release before this warp's first flagged word
-                _gemv_write_flagged(acc, out, bias, gwarp + step // chunks * total_warps, lane, rows, batch,
-                                    per_tile, has_bias, act)
+                _gemv_write_gated(acc, out, bias, gwarp + step // chunks * total_warps, lane, rows, batch,
+                                  per_tile, has_bias, act, True)
             elif cutlass.const_expr(flagged):
                 _gemv_write_relaxed(acc, out, bias, gwarp + step // chunks * total_warps, lane, rows, batch,
                                     per_tile, has_bias)
@@ -694,9 +694,11 @@ def gemv_rows_streamed(weight: cute.Tensor, ring: cute.Tensor, bias: cute.Tensor
 @cute.jit
 def _gemv_write_gated(acc: cute.Tensor, out: cute.Tensor, bias: cute.Tensor, tile: Int32, lane: Int32,
                       rows: cutlass.Constexpr[int], batch: cutlass.Constexpr[int], per_tile: cutlass.Constexpr[int],
-                      has_bias: cutlass.Constexpr[bool], act: cutlass.Constexpr[int]):
+                      has_bias: cutlass.Constexpr[bool], act: cutlass.Constexpr[int],
+                      relaxed: cutlass.Constexpr[bool]):
     """Warp-reduce each (gate, up) row pair of the tile; lane 0 adds the biases and writes act(gate) * up at the
-    pair's index (``act``: ``plan.stages.GATED_ACT_CODES``, :func:`_gated_act`)."""
+    pair's index (``act``: ``plan.stages.GATED_ACT_CODES``, :func:`_gated_act`); ``relaxed``: as a
+    ``st.relaxed.gpu``, the flag :func:`act_flags_to_smem` polls for (``act_flags``)."""
     for r in cutlass.range_constexpr(per_tile // 2):
         row = tile * per_tile + 2 * r
         for b in cutlass.range_constexpr(batch):
@@ -706,26 +708,11 @@ def _gemv_write_gated(acc: cute.Tensor, out: cute.Tensor, bias: cute.Tensor, til
                 if cutlass.const_expr(has_bias):
                     gate = gate + bias[row]
                     up = up + bias[row + 1]
-                out[b, row // 2] = _gated_act(gate, up, act)
-
-
-@cute.jit
-def _gemv_write_flagged(acc: cute.Tensor, out: cute.Tensor, bias: cute.Tensor, tile: Int32, lane: Int32,
-                        rows: cutlass.Constexpr[int], batch: cutlass.Constexpr[int], per_tile: cutlass.Constexpr[int],
-                        has_bias: cutlass.Constexpr[bool], act: cutlass.Constexpr[int]):
-    """:func:`_gemv_write_gated` with each act(gate) * up word written by a relaxed ``st.relaxed.gpu`` (the same
-    value, the same place): the flag :func:`act_flags_to_smem` polls for."""
-    for r in cutlass.range_constexpr(per_tile // 2):
-        row = tile * per_tile + 2 * r
-        for b in cutlass.range_constexpr(batch):
-            gate = cute.arch.warp_reduction_sum(acc[2 * r * batch + b])
-            up = cute.arch.warp_reduction_sum(acc[(2 * r + 1) * batch + b])
-            if lane == 0 and row < rows:
-                if cutlass.const_expr(has_bias):
-                    gate = gate + bias[row]
-                    up = up + bias[row + 1]
-                cute.arch.store((out[b, None].iterator + row // 2).llvm_ptr, _gated_act(gate, up, act),
-                                sem="relaxed", scope="gpu")
+                if cutlass.const_expr(relaxed):
+                    cute.arch.store((out[b, None].iterator + row // 2).llvm_ptr, _gated_act(gate, up, act),
+                                    sem="relaxed", scope="gpu")
+                else:
+                    out[b, row // 2] = _gated_act(gate, up, act)
 
 
 @cute.jit
