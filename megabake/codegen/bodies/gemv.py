@@ -85,17 +85,29 @@ def _gemv_write(acc: cute.Tensor, out: cute.Tensor, bias: cute.Tensor, tile: Int
     if cutlass.const_expr(act):
         _gemv_write_gated(acc, out, bias, tile, lane, rows, batch, per_tile, has_bias, act, False)
     else:
-        for r in cutlass.range_constexpr(per_tile):
-            row = tile * per_tile + r
-            for b in cutlass.range_constexpr(batch):
-                total = cute.arch.warp_reduction_sum(acc[r * batch + b])
-                if lane == 0 and row < rows:
-                    if cutlass.const_expr(has_bias):
-                        total = total + bias[row]
-                    if cutlass.const_expr(accumulate):
-                        out[b, row] = out[b, row] + total
-                    else:
-                        out[b, row] = total
+        _gemv_write_rows(acc, out, bias, tile, lane, rows, batch, per_tile, accumulate, has_bias, False)
+
+
+@cute.jit
+def _gemv_write_rows(acc: cute.Tensor, out: cute.Tensor, bias: cute.Tensor, tile: Int32, lane: Int32,
+                     rows: cutlass.Constexpr[int], batch: cutlass.Constexpr[int], per_tile: cutlass.Constexpr[int],
+                     accumulate: cutlass.Constexpr[bool], has_bias: cutlass.Constexpr[bool],
+                     relaxed: cutlass.Constexpr[bool]):
+    """:func:`_gemv_write`'s plain (not gated) write; ``relaxed`` (not accumulating): each output word is a
+    ``st.relaxed.gpu``, the flag a ``qkv_flags`` build's fused attention polls (:func:`_poll_group_qkv`)."""
+    for r in cutlass.range_constexpr(per_tile):
+        row = tile * per_tile + r
+        for b in cutlass.range_constexpr(batch):
+            total = cute.arch.warp_reduction_sum(acc[r * batch + b])
+            if lane == 0 and row < rows:
+                if cutlass.const_expr(has_bias):
+                    total = total + bias[row]
+                if cutlass.const_expr(relaxed):
+                    cute.arch.store((out[b, None].iterator + row).llvm_ptr, total, sem="relaxed", scope="gpu")
+                elif cutlass.const_expr(accumulate):
+                    out[b, row] = out[b, row] + total
+                else:
+                    out[b, row] = total
 
 
 def preload_groups(cols: int, unroll: int) -> int:
@@ -332,7 +344,7 @@ def gemv_rows_streamed(weight: cute.Tensor, ring: cute.Tensor, bias: cute.Tensor
     are relaxed stores that the down stage polls (:func:`act_flags_to_smem`), the warp's first one after a
     ``fence.acq_rel.gpu`` by lane 0 (release: its CTA's staging, reads of x and writes of o_mid, before it).
     ``flagged`` without ``act`` (the QKV projection of a ``qkv_flags`` build) writes each output word with a
-    relaxed store, no fence (:func:`_gemv_write_relaxed`; not accumulating).
+    relaxed store, no fence (:func:`_gemv_write_rows`, ``relaxed``; not accumulating).
     """
     tiles = (rows + per_tile - 1) // per_tile
     chunk = WARP * unroll
@@ -366,8 +378,8 @@ def gemv_rows_streamed(weight: cute.Tensor, ring: cute.Tensor, bias: cute.Tensor
                 _gemv_write_gated(acc, out, bias, gwarp + step // chunks * total_warps, lane, rows, batch,
                                   per_tile, has_bias, act, True)
             elif cutlass.const_expr(flagged):
-                _gemv_write_relaxed(acc, out, bias, gwarp + step // chunks * total_warps, lane, rows, batch,
-                                    per_tile, has_bias)
+                _gemv_write_rows(acc, out, bias, gwarp + step // chunks * total_warps, lane, rows, batch,
+                                 per_tile, False, has_bias, True)
             else:
                 _gemv_write(acc, out, bias, gwarp + step // chunks * total_warps, lane, rows, batch, per_tile,
                             accumulate, has_bias, act)
@@ -431,22 +443,6 @@ def _gemv_write_gated(acc: cute.Tensor, out: cute.Tensor, bias: cute.Tensor, til
                                     sem="relaxed", scope="gpu")
                 else:
                     out[b, row // 2] = _gated_act(gate, up, act)
-
-
-@cute.jit
-def _gemv_write_relaxed(acc: cute.Tensor, out: cute.Tensor, bias: cute.Tensor, tile: Int32, lane: Int32,
-                        rows: cutlass.Constexpr[int], batch: cutlass.Constexpr[int], per_tile: cutlass.Constexpr[int],
-                        has_bias: cutlass.Constexpr[bool]):
-    """:func:`_gemv_write` (not accumulating) with each output word written by a relaxed ``st.relaxed.gpu``: the
-    flag a ``qkv_flags`` build's fused attention polls (:func:`_poll_group_qkv`)."""
-    for r in cutlass.range_constexpr(per_tile):
-        row = tile * per_tile + r
-        for b in cutlass.range_constexpr(batch):
-            total = cute.arch.warp_reduction_sum(acc[r * batch + b])
-            if lane == 0 and row < rows:
-                if cutlass.const_expr(has_bias):
-                    total = total + bias[row]
-                cute.arch.store((out[b, None].iterator + row).llvm_ptr, total, sem="relaxed", scope="gpu")
 
 
 @cute.jit
