@@ -167,16 +167,18 @@ def test_o_flags_drop_a_fused_steps_barrier_after_attention(smollm):
     assert f"({plan.barriers_per_step - 2 * plan.dims.layers} where the context fits MIN_CHUNK" in header
 
 
-def test_qkv_flags_drop_a_fused_steps_barrier_after_the_qkv_projection(smollm):
-    """``qkv_flags``: the QKV GEMV writes flagged words; a fused step arrives and waits at no grid barrier after it
-    (both under ``if fo == 0:``), its fused attention polls its group's words (``poll_qkv=QKV_FLAGS``); the prologue
-    and each layer's down stage unset them. With all three flags a fused step meets one grid barrier per layer."""
+def test_qkv_flags_drop_every_steps_barrier_after_the_qkv_projection(smollm):
+    """``qkv_flags``: the QKV GEMV writes flagged words; no step (fused or split) arrives or waits at a grid barrier
+    after it; the fused attention polls its group's words (``poll_qkv=QKV_FLAGS``) and so do a split step's items
+    (``split_kv_attention(..., poll_qkv=QKV_FLAGS)``); the prologue and each layer's down stage unset them. With all
+    three flags a fused step meets one grid barrier per layer, a split step three."""
     plan = smollm.plan
     source = generate(plan, act_flags=True, o_flags=True, qkv_flags=True).source
     kernel = source.split("# ====")[0]
     assert "\nQKV_FLAGS = True\n" in kernel and "\nQKV_FLAGS = False\n" in generate(plan).source
     flat = _flat(kernel)
     assert "flagged=O_FLAGS, poll_qkv=QKV_FLAGS, backoff=FLAG_BACKOFF)" in flat
+    assert "mma_attention=MMA_ATTENTION, poll_qkv=QKV_FLAGS, backoff=FLAG_BACKOFF)" in flat  # the split step's items
     assert "bodies.flags_reset(words=qkv, cta=cta, tidx=tidx, active=1, rows=BATCH, cols=QKV_ROWS," in flat
     loop = kernel.split("for layer in range(LAYERS):")[1]
     lines = [line.strip() for line in loop.splitlines()]
@@ -184,14 +186,24 @@ def test_qkv_flags_drop_a_fused_steps_barrier_after_the_qkv_projection(smollm):
     attention = next(i for i, line in enumerate(lines) if line.startswith("# ---- stage 2: attention"))
     between = lines[qkv:attention]
     assert "act=0, flagged=True)" in " ".join(between)
-    for call in ("bodies.grid_arrive(", "bodies.grid_wait("):
-        at = next(i for i, line in enumerate(between) if line.startswith(call))
-        assert between[at - 1] == "if fo == 0:", call
+    assert not [line for line in between if line.startswith(("bodies.grid_arrive(", "bodies.grid_wait("))]
+    assert "bodies.split_kv_prefetch(" in " ".join(between)  # the prefetches and ring fills stay
     assert "bodies.flags_reset(words=qkv, cta=cta, tidx=tidx, active=cutlass.min(LAYERS - 1 - layer, 1)," in flat
     header = source.split('"""')[1]
-    per_step = plan.barriers_per_step - plan.dims.layers
-    assert f"{per_step} grid barriers per step ({per_step - 3 * plan.dims.layers} where the context fits" in header
-    assert per_step - 3 * plan.dims.layers == 1 + plan.dims.layers  # the prologue's and one per layer
+    per_step = plan.barriers_per_step - 2 * plan.dims.layers
+    assert f"{per_step} grid barriers per step ({per_step - 2 * plan.dims.layers} where the context fits" in header
+    assert per_step - 2 * plan.dims.layers == 1 + plan.dims.layers  # the prologue's and one per layer
+    default_loop = generate(plan).source.split("for layer in range(LAYERS):")[1]
+    assert default_loop.count("bodies.grid_wait(") - loop.count("bodies.grid_wait(") == 2  # qkv's and act's
+
+
+def test_qkv_flags_refuse_a_norm_over_the_whole_projection():
+    """OLMo-2's q/k norm reads every KV group's words: a group's poll would not cover them."""
+    from megabake.codegen.act_flags import qkv_flags_refusal
+
+    plan = compile_preset("olmo-2-1b", layers=2, vocab=4096, capacity=1024).plan
+    assert plan.dims.whole_qk_norm
+    assert "whole projection" in qkv_flags_refusal(plan, fused_o=True)
 
 
 @pytest.mark.parametrize("flag", ["o_flags", "qkv_flags"])
@@ -206,7 +218,7 @@ def test_flag_backoff_is_a_count_of_clocks_for_flagged_builds(smollm):
     source = generate(smollm.plan, act_flags=True, o_flags=True, qkv_flags=True, flag_backoff=300).source
     kernel = _flat(source.split("# ====")[0])
     assert "\nFLAG_BACKOFF = 300\n" in source
-    assert kernel.count("backoff=FLAG_BACKOFF") == 3  # the activation, o_part and qkv polls
+    assert kernel.count("backoff=FLAG_BACKOFF") == 4  # the activation, o_part and qkv polls (fused and split)
     assert "\nFLAG_BACKOFF = 0\n" in generate(smollm.plan).source  # fused builds pass it (unused) to their bodies
     with pytest.raises(ValueError, match="needs act_flags, o_flags or qkv_flags"):
         generate(smollm.plan, flag_backoff=100)

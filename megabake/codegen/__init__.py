@@ -249,7 +249,7 @@ class BuildOptions:
     fused_kv_smem: bool = False  # ... scoring their cached K/V rows from shared memory (codegen.fused)
     act_flags: bool = False  # the gate/up -> down grid barrier replaced by flagged activation words (codegen.act_flags)
     o_flags: bool = False  # a fused step's attention -> gate/up grid barrier replaced by flagged o_part words (same)
-    qkv_flags: bool = False  # a fused step's QKV -> attention grid barrier replaced by flagged qkv words (same)
+    qkv_flags: bool = False  # the QKV -> attention grid barrier replaced by flagged qkv words (same; fused_o builds)
     flag_backoff: int = 0  # SM clocks a flagged build's polls wait between rounds (bodies.flags_backoff)
 
 
@@ -402,9 +402,10 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     refused where :func:`megabake.codegen.act_flags.act_flags_refusal` names a reason). ``o_flags`` (a candidate,
     session 37, with ``fused_o``): a fused step's attention writes its ``o_part`` words flagged and the gate/up
     staging polls them, so fused steps meet no grid barrier after attention (the same bits;
-    :func:`megabake.codegen.act_flags.o_flags_refusal`). ``qkv_flags`` (likewise, with ``fused_o``): a fused step's
-    QKV projection writes its words flagged and each CTA's fused attention polls its group's, so fused steps meet
-    no grid barrier after the QKV projection either (:func:`megabake.codegen.act_flags.qkv_flags_refusal`).
+    :func:`megabake.codegen.act_flags.o_flags_refusal`). ``qkv_flags`` (likewise, with ``fused_o``): the QKV
+    projection writes its words flagged and each CTA's fused attention, or each split-KV item of a longer step,
+    polls its group's, so no step meets a grid barrier after the QKV projection
+    (:func:`megabake.codegen.act_flags.qkv_flags_refusal`).
     ``flag_backoff``: SM clocks the flagged builds' polls wait between rounds (0: poll again at once)."""
     if watchdog and timeline:
         raise ValueError("a watchdog build has no timeline: build them separately")
@@ -496,7 +497,7 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     if qkv_flags:
         why = qkv_flags_refusal(plan, fused_o=fused_o)
         if why:
-            raise ValueError(f"qkv_flags replaces a fused step's grid barrier after the QKV projection with flagged "
+            raise ValueError(f"qkv_flags replaces the grid barrier after the QKV projection with flagged "
                              f"qkv words, but {why}: build without it")
     arguments = kernel_arguments(plan) + (list(FUSED_O_BUFFERS) if fused_o else [])
     plan_hash = plan_hash or plan.hash
@@ -630,13 +631,13 @@ def _header(w: _Writer, plan: Plan, plan_hash: str, arguments: list[str], self_c
     w("")
     w(f"Model: hidden {d.hidden}, {d.layers} layers, {d.n_heads}/{d.n_kv_heads} heads x {d.head_dim}, "
       f"intermediate {d.intermediate}, vocab {d.vocab}.")
-    per_step = plan.barriers_per_step - (d.layers if act_flags else 0)
-    fused_step = per_step - d.layers * (1 + o_flags + qkv_flags)
+    per_step = plan.barriers_per_step - d.layers * (act_flags + qkv_flags)
+    fused_step = per_step - d.layers * (1 + o_flags)
     barriers = (f"{per_step} grid barriers per step ({fused_step} where the context fits MIN_CHUNK: fused_o)"
                 if fused_o else f"{per_step} grid barriers per step")
     flagged = [name for name, on in (("the gate/up -> down ones (act_flags)", act_flags),
                                      ("a fused step's attention -> gate/up ones (o_flags)", o_flags),
-                                     ("a fused step's QKV -> attention ones (qkv_flags)", qkv_flags)) if on]
+                                     ("the QKV -> attention ones (qkv_flags)", qkv_flags)) if on]
     if flagged:
         barriers += "; flagged words instead: " + " and ".join(flagged)
     w(f"Bucket: batch {plan.batch}, KV capacity {plan.capacity}. Grid {plan.ctas} x {plan.threads} threads, "
@@ -782,13 +783,8 @@ def _stage(w: _Writer, plan: Plan, stage: Stage, indent: int, layer_var, clocks:
         following = next((s for s in plan.stages if s.index == stage.index + 1), None)
         if fused and following is not None and following.kind == "attention":
             assert not reads, reads  # split-KV plans have no attention preload (plan.build_plan refuses it)
-            if options.qkv_flags:  # a fused step polls its group's qkv words instead of meeting the grid
-                w("if fo == 0:", indent)
-                w(options.arrival, indent + 1)
+            if options.qkv_flags:  # every step's attention polls its group's qkv words instead of meeting the grid
                 _write_fused_o_loads(w, before, indent)
-                w("if fo == 0:", indent)
-                w(options.barrier, indent + 1)
-                clock()
                 w.end()
                 return
             _write_fused_o_loads(w, [options.arrival] + before, indent)
@@ -939,6 +935,9 @@ def _fused_attention_stages(w: _Writer, plan: Plan, attention: Stage, indent: in
                   "QKV_FLAGS, FLAG_BACKOFF)")
     body, call = _body_calls(plan, attention, options.merge_preload, options.spread_merge, options.fold_splits,
                              options.mma_attention, options.mma_schedule)[0]
+    if options.qkv_flags:  # a split step's items poll their group's qkv words too (no grid barrier after QKV)
+        assert body == "split_kv_attention" and call.endswith(")"), call
+        call = call[:-1] + ", poll_qkv=QKV_FLAGS, backoff=FLAG_BACKOFF)"
     w("if fo == 1:", indent)
     w.begin(_entry(plan, attention, layer_var, "body_call", "layer[*].attention.fused_attention_o"))
     w(fused_call, indent + 1)

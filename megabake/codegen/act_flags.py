@@ -22,8 +22,9 @@ down projection's grid barrier lies between the unsetting and the next writes.
 ``o_part`` words with relaxed stores and the gate/up staging polls them (``bodies.rmsnorm_partials_to_smem``). No
 fence is needed there: nothing but o_part crosses that interval (:func:`o_flags_refusal`). A fused SmolLM-135M step
 with both meets 61 grid barriers instead of 121. ``qkv_flags`` drops the QKV -> attention barrier of a fused step the
-same way (each CTA polls its KV group's words, then fences: its plain loads of them follow); with all three a fused
-step meets one grid barrier per layer (the down projection's) and the prologue's: 31 on SmolLM-135M.
+same way, and a split step's too (each CTA's fused attention, or each split-KV item, polls its KV group's words, then
+fences: its plain loads of them follow); with all three a fused step meets one grid barrier per layer (the down
+projection's) and the prologue's: 31 on SmolLM-135M (a split step 91: its attention -> O and O -> gate/up ones stay).
 """
 
 from __future__ import annotations
@@ -91,15 +92,20 @@ def o_flags_refusal(plan: Plan, *, fused_o: bool) -> str | None:
 
 
 def qkv_flags_refusal(plan: Plan, *, fused_o: bool) -> str | None:
-    """Why ``qkv_flags`` cannot build this plan, or None where it can: a ``fused_o`` step's QKV GEMV writes its words
-    flagged (relaxed stores) and each CTA's fused attention polls its KV group's query, key and value words, then
-    fences (no stale L1 line of them) and meets its CTA. Nothing else crosses that interval: the QKV projection
-    reads x, its weights and norms; a fused step's attention writes o_part (unset in the down stage of the layer
-    before, or the prologue) and its K/V row, which no CTA reads in the QKV interval (the K/V prefetch only asks L2
-    for rows). The qkv words are unset in the down stage of the layer before (every CTA's attention is behind a
-    grid barrier there, or behind its release of the activation words) and the prologue."""
+    """Why ``qkv_flags`` cannot build this plan, or None where it can: in a ``fused_o`` build the QKV GEMV writes its
+    words flagged (relaxed stores) and each CTA's fused attention (a fused step) or each active split-KV item (a
+    longer step) polls its KV group's query, key and value words, then fences (no stale L1 line of them) and meets
+    its CTA. Nothing else crosses that interval: the QKV projection reads x, its weights and norms; a fused step's
+    attention writes o_part (unset in the down stage of the layer before, or the prologue) and its K/V row, a split
+    step's items their K/V row, partials, arrival counters and ``attn``, none of which a CTA reads in the QKV
+    interval (their readers of the layer before are behind its down projection's grid barrier; the K/V prefetch
+    only asks L2 for rows). The qkv words are unset in the down stage of the layer before (every CTA's attention is
+    behind a grid barrier there, or behind its release of the activation words) and the prologue. A group's words
+    are all an item reads of qkv unless the q/k norm spans the whole projection (OLMo-2), which is refused."""
     if not fused_o:
-        return "it flags a fused step's qkv words: it needs fused_o (a batch-1 plan the fused build takes)"
+        return "it flags the qkv words of a fused_o build: it needs fused_o (a batch-1 plan the fused build takes)"
+    if plan.dims.whole_qk_norm:
+        return "the q/k norm spans the whole projection (every KV group's words), not one group's"
     qkv = _layer_stage(plan, "norm_qkv")
     if qkv is None or qkv.tiling.kind != "rows" or qkv.tiling.mma or not qkv.tiling.stages:
         return "the QKV GEMV is not the streamed cp.async ring on rows (tensor-core or register tilings)"
