@@ -1187,7 +1187,8 @@ def split_kv_attention(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Te
                        spread_merge: cutlass.Constexpr[bool], head_slices: cutlass.Constexpr[int],
                        long_slices: cutlass.Constexpr[bool], kv_pipeline: cutlass.Constexpr[bool],
                        merge_above: cutlass.Constexpr[int] = 1, mma_attention: cutlass.Constexpr[bool] = False,
-                       mma_slices: cutlass.Constexpr[int] = 0):
+                       mma_slices: cutlass.Constexpr[int] = 0, poll_qkv: cutlass.Constexpr[bool] = False,
+                       backoff: cutlass.Constexpr[int] = 0):
     """Flash decoding: RoPE + KV append + attention over positions [first_key, pos], the cached keys split across
     CTAs (``first_key`` is 0, or where the layer's sliding window starts). ``merge_preload``: the merging item
     loads its first partials at once (:func:`_merge_splits`). ``spread_merge``: every active item of a group
@@ -1197,7 +1198,9 @@ def split_kv_attention(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Te
     default since session 24) they only store their partials, and the next stage's staging merges them
     (:func:`merge_splits_to_smem`). ``mma_attention`` (a candidate): items of 2-8 query heads of 64 or 128 dims
     score and sum their keys on the tensor cores (:func:`_mma_softmax_chunk`); ``mma_slices`` deals with them in
-    mind (:func:`split_schedule`).
+    mind (:func:`split_schedule`). ``poll_qkv`` (``qkv_flags``, batch 1: no grid barrier after the QKV projection
+    of a split step either): each active item first polls its KV group's words of ``qkv`` (:func:`_poll_group_qkv`,
+    ``backoff`` SM clocks between rounds).
 
     Work items are (split, batch, KV head), split-major, dealt to CTAs. At this step the ``pos + 1 - first_key``
     visible positions are cut into ``active`` chunks of ``chunk`` positions (at least ``min_chunk``, which is the
@@ -1216,7 +1219,7 @@ def split_kv_attention(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Te
         _split_kv_items(qkv, qk_norm, rope_cos, rope_sin, k_cache, v_cache, attn, part, counts, pos, first_key,
                         chunk, active, s_att, cta, tidx, batch, n_heads, n_kv_heads, head_dim, ctas, threads, scale,
                         has_qk_norm, eps, splits, unroll, rotary_dim, whole_qk_norm, merge_preload, spread_merge,
-                        group, 1, kv_pipeline, merge_above, mma_attention)
+                        group, 1, kv_pipeline, merge_above, mma_attention, poll_qkv, backoff)
     else:
         for s in cutlass.range_constexpr(1, head_slices + 1):
             if cutlass.const_expr(head_slices % s == 0 and (long_slices or s == 1 or s == head_slices)):
@@ -1225,7 +1228,7 @@ def split_kv_attention(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Te
                                     first_key, chunk, active, s_att, cta, tidx, batch, n_heads, n_kv_heads,
                                     head_dim, ctas, threads, scale, has_qk_norm, eps, splits, unroll, rotary_dim,
                                     whole_qk_norm, merge_preload, spread_merge, group // s, s, kv_pipeline,
-                                    merge_above, mma_attention)
+                                    merge_above, mma_attention, poll_qkv, backoff)
 
 
 def _item_scratch(s_att: cute.Tensor, heads: int, head_dim: int, warps: int):
@@ -1344,13 +1347,15 @@ def _split_kv_items(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Tenso
                     merge_preload: cutlass.Constexpr[bool], spread_merge: cutlass.Constexpr[bool],
                     heads: cutlass.Constexpr[int], slices: cutlass.Constexpr[int],
                     kv_pipeline: cutlass.Constexpr[bool], merge_above: cutlass.Constexpr[int],
-                    mma_attention: cutlass.Constexpr[bool]):
+                    mma_attention: cutlass.Constexpr[bool], poll_qkv: cutlass.Constexpr[bool],
+                    backoff: cutlass.Constexpr[int]):
     """This CTA's work items of :func:`split_kv_attention` at this step, ``slices`` head slices of ``heads`` query
     heads each per (split, batch, KV head) (1 slice: the whole group). Item ``i`` is split ``i // (groups x
     slices)``, then (batch, KV head, slice); the ``heads`` query heads of a slice are a "virtual KV group" of
     their own: partials, merge and arrival counter (``counts[(batch x kv_heads + kv head) x slices + slice]``).
 
-    An active item ropes its heads' queries, scores every cached key row of its chunk once for all of them (GQA
+    An active item (with ``poll_qkv`` once its KV group's qkv words are written: :func:`_poll_group_qkv`) ropes its
+    heads' queries, scores every cached key row of its chunk once for all of them (GQA
     packing), keeps an online softmax (max, sum, accumulator) per head and lane group, and merges them across
     lane groups (shuffles) and warps (shared memory). With one active split it writes the normalised output;
     otherwise it stores its partial (acc, max, sum) in ``part[b, head, split, :]``, and the last item of its
@@ -1378,6 +1383,8 @@ def _split_kv_items(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Tenso
             vkvh = vg - b * n_kv_heads * slices  # kvh x slices + slice: the slice's heads start at vkvh x heads
             start = first_key + split * chunk
             end = cutlass.min(start + chunk, n)
+            if cutlass.const_expr(poll_qkv):
+                _poll_group_qkv(qkv, kvh, tidx, n_heads, n_kv_heads, head_dim, threads, backoff)
             _item_warp_partials(qkv, qk_norm, rope_cos, rope_sin, k_cache, v_cache, s_att, b, kvh, vkvh, pos, start,
                                 end, tidx, n_heads, n_kv_heads, head_dim, threads, scale, has_qk_norm, eps, unroll,
                                 rotary_dim, whole_qk_norm, heads, kv_pipeline, mma_attention,
