@@ -51,11 +51,6 @@
 #          fused-o-times: fused-o's SmolLM-135M timings without its GPU tests (tests-parallel runs them)
 #          -> OUT/pytest-gpu-fused-o.log, OUT/tune-*-fused-o-*.log (session 35: 135 s for fused-o-times and
 #          fused-o-llama, 176 s for fused-o-more)
-#   act-flags: grid barriers replaced by flagged words (session 37 candidates, codegen.act_flags: act_flags=True, each
-#          layer's gate/up -> down barrier; o_flags / qkv_flags, a fused step's attention -> gate/up and QKV ->
-#          attention ones): their GPU tests -> OUT/pytest-gpu-act-flags.log (not run yet: ~5-7 min?);
-#          act-flags-times: GPU ms of default / act-flags / flags / all-flags / all-flags-backoff at 16 on SmolLM-135M,
-#          Qwen2.5-0.5B, Qwen3-0.6B, Llama-3.2-1B and at 1000 on SmolLM-135M -> OUT/tune-*-act-flags-*.log (~7 min?)
 #   balance: the bake's tiling with rows per tile balanced per stage (gpu_tune variant bake-balanced) against the
 #          bake's own on Qwen3-0.6B @16, Phi-3-mini @1000, SmolLM-135M @16 -> OUT/tune-*-balance-*.log (301 s in
 #          session 31, which balanced the plain tiling by mistake; session 32 on the bake's tiling: the bake wins, 3-10%)
@@ -125,8 +120,7 @@ if [[ " $PARTS " == *" tests-parallel "* ]]; then
   names=()
   for ((i = 0; i < shards; i++)); do
     names+=("shard$i")
-    OMP_NUM_THREADS=$threads run_tests "shard$i" "" --shard "$i/$shards" "${TESTS3[@]:2}" tests/test_fused_o_gpu.py \
-      tests/test_act_flags_gpu.py &
+    OMP_NUM_THREADS=$threads run_tests "shard$i" "" --shard "$i/$shards" "${TESTS3[@]:2}" tests/test_fused_o_gpu.py &
   done
   wait
   collect_tests "${names[@]}"
@@ -376,35 +370,6 @@ if ((${#FUSED_SPECS[@]})); then
     timeout 180 python3 scripts/gpu_tune.py "$preset" --variants bake --builds $builds \
       --no-composite --capacity "$capacity" --position "$position" --out "$OUT/fused-o-p$position" >"$log" 2>&1
     summary+=("fused-o tune ($preset at $position): rc=$?" "$(grep -E '^(==|\|)' "$log")")
-  done
-fi
-if [[ " $PARTS " == *" act-flags "* ]]; then
-  # session 37 (built without a GPU): grid barriers replaced by flagged words (codegen.act_flags; the same bits):
-  # each layer's gate/up -> down (act_flags), a fused step's attention -> gate/up (o_flags) and QKV -> attention
-  # (qkv_flags). Their GPU tests as 4 shards at once (a missing word hangs a step: TEST_LIMIT, default 450 s here,
-  # ends it; faulthandler dumps the stacks after 150 s); the timings in PARTS=act-flags-times, a call of its own
-  names=()
-  for ((i = 0; i < 4; i++)); do
-    names+=("act-flags$i")
-    OMP_NUM_THREADS=$(( $(nproc) / 4 )) TEST_LIMIT=${TEST_LIMIT:-450} run_tests "act-flags$i" "" --shard "$i/4" \
-      tests/test_act_flags_gpu.py &
-  done
-  wait
-  collect_tests "${names[@]}"
-fi
-if [[ " $PARTS " == *" act-flags-times "* ]]; then
-  # GPU ms of the default, act-flags, flags (+ o_flags), all-flags (+ qkv_flags: one grid barrier per layer on a
-  # fused step) and all-flags-backoff (polls 256 SM clocks apart) at 16 on the four presets with short-context
-  # targets and at 1000 on SmolLM-135M (split steps: only act_flags applies there);
-  # ACT_FLAGS_CASES="preset capacity position;..." for others
-  IFS=';' read -r -a cases <<<"${ACT_FLAGS_CASES:-smollm-135m 2048 16;qwen2.5-0.5b 4096 16;qwen3-0.6b 4096 16;llama-3.2-1b 4096 16;smollm-135m 2048 1000}"
-  for case in "${cases[@]}"; do
-    read -r preset capacity position <<<"$case"
-    log="$OUT/tune-$preset-act-flags-p$position.log"
-    timeout 170 python3 scripts/gpu_tune.py "$preset" --variants bake \
-      --builds default act-flags flags all-flags all-flags-backoff \
-      --no-composite --capacity "$capacity" --position "$position" --out "$OUT/act-flags-p$position" >"$log" 2>&1
-    summary+=("act-flags tune ($preset at $position): rc=$?" "$(grep -E '^(==|\|)' "$log")")
   done
 fi
 if [[ " $PARTS " == *" balance "* ]]; then

@@ -37,8 +37,6 @@ SECONDS = {  # node-id fragment -> seconds (first match wins); from `pytest --du
     # tests/test_fused_o_gpu.py (session 34-35, not timed yet): four, three and one builds per case
     "fused_o_gives_the_default_bits": 30.0, "fused_o_on_the_tensor_cores": 25.0,
     "fused_o_kernel_matches_the_reference": 15.0,
-    # tests/test_act_flags_gpu.py (session 37, not run yet): three to six builds per case, two in the last test
-    "flagged_builds_give_the_default_bits": 40.0, "act_flags_repeat_a_position": 20.0,
 }
 
 

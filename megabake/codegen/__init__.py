@@ -46,7 +46,6 @@ from ..plan.attention import (LONG_SLICES, PASS_CHUNKS, chunk_quantum, mma_atten
                               mma_slice_mask)
 from ..plan.stages import (ACTIVATIONS, DIMENSION_CONSTANTS, GATED_ACT_CODES, StageSpec, next_gemv, norm_slot,
                            spec_of)
-from .act_flags import DOWN, GATE_UP, act_flags_refusal, o_flags_refusal, qkv_flags_refusal
 from .fused import FUSED_O_BUFFERS, fused_geometry, fused_kv_refusal, fused_o_refusal
 
 KERNEL_ARGUMENTS = [
@@ -247,10 +246,6 @@ class BuildOptions:
     mma_schedule: bool = False  # every split-KV dealing weighs those items by their chunk alone (MMA_SLICES)
     fused_o: bool = False  # steps within MIN_CHUNK run attention and the O projection in one interval (codegen.fused)
     fused_kv_smem: bool = False  # ... scoring their cached K/V rows from shared memory (codegen.fused)
-    act_flags: bool = False  # the gate/up -> down grid barrier replaced by flagged activation words (codegen.act_flags)
-    o_flags: bool = False  # a fused step's attention -> gate/up grid barrier replaced by flagged o_part words (same)
-    qkv_flags: bool = False  # the QKV -> attention grid barrier replaced by flagged qkv words (same; fused_o builds)
-    flag_backoff: int = 0  # SM clocks a flagged build's polls wait between rounds (bodies.flags_backoff)
 
 
 # A KV group's outputs (query heads per KV head x head_dim) from which the spread merge is the default: on the H200
@@ -364,8 +359,7 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
              kv_pipeline: bool | None = None, fold_merge: bool | None = None,
              prefetch_bytes: int | None = None, mma_attention: bool | None = None,
              mma_schedule: bool = False, fused_o: bool | None = None, fused_kv_smem: bool = False,
-             fused_mma: bool | None = None, act_flags: bool = False, o_flags: bool = False,
-             qkv_flags: bool = False, flag_backoff: int = 0) -> GeneratedModule:
+             fused_mma: bool | None = None) -> GeneratedModule:
     """module.py of ``plan``. ``merge_preload`` / ``spread_merge``: None picks them per plan
     (:func:`default_merge`); True asks for one (refused where the attention scratch cannot hold it), False
     leaves it out (both False: the plain last-arrival merge of sessions 10-16). ``head_slices=False`` deals
@@ -396,17 +390,7 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     (:func:`megabake.codegen.fused.fused_kv_refusal`). ``fused_mma`` (with ``fused_o`` and ``mma_attention``) scores
     a fused step's whole KV group on the tensor cores (the query and probabilities rounded to bf16, as every
     tensor-core item; refused where the group is not 2-8 heads of 64 or 128 dims); False on the fp32 lane-group
-    loop (logits within fp32 order of the default's split path); None: on wherever it fits. ``act_flags`` (a
-    candidate, session 37): each layer's gate/up GEMV and down projection meet through flagged activation words
-    instead of a grid barrier (one barrier less per layer, the same bits; :mod:`megabake.codegen.act_flags`,
-    refused where :func:`megabake.codegen.act_flags.act_flags_refusal` names a reason). ``o_flags`` (a candidate,
-    session 37, with ``fused_o``): a fused step's attention writes its ``o_part`` words flagged and the gate/up
-    staging polls them, so fused steps meet no grid barrier after attention (the same bits;
-    :func:`megabake.codegen.act_flags.o_flags_refusal`). ``qkv_flags`` (likewise, with ``fused_o``): the QKV
-    projection writes its words flagged and each CTA's fused attention, or each split-KV item of a longer step,
-    polls its group's, so no step meets a grid barrier after the QKV projection
-    (:func:`megabake.codegen.act_flags.qkv_flags_refusal`).
-    ``flag_backoff``: SM clocks the flagged builds' polls wait between rounds (0: poll again at once)."""
+    loop (logits within fp32 order of the default's split path); None: on wherever it fits."""
     if watchdog and timeline:
         raise ValueError("a watchdog build has no timeline: build them separately")
     if barrier is not None and barrier not in BARRIER_ARRIVALS:
@@ -480,31 +464,11 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
         if why:
             raise ValueError(f"fused_kv_smem copies a fused step's cached K/V rows into shared memory, but {why}: "
                              "build without it")
-    if act_flags:
-        why = act_flags_refusal(plan, timeline=bool(timeline), watchdog=watchdog)
-        if why:
-            raise ValueError(f"act_flags replaces the grid barrier between the gate/up GEMV and the down projection "
-                             f"with flagged activation words, but {why}: build without it")
-    if o_flags:
-        why = o_flags_refusal(plan, fused_o=fused_o)
-        if why:
-            raise ValueError(f"o_flags replaces a fused step's grid barrier after attention with flagged o_part words, "
-                             f"but {why}: build without it")
-    if isinstance(flag_backoff, bool) or not isinstance(flag_backoff, int) or flag_backoff < 0:
-        raise ValueError(f"flag_backoff={flag_backoff!r}: give the SM clocks between poll rounds, an int >= 0")
-    if flag_backoff and not (act_flags or o_flags or qkv_flags):
-        raise ValueError("flag_backoff paces the polls of flagged words: it needs act_flags, o_flags or qkv_flags")
-    if qkv_flags:
-        why = qkv_flags_refusal(plan, fused_o=fused_o)
-        if why:
-            raise ValueError(f"qkv_flags replaces the grid barrier after the QKV projection with flagged "
-                             f"qkv words, but {why}: build without it")
     arguments = kernel_arguments(plan) + (list(FUSED_O_BUFFERS) if fused_o else [])
     plan_hash = plan_hash or plan.hash
     w = _Writer(keyword_calls=True)
     _header(w, plan, plan_hash, arguments, self_contained, head_slices, long_slices, pass_chunks,
-            kv_pipeline, folded, mma_attention, mma_slices, fused_o, fused_kv_smem, fused_mma, act_flags, o_flags,
-            qkv_flags, flag_backoff)
+            kv_pipeline, folded, mma_attention, mma_slices, fused_o, fused_kv_smem, fused_mma)
     prologue = [s for s in plan.stages if s.scope == "prologue"]
     per_layer = [s for s in plan.stages if s.scope == "layer"]
     epilogue = [s for s in plan.stages if s.scope == "epilogue"]
@@ -572,8 +536,7 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
                            merge_preload=merge_preload, spread_merge=spread_merge,
                            fold_splits=folded, prefetch_bytes=prefetch_bytes, clock_every_cta=every_cta,
                            arrival=SPLIT_ARRIVAL if barrier == "split" else None, mma_attention=mma_attention,
-                           mma_schedule=mma_schedule, fused_o=fused_o, fused_kv_smem=fused_kv_smem,
-                           act_flags=act_flags, o_flags=o_flags, qkv_flags=qkv_flags, flag_backoff=flag_backoff)
+                           mma_schedule=mma_schedule, fused_o=fused_o, fused_kv_smem=fused_kv_smem)
     if phases:
         _phase_timed_stages(w, plan, prologue, per_layer, epilogue, options)
     else:
@@ -584,12 +547,6 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
         if fused_o:
             w(f"fo = bodies.fused_o_step(pos, {_first_key(plan)}, MIN_CHUNK)  # 1: the context fits one chunk; the O "
               "projection runs in attention's interval", 2)
-        if act_flags:
-            w("# the gate/up words of this layer and of the next: the two halves of the gate/up buffer by layer parity",
-              2)
-            for name, layer in (("act_now", "layer"), ("act_next", "layer + 1")):
-                w(f"{name} = cute.make_tensor({_act_buffer(plan)}.iterator + ({layer}) % 2 * INTER, "
-                  "cute.make_layout((BATCH, INTER), stride=(2 * INTER, 1)))", 2)
         for j, stage in enumerate(per_layer):
             _stage(w, plan, stage, 2, layer_var="layer", options=options)
             _timeline_store(w, 2, timeline, f"{2 + len(prologue) + j} + layer * {len(per_layer)}")
@@ -624,22 +581,14 @@ def _packed(items: list[str], indent: int) -> list[str]:
 def _header(w: _Writer, plan: Plan, plan_hash: str, arguments: list[str], self_contained: bool,
             head_slices: bool = True, long_slices: bool = True, pass_chunks: bool = False,
             kv_pipeline: bool = False, folded: int = 0, mma_attention: bool = False, mma_slices: int = 0,
-            fused_o: bool = False, fused_kv_smem: bool = False, fused_mma: bool = False,
-            act_flags: bool = False, o_flags: bool = False, qkv_flags: bool = False, flag_backoff: int = 0) -> None:
+            fused_o: bool = False, fused_kv_smem: bool = False, fused_mma: bool = False) -> None:
     d = plan.dims
     w(f'"""Generated by MegaBake from plan {plan_hash[:16]}. Do not edit: re-bake instead.')
     w("")
     w(f"Model: hidden {d.hidden}, {d.layers} layers, {d.n_heads}/{d.n_kv_heads} heads x {d.head_dim}, "
       f"intermediate {d.intermediate}, vocab {d.vocab}.")
-    per_step = plan.barriers_per_step - d.layers * (act_flags + qkv_flags)
-    fused_step = per_step - d.layers * (1 + o_flags)
-    barriers = (f"{per_step} grid barriers per step ({fused_step} where the context fits MIN_CHUNK: fused_o)"
-                if fused_o else f"{per_step} grid barriers per step")
-    flagged = [name for name, on in (("the gate/up -> down ones (act_flags)", act_flags),
-                                     ("a fused step's attention -> gate/up ones (o_flags)", o_flags),
-                                     ("the QKV -> attention ones (qkv_flags)", qkv_flags)) if on]
-    if flagged:
-        barriers += "; flagged words instead: " + " and ".join(flagged)
+    barriers = (f"{plan.barriers_per_step} grid barriers per step ({plan.barriers_per_step - d.layers} where the "
+                "context fits MIN_CHUNK: fused_o)" if fused_o else f"{plan.barriers_per_step} grid barriers per step")
     w(f"Bucket: batch {plan.batch}, KV capacity {plan.capacity}. Grid {plan.ctas} x {plan.threads} threads, "
       f"{barriers}.")
     if self_contained:
@@ -688,12 +637,6 @@ def _header(w: _Writer, plan: Plan, plan_hash: str, arguments: list[str], self_c
         geometry = fused_geometry(plan)
         consts.update({"FUSED_O_BLOCKS": geometry.blocks, "FUSED_O_BLOCK_ROWS": geometry.block_rows,
                        "FUSED_KV_SMEM": fused_kv_smem, "FUSED_MMA": fused_mma})
-    if act_flags:
-        consts["ACT_FLAGS"] = True
-    if fused_o:
-        consts.update({"O_FLAGS": o_flags, "QKV_FLAGS": qkv_flags})
-    if fused_o or act_flags:
-        consts["FLAG_BACKOFF"] = flag_backoff  # SM clocks between poll rounds of flagged words
     for name, value in consts.items():
         w(f"{name} = {value}")
     if fused_o:
@@ -765,8 +708,6 @@ def _stage(w: _Writer, plan: Plan, stage: Stage, indent: int, layer_var, clocks:
                         options.mma_attention, options.mma_schedule)
     if fused:
         calls = _fused_o_calls(plan, stage, calls)
-    flags_meet = options.act_flags and stage.scope == "layer" and stage.name == GATE_UP
-    calls = _flags_calls(plan, stage, calls, options)
     previous = next((s for s in plan.stages if s.index == stage.index - 1), None)
     if options.spread_merge and previous is not None and previous.kind == "attention" and kv_splits(plan):
         w(f"bodies.split_kv_counts_reset({ATTN_COUNT}, cta, tidx, BATCH * N_KV_HEADS * HEAD_SLICES, THREADS)",
@@ -783,17 +724,7 @@ def _stage(w: _Writer, plan: Plan, stage: Stage, indent: int, layer_var, clocks:
         following = next((s for s in plan.stages if s.index == stage.index + 1), None)
         if fused and following is not None and following.kind == "attention":
             assert not reads, reads  # split-KV plans have no attention preload (plan.build_plan refuses it)
-            if options.qkv_flags:  # every step's attention polls its group's qkv words instead of meeting the grid
-                _write_fused_o_loads(w, before, indent)
-                w.end()
-                return
             _write_fused_o_loads(w, [options.arrival] + before, indent)
-        elif flags_meet:  # no grid barrier: the down stage's staging polls the words (codegen.act_flags)
-            assert not reads, reads
-            for call in before:
-                w(call, indent)
-            w.end()
-            return
         else:
             for call in reads + ([options.arrival] if options.arrival else []) + [c for c in before if c not in reads]:
                 w(call, indent)
@@ -802,73 +733,6 @@ def _stage(w: _Writer, plan: Plan, stage: Stage, indent: int, layer_var, clocks:
         w(options.barrier, indent)
         clock()
     w.end()
-
-
-# ------------------------------------------------------------------------------ act_flags builds (codegen.act_flags)
-def _act_buffer(plan: Plan) -> str:
-    """The buffer the gate/up GEMV's gated write fills (the down stage's input)."""
-    return spec_of(next(s for s in plan.stages if s.scope == "layer" and s.name == GATE_UP), plan).gemv.out
-
-
-def _flags_calls(plan: Plan, stage: Stage, calls: list[tuple[str, str]],
-                 options: BuildOptions) -> list[tuple[str, str]]:
-    """The body calls a flagged build (``act_flags`` / ``o_flags`` / ``qkv_flags``, :mod:`megabake.codegen.act_flags`)
-    changes: the QKV GEMV writes flagged words (``qkv_flags``); the gate/up GEMV writes flagged activation words into
-    this layer's half of its buffer (``act_now``) and the down stage polls them there (``act_flags``); the prologue
-    unsets the first layer's words, and each layer's down stage, once its staging is through, the next layer's
-    (:func:`_flags_resets`)."""
-    flags = options.act_flags or options.o_flags or options.qkv_flags
-    if not flags:
-        return calls
-    if stage.scope == "prologue" and stage.index == min(s.index for s in plan.stages if s.scope == "prologue"):
-        return calls + _flags_resets(plan, options, "first")
-    if stage.scope != "layer":
-        return calls
-    if stage.name == "norm_qkv" and options.qkv_flags:
-        return [calls[0], _flagged_gemv(plan, stage, calls[1], spec_of(stage, plan).gemv.out)] + calls[2:]
-    if stage.name == GATE_UP and options.act_flags:
-        return [calls[0], _flagged_gemv(plan, stage, calls[1], "act_now")] + calls[2:]
-    if stage.name == DOWN:
-        staging = calls[0]
-        if options.act_flags:
-            assert staging[0] == "copy_to_smem", calls  # act_flags_refusal: the down stage copies the gated words
-            staging = ("act_flags_to_smem",
-                       "bodies.act_flags_to_smem(act_now, s_vec, tidx, BATCH, INTER, THREADS, FLAG_BACKOFF)")
-        return [staging] + _flags_resets(plan, options, "next") + calls[1:]
-    return calls
-
-
-def _flagged_gemv(plan: Plan, stage: Stage, call: tuple[str, str], out: str) -> tuple[str, str]:
-    """A layer GEMV stage's streamed GEMV call (``call``, as the default build writes it) writing flagged words
-    into ``out`` (the refusals ask for the streamed ring on rows)."""
-    assert call[0] == "gemv_rows_streamed", call
-    spec = spec_of(stage, plan)
-    gemv = spec.gemv
-    rows, cols = DIMENSION_CONSTANTS[gemv.rows], DIMENSION_CONSTANTS[gemv.cols]
-    gated = GATED_ACT_CODES[plan.dims.act] if gemv.gated else 0
-    flagged = _gemv(f"{gemv.weight}[layer, None, None]", out, rows, cols, stage, gemv.accumulate,
-                    plan.bias_of(stage.name), gated, flagged=True)
-    assert flagged.replace(f", {out}, ", f", {gemv.out}, ").removesuffix(", True)") + ", False)" == call[1], \
-        (flagged, call)
-    return call[0], flagged
-
-
-def _flags_resets(plan: Plan, options: BuildOptions, layer: str) -> list[tuple[str, str]]:
-    """``bodies.flags_reset`` calls that unset the flagged words of the ``"first"`` layer (in the prologue) or of the
-    ``"next"`` one (in a layer's down stage, after its staging; nothing after the last layer): that layer's half of
-    the gate/up buffer, ``o_part``, ``qkv``. Each time their last readers are behind a grid barrier or, in the down
-    stage of an ``act_flags`` build, behind every CTA's release of its activation words (codegen.act_flags)."""
-    active = "1" if layer == "first" else "cutlass.min(LAYERS - 1 - layer, 1)"
-    resets = []
-    if options.act_flags:
-        words = "act_next" if layer == "next" else _act_buffer(plan)  # the prologue: both halves
-        cols = "INTER" if layer == "next" else "2 * INTER"
-        resets.append(f"bodies.flags_reset({words}, cta, tidx, {active}, BATCH, {cols}, CTAS, THREADS)")
-    if options.o_flags:
-        resets.append(f"bodies.flags_reset(o_part, cta, tidx, {active}, N_KV_HEADS, HIDDEN, CTAS, THREADS)")
-    if options.qkv_flags:
-        resets.append(f"bodies.flags_reset(qkv, cta, tidx, {active}, BATCH, QKV_ROWS, CTAS, THREADS)")
-    return [("flags_reset", call) for call in resets]
 
 
 # ------------------------------------------------------------------------------ fused_o builds (codegen.fused)
@@ -904,7 +768,7 @@ def _fused_o_calls(plan: Plan, stage: Stage, calls: list[tuple[str, str]]) -> li
         slot = norm_slot(spec_of(stage, plan).vector.norm_role, plan)
         staging = ("rmsnorm_partials_to_smem",
                    f"bodies.rmsnorm_partials_to_smem(x, o_mid, o_part, norms[layer, {slot}, None], s_vec, s_red, cta, "
-                   "tidx, fo, N_KV_HEADS, HIDDEN, CTAS, THREADS, EPS, O_FLAGS, FLAG_BACKOFF)")
+                   "tidx, fo, N_KV_HEADS, HIDDEN, CTAS, THREADS, EPS)")
         return [staging] + calls[1:]
     if stage.name == "down_residual":
         spec = spec_of(stage, plan)
@@ -931,13 +795,9 @@ def _fused_attention_stages(w: _Writer, plan: Plan, attention: Stage, indent: in
                   f"pos, {_first_key(plan)}, s_att, cta, "
                   f"tidx, N_HEADS, N_KV_HEADS, HEAD_DIM, THREADS, ATTN_SCALE, {plan.has_head_norms}, EPS, ATT_UNROLL, "
                   f"{'ROTARY_DIM' if plan.dims.rotary_dim else 'HEAD_DIM'}, {plan.dims.whole_qk_norm}, KV_PIPELINE, "
-                  "FUSED_MMA, HIDDEN, FUSED_O_BLOCKS, FUSED_O_BLOCK_ROWS, MIN_CHUNK, FUSED_KV_SMEM, O_FLAGS, "
-                  "QKV_FLAGS, FLAG_BACKOFF)")
+                  "FUSED_MMA, HIDDEN, FUSED_O_BLOCKS, FUSED_O_BLOCK_ROWS, MIN_CHUNK, FUSED_KV_SMEM)")
     body, call = _body_calls(plan, attention, options.merge_preload, options.spread_merge, options.fold_splits,
                              options.mma_attention, options.mma_schedule)[0]
-    if options.qkv_flags:  # a split step's items poll their group's qkv words too (no grid barrier after QKV)
-        assert body == "split_kv_attention" and call.endswith(")"), call
-        call = call[:-1] + ", poll_qkv=QKV_FLAGS, backoff=FLAG_BACKOFF)"
     w("if fo == 1:", indent)
     w.begin(_entry(plan, attention, layer_var, "body_call", "layer[*].attention.fused_attention_o"))
     w(fused_call, indent + 1)
@@ -946,11 +806,8 @@ def _fused_attention_stages(w: _Writer, plan: Plan, attention: Stage, indent: in
     w.begin(_entry(plan, attention, layer_var, "body_call", f"layer[*].attention.{body}"))
     w(call, indent + 1)
     w.end()
-    if not options.o_flags:  # o_flags: a fused step meets no grid barrier here (its o_part words are flagged)
-        w(options.arrival, indent)
+    w(options.arrival, indent)
     w("if fo == 0:", indent)
-    if options.o_flags:
-        w(options.arrival, indent + 1)
     for call in _before_barrier_calls(plan, attention, options.kv_prefetch, options.kv_prefetch_l1,
                                       options.prefetch_bytes, options.kv_prefetch_rows, options.mma_schedule):
         w(call, indent + 1)
@@ -967,11 +824,7 @@ def _fused_attention_stages(w: _Writer, plan: Plan, attention: Stage, indent: in
     for call in _before_barrier_calls(plan, o_stage, options.kv_prefetch, options.kv_prefetch_l1,
                                       options.prefetch_bytes, options.kv_prefetch_rows, options.mma_schedule):
         w(call, indent)
-    if options.o_flags:  # a fused step polls the o_part words in the gate/up staging instead
-        w("if fo == 0:", indent)
-        w(options.barrier, indent + 1)
-    else:
-        w(options.barrier, indent)
+    w(options.barrier, indent)
     w.end()
 
 
@@ -1000,7 +853,7 @@ def _phase_timed_stages(w: _Writer, plan: Plan, prologue: list[Stage], per_layer
 
 
 def _gemv(weight: str, out: str, rows: str, cols: str, stage: Stage, accumulate: bool, bias: str | None = None,
-          gated: int = 0, bias_row: str | None = None, flagged: bool = False) -> str:
+          gated: int = 0, bias_row: str | None = None) -> str:
     if stage.tiling.mma:
         bias_arg = f"{bias}[layer, None]" if bias else out  # out: an unused stand-in when there is no bias
         part = "s_part" if stage.tiling.mma > 1 else "s_att"  # s_att: an unused stand-in when nothing splits
@@ -1014,7 +867,7 @@ def _gemv(weight: str, out: str, rows: str, cols: str, stage: Stage, accumulate:
         bias, bias_arg = bias_row, bias_row
     if stage.tiling.stages:  # the cp.async ring; gated: the gate/up stage's gated write (+ringS+gated)
         return (f"bodies.gemv_rows_streamed({weight}, {_RING}, {bias_arg}, s_vec, {args}, {bool(bias)}, "
-                f"{stage.tiling.stages}, {stage.tiling.preload}, {gated}, {flagged})")
+                f"{stage.tiling.stages}, {stage.tiling.preload}, {gated})")
     if stage.tiling.pipeline:
         pre = f"pre_{stage.name}" if stage.tiling.preload else out  # out: unused unless preloaded
         return (f"bodies.gemv_rows_pipelined({weight}, {pre}, {bias_arg}, s_vec, {args}, {bool(bias)}, "

@@ -83,31 +83,19 @@ def _gemv_write(acc: cute.Tensor, out: cute.Tensor, bias: cute.Tensor, tile: Int
     act(gate) * up once at ``out[b, i]`` (:func:`_gemv_write_gated`): the down stage copies that row instead
     of evaluating the activation in every CTA (``accumulate`` is unused: the gate/up output is written)."""
     if cutlass.const_expr(act):
-        _gemv_write_gated(acc, out, bias, tile, lane, rows, batch, per_tile, has_bias, act, False)
+        _gemv_write_gated(acc, out, bias, tile, lane, rows, batch, per_tile, has_bias, act)
     else:
-        _gemv_write_rows(acc, out, bias, tile, lane, rows, batch, per_tile, accumulate, has_bias, False)
-
-
-@cute.jit
-def _gemv_write_rows(acc: cute.Tensor, out: cute.Tensor, bias: cute.Tensor, tile: Int32, lane: Int32,
-                     rows: cutlass.Constexpr[int], batch: cutlass.Constexpr[int], per_tile: cutlass.Constexpr[int],
-                     accumulate: cutlass.Constexpr[bool], has_bias: cutlass.Constexpr[bool],
-                     relaxed: cutlass.Constexpr[bool]):
-    """:func:`_gemv_write`'s plain (not gated) write; ``relaxed`` (not accumulating): each output word is a
-    ``st.relaxed.gpu``, the flag a ``qkv_flags`` build's fused attention polls (:func:`_poll_group_qkv`)."""
-    for r in cutlass.range_constexpr(per_tile):
-        row = tile * per_tile + r
-        for b in cutlass.range_constexpr(batch):
-            total = cute.arch.warp_reduction_sum(acc[r * batch + b])
-            if lane == 0 and row < rows:
-                if cutlass.const_expr(has_bias):
-                    total = total + bias[row]
-                if cutlass.const_expr(relaxed):
-                    cute.arch.store((out[b, None].iterator + row).llvm_ptr, total, sem="relaxed", scope="gpu")
-                elif cutlass.const_expr(accumulate):
-                    out[b, row] = out[b, row] + total
-                else:
-                    out[b, row] = total
+        for r in cutlass.range_constexpr(per_tile):
+            row = tile * per_tile + r
+            for b in cutlass.range_constexpr(batch):
+                total = cute.arch.warp_reduction_sum(acc[r * batch + b])
+                if lane == 0 and row < rows:
+                    if cutlass.const_expr(has_bias):
+                        total = total + bias[row]
+                    if cutlass.const_expr(accumulate):
+                        out[b, row] = out[b, row] + total
+                    else:
+                        out[b, row] = total
 
 
 def preload_groups(cols: int, unroll: int) -> int:
@@ -328,7 +316,7 @@ def gemv_rows_streamed(weight: cute.Tensor, ring: cute.Tensor, bias: cute.Tensor
                        per_tile: cutlass.Constexpr[int], accumulate: cutlass.Constexpr[bool],
                        unroll: cutlass.Constexpr[int], has_bias: cutlass.Constexpr[bool],
                        stages: cutlass.Constexpr[int], prefilled: cutlass.Constexpr[bool],
-                       act: cutlass.Constexpr[int], flagged: cutlass.Constexpr[bool]):
+                       act: cutlass.Constexpr[int]):
     """:func:`gemv_rows` streaming its weights through this warp's shared-memory ring ``ring`` ([stages,
     vectors, 32 lanes, 8]): cp.async keeps ``stages - 1`` chunks (the next tiles' included) in flight while
     the warp reduces the current one, without holding registers for them.
@@ -340,11 +328,7 @@ def gemv_rows_streamed(weight: cute.Tensor, ring: cute.Tensor, bias: cute.Tensor
     the writes are those of :func:`gemv_rows_pipelined`: results are bit-identical to :func:`gemv_rows`.
     With ``prefilled``, :func:`gemv_ring_prefill` already copied (and committed) the first ``stages - 1``
     chunks before the barrier that precedes this stage. A non-zero ``act`` is the gated write (tiling
-    ``+ringS+gated``, :func:`_gemv_write`); with ``flagged`` too (``generate(plan, act_flags=True)``) its words
-    are relaxed stores that the down stage polls (:func:`act_flags_to_smem`), the warp's first one after a
-    ``fence.acq_rel.gpu`` by lane 0 (release: its CTA's staging, reads of x and writes of o_mid, before it).
-    ``flagged`` without ``act`` (the QKV projection of a ``qkv_flags`` build) writes each output word with a
-    relaxed store, no fence (:func:`_gemv_write_rows`, ``relaxed``; not accumulating).
+    ``+ringS+gated``, :func:`_gemv_write`).
     """
     tiles = (rows + per_tile - 1) // per_tile
     chunk = WARP * unroll
@@ -372,17 +356,8 @@ def gemv_rows_streamed(weight: cute.Tensor, ring: cute.Tensor, bias: cute.Tensor
             elif kv < kvecs:  # the partial last chunk of a tile
                 _gemv_chunk_ring(ring, slot, s_vec, acc, u, kv, lane, batch, per_tile, unroll)
         if c == chunks - 1:
-            if cutlass.const_expr(flagged and act != 0):
-                if step < chunks and lane == 0:
-                    cute.arch.fence_acq_rel_gpu()  # release before this warp's first flagged word
-                _gemv_write_gated(acc, out, bias, gwarp + step // chunks * total_warps, lane, rows, batch,
-                                  per_tile, has_bias, act, True)
-            elif cutlass.const_expr(flagged):
-                _gemv_write_rows(acc, out, bias, gwarp + step // chunks * total_warps, lane, rows, batch,
-                                 per_tile, False, has_bias, True)
-            else:
-                _gemv_write(acc, out, bias, gwarp + step // chunks * total_warps, lane, rows, batch, per_tile,
-                            accumulate, has_bias, act)
+            _gemv_write(acc, out, bias, gwarp + step // chunks * total_warps, lane, rows, batch, per_tile,
+                        accumulate, has_bias, act)
             for i in cutlass.range_constexpr(per_tile * batch):
                 acc[i] = Float32(0.0)
     cute.arch.cp_async_wait_group(0)  # nothing in flight into the ring when the next GEMV stage refills it
@@ -424,11 +399,9 @@ def gemv_rows_gated(weight: cute.Tensor, bias: cute.Tensor, s_vec: cute.Tensor, 
 @cute.jit
 def _gemv_write_gated(acc: cute.Tensor, out: cute.Tensor, bias: cute.Tensor, tile: Int32, lane: Int32,
                       rows: cutlass.Constexpr[int], batch: cutlass.Constexpr[int], per_tile: cutlass.Constexpr[int],
-                      has_bias: cutlass.Constexpr[bool], act: cutlass.Constexpr[int],
-                      relaxed: cutlass.Constexpr[bool]):
+                      has_bias: cutlass.Constexpr[bool], act: cutlass.Constexpr[int]):
     """Warp-reduce each (gate, up) row pair of the tile; lane 0 adds the biases and writes act(gate) * up at the
-    pair's index (``act``: ``plan.stages.GATED_ACT_CODES``, :func:`_gated_act`); ``relaxed``: as a
-    ``st.relaxed.gpu``, the flag :func:`act_flags_to_smem` polls for (``act_flags``)."""
+    pair's index (``act``: ``plan.stages.GATED_ACT_CODES``, :func:`_gated_act`)."""
     for r in cutlass.range_constexpr(per_tile // 2):
         row = tile * per_tile + 2 * r
         for b in cutlass.range_constexpr(batch):
@@ -438,11 +411,7 @@ def _gemv_write_gated(acc: cute.Tensor, out: cute.Tensor, bias: cute.Tensor, til
                 if cutlass.const_expr(has_bias):
                     gate = gate + bias[row]
                     up = up + bias[row + 1]
-                if cutlass.const_expr(relaxed):
-                    cute.arch.store((out[b, None].iterator + row // 2).llvm_ptr, _gated_act(gate, up, act),
-                                    sem="relaxed", scope="gpu")
-                else:
-                    out[b, row // 2] = _gated_act(gate, up, act)
+                out[b, row // 2] = _gated_act(gate, up, act)
 
 
 @cute.jit

@@ -12,7 +12,6 @@ from cutlass import Float32, Int32, Int64
 
 from .common import VEC, WARP
 from .staging import F32_VEC, _f32_vec, _stage_store, copy_to_smem
-from .sync import FLAG_UNSET, flags_backoff
 
 
 # ------------------------------------------------------------------------------ split-KV (flash) decoding
@@ -463,8 +462,7 @@ def split_kv_attention(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Te
                        spread_merge: cutlass.Constexpr[bool], head_slices: cutlass.Constexpr[int],
                        long_slices: cutlass.Constexpr[bool], kv_pipeline: cutlass.Constexpr[bool],
                        merge_above: cutlass.Constexpr[int] = 1, mma_attention: cutlass.Constexpr[bool] = False,
-                       mma_slices: cutlass.Constexpr[int] = 0, poll_qkv: cutlass.Constexpr[bool] = False,
-                       backoff: cutlass.Constexpr[int] = 0):
+                       mma_slices: cutlass.Constexpr[int] = 0):
     """Flash decoding: RoPE + KV append + attention over positions [first_key, pos], the cached keys split across
     CTAs (``first_key`` is 0, or where the layer's sliding window starts). ``merge_preload``: the merging item
     loads its first partials at once (:func:`_merge_splits`). ``spread_merge``: every active item of a group
@@ -474,9 +472,7 @@ def split_kv_attention(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Te
     default since session 24) they only store their partials, and the next stage's staging merges them
     (:func:`merge_splits_to_smem`). ``mma_attention`` (a candidate): items of 2-8 query heads of 64 or 128 dims
     score and sum their keys on the tensor cores (:func:`_mma_softmax_chunk`); ``mma_slices`` deals with them in
-    mind (:func:`split_schedule`). ``poll_qkv`` (``qkv_flags``, batch 1: no grid barrier after the QKV projection
-    of a split step either): each active item first polls its KV group's words of ``qkv`` (:func:`_poll_group_qkv`,
-    ``backoff`` SM clocks between rounds).
+    mind (:func:`split_schedule`).
 
     Work items are (split, batch, KV head), split-major, dealt to CTAs. At this step the ``pos + 1 - first_key``
     visible positions are cut into ``active`` chunks of ``chunk`` positions (at least ``min_chunk``, which is the
@@ -495,7 +491,7 @@ def split_kv_attention(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Te
         _split_kv_items(qkv, qk_norm, rope_cos, rope_sin, k_cache, v_cache, attn, part, counts, pos, first_key,
                         chunk, active, s_att, cta, tidx, batch, n_heads, n_kv_heads, head_dim, ctas, threads, scale,
                         has_qk_norm, eps, splits, unroll, rotary_dim, whole_qk_norm, merge_preload, spread_merge,
-                        group, 1, kv_pipeline, merge_above, mma_attention, poll_qkv, backoff)
+                        group, 1, kv_pipeline, merge_above, mma_attention)
     else:
         for s in cutlass.range_constexpr(1, head_slices + 1):
             if cutlass.const_expr(head_slices % s == 0 and (long_slices or s == 1 or s == head_slices)):
@@ -504,7 +500,7 @@ def split_kv_attention(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Te
                                     first_key, chunk, active, s_att, cta, tidx, batch, n_heads, n_kv_heads,
                                     head_dim, ctas, threads, scale, has_qk_norm, eps, splits, unroll, rotary_dim,
                                     whole_qk_norm, merge_preload, spread_merge, group // s, s, kv_pipeline,
-                                    merge_above, mma_attention, poll_qkv, backoff)
+                                    merge_above, mma_attention)
 
 
 def _item_scratch(s_att: cute.Tensor, heads: int, head_dim: int, warps: int):
@@ -623,15 +619,13 @@ def _split_kv_items(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Tenso
                     merge_preload: cutlass.Constexpr[bool], spread_merge: cutlass.Constexpr[bool],
                     heads: cutlass.Constexpr[int], slices: cutlass.Constexpr[int],
                     kv_pipeline: cutlass.Constexpr[bool], merge_above: cutlass.Constexpr[int],
-                    mma_attention: cutlass.Constexpr[bool], poll_qkv: cutlass.Constexpr[bool],
-                    backoff: cutlass.Constexpr[int]):
+                    mma_attention: cutlass.Constexpr[bool]):
     """This CTA's work items of :func:`split_kv_attention` at this step, ``slices`` head slices of ``heads`` query
     heads each per (split, batch, KV head) (1 slice: the whole group). Item ``i`` is split ``i // (groups x
     slices)``, then (batch, KV head, slice); the ``heads`` query heads of a slice are a "virtual KV group" of
     their own: partials, merge and arrival counter (``counts[(batch x kv_heads + kv head) x slices + slice]``).
 
-    An active item (with ``poll_qkv`` once its KV group's qkv words are written: :func:`_poll_group_qkv`) ropes its
-    heads' queries, scores every cached key row of its chunk once for all of them (GQA
+    An active item ropes its heads' queries, scores every cached key row of its chunk once for all of them (GQA
     packing), keeps an online softmax (max, sum, accumulator) per head and lane group, and merges them across
     lane groups (shuffles) and warps (shared memory). With one active split it writes the normalised output;
     otherwise it stores its partial (acc, max, sum) in ``part[b, head, split, :]``, and the last item of its
@@ -659,8 +653,6 @@ def _split_kv_items(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Tenso
             vkvh = vg - b * n_kv_heads * slices  # kvh x slices + slice: the slice's heads start at vkvh x heads
             start = first_key + split * chunk
             end = cutlass.min(start + chunk, n)
-            if cutlass.const_expr(poll_qkv):
-                _poll_group_qkv(qkv, kvh, tidx, n_heads, n_kv_heads, head_dim, threads, backoff)
             _item_warp_partials(qkv, qk_norm, rope_cos, rope_sin, k_cache, v_cache, s_att, b, kvh, vkvh, pos, start,
                                 end, tidx, n_heads, n_kv_heads, head_dim, threads, scale, has_qk_norm, eps, unroll,
                                 rotary_dim, whole_qk_norm, heads, kv_pipeline, mma_attention,
@@ -1019,41 +1011,6 @@ def _fused_kv_views(s_ring: cute.Tensor, offset: int, kv_rows: int, head_dim: in
     return s_keys, s_values
 
 
-@cute.jit
-def _poll_group_qkv(qkv: cute.Tensor, group: Int32, tidx: Int32, n_heads: cutlass.Constexpr[int],
-                    n_kv_heads: cutlass.Constexpr[int], head_dim: cutlass.Constexpr[int],
-                    threads: cutlass.Constexpr[int], backoff: cutlass.Constexpr[int]):
-    """Wait until KV group ``group``'s words of this step's projection are written (``qkv_flags``: no grid barrier
-    after a fused step's QKV GEMV): its query heads' rows, its key row and its value row of ``qkv`` (batch 1), polled
-    with relaxed gpu-scope loads until none reads FLAG_UNSET; then ``fence.acq_rel.gpu`` (no stale L1 line of them
-    for the plain loads that follow) and ``bar.sync``; ``backoff`` SM clocks between poll rounds."""
-    heads = n_heads // n_kv_heads
-    q_words = heads * head_dim
-    total = (heads + 2) * head_dim
-    slots = (total + threads - 1) // threads
-    bits = cute.recast_tensor(qkv, Int32)
-    missing = Int32(1)
-    while missing > 0:
-        missing = Int32(0)
-        values = []
-        for j in cutlass.range_constexpr(slots):
-            i = cutlass.min(tidx + j * threads, total - 1)
-            column = group * q_words + i  # a query row of the group's heads
-            if i >= q_words + head_dim:  # its value row
-                column = n_heads * head_dim + n_kv_heads * head_dim + group * head_dim + i - q_words - head_dim
-            elif i >= q_words:  # its key row
-                column = n_heads * head_dim + group * head_dim + i - q_words
-            values.append(cute.arch.load((bits[0, None].iterator + column).llvm_ptr, Int32, sem="relaxed",
-                                         scope="gpu"))
-        for j in cutlass.range_constexpr(slots):
-            if values[j] == FLAG_UNSET:
-                missing = missing + 1
-        if missing > 0:
-            flags_backoff(backoff)
-    cute.arch.fence_acq_rel_gpu()
-    cute.arch.sync_threads()
-
-
 FUSED_O_ROWS = 4  # W_O rows a warp reduces at once in fused_attention_o (independent sums in flight)
 
 
@@ -1069,17 +1026,12 @@ def fused_attention_o(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Ten
                       kv_pipeline: cutlass.Constexpr[bool], mma_attention: cutlass.Constexpr[bool],
                       hidden: cutlass.Constexpr[int], blocks: cutlass.Constexpr[int],
                       block_rows: cutlass.Constexpr[int], kv_rows: cutlass.Constexpr[int],
-                      kv_smem: cutlass.Constexpr[bool], flagged: cutlass.Constexpr[bool],
-                      poll_qkv: cutlass.Constexpr[bool], backoff: cutlass.Constexpr[int]):
+                      kv_smem: cutlass.Constexpr[bool]):
     """A fused step's attention and O projection (batch 1; module comment above :func:`fused_o_step`): this CTA's
     KV group over positions [first_key, pos] (this step's key and value appended, by every CTA of the group, the
     same bits), normalised into ``s_q``, then ``o_part[group, r] = sum_c W_O[r, c] * attention[c]`` over the
     group's columns for the rows of its block, from the block :func:`fused_o_load` put in shared memory. With
-    ``kv_smem`` the group's cached rows are scored from shared memory too (no window: they start at 0). With
-    ``flagged`` (``generate(plan, o_flags=True)``) each ``o_part`` word is a relaxed store that the next stage's
-    staging polls (:func:`rmsnorm_partials_to_smem`) instead of meeting the grid. With ``poll_qkv``
-    (``qkv_flags``: no grid barrier after the QKV projection of a fused step) it first polls its group's words of
-    ``qkv`` (:func:`_poll_group_qkv`)."""
+    ``kv_smem`` the group's cached rows are scored from shared memory too (no window: they start at 0)."""
     warps = threads // WARP
     lane = tidx % WARP
     warp = tidx // WARP
@@ -1089,8 +1041,6 @@ def fused_attention_o(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Ten
     group = cta % n_kv_heads
     block = cta // n_kv_heads
     if block < blocks:
-        if cutlass.const_expr(poll_qkv):
-            _poll_group_qkv(qkv, group, tidx, n_heads, n_kv_heads, head_dim, threads, backoff)
         s_keys, s_values = _fused_kv_views(s_ring, block_rows * cols, kv_rows, head_dim)
         if cutlass.const_expr(kv_smem):
             cute.arch.cp_async_wait_group(1)  # the K/V rows (the W_O block, committed after them, may still land)
@@ -1128,11 +1078,7 @@ def fused_attention_o(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Ten
                 total = cute.arch.warp_reduction_sum(sums[k])
                 row = block * block_rows + r0 + k
                 if lane == 0 and r0 + k < block_rows and row < hidden:
-                    if cutlass.const_expr(flagged):
-                        cute.arch.store((o_part[group, None].iterator + row).llvm_ptr, total, sem="relaxed",
-                                        scope="gpu")
-                    else:
-                        o_part[group, row] = total
+                    o_part[group, row] = total
         cute.arch.sync_threads()  # s_q and the W_O block are read: the next stage's ring fill may overwrite them
     else:
         cute.arch.cp_async_wait_group(0)

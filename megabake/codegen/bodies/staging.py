@@ -11,7 +11,6 @@ import cutlass.cute.nvgpu.cpasync as cpasync
 from cutlass import Float32, Int32, Int64
 
 from .common import WARP
-from .sync import FLAG_UNSET, flags_backoff
 
 
 # --------------------------------------------------------------------------------------- embedding
@@ -276,44 +275,15 @@ def residual_norm_to_smem(x: cute.Tensor, delta: cute.Tensor, post_weight: cute.
 
 
 @cute.jit
-def _poll_parts(o_part: cute.Tensor, tidx: Int32, parts: cutlass.Constexpr[int], nvec: cutlass.Constexpr[int],
-                slots: cutlass.Constexpr[int], threads: cutlass.Constexpr[int],
-                backoff: cutlass.Constexpr[int]) -> cute.Tensor:
-    """This thread's 4-float vectors of every ``o_part`` row (vector ``min(tidx + j * threads, nvec - 1)`` of part
-    p at ``p * slots + j``), polled with relaxed gpu-scope loads until none reads the unset bits: an ``o_flags``
-    build's fused attention writes them without a grid barrier after it."""
-    bits = cute.recast_tensor(o_part, Int32)
-    words = cute.make_rmem_tensor(cute.make_layout(parts * slots * F32_VEC), Int32)
-    missing = Int32(1)
-    while missing > 0:
-        missing = Int32(0)
-        for p in cutlass.range_constexpr(parts):
-            for j in cutlass.range_constexpr(slots):
-                base = cutlass.min(tidx + j * threads, nvec - 1) * F32_VEC
-                for e in cutlass.range_constexpr(F32_VEC):
-                    words[(p * slots + j) * F32_VEC + e] = cute.arch.load(
-                        (bits[p, None].iterator + base + e).llvm_ptr, Int32, sem="relaxed", scope="gpu")
-        for k in cutlass.range_constexpr(parts * slots * F32_VEC):
-            if words[k] == FLAG_UNSET:
-                missing = missing + 1
-        if missing > 0:
-            flags_backoff(backoff)
-    return cute.recast_tensor(words, Float32)
-
-
-@cute.jit
 def rmsnorm_partials_to_smem(x: cute.Tensor, o_mid: cute.Tensor, o_part: cute.Tensor, weight: cute.Tensor,
                              s_vec: cute.Tensor, s_red: cute.Tensor, cta: Int32, tidx: Int32, fused: Int32,
                              parts: cutlass.Constexpr[int], hidden: cutlass.Constexpr[int],
                              ctas: cutlass.Constexpr[int], threads: cutlass.Constexpr[int],
-                             eps: cutlass.Constexpr[float], flagged: cutlass.Constexpr[bool],
-                             backoff: cutlass.Constexpr[int]):
+                             eps: cutlass.Constexpr[float]):
     """The staging after a ``fused_o`` build's attention (batch 1): the residual r = x + o_part[0] + ... +
     o_part[parts - 1] (in that order) where ``fused`` is 1, else x; every CTA stages rmsnorm(r) * weight as
     :func:`rmsnorm_to_smem` does, and the CTA that owns each 4-float vector (vector index mod ``ctas``) stores r
-    in ``o_mid``, which the down projection then adds its output to (x itself is still read by other CTAs). With
-    ``flagged`` (``o_flags``: no grid barrier after a fused step's attention) the ``o_part`` words are polled until
-    every one is written (:func:`_poll_parts`, ``backoff`` SM clocks between rounds); the sums are the same."""
+    in ``o_mid``, which the down projection then adds its output to (x itself is still read by other CTAs)."""
     warps = threads // WARP
     lane = tidx % WARP
     warp = tidx // WARP
@@ -323,17 +293,10 @@ def rmsnorm_partials_to_smem(x: cute.Tensor, o_mid: cute.Tensor, o_part: cute.Te
     for j in cutlass.range_constexpr(slots):
         _f32_vec(values, j).store(_f32_vec(x[0, None], cutlass.min(tidx + j * threads, nvec - 1)).load())
     if fused == 1:
-        if cutlass.const_expr(flagged):
-            parts_read = _poll_parts(o_part, tidx, parts, nvec, slots, threads, backoff)
-            for p in cutlass.range_constexpr(parts):
-                for j in cutlass.range_constexpr(slots):
-                    _f32_vec(values, j).store(_f32_vec(values, j).load() + _f32_vec(parts_read, p * slots + j).load())
-        else:
-            for p in cutlass.range_constexpr(parts):
-                for j in cutlass.range_constexpr(slots):
-                    _f32_vec(values, j).store(
-                        _f32_vec(values, j).load() + _f32_vec(o_part[p, None], cutlass.min(tidx + j * threads,
-                                                                                          nvec - 1)).load())
+        for p in cutlass.range_constexpr(parts):
+            for j in cutlass.range_constexpr(slots):
+                _f32_vec(values, j).store(_f32_vec(values, j).load() +
+                                          _f32_vec(o_part[p, None], cutlass.min(tidx + j * threads, nvec - 1)).load())
     scales = []
     for j in cutlass.range_constexpr(slots):
         scales.append(_f32_vec(weight, cutlass.min(tidx + j * threads, nvec - 1)).load())

@@ -50,9 +50,6 @@ FUSED_O_BLOCKS = 64
 FUSED_O_BLOCK_ROWS = 4
 FUSED_KV_SMEM = False
 FUSED_MMA = True
-O_FLAGS = False
-QKV_FLAGS = False
-FLAG_BACKOFF = 0
 # fp32 buffers of a fused_o build beyond the plan's (the runtime allocates them): name -> shape
 EXTRA_BUFFERS = {'o_mid': (1, 256), 'o_part': (2, 256)}
 EPS = 1e-05
@@ -114,7 +111,7 @@ def megakernel(
             weight=w_qkv[layer, None, None], ring=s_ring[tidx // 32, None, None, None, None], bias=qkv, s_vec=s_vec,
             out=qkv, gwarp=swarp, lane=lane, total_warps=TOTAL_WARPS, rows=QKV_ROWS, cols=HIDDEN, batch=BATCH,
             per_tile=ROWS_PER_TILE['norm_qkv'], accumulate=False, unroll=GEMV_UNROLL['norm_qkv'], has_bias=False,
-            stages=4, prefilled=True, act=0, flagged=False)
+            stages=4, prefilled=True, act=0)
         bodies.grid_arrive(barrier=barrier, next_target=bar_next, tidx=tidx, ctas=CTAS)
         bodies.split_kv_prefetch(
             k_cache=k_cache[layer, None, None, None, None], v_cache=v_cache[layer, None, None, None, None], pos=pos,
@@ -144,7 +141,7 @@ def megakernel(
                 n_kv_heads=N_KV_HEADS, head_dim=HEAD_DIM, threads=THREADS, scale=ATTN_SCALE, has_qk_norm=False, eps=EPS,
                 unroll=ATT_UNROLL, rotary_dim=HEAD_DIM, whole_qk_norm=False, kv_pipeline=KV_PIPELINE,
                 mma_attention=FUSED_MMA, hidden=HIDDEN, blocks=FUSED_O_BLOCKS, block_rows=FUSED_O_BLOCK_ROWS,
-                kv_rows=MIN_CHUNK, kv_smem=FUSED_KV_SMEM, flagged=O_FLAGS, poll_qkv=QKV_FLAGS, backoff=FLAG_BACKOFF)
+                kv_rows=MIN_CHUNK, kv_smem=FUSED_KV_SMEM)
         else:
             bodies.split_kv_attention(
                 qkv=qkv, qk_norm=qkv, rope_cos=rope_cos, rope_sin=rope_sin,
@@ -167,7 +164,7 @@ def megakernel(
                 weight=w_o[layer, None, None], ring=s_ring[tidx // 32, None, None, None, None], bias=x, s_vec=s_vec,
                 out=x, gwarp=swarp, lane=lane, total_warps=TOTAL_WARPS, rows=HIDDEN, cols=Q_ROWS, batch=BATCH,
                 per_tile=ROWS_PER_TILE['o_residual'], accumulate=True, unroll=GEMV_UNROLL['o_residual'], has_bias=False,
-                stages=4, prefilled=True, act=0, flagged=False)
+                stages=4, prefilled=True, act=0)
             bodies.grid_arrive(barrier=barrier, next_target=bar_next, tidx=tidx, ctas=CTAS)
         bodies.prefetch_rows(
             weight=w_gate_up[layer, None, None], gwarp=swarp, lane=lane, total_warps=TOTAL_WARPS, rows=1024, cols=256,
@@ -179,13 +176,12 @@ def megakernel(
         # ---- stage 4: norm_gate_up (layer) ----
         bodies.rmsnorm_partials_to_smem(
             x=x, o_mid=o_mid, o_part=o_part, weight=norms[layer, 1, None], s_vec=s_vec, s_red=s_red, cta=cta, tidx=tidx,
-            fused=fo, parts=N_KV_HEADS, hidden=HIDDEN, ctas=CTAS, threads=THREADS, eps=EPS, flagged=O_FLAGS,
-            backoff=FLAG_BACKOFF)
+            fused=fo, parts=N_KV_HEADS, hidden=HIDDEN, ctas=CTAS, threads=THREADS, eps=EPS)
         bodies.gemv_rows_streamed(
             weight=w_gate_up[layer, None, None], ring=s_ring[tidx // 32, None, None, None, None], bias=gate_up,
             s_vec=s_vec, out=gate_up, gwarp=swarp, lane=lane, total_warps=TOTAL_WARPS, rows=2 * INTER, cols=HIDDEN,
             batch=BATCH, per_tile=ROWS_PER_TILE['norm_gate_up'], accumulate=False, unroll=GEMV_UNROLL['norm_gate_up'],
-            has_bias=False, stages=4, prefilled=True, act=1, flagged=False)
+            has_bias=False, stages=4, prefilled=True, act=1)
         bodies.grid_arrive(barrier=barrier, next_target=bar_next, tidx=tidx, ctas=CTAS)
         bodies.prefetch_rows(
             weight=w_down[layer, None, None], gwarp=swarp, lane=lane, total_warps=TOTAL_WARPS, rows=256, cols=512,
@@ -200,7 +196,7 @@ def megakernel(
             weight=w_down[layer, None, None], ring=s_ring[tidx // 32, None, None, None, None], bias=o_mid[0, None],
             s_vec=s_vec, out=x, gwarp=swarp, lane=lane, total_warps=TOTAL_WARPS, rows=HIDDEN, cols=INTER, batch=BATCH,
             per_tile=ROWS_PER_TILE['down_residual'], accumulate=False, unroll=GEMV_UNROLL['down_residual'],
-            has_bias=True, stages=4, prefilled=True, act=0, flagged=False)
+            has_bias=True, stages=4, prefilled=True, act=0)
         bodies.grid_arrive(barrier=barrier, next_target=bar_next, tidx=tidx, ctas=CTAS)
         bodies.prefetch_rows(
             weight=w_qkv[cutlass.min(layer + 1, LAYERS - 1), None, None], gwarp=swarp, lane=lane,
@@ -219,7 +215,7 @@ def megakernel(
         weight=lm_head, ring=s_ring[tidx // 32, None, None, None, None], bias=logits, s_vec=s_vec, out=logits,
         gwarp=swarp, lane=lane, total_warps=TOTAL_WARPS, rows=VOCAB, cols=HIDDEN, batch=BATCH,
         per_tile=ROWS_PER_TILE['norm_lm_head'], accumulate=False, unroll=GEMV_UNROLL['norm_lm_head'], has_bias=False,
-        stages=4, prefilled=False, act=0, flagged=False)
+        stages=4, prefilled=False, act=0)
 
 @cute.jit
 def launch(
@@ -307,26 +303,6 @@ def prefetch_rows(weight: cute.Tensor, gwarp: Int32, lane: Int32, total_warps: c
                     for line in range(lane, lines_per_row, WARP):
                         ptr = weight[row, None].iterator + line * 64
                         cute.arch.prefetch(ptr.llvm_ptr, cache_level="L2")
-
-
-# ------------------------------------------------------------------------------------ flagged words
-# generate(plan, act_flags=True) / o_flags=True / qkv_flags=True (candidates since session 37): a GEMV's or an item's
-# output words and the staging or item that reads them meet through the words themselves instead of a grid barrier. Each word holds FLAG_UNSET
-# until its owner writes its value there (a relaxed store), and the staging polls its words with relaxed loads until
-# none reads FLAG_UNSET (codegen.act_flags says where each edge's ordering comes from and where the words are unset).
-FLAG_UNSET = -1  # int32 bits 0xFFFFFFFF: a negative NaN no arithmetic writes (an sm_90 NaN result is 0x7FFFFFFF)
-
-
-@cute.jit
-def flags_backoff(cycles: cutlass.Constexpr[int]):
-    """Spin ``cycles`` SM clocks without touching memory (after a poll round that found an unset word), so every
-    CTA's polls do not crowd L2 while the last writers still stream their weights (``generate(plan,
-    flag_backoff=N)``, a candidate knob); nothing where 0 (the default)."""
-    if cutlass.const_expr(cycles > 0):
-        start = cute.arch.clock()
-        now = start
-        while now - start < cycles:
-            now = cute.arch.clock()
 
 
 # --------------------------------------------------------------------------------------- embedding
@@ -433,44 +409,15 @@ INV_SQRT2 = 0.7071067811865476
 
 
 @cute.jit
-def _poll_parts(o_part: cute.Tensor, tidx: Int32, parts: cutlass.Constexpr[int], nvec: cutlass.Constexpr[int],
-                slots: cutlass.Constexpr[int], threads: cutlass.Constexpr[int],
-                backoff: cutlass.Constexpr[int]) -> cute.Tensor:
-    """This thread's 4-float vectors of every ``o_part`` row (vector ``min(tidx + j * threads, nvec - 1)`` of part
-    p at ``p * slots + j``), polled with relaxed gpu-scope loads until none reads the unset bits: an ``o_flags``
-    build's fused attention writes them without a grid barrier after it."""
-    bits = cute.recast_tensor(o_part, Int32)
-    words = cute.make_rmem_tensor(cute.make_layout(parts * slots * F32_VEC), Int32)
-    missing = Int32(1)
-    while missing > 0:
-        missing = Int32(0)
-        for p in cutlass.range_constexpr(parts):
-            for j in cutlass.range_constexpr(slots):
-                base = cutlass.min(tidx + j * threads, nvec - 1) * F32_VEC
-                for e in cutlass.range_constexpr(F32_VEC):
-                    words[(p * slots + j) * F32_VEC + e] = cute.arch.load(
-                        (bits[p, None].iterator + base + e).llvm_ptr, Int32, sem="relaxed", scope="gpu")
-        for k in cutlass.range_constexpr(parts * slots * F32_VEC):
-            if words[k] == FLAG_UNSET:
-                missing = missing + 1
-        if missing > 0:
-            flags_backoff(backoff)
-    return cute.recast_tensor(words, Float32)
-
-
-@cute.jit
 def rmsnorm_partials_to_smem(x: cute.Tensor, o_mid: cute.Tensor, o_part: cute.Tensor, weight: cute.Tensor,
                              s_vec: cute.Tensor, s_red: cute.Tensor, cta: Int32, tidx: Int32, fused: Int32,
                              parts: cutlass.Constexpr[int], hidden: cutlass.Constexpr[int],
                              ctas: cutlass.Constexpr[int], threads: cutlass.Constexpr[int],
-                             eps: cutlass.Constexpr[float], flagged: cutlass.Constexpr[bool],
-                             backoff: cutlass.Constexpr[int]):
+                             eps: cutlass.Constexpr[float]):
     """The staging after a ``fused_o`` build's attention (batch 1): the residual r = x + o_part[0] + ... +
     o_part[parts - 1] (in that order) where ``fused`` is 1, else x; every CTA stages rmsnorm(r) * weight as
     :func:`rmsnorm_to_smem` does, and the CTA that owns each 4-float vector (vector index mod ``ctas``) stores r
-    in ``o_mid``, which the down projection then adds its output to (x itself is still read by other CTAs). With
-    ``flagged`` (``o_flags``: no grid barrier after a fused step's attention) the ``o_part`` words are polled until
-    every one is written (:func:`_poll_parts`, ``backoff`` SM clocks between rounds); the sums are the same."""
+    in ``o_mid``, which the down projection then adds its output to (x itself is still read by other CTAs)."""
     warps = threads // WARP
     lane = tidx % WARP
     warp = tidx // WARP
@@ -480,17 +427,10 @@ def rmsnorm_partials_to_smem(x: cute.Tensor, o_mid: cute.Tensor, o_part: cute.Te
     for j in cutlass.range_constexpr(slots):
         _f32_vec(values, j).store(_f32_vec(x[0, None], cutlass.min(tidx + j * threads, nvec - 1)).load())
     if fused == 1:
-        if cutlass.const_expr(flagged):
-            parts_read = _poll_parts(o_part, tidx, parts, nvec, slots, threads, backoff)
-            for p in cutlass.range_constexpr(parts):
-                for j in cutlass.range_constexpr(slots):
-                    _f32_vec(values, j).store(_f32_vec(values, j).load() + _f32_vec(parts_read, p * slots + j).load())
-        else:
-            for p in cutlass.range_constexpr(parts):
-                for j in cutlass.range_constexpr(slots):
-                    _f32_vec(values, j).store(
-                        _f32_vec(values, j).load() + _f32_vec(o_part[p, None], cutlass.min(tidx + j * threads,
-                                                                                          nvec - 1)).load())
+        for p in cutlass.range_constexpr(parts):
+            for j in cutlass.range_constexpr(slots):
+                _f32_vec(values, j).store(_f32_vec(values, j).load() +
+                                          _f32_vec(o_part[p, None], cutlass.min(tidx + j * threads, nvec - 1)).load())
     scales = []
     for j in cutlass.range_constexpr(slots):
         scales.append(_f32_vec(weight, cutlass.min(tidx + j * threads, nvec - 1)).load())
@@ -540,31 +480,19 @@ def _gemv_write(acc: cute.Tensor, out: cute.Tensor, bias: cute.Tensor, tile: Int
     act(gate) * up once at ``out[b, i]`` (:func:`_gemv_write_gated`): the down stage copies that row instead
     of evaluating the activation in every CTA (``accumulate`` is unused: the gate/up output is written)."""
     if cutlass.const_expr(act):
-        _gemv_write_gated(acc, out, bias, tile, lane, rows, batch, per_tile, has_bias, act, False)
+        _gemv_write_gated(acc, out, bias, tile, lane, rows, batch, per_tile, has_bias, act)
     else:
-        _gemv_write_rows(acc, out, bias, tile, lane, rows, batch, per_tile, accumulate, has_bias, False)
-
-
-@cute.jit
-def _gemv_write_rows(acc: cute.Tensor, out: cute.Tensor, bias: cute.Tensor, tile: Int32, lane: Int32,
-                     rows: cutlass.Constexpr[int], batch: cutlass.Constexpr[int], per_tile: cutlass.Constexpr[int],
-                     accumulate: cutlass.Constexpr[bool], has_bias: cutlass.Constexpr[bool],
-                     relaxed: cutlass.Constexpr[bool]):
-    """:func:`_gemv_write`'s plain (not gated) write; ``relaxed`` (not accumulating): each output word is a
-    ``st.relaxed.gpu``, the flag a ``qkv_flags`` build's fused attention polls (:func:`_poll_group_qkv`)."""
-    for r in cutlass.range_constexpr(per_tile):
-        row = tile * per_tile + r
-        for b in cutlass.range_constexpr(batch):
-            total = cute.arch.warp_reduction_sum(acc[r * batch + b])
-            if lane == 0 and row < rows:
-                if cutlass.const_expr(has_bias):
-                    total = total + bias[row]
-                if cutlass.const_expr(relaxed):
-                    cute.arch.store((out[b, None].iterator + row).llvm_ptr, total, sem="relaxed", scope="gpu")
-                elif cutlass.const_expr(accumulate):
-                    out[b, row] = out[b, row] + total
-                else:
-                    out[b, row] = total
+        for r in cutlass.range_constexpr(per_tile):
+            row = tile * per_tile + r
+            for b in cutlass.range_constexpr(batch):
+                total = cute.arch.warp_reduction_sum(acc[r * batch + b])
+                if lane == 0 and row < rows:
+                    if cutlass.const_expr(has_bias):
+                        total = total + bias[row]
+                    if cutlass.const_expr(accumulate):
+                        out[b, row] = out[b, row] + total
+                    else:
+                        out[b, row] = total
 
 
 @cute.jit
@@ -643,7 +571,7 @@ def gemv_rows_streamed(weight: cute.Tensor, ring: cute.Tensor, bias: cute.Tensor
                        per_tile: cutlass.Constexpr[int], accumulate: cutlass.Constexpr[bool],
                        unroll: cutlass.Constexpr[int], has_bias: cutlass.Constexpr[bool],
                        stages: cutlass.Constexpr[int], prefilled: cutlass.Constexpr[bool],
-                       act: cutlass.Constexpr[int], flagged: cutlass.Constexpr[bool]):
+                       act: cutlass.Constexpr[int]):
     """:func:`gemv_rows` streaming its weights through this warp's shared-memory ring ``ring`` ([stages,
     vectors, 32 lanes, 8]): cp.async keeps ``stages - 1`` chunks (the next tiles' included) in flight while
     the warp reduces the current one, without holding registers for them.
@@ -655,11 +583,7 @@ def gemv_rows_streamed(weight: cute.Tensor, ring: cute.Tensor, bias: cute.Tensor
     the writes are those of :func:`gemv_rows_pipelined`: results are bit-identical to :func:`gemv_rows`.
     With ``prefilled``, :func:`gemv_ring_prefill` already copied (and committed) the first ``stages - 1``
     chunks before the barrier that precedes this stage. A non-zero ``act`` is the gated write (tiling
-    ``+ringS+gated``, :func:`_gemv_write`); with ``flagged`` too (``generate(plan, act_flags=True)``) its words
-    are relaxed stores that the down stage polls (:func:`act_flags_to_smem`), the warp's first one after a
-    ``fence.acq_rel.gpu`` by lane 0 (release: its CTA's staging, reads of x and writes of o_mid, before it).
-    ``flagged`` without ``act`` (the QKV projection of a ``qkv_flags`` build) writes each output word with a
-    relaxed store, no fence (:func:`_gemv_write_rows`, ``relaxed``; not accumulating).
+    ``+ringS+gated``, :func:`_gemv_write`).
     """
     tiles = (rows + per_tile - 1) // per_tile
     chunk = WARP * unroll
@@ -687,17 +611,8 @@ def gemv_rows_streamed(weight: cute.Tensor, ring: cute.Tensor, bias: cute.Tensor
             elif kv < kvecs:  # the partial last chunk of a tile
                 _gemv_chunk_ring(ring, slot, s_vec, acc, u, kv, lane, batch, per_tile, unroll)
         if c == chunks - 1:
-            if cutlass.const_expr(flagged and act != 0):
-                if step < chunks and lane == 0:
-                    cute.arch.fence_acq_rel_gpu()  # release before this warp's first flagged word
-                _gemv_write_gated(acc, out, bias, gwarp + step // chunks * total_warps, lane, rows, batch,
-                                  per_tile, has_bias, act, True)
-            elif cutlass.const_expr(flagged):
-                _gemv_write_rows(acc, out, bias, gwarp + step // chunks * total_warps, lane, rows, batch,
-                                 per_tile, False, has_bias, True)
-            else:
-                _gemv_write(acc, out, bias, gwarp + step // chunks * total_warps, lane, rows, batch, per_tile,
-                            accumulate, has_bias, act)
+            _gemv_write(acc, out, bias, gwarp + step // chunks * total_warps, lane, rows, batch, per_tile,
+                        accumulate, has_bias, act)
             for i in cutlass.range_constexpr(per_tile * batch):
                 acc[i] = Float32(0.0)
     cute.arch.cp_async_wait_group(0)  # nothing in flight into the ring when the next GEMV stage refills it
@@ -706,11 +621,9 @@ def gemv_rows_streamed(weight: cute.Tensor, ring: cute.Tensor, bias: cute.Tensor
 @cute.jit
 def _gemv_write_gated(acc: cute.Tensor, out: cute.Tensor, bias: cute.Tensor, tile: Int32, lane: Int32,
                       rows: cutlass.Constexpr[int], batch: cutlass.Constexpr[int], per_tile: cutlass.Constexpr[int],
-                      has_bias: cutlass.Constexpr[bool], act: cutlass.Constexpr[int],
-                      relaxed: cutlass.Constexpr[bool]):
+                      has_bias: cutlass.Constexpr[bool], act: cutlass.Constexpr[int]):
     """Warp-reduce each (gate, up) row pair of the tile; lane 0 adds the biases and writes act(gate) * up at the
-    pair's index (``act``: ``plan.stages.GATED_ACT_CODES``, :func:`_gated_act`); ``relaxed``: as a
-    ``st.relaxed.gpu``, the flag :func:`act_flags_to_smem` polls for (``act_flags``)."""
+    pair's index (``act``: ``plan.stages.GATED_ACT_CODES``, :func:`_gated_act`)."""
     for r in cutlass.range_constexpr(per_tile // 2):
         row = tile * per_tile + 2 * r
         for b in cutlass.range_constexpr(batch):
@@ -720,11 +633,7 @@ def _gemv_write_gated(acc: cute.Tensor, out: cute.Tensor, bias: cute.Tensor, til
                 if cutlass.const_expr(has_bias):
                     gate = gate + bias[row]
                     up = up + bias[row + 1]
-                if cutlass.const_expr(relaxed):
-                    cute.arch.store((out[b, None].iterator + row // 2).llvm_ptr, _gated_act(gate, up, act),
-                                    sem="relaxed", scope="gpu")
-                else:
-                    out[b, row // 2] = _gated_act(gate, up, act)
+                out[b, row // 2] = _gated_act(gate, up, act)
 
 
 @cute.jit
@@ -1187,8 +1096,7 @@ def split_kv_attention(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Te
                        spread_merge: cutlass.Constexpr[bool], head_slices: cutlass.Constexpr[int],
                        long_slices: cutlass.Constexpr[bool], kv_pipeline: cutlass.Constexpr[bool],
                        merge_above: cutlass.Constexpr[int] = 1, mma_attention: cutlass.Constexpr[bool] = False,
-                       mma_slices: cutlass.Constexpr[int] = 0, poll_qkv: cutlass.Constexpr[bool] = False,
-                       backoff: cutlass.Constexpr[int] = 0):
+                       mma_slices: cutlass.Constexpr[int] = 0):
     """Flash decoding: RoPE + KV append + attention over positions [first_key, pos], the cached keys split across
     CTAs (``first_key`` is 0, or where the layer's sliding window starts). ``merge_preload``: the merging item
     loads its first partials at once (:func:`_merge_splits`). ``spread_merge``: every active item of a group
@@ -1198,9 +1106,7 @@ def split_kv_attention(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Te
     default since session 24) they only store their partials, and the next stage's staging merges them
     (:func:`merge_splits_to_smem`). ``mma_attention`` (a candidate): items of 2-8 query heads of 64 or 128 dims
     score and sum their keys on the tensor cores (:func:`_mma_softmax_chunk`); ``mma_slices`` deals with them in
-    mind (:func:`split_schedule`). ``poll_qkv`` (``qkv_flags``, batch 1: no grid barrier after the QKV projection
-    of a split step either): each active item first polls its KV group's words of ``qkv`` (:func:`_poll_group_qkv`,
-    ``backoff`` SM clocks between rounds).
+    mind (:func:`split_schedule`).
 
     Work items are (split, batch, KV head), split-major, dealt to CTAs. At this step the ``pos + 1 - first_key``
     visible positions are cut into ``active`` chunks of ``chunk`` positions (at least ``min_chunk``, which is the
@@ -1219,7 +1125,7 @@ def split_kv_attention(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Te
         _split_kv_items(qkv, qk_norm, rope_cos, rope_sin, k_cache, v_cache, attn, part, counts, pos, first_key,
                         chunk, active, s_att, cta, tidx, batch, n_heads, n_kv_heads, head_dim, ctas, threads, scale,
                         has_qk_norm, eps, splits, unroll, rotary_dim, whole_qk_norm, merge_preload, spread_merge,
-                        group, 1, kv_pipeline, merge_above, mma_attention, poll_qkv, backoff)
+                        group, 1, kv_pipeline, merge_above, mma_attention)
     else:
         for s in cutlass.range_constexpr(1, head_slices + 1):
             if cutlass.const_expr(head_slices % s == 0 and (long_slices or s == 1 or s == head_slices)):
@@ -1228,7 +1134,7 @@ def split_kv_attention(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Te
                                     first_key, chunk, active, s_att, cta, tidx, batch, n_heads, n_kv_heads,
                                     head_dim, ctas, threads, scale, has_qk_norm, eps, splits, unroll, rotary_dim,
                                     whole_qk_norm, merge_preload, spread_merge, group // s, s, kv_pipeline,
-                                    merge_above, mma_attention, poll_qkv, backoff)
+                                    merge_above, mma_attention)
 
 
 def _item_scratch(s_att: cute.Tensor, heads: int, head_dim: int, warps: int):
@@ -1347,15 +1253,13 @@ def _split_kv_items(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Tenso
                     merge_preload: cutlass.Constexpr[bool], spread_merge: cutlass.Constexpr[bool],
                     heads: cutlass.Constexpr[int], slices: cutlass.Constexpr[int],
                     kv_pipeline: cutlass.Constexpr[bool], merge_above: cutlass.Constexpr[int],
-                    mma_attention: cutlass.Constexpr[bool], poll_qkv: cutlass.Constexpr[bool],
-                    backoff: cutlass.Constexpr[int]):
+                    mma_attention: cutlass.Constexpr[bool]):
     """This CTA's work items of :func:`split_kv_attention` at this step, ``slices`` head slices of ``heads`` query
     heads each per (split, batch, KV head) (1 slice: the whole group). Item ``i`` is split ``i // (groups x
     slices)``, then (batch, KV head, slice); the ``heads`` query heads of a slice are a "virtual KV group" of
     their own: partials, merge and arrival counter (``counts[(batch x kv_heads + kv head) x slices + slice]``).
 
-    An active item (with ``poll_qkv`` once its KV group's qkv words are written: :func:`_poll_group_qkv`) ropes its
-    heads' queries, scores every cached key row of its chunk once for all of them (GQA
+    An active item ropes its heads' queries, scores every cached key row of its chunk once for all of them (GQA
     packing), keeps an online softmax (max, sum, accumulator) per head and lane group, and merges them across
     lane groups (shuffles) and warps (shared memory). With one active split it writes the normalised output;
     otherwise it stores its partial (acc, max, sum) in ``part[b, head, split, :]``, and the last item of its
@@ -1383,8 +1287,6 @@ def _split_kv_items(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Tenso
             vkvh = vg - b * n_kv_heads * slices  # kvh x slices + slice: the slice's heads start at vkvh x heads
             start = first_key + split * chunk
             end = cutlass.min(start + chunk, n)
-            if cutlass.const_expr(poll_qkv):
-                _poll_group_qkv(qkv, kvh, tidx, n_heads, n_kv_heads, head_dim, threads, backoff)
             _item_warp_partials(qkv, qk_norm, rope_cos, rope_sin, k_cache, v_cache, s_att, b, kvh, vkvh, pos, start,
                                 end, tidx, n_heads, n_kv_heads, head_dim, threads, scale, has_qk_norm, eps, unroll,
                                 rotary_dim, whole_qk_norm, heads, kv_pipeline, mma_attention,
@@ -1732,41 +1634,6 @@ def _fused_kv_views(s_ring: cute.Tensor, offset: int, kv_rows: int, head_dim: in
     return s_keys, s_values
 
 
-@cute.jit
-def _poll_group_qkv(qkv: cute.Tensor, group: Int32, tidx: Int32, n_heads: cutlass.Constexpr[int],
-                    n_kv_heads: cutlass.Constexpr[int], head_dim: cutlass.Constexpr[int],
-                    threads: cutlass.Constexpr[int], backoff: cutlass.Constexpr[int]):
-    """Wait until KV group ``group``'s words of this step's projection are written (``qkv_flags``: no grid barrier
-    after a fused step's QKV GEMV): its query heads' rows, its key row and its value row of ``qkv`` (batch 1), polled
-    with relaxed gpu-scope loads until none reads FLAG_UNSET; then ``fence.acq_rel.gpu`` (no stale L1 line of them
-    for the plain loads that follow) and ``bar.sync``; ``backoff`` SM clocks between poll rounds."""
-    heads = n_heads // n_kv_heads
-    q_words = heads * head_dim
-    total = (heads + 2) * head_dim
-    slots = (total + threads - 1) // threads
-    bits = cute.recast_tensor(qkv, Int32)
-    missing = Int32(1)
-    while missing > 0:
-        missing = Int32(0)
-        values = []
-        for j in cutlass.range_constexpr(slots):
-            i = cutlass.min(tidx + j * threads, total - 1)
-            column = group * q_words + i  # a query row of the group's heads
-            if i >= q_words + head_dim:  # its value row
-                column = n_heads * head_dim + n_kv_heads * head_dim + group * head_dim + i - q_words - head_dim
-            elif i >= q_words:  # its key row
-                column = n_heads * head_dim + group * head_dim + i - q_words
-            values.append(cute.arch.load((bits[0, None].iterator + column).llvm_ptr, Int32, sem="relaxed",
-                                         scope="gpu"))
-        for j in cutlass.range_constexpr(slots):
-            if values[j] == FLAG_UNSET:
-                missing = missing + 1
-        if missing > 0:
-            flags_backoff(backoff)
-    cute.arch.fence_acq_rel_gpu()
-    cute.arch.sync_threads()
-
-
 FUSED_O_ROWS = 4  # W_O rows a warp reduces at once in fused_attention_o (independent sums in flight)
 
 
@@ -1782,17 +1649,12 @@ def fused_attention_o(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Ten
                       kv_pipeline: cutlass.Constexpr[bool], mma_attention: cutlass.Constexpr[bool],
                       hidden: cutlass.Constexpr[int], blocks: cutlass.Constexpr[int],
                       block_rows: cutlass.Constexpr[int], kv_rows: cutlass.Constexpr[int],
-                      kv_smem: cutlass.Constexpr[bool], flagged: cutlass.Constexpr[bool],
-                      poll_qkv: cutlass.Constexpr[bool], backoff: cutlass.Constexpr[int]):
+                      kv_smem: cutlass.Constexpr[bool]):
     """A fused step's attention and O projection (batch 1; module comment above :func:`fused_o_step`): this CTA's
     KV group over positions [first_key, pos] (this step's key and value appended, by every CTA of the group, the
     same bits), normalised into ``s_q``, then ``o_part[group, r] = sum_c W_O[r, c] * attention[c]`` over the
     group's columns for the rows of its block, from the block :func:`fused_o_load` put in shared memory. With
-    ``kv_smem`` the group's cached rows are scored from shared memory too (no window: they start at 0). With
-    ``flagged`` (``generate(plan, o_flags=True)``) each ``o_part`` word is a relaxed store that the next stage's
-    staging polls (:func:`rmsnorm_partials_to_smem`) instead of meeting the grid. With ``poll_qkv``
-    (``qkv_flags``: no grid barrier after the QKV projection of a fused step) it first polls its group's words of
-    ``qkv`` (:func:`_poll_group_qkv`)."""
+    ``kv_smem`` the group's cached rows are scored from shared memory too (no window: they start at 0)."""
     warps = threads // WARP
     lane = tidx % WARP
     warp = tidx // WARP
@@ -1802,8 +1664,6 @@ def fused_attention_o(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Ten
     group = cta % n_kv_heads
     block = cta // n_kv_heads
     if block < blocks:
-        if cutlass.const_expr(poll_qkv):
-            _poll_group_qkv(qkv, group, tidx, n_heads, n_kv_heads, head_dim, threads, backoff)
         s_keys, s_values = _fused_kv_views(s_ring, block_rows * cols, kv_rows, head_dim)
         if cutlass.const_expr(kv_smem):
             cute.arch.cp_async_wait_group(1)  # the K/V rows (the W_O block, committed after them, may still land)
@@ -1841,11 +1701,7 @@ def fused_attention_o(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Ten
                 total = cute.arch.warp_reduction_sum(sums[k])
                 row = block * block_rows + r0 + k
                 if lane == 0 and r0 + k < block_rows and row < hidden:
-                    if cutlass.const_expr(flagged):
-                        cute.arch.store((o_part[group, None].iterator + row).llvm_ptr, total, sem="relaxed",
-                                        scope="gpu")
-                    else:
-                        o_part[group, row] = total
+                    o_part[group, row] = total
         cute.arch.sync_threads()  # s_q and the W_O block are read: the next stage's ring fill may overwrite them
     else:
         cute.arch.cp_async_wait_group(0)
