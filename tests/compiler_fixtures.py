@@ -79,11 +79,16 @@ def body_calls(source: str, body: str) -> list[dict[str, str]]:
     return calls
 
 
+# Relative L2 from fp32 that a batch-1 build's fused short-context steps may add where their KV groups run on the
+# tensor cores (``decoder.fused_mma``: bf16 query and probabilities; ~5e-4 to 1.6e-3 on random weights).
+FUSED_MMA_TOLERANCE = 5e-3
+
+
 def assert_prefill_then_decode_matches_full_forward(compiled, prompt: int, total: int, seed: int) -> None:
     """Reference-backend decoder: prefill ``prompt`` random tokens, then decode up to ``total``; each step's logits
-    against the eager model's full-sequence forward (prefill rel-L2 < 1e-5, steps < 1e-4, or 5e-3 where the
-    module's fused short-context steps score whole KV groups on the tensor cores: ``decoder.fused_mma``, bf16
-    query and probabilities)."""
+    against the eager model's full-sequence forward (prefill rel-L2 < 1e-5, steps < 1e-4, or
+    :data:`FUSED_MMA_TOLERANCE` where the module's fused short-context steps score whole KV groups on the tensor
+    cores: ``decoder.fused_mma``, bf16 query and probabilities)."""
     import torch
 
     from megabake.runtime import MegakernelDecoder
@@ -95,7 +100,7 @@ def assert_prefill_then_decode_matches_full_forward(compiled, prompt: int, total
         full = model(ids, use_cache=False).logits[0].float()
     last = decoder.prefill(ids[:, :prompt])
     assert float((last[0] - full[prompt - 1]).norm() / full[prompt - 1].norm()) < 1e-5
-    step_tolerance = 5e-3 if decoder.fused_mma else 1e-4
+    step_tolerance = FUSED_MMA_TOLERANCE if decoder.fused_mma else 1e-4
     for pos in range(prompt, total):
         got = decoder.step(ids[:, pos], pos)[0]
         assert float((got - full[pos]).norm() / full[pos].norm()) < step_tolerance, pos

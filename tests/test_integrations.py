@@ -15,6 +15,7 @@ import megabake
 from megabake.errors import InputError, MegaBakeError, UnsupportedGraphError
 from megabake.integrations import bake_decoder, make_backend, serve_decode_steps
 from megabake.presets import get_preset
+from tests.compiler_fixtures import FUSED_MMA_TOLERANCE
 
 CAPACITY = 64
 NEW = 8
@@ -66,7 +67,7 @@ def _fp32_tolerance(decoder):
     """Relative L2 of served logits (max abs of K/V) from eager fp32: fp32 rounding, or the bf16 query and
     probabilities of batch 1's fused short-context steps where their KV groups run on the tensor cores
     (``decoder.fused_mma``, the default since session 36: ~5e-4 on these random weights)."""
-    return 5e-3 if decoder.fused_mma else 1e-5
+    return FUSED_MMA_TOLERANCE if decoder.fused_mma else 1e-5
 
 
 def _max_cache_diff(a, b):
