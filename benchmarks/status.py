@@ -21,6 +21,9 @@ criteria against them as markdown:
 - **missing**: the (preset, batch, position class) cells of every preset (not the tiny ones) at batches 1 / 4 / 8
   that no stored run has measured.
 
+Issue 12 is judged on the H200: only runs whose folder names it (``-h200-``; a folder naming no GPU counts as
+one) are scored. Cells of other GPUs (``2026-12-05-h100-session39``) are listed apart, never mixed in.
+
 It reports; it never fails on a criterion (exit status 0). Bad input (no such folder, a file that is not JSON,
 a cell without its keys) is an error naming the folder or file (exit status 2).
 """
@@ -48,6 +51,8 @@ CELL_KEYS = ("preset", "batch", "position", "status")
 UNPROFILED_FROM = ("2026-12-04", 32)
 FOLDER_DATE = re.compile(r"(\d{4}-\d{2}-\d{2})")
 FOLDER_SESSION = re.compile(r"session(\d+)")
+FOLDER_GPU = re.compile(r"\d{4}-\d{2}-\d{2}-(h\d+)(?:-|$)")
+SCORED_GPU = "h200"  # issue 12's criteria are H200 numbers
 
 
 @dataclass(frozen=True)
@@ -65,6 +70,7 @@ class Cell:
     numerics_pass: bool
     run: str
     order: tuple[str, int]
+    gpu: str = SCORED_GPU
 
     @property
     def position_class(self) -> str | None:
@@ -104,6 +110,13 @@ def run_order(path: Path) -> tuple[str, int]:
     return (dates[-1] if dates else "", int(sessions[-1]) if sessions else 0)
 
 
+def run_gpu(path: Path) -> str:
+    """The GPU a results folder names (``2026-12-05-h100-session39`` -> ``h100``); ``SCORED_GPU`` where it names
+    none."""
+    found = FOLDER_GPU.findall(str(path))
+    return found[-1] if found else SCORED_GPU
+
+
 def cells_of_file(path: Path, root: Path) -> list[Cell]:
     """The benchmark cells of one JSON file (none when it holds something else: tuning logs, reports)."""
     try:
@@ -119,16 +132,17 @@ def cells_of_file(path: Path, root: Path) -> list[Cell]:
         missing = [key for key in CELL_KEYS if key not in raw]
         if missing:
             raise ValueError(f"{path}: a benchmark cell lacks {', '.join(missing)}: {json.dumps(raw)[:200]}")
-        cells.append(_cell(raw, path.relative_to(root).as_posix(), run_order(path.relative_to(root))))
+        relative = path.relative_to(root)
+        cells.append(_cell(raw, relative.as_posix(), run_order(relative), run_gpu(relative)))
     return cells
 
 
-def _cell(raw: dict, run: str, order: tuple[str, int]) -> Cell:
+def _cell(raw: dict, run: str, order: tuple[str, int], gpu: str = SCORED_GPU) -> Cell:
     numerics = raw.get("numerics") or {}
     return Cell(preset=raw["preset"], batch=int(raw["batch"]), position=int(raw["position"]),
                 measured=raw["status"] == "measured", speedup=raw.get("speedup"), sync_ms=raw.get("megabake_ms"),
                 gpu_ms=raw.get("megabake_gpu_ms"), block_ms=raw.get("megabake_block_ms"),
-                numerics_pass=bool(numerics.get("pass")), run=run, order=order)
+                numerics_pass=bool(numerics.get("pass")), run=run, order=order, gpu=gpu)
 
 
 def load_cells(root: Path) -> list[Cell]:
@@ -339,10 +353,27 @@ def missing_lines(best: dict, presets: list[str]) -> list[str]:
     return lines
 
 
+def other_gpu_lines(others: list[Cell]) -> list[str]:
+    """The cells of runs on other GPUs than ``SCORED_GPU``, one line each (not scored)."""
+    if not others:
+        return []
+    lines = [f"## Other GPUs (not scored: issue 12 is judged on the {SCORED_GPU.upper()})", "",
+             "| GPU | preset | batch | position | GPU ms | speedup | numerics | run |", "|---|---|---|---|---|---|---|---|"]
+    for cell in sorted(others, key=lambda c: (c.gpu, c.preset, c.batch, c.position, c.order)):
+        speedup = f"{cell.speedup:.2f}x" if cell.measured and cell.speedup else "not measured"
+        gpu_ms = f"{cell.gpu_ms:.3f}" if cell.gpu_ms else "-"
+        lines.append(f"| {cell.gpu.upper()} | {cell.preset} | {cell.batch} | {cell.position} | {gpu_ms} | {speedup} | "
+                     f"{'pass' if cell.numerics_pass else 'fail'} | {cell.session} |")
+    return ["", *lines]
+
+
 def render(cells: list[Cell], presets: list[str], config_of=preset_config) -> str:
+    others = [cell for cell in cells if cell.gpu != SCORED_GPU]
+    cells = [cell for cell in cells if cell.gpu == SCORED_GPU]
     best = newest(cells)
     parts = ["# Issue 12 scorecard (from benchmarks/results)", "",
-             f"{len(cells)} stored cells; the newest of each (preset, batch, position class) is shown with its session.",
+             f"{len(cells)} stored {SCORED_GPU.upper()} cells ({len(others)} of other GPUs listed last, not scored); "
+             "the newest of each (preset, batch, position class) is shown with its session.",
              "", "## Speedup over the strongest graphed Inductor", "", *speedup_table(best), "", profiled_line(best),
              "", "## Growth with context", "",
              f"Budget: (GPU ms at ~16 + K/V bytes at {GROWTH_BANDWIDTH / 1e12:g} TB/s) x {GROWTH_MARGIN}, both from the "
@@ -350,6 +381,7 @@ def render(cells: list[Cell], presets: list[str], config_of=preset_config) -> st
              "", "## Short-context GPU time", "", *short_target_table(best), "", batch8_line(cells, best), "",
              host_line(best), "", "## Not measured yet", ""]
     parts.extend(missing_lines(best, presets) or ["Nothing: every preset has every batch and position class."])
+    parts.extend(other_gpu_lines(others))
     return "\n".join(parts) + "\n"
 
 

@@ -139,6 +139,19 @@ def test_cells_timed_after_the_profiled_graph_check_are_counted(status, tmp_path
     assert status.profiled_line(clean) == "Every cell shown was timed without a profiler attached."
 
 
+def test_cells_of_other_gpus_are_listed_apart_and_never_scored(status, tmp_path):
+    write_run(tmp_path, "2026-12-04-h200-session36", [cell("llama-3.2-1b", 1, 16, 2.5, 0.741)])
+    write_run(tmp_path, "2026-12-05-h100-session39/bench-llama", [cell("llama-3.2-1b", 1, 16, 2.2, 0.952),
+                                                                   cell("llama-3.2-1b", 1, 4000, 2.0, 1.051)])
+    cells = status.load_cells(tmp_path)
+    assert sorted((c.gpu, c.position) for c in cells) == [("h100", 16), ("h100", 4000), ("h200", 16)]
+    text = status.render(cells, ["llama-3.2-1b"], config_of=lambda name: TINY)
+    scored, others = text.split("## Other GPUs")
+    assert "| llama-3.2-1b | 0.741 (s36) | 0.75 | yes |" in scored and "0.952" not in scored
+    assert "1 stored H200 cells (2 of other GPUs" in scored and "b1 ~4000" in scored  # the H100 cell fills nothing
+    assert "| H100 | llama-3.2-1b | 1 | 4000 | 1.051 | 2.00x | pass | s39 |" in others
+
+
 def test_bad_input_names_the_file(status, tmp_path):
     write_run(tmp_path, "run", [{"preset": "m", "position": 16, "speedup": 2.0}])
     with pytest.raises(ValueError, match=r"matrix.json: a benchmark cell lacks batch, status"):
