@@ -353,8 +353,9 @@ def missing_lines(best: dict, presets: list[str]) -> list[str]:
     return lines
 
 
-def other_gpu_lines(others: list[Cell]) -> list[str]:
-    """The cells of runs on other GPUs than ``SCORED_GPU``, one line each (not scored)."""
+def other_gpu_lines(others: list[Cell], config_of=preset_config) -> list[str]:
+    """The cells of runs on other GPUs than ``SCORED_GPU``, one line each, then each GPU's growth rows under the
+    same rule (not scored)."""
     if not others:
         return []
     lines = [f"## Other GPUs (not scored: issue 12 is judged on the {SCORED_GPU.upper()})", "",
@@ -364,6 +365,11 @@ def other_gpu_lines(others: list[Cell]) -> list[str]:
         gpu_ms = f"{cell.gpu_ms:.3f}" if cell.gpu_ms else "-"
         lines.append(f"| {cell.gpu.upper()} | {cell.preset} | {cell.batch} | {cell.position} | {gpu_ms} | {speedup} | "
                      f"{'pass' if cell.numerics_pass else 'fail'} | {cell.session} |")
+    for gpu in sorted({cell.gpu for cell in others}):
+        growths = growth_rows([cell for cell in others if cell.gpu == gpu], config_of)
+        if growths:
+            lines += ["", f"Growth with context on the {gpu.upper()} (the same rule, for comparison only):", "",
+                      *growth_table(growths)]
     return ["", *lines]
 
 
@@ -381,7 +387,7 @@ def render(cells: list[Cell], presets: list[str], config_of=preset_config) -> st
              "", "## Short-context GPU time", "", *short_target_table(best), "", batch8_line(cells, best), "",
              host_line(best), "", "## Not measured yet", ""]
     parts.extend(missing_lines(best, presets) or ["Nothing: every preset has every batch and position class."])
-    parts.extend(other_gpu_lines(others))
+    parts.extend(other_gpu_lines(others, config_of))
     return "\n".join(parts) + "\n"
 
 

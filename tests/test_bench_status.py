@@ -150,6 +150,8 @@ def test_cells_of_other_gpus_are_listed_apart_and_never_scored(status, tmp_path)
     assert "| llama-3.2-1b | 0.741 (s36) | 0.75 | yes |" in scored and "0.952" not in scored
     assert "1 stored H200 cells (2 of other GPUs" in scored and "b1 ~4000" in scored  # the H100 cell fills nothing
     assert "| H100 | llama-3.2-1b | 1 | 4000 | 1.051 | 2.00x | pass | s39 |" in others
+    growth = others.split("Growth with context on the H100")[1]
+    assert "| llama-3.2-1b | 1 | 0.952 @16 | 1.051 @4000 |" in growth  # the H100 run's own pair, never the H200's
 
 
 def test_bad_input_names_the_file(status, tmp_path):
