@@ -18,11 +18,15 @@ criteria against them as markdown:
   the benchmark's alternating rounds (``megabake_ms``), where the first call after the baseline's runs is slower;
 - **profiled**: how many of the cells shown were timed after the harness's ``torch.profiler`` graph check (up to
   session 31; CUPTI stays attached after a profile and can slow what is timed after it);
+- **re-bench first**: the rows that fail a criterion on cells measured before the default kernel of today that
+  applies to them (:func:`default_since`), each with the device command that re-measures it;
 - **missing**: the (preset, batch, position class) cells of every preset (not the tiny ones) at batches 1 / 4 / 8
-  that no stored run has measured.
+  that no stored run has measured; buckets that no plan can hold (:func:`bucket_refusal`: the bake's shared-memory
+  check) are listed apart with the bake's reason.
 
 Issue 12 is judged on the H200: only runs whose folder names it (``-h200-``; a folder naming no GPU counts as
-one) are scored. Cells of other GPUs (``2026-12-05-h100-session39``) are listed apart, never mixed in.
+one) are scored. Cells of other GPUs (``2026-12-05-h100-session39``) are listed apart, with their own growth
+rows, never mixed in.
 
 It reports; it never fails on a criterion (exit status 0). Bad input (no such folder, a file that is not JSON,
 a cell without its keys) is an error naming the folder or file (exit status 2).
@@ -53,6 +57,11 @@ FOLDER_DATE = re.compile(r"(\d{4}-\d{2}-\d{2})")
 FOLDER_SESSION = re.compile(r"session(\d+)")
 FOLDER_GPU = re.compile(r"\d{4}-\d{2}-\d{2}-(h\d+)(?:-|$)")
 SCORED_GPU = "h200"  # issue 12's criteria are H200 numbers
+# the sessions that changed the default kernel since every preset's K/V prefetch was capped (session 29,
+# docs/PERF.md): 33 put split-KV items of 2-8 query heads of 64 / 128 dims on the tensor cores (GQA presets), 36
+# fused attention and the O projection at batch 1's short contexts (those presets, ~16 only); a failing row
+# measured before the change that applies to it is stale, and "Re-bench first" lists it (:func:`default_since`)
+KV_PREFETCH_CAPPED, MMA_ATTENTION, FUSED_O = 29, 33, 36
 
 
 @dataclass(frozen=True)
@@ -338,19 +347,105 @@ def host_line(best: dict) -> str:
     return line
 
 
+def default_since(config, batch: int, cls: str | None) -> int:
+    """The session since which a (preset, batch, position class) cell runs the default kernel of today: 36 at batch
+    1's ~16 and 33 elsewhere where the model's KV groups are 2-8 query heads of 64 or 128 dims (what the tensor-core
+    attention and the fused step take, ``plan.attention.mma_attention_fits``; the fused step has other conditions
+    too, so this can call a row stale that session 36 did not change), else 29."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    group = config.num_attention_heads // config.num_key_value_heads
+    if not (2 <= group <= 8 and head_dim in (64, 128)):
+        return KV_PREFETCH_CAPPED
+    return FUSED_O if batch == 1 and cls == "~16" else MMA_ATTENTION
+
+
+def _stale(cells: list[Cell], config) -> bool:
+    """Whether any of ``cells`` was measured before the default kernel that applies to it (:func:`default_since`)."""
+    return any(cell.order[1] < default_since(config, cell.batch, cell.position_class) for cell in cells)
+
+
+def failing_rows(best: dict, growths: list[Growth]) -> dict[tuple[str, int], list[tuple[str, list[Cell]]]]:
+    """Per (preset, batch), the criteria its newest cells fail, each with the cells behind the verdict: the 1.5x
+    row (every class measured), growth with context, the short-context target (batch 1)."""
+    failing: dict[tuple[str, int], list[tuple[str, list[Cell]]]] = {}
+    for preset, batch in sorted({(p, b) for p, b, _ in best}):
+        row = [best[(preset, batch, cls)] for cls in POSITION_CLASSES if (preset, batch, cls) in best]
+        if len(row) == len(POSITION_CLASSES) and not all(cell.passes for cell in row):
+            failing.setdefault((preset, batch), []).append(("speedup", row))
+        short = best.get((preset, batch, "~16"))
+        target = SHORT_TARGETS.get(preset)
+        if batch == 1 and target and short and short.gpu_ms and short.gpu_ms > target:
+            failing.setdefault((preset, batch), []).append(("short-context GPU time", [short]))
+    for g in growths:
+        if not g.within:
+            failing.setdefault((g.preset, g.batch), []).append(("growth", [g.short, g.long]))
+    return failing
+
+
+def rebench_lines(best: dict, growths: list[Growth], config_of=preset_config) -> list[str]:
+    """The failing rows measured before today's default kernel, each with the bench command that re-measures it
+    (one preset and batch per device call)."""
+    lines = []
+    for (preset, batch), criteria in failing_rows(best, growths).items():
+        config = config_of(preset)
+        stale = [(name, cells) for name, cells in criteria if _stale(cells, config)]
+        if not stale:
+            continue
+        since = max(default_since(config, batch, cls) for cls in POSITION_CLASSES)
+        longest = best.get((preset, batch, "~4000"))
+        positions = f"16 1000 {longest.position if longest else 4000}"
+        verdicts = ", ".join(f"{name} ({'/'.join(sorted({c.session for c in cells}))})" for name, cells in stale)
+        lines.append(f"- {preset} batch {batch}: {verdicts}, before session {since}'s default: "
+                     f"`BENCH_ARGS=\"--positions {positions} --batches {batch} --baselines inductor-graph "
+                     f"inductor-default-graph\" PARTS=bench bash scripts/gpu_session.sh \"$OUT\" {preset}`")
+    return lines
+
+
 def expected_presets() -> list[str]:
     from megabake.presets import PRESETS
 
     return [name for name, preset in PRESETS.items() if not name.startswith("tiny-") and not preset.experimental]
 
 
-def missing_lines(best: dict, presets: list[str]) -> list[str]:
-    lines = []
+def bucket_refusal(config, batch: int) -> str | None:
+    """Why no plan of this model holds ``batch`` sequences (the shared-memory check every bake runs,
+    ``plan.memory.check_shared_memory``, with bf16 staging and split-KV attention, the smallest the kernel
+    stages), or None where the bucket fits."""
+    from megabake.errors import PlanError
+    from megabake.plan.memory import check_shared_memory
+    from megabake.plan.model import ModelDims
+
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    dims = ModelDims(hidden=config.hidden_size, n_heads=config.num_attention_heads,
+                     n_kv_heads=config.num_key_value_heads, head_dim=head_dim,
+                     intermediate=config.intermediate_size, vocab=config.vocab_size, layers=config.num_hidden_layers,
+                     eps=1e-6, norm_offset=0.0, attn_scale=1.0, act="silu")
+    try:
+        check_shared_memory(dims, batch, 4096, 256, split_kv=True, staging="bfloat16")
+    except PlanError as exc:
+        return str(exc)
+    return None
+
+
+def missing_lines(best: dict, presets: list[str], config_of=preset_config) -> list[str]:
+    """The cells no stored run has measured, per preset; buckets no plan can hold (:func:`bucket_refusal`) are
+    named apart, with the reason, as nothing to measure."""
+    lines, refused = [], []
     for preset in presets:
-        holes = [f"b{batch} {cls}" for batch in BATCHES for cls in POSITION_CLASSES if (preset, batch, cls) not in best]
+        holes = []
+        for batch in BATCHES:
+            absent = [cls for cls in POSITION_CLASSES if (preset, batch, cls) not in best]
+            if not absent:
+                continue
+            why = bucket_refusal(config_of(preset), batch)
+            if why:
+                refused.append(f"- {preset} batch {batch}: {why}")
+                continue
+            holes += [f"b{batch} {cls}" for cls in absent]
         if holes:
             lines.append(f"- {preset}: " + ", ".join(holes))
-    return lines
+    return lines + (["", "Buckets no plan holds (the bake refuses them; nothing to measure):", "", *refused]
+                    if refused else [])
 
 
 def other_gpu_lines(others: list[Cell], config_of=preset_config) -> list[str]:
@@ -377,16 +472,24 @@ def render(cells: list[Cell], presets: list[str], config_of=preset_config) -> st
     others = [cell for cell in cells if cell.gpu != SCORED_GPU]
     cells = [cell for cell in cells if cell.gpu == SCORED_GPU]
     best = newest(cells)
+    growths = growth_rows(cells, config_of)
     parts = ["# Issue 12 scorecard (from benchmarks/results)", "",
              f"{len(cells)} stored {SCORED_GPU.upper()} cells ({len(others)} of other GPUs listed last, not scored); "
              "the newest of each (preset, batch, position class) is shown with its session.",
              "", "## Speedup over the strongest graphed Inductor", "", *speedup_table(best), "", profiled_line(best),
              "", "## Growth with context", "",
              f"Budget: (GPU ms at ~16 + K/V bytes at {GROWTH_BANDWIDTH / 1e12:g} TB/s) x {GROWTH_MARGIN}, both from the "
-             "same run; K/V bytes count sliding windows.", "", *growth_table(growth_rows(cells, config_of)),
+             "same run; K/V bytes count sliding windows.", "", *growth_table(growths),
              "", "## Short-context GPU time", "", *short_target_table(best), "", batch8_line(cells, best), "",
-             host_line(best), "", "## Not measured yet", ""]
-    parts.extend(missing_lines(best, presets) or ["Nothing: every preset has every batch and position class."])
+             host_line(best), "", "## Re-bench first", "",
+             f"Rows that fail a criterion on cells measured before today's default kernel (session {FUSED_O} at batch "
+             f"1's ~16, {MMA_ATTENTION} elsewhere for KV groups of 2-8 heads of 64 / 128 dims, else "
+             f"{KV_PREFETCH_CAPPED}):", ""]
+    parts.extend(rebench_lines(best, growths, config_of)
+                 or ["None: every failing row was measured on the current default."])
+    parts.extend(["", "## Not measured yet", ""])
+    parts.extend(missing_lines(best, presets, config_of)
+                 or ["Nothing: every preset has every batch and position class."])
     parts.extend(other_gpu_lines(others, config_of))
     return "\n".join(parts) + "\n"
 

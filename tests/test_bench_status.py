@@ -34,7 +34,7 @@ def write_run(root: Path, folder: str, cells: list[dict], name: str = "matrix.js
 
 # one layer, one KV head of 4: 16 bytes of K+V per position in bf16
 TINY = SimpleNamespace(num_hidden_layers=1, num_key_value_heads=1, head_dim=4, hidden_size=8, num_attention_heads=2,
-                       sliding_window=None)
+                       sliding_window=None, intermediate_size=16, vocab_size=32)
 
 
 def test_newest_cell_wins_by_session_and_position_classes(status, tmp_path):
@@ -122,7 +122,9 @@ def test_short_targets_batch8_host_and_missing_cells(status, tmp_path):
     line = status.host_line(status.newest(status.load_cells(tmp_path)))
     assert "alternating rounds: 10-40 us" in line and "Back to back (synchronized calls in a row, cells since " \
         "session 32): 13-13 us, median 13; 1 of 1 cells within 15 us." in line
-    missing = status.missing_lines(best, ["llama-3.2-1b", "other"])
+    missing = status.missing_lines(best, ["llama-3.2-1b", "other"],
+                                   config_of=lambda name: status.preset_config("llama-3.2-1b") if name != "other"
+                                   else TINY)
     assert missing[0] == "- llama-3.2-1b: b1 ~1000, b1 ~4000, b4 ~16, b4 ~1000, b4 ~4000, b8 ~1000, b8 ~4000"
     assert missing[1].startswith("- other: b1 ~16")
 
@@ -173,3 +175,31 @@ def test_scorecard_of_the_repositorys_results(status, tmp_path, capsys):
         assert heading in text
     stored = {c.preset for c in status.load_cells(ROOT / "benchmarks" / "results")}
     assert stored and all(f"| {preset} |" in text for preset in stored)
+
+
+# one layer, 4 query heads per KV head of 64 dims: the shape whose attention went to the tensor cores in session 33
+GQA = SimpleNamespace(num_hidden_layers=1, num_key_value_heads=1, head_dim=64, hidden_size=256, num_attention_heads=4,
+                      sliding_window=None, intermediate_size=512, vocab_size=32)
+
+
+def test_rebench_first_lists_failing_rows_measured_before_todays_default(status, tmp_path):
+    # growth fails in both runs (0.5 -> 1.0 ms); only the one before session 33 is stale
+    write_run(tmp_path, "2026-12-04-h200-session30", [cell("old", 8, 16, 3.0, 0.5), cell("old", 8, 4000, 2.0, 1.0)])
+    write_run(tmp_path, "2026-12-05-h200-session34", [cell("new", 8, 16, 3.0, 0.5), cell("new", 8, 4000, 2.0, 1.0)])
+    text = status.render(status.load_cells(tmp_path), ["old", "new"], config_of=lambda name: GQA)
+    rebench = text.split("## Re-bench first")[1].split("## Not measured")[0]
+    assert "- old batch 8: growth (s30), before session 33's default" in rebench
+    assert '--positions 16 1000 4000 --batches 8' in rebench and '"$OUT" old`' in rebench
+    assert "- new batch" not in rebench
+    assert status.default_since(GQA, 1, "~16") == 36 and status.default_since(GQA, 1, "~4000") == 33
+    assert status.default_since(TINY, 8, "~4000") == 29  # 2 query heads of 4 dims: no tensor-core attention
+
+
+def test_buckets_no_plan_holds_are_named_apart_from_the_missing_cells(status):
+    lines = status.missing_lines({}, ["gemma-2b", "llama-3.2-1b"])
+    holes = {line.split(": ")[0][2:]: line for line in lines if line.startswith("- ") and "batch" not in line}
+    assert "b4 ~16" in holes["gemma-2b"] and "b8" not in holes["gemma-2b"]
+    assert "b8 ~4000" in holes["llama-3.2-1b"]
+    refused = lines[lines.index("Buckets no plan holds (the bake refuses them; nothing to measure):") + 2:]
+    assert len(refused) == 1 and refused[0].startswith("- gemma-2b batch 8: bucket batch=8")
+    assert "16384-wide bf16 GEMV input" in refused[0] and "--batch 4 or less" in refused[0]
