@@ -409,8 +409,8 @@ def expected_presets() -> list[str]:
 
 def bucket_refusal(config, batch: int) -> str | None:
     """Why no plan of this model holds ``batch`` sequences (the shared-memory check every bake runs,
-    ``plan.memory.check_shared_memory``, with bf16 staging and split-KV attention, the smallest the kernel
-    stages), or None where the bucket fits."""
+    ``plan.memory.check_shared_memory``, with bf16 staging, split-KV attention and the down projection's input
+    read from global memory: the least the kernel stages, ``Plan.down_input``), or None where the bucket fits."""
     from megabake.errors import PlanError
     from megabake.plan.memory import check_shared_memory
     from megabake.plan.model import ModelDims
@@ -421,7 +421,7 @@ def bucket_refusal(config, batch: int) -> str | None:
                      intermediate=config.intermediate_size, vocab=config.vocab_size, layers=config.num_hidden_layers,
                      eps=1e-6, norm_offset=0.0, attn_scale=1.0, act="silu")
     try:
-        check_shared_memory(dims, batch, 4096, 256, split_kv=True, staging="bfloat16")
+        check_shared_memory(dims, batch, 4096, 256, split_kv=True, staging="bfloat16", global_down=True)
     except PlanError as exc:
         return str(exc)
     return None

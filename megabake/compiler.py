@@ -58,8 +58,9 @@ def _no_clock(label: str):
 def compile_step(model, *, batch: int = 1, capacity: int = 128, ctas: int = 132, threads: int = 256,
                  tuning=None, attention_preload: bool = False, split_kv: bool | None = None, strict: bool = True,
                  clock: Callable[[str], contextlib.AbstractContextManager] = _no_clock,
-                 staging: str | None = None) -> CompiledStep:
-    """The whole chain for one bucket (module doc). ``tuning=None`` is the default GEMV tiling."""
+                 staging: str | None = None, down_input: str | None = None) -> CompiledStep:
+    """The whole chain for one bucket (module doc). ``tuning=None`` is the default GEMV tiling; ``staging`` and
+    ``down_input``: :func:`megabake.plan.build_plan`'s (None: the plan's default)."""
     with clock("capture decode step (torch.export, static KV cache)"):
         captured = capture_decode_step(model, batch=batch, capacity=capacity)
     with clock("lower to IR"):
@@ -69,7 +70,8 @@ def compile_step(model, *, batch: int = 1, capacity: int = 128, ctas: int = 132,
     with clock("plan stages, tiles, buffers"):
         plan = build_plan(ir, ctas=ctas, threads=threads, inv_freq_buffer=inv_freq, rotary_scaling=scaling,
                           tuning=tuning, attention_preload=attention_preload, split_kv=split_kv,
-                          rotary_tables=several, long_rope=captured.long_rope, staging=staging)
+                          rotary_tables=several, long_rope=captured.long_rope, staging=staging,
+                          down_input=down_input)
     with clock("generate module.py"):
         generated = generate(plan)
     return CompiledStep(model, captured, ir, plan, generated, ctas, threads, inv_freq, scaling, several)

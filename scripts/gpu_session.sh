@@ -69,7 +69,10 @@
 #          4 presets need two calls: the second with BENCH_RESUME, see below)
 #   tune:  GEMV tiling / preload / pipeline sweep with per-stage clocks (scripts/gpu_tune.py) -> OUT/tune-*.json
 #          (~2 min per preset for all 17 variants; VARIANTS="default t2u4-pipe ..." picks some)
-#   tests-parallel: the same tests as tests1-3 and the fused_o build's (tests/test_fused_o_gpu.py) at once, as
+#   global-down: the GPU tests of Plan.down_input="global" (session 40, not run yet: batch 8 of gemma-2b and
+#          Mistral-7B, the down GEMV reading its bf16 input rows from global memory) -> OUT/pytest-gpu-global-down.log
+#   tests-parallel: the same tests as tests1-3, the fused_o build's (tests/test_fused_o_gpu.py) and
+#          tests/test_global_down_gpu.py at once, as
 #          SHARDS (default 4) pytest processes on the one GPU
 #          (pytest --shard I/N, tests/sharding.py: their CPU-bound setup, random init and CuTe DSL compiles,
 #          overlaps; kernels time-share the GPU) -> OUT/pytest-gpu-shard*.log (3 processes: 6.6 min, session 16)
@@ -120,10 +123,15 @@ if [[ " $PARTS " == *" tests-parallel "* ]]; then
   names=()
   for ((i = 0; i < shards; i++)); do
     names+=("shard$i")
-    OMP_NUM_THREADS=$threads run_tests "shard$i" "" --shard "$i/$shards" "${TESTS3[@]:2}" tests/test_fused_o_gpu.py &
+    OMP_NUM_THREADS=$threads run_tests "shard$i" "" --shard "$i/$shards" "${TESTS3[@]:2}" tests/test_fused_o_gpu.py \
+      tests/test_global_down_gpu.py &
   done
   wait
   collect_tests "${names[@]}"
+fi
+if [[ " $PARTS " == *" global-down "* ]]; then
+  run_tests global-down "" tests/test_global_down_gpu.py
+  collect_tests global-down
 fi
 if [[ " $PARTS " == *" tests1 "* ]]; then
   run_tests "${TESTS1[@]}"

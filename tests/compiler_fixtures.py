@@ -10,11 +10,11 @@ Compiled = CompiledStep  # the tests' name for one bucket's step at every stage
 
 
 def compile_model(model, *, batch: int = 1, capacity: int = 32, ctas: int = 132, threads: int = 256,
-                  tuning=None, staging: str | None = None) -> Compiled:
+                  tuning=None, staging: str | None = None, down_input: str | None = None) -> Compiled:
     """``tuning=None``: the default GEMV tiling (the streaming ring); ``DEFAULT_TUNING``: the plain tiling.
     ``staging=None``: the plan's default (bf16 rows for the tensor cores at batch 2-8, else fp32 where they fit)."""
     return compile_step(model, batch=batch, capacity=capacity, ctas=ctas, threads=threads, tuning=tuning,
-                        staging=staging)
+                        staging=staging, down_input=down_input)
 
 
 def compile_preset(name: str, *, layers: int | None = None, vocab: int | None = None, **kwargs) -> Compiled:

@@ -37,6 +37,9 @@ SECONDS = {  # node-id fragment -> seconds (first match wins); from `pytest --du
     # tests/test_fused_o_gpu.py (session 34-35, not timed yet): four, three and one builds per case
     "fused_o_gives_the_default_bits": 30.0, "fused_o_on_the_tensor_cores": 25.0,
     "fused_o_kernel_matches_the_reference": 15.0,
+    # tests/test_global_down_gpu.py (session 40, not timed yet): three builds; a 2-layer Mistral-7B + its reference
+    "global_down_input_gives_the_staged": 30.0, "wide_mlp_matches_the_reference_executor[mistral": 40.0,
+    "wide_mlp_matches_the_reference_executor": 25.0,
 }
 
 

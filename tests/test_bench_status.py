@@ -195,11 +195,17 @@ def test_rebench_first_lists_failing_rows_measured_before_todays_default(status,
     assert status.default_since(TINY, 8, "~4000") == 29  # 2 query heads of 4 dims: no tensor-core attention
 
 
+# a 16384-wide residual stream: eight bf16 rows of it (256 KiB) never fit a CTA's shared memory, four do
+HUGE = SimpleNamespace(num_hidden_layers=1, num_key_value_heads=8, head_dim=128, hidden_size=16384,
+                       num_attention_heads=128, sliding_window=None, intermediate_size=65536, vocab_size=32)
+
+
 def test_buckets_no_plan_holds_are_named_apart_from_the_missing_cells(status):
-    lines = status.missing_lines({}, ["gemma-2b", "llama-3.2-1b"])
+    configs = {"huge": HUGE, "gemma-2b": status.preset_config("gemma-2b")}
+    lines = status.missing_lines({}, ["huge", "gemma-2b"], config_of=configs.get)
     holes = {line.split(": ")[0][2:]: line for line in lines if line.startswith("- ") and "batch" not in line}
-    assert "b4 ~16" in holes["gemma-2b"] and "b8" not in holes["gemma-2b"]
-    assert "b8 ~4000" in holes["llama-3.2-1b"]
+    assert "b4 ~16" in holes["huge"] and "b8" not in holes["huge"]
+    assert "b8 ~4000" in holes["gemma-2b"]  # its 16384-wide MLP input is read from global memory at batch 8
     refused = lines[lines.index("Buckets no plan holds (the bake refuses them; nothing to measure):") + 2:]
-    assert len(refused) == 1 and refused[0].startswith("- gemma-2b batch 8: bucket batch=8")
+    assert len(refused) == 1 and refused[0].startswith("- huge batch 8: bucket batch=8")
     assert "16384-wide bf16 GEMV input" in refused[0] and "--batch 4 or less" in refused[0]

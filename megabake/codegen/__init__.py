@@ -40,8 +40,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..plan import (ATTN_COUNT, ATTN_PART, ATTN_WINDOW, HEAD_NORMS, ROPE_TABLE, STAGE_BIAS, Plan, Stage, kv_splits,
-                   ring_shape, smem_floats)
+from ..plan import (ATTN_COUNT, ATTN_PART, ATTN_WINDOW, DOWN_INPUT, HEAD_NORMS, ROPE_TABLE, STAGE_BIAS, Plan,
+                   Stage, kv_splits, ring_shape, smem_floats)
 from ..plan.attention import (LONG_SLICES, PASS_CHUNKS, chunk_quantum, mma_attention_fits, mma_attention_items,
                               mma_slice_mask)
 from ..plan.stages import (ACTIVATIONS, DIMENSION_CONSTANTS, GATED_ACT_CODES, StageSpec, next_gemv, norm_slot,
@@ -58,7 +58,7 @@ def kernel_arguments(plan: Plan) -> list[str]:
     """Kernel parameter order: the fixed buffers, then the optional ones this plan has (biases, per-head norms,
     split-KV workspace, the sandwich layout's residual buffers, per-layer sliding windows; none for Llama)."""
     optional = list(STAGE_BIAS.values()) + [HEAD_NORMS, ATTN_PART, ATTN_COUNT, "x_mid", "o_out", "down_out",
-                                            ATTN_WINDOW, ROPE_TABLE]
+                                            ATTN_WINDOW, ROPE_TABLE, DOWN_INPUT]
     return KERNEL_ARGUMENTS + [name for name in optional if any(b.name == name for b in plan.buffers)]
 
 
@@ -616,7 +616,7 @@ def _header(w: _Writer, plan: Plan, plan_hash: str, arguments: list[str], self_c
         "THREADS": plan.threads, "WARPS": plan.warps, "TOTAL_WARPS": plan.ctas * plan.warps,
     }
     splits = kv_splits(plan)
-    scratch = smem_floats(d, plan.batch, plan.capacity, plan.threads, bool(splits))
+    scratch = smem_floats(d, plan.batch, plan.capacity, plan.threads, bool(splits), plan.down_input == "global")
     consts.update({"VEC_WIDTH": scratch["vec_width"], "RED_SCRATCH": scratch["red"], "ATT_SCRATCH": scratch["att"]})
     if splits:
         attention = next(s.tiling for s in plan.stages if s.kind == "attention")
@@ -853,11 +853,13 @@ def _phase_timed_stages(w: _Writer, plan: Plan, prologue: list[Stage], per_layer
 
 
 def _gemv(weight: str, out: str, rows: str, cols: str, stage: Stage, accumulate: bool, bias: str | None = None,
-          gated: int = 0, bias_row: str | None = None) -> str:
+          gated: int = 0, bias_row: str | None = None, source: str = "s_vec") -> str:
+    """The GEMV call of a stage; ``source``: the input rows it reads (the staged ``s_vec``, or on the tensor cores
+    a global bf16 buffer: ``Plan.down_input``)."""
     if stage.tiling.mma:
         bias_arg = f"{bias}[layer, None]" if bias else out  # out: an unused stand-in when there is no bias
         part = "s_part" if stage.tiling.mma > 1 else "s_att"  # s_att: an unused stand-in when nothing splits
-        return (f"bodies.gemv_rows_mma({weight}, {bias_arg}, s_vec, {part}, {out}, cta, tidx, CTAS, WARPS, {rows}, "
+        return (f"bodies.gemv_rows_mma({weight}, {bias_arg}, {source}, {part}, {out}, cta, tidx, CTAS, WARPS, {rows}, "
                 f"{cols}, BATCH, MMA_SPLIT[{stage.name!r}], {accumulate}, GEMV_UNROLL[{stage.name!r}], {bool(bias)}, "
                 f"{gated})")
     args = (f"{out}, {_warp_index(stage)}, lane, TOTAL_WARPS, {rows}, {cols}, BATCH, ROWS_PER_TILE[{stage.name!r}], "
@@ -1135,8 +1137,14 @@ def _gemv_stage_calls(plan: Plan, stage: Stage, folded: int = 0,
     rows, cols = DIMENSION_CONSTANTS[gemv.rows], DIMENSION_CONSTANTS[gemv.cols]
     bias = plan.bias_of(stage.name) if spec.per_layer else None
     gated = GATED_ACT_CODES[plan.dims.act] if gemv.gated else 0  # the gate/up GEMV applies the activation
-    calls = [_vector_call(plan, spec, folded, mma_schedule),
-             (_gemv_label(plan, stage), _gemv(weight, gemv.out, rows, cols, stage, gemv.accumulate, bias, gated))]
+    out, source, staged = gemv.out, "s_vec", True
+    if plan.down_input == "global":  # the gated write goes to the bf16 DOWN_INPUT rows; the down GEMV reads them
+        out = DOWN_INPUT if gemv.gated else out
+        if stage.name == "down_residual":
+            source, staged = DOWN_INPUT, False
+    calls = [_vector_call(plan, spec, folded, mma_schedule)] if staged else []
+    calls.append((_gemv_label(plan, stage),
+                  _gemv(weight, out, rows, cols, stage, gemv.accumulate, bias, gated, source=source)))
     if spec.scope == "epilogue" and plan.dims.final_softcap:
         calls.append(("softcap_rows", f"bodies.softcap_rows({gemv.out}, {_warp_index(stage)}, lane, TOTAL_WARPS, "
                                       f"{rows}, BATCH, ROWS_PER_TILE[{stage.name!r}], FINAL_SOFTCAP)"))

@@ -58,7 +58,7 @@ def build_plan(ir: IRGraph, *, ctas: int = 132, threads: int = 256, weight_dtype
                rotary_scaling: float = 1.0, inv_freq_buffer: str = "",
                tuning: dict[str, GemvTuning] | None = None, attention_preload: bool = False,
                split_kv: bool | None = None, rotary_tables: list[tuple[str, float]] | None = None,
-               long_rope: dict | None = None, staging: str | None = None) -> Plan:
+               long_rope: dict | None = None, staging: str | None = None, down_input: str | None = None) -> Plan:
     """Turn recognised IR into a plan for a grid of ``ctas`` CTAs of ``threads`` threads.
 
     ``rotary_tables`` (``recover_rotary_tables``: (inv_freq fqn, scaling) per RotaryTable op) is needed when the
@@ -122,18 +122,22 @@ def build_plan(ir: IRGraph, *, ctas: int = 132, threads: int = 256, weight_dtype
     if len(rope_tables) == 1:  # several tables computed, one used (Gemma 3 with only local layers)
         inv_freq_buffer, rotary_scaling = rope_tables[0].inv_freq_buffer, rope_tables[0].attention_scaling
         rope_tables = []
-    check_shared_memory(dims, batch, capacity, threads, split_kv, staging)
-    ring = check_ring(tuning, threads, smem_bytes(dims, batch, capacity, threads, split_kv, staging))
+    down_input = _down_input(dims, batch, capacity, threads, split_kv, staging, tuning, layout, down_input)
+    global_down = down_input == "global"
+    check_shared_memory(dims, batch, capacity, threads, split_kv, staging, global_down)
+    scratch = smem_bytes(dims, batch, capacity, threads, split_kv, staging, global_down)
+    ring = check_ring(tuning, threads, scratch)
     tied = lm_head.weight == embed.table
     biased = _biased_stages(blocks)
     head_norms = _has_head_norms(blocks)
     stages = _stages(layout, dims, batch, tuning, attention_tiling(dims, batch, ctas, threads, split_kv), biased,
                      head_norms, attention_preload, (ctas, threads // WARP))
-    ring += _mma_partials(stages, threads, smem_bytes(dims, batch, capacity, threads, split_kv, staging) + ring)
+    ring += _mma_partials(stages, threads, scratch + ring)
     return Plan(
         version=PLAN_VERSION, dims=dims, batch=batch, capacity=capacity, ctas=ctas, threads=threads,
-        smem_bytes=smem_bytes(dims, batch, capacity, threads, split_kv, staging) + ring, weight_dtype=weight_dtype,
+        smem_bytes=scratch + ring, weight_dtype=weight_dtype,
         buffers=_buffers(layout, dims, batch, capacity, weight_dtype, tied, max(1, len(rope_tables)))
+        + ([Buffer(DOWN_INPUT, "workspace", "bfloat16", [batch, dims.intermediate])] if global_down else [])
         + _bias_buffers(dims, biased)
         + _head_norm_buffers(dims, head_norms) + split_kv_buffers(dims, batch, stages) + _window_buffers(dims, windows)
         + _rope_table_buffers(dims, rope_tables),
@@ -149,8 +153,47 @@ def build_plan(ir: IRGraph, *, ctas: int = 132, threads: int = 256, weight_dtype
                  "lm_head": _provenance([lm_head])},
         tied_lm_head=tied, layout=layout.name,
         rope_tables=[_with_long_rope(rotary, long_rope, capacity) for rotary in rope_tables],
-        staging_dtype=staging,
+        staging_dtype=staging, down_input=down_input,
     )
+
+
+DOWN_INPUT = "act"  # bf16 [batch, intermediate]: the gated activation a down_input="global" plan's down GEMV reads
+
+
+def _down_input(dims: ModelDims, batch: int, capacity: int, threads: int, split_kv: bool, staging: str,
+                tuning: dict[str, GemvTuning], layout: Layout, requested: str | None) -> str:
+    """Where the down projection reads its input rows (``build_plan``'s ``down_input``): "smem" (staged, as every
+    other GEMV) or "global" (the gate/up GEMV writes act(gate) * up in bf16 to the ``DOWN_INPUT`` buffer, which
+    the tensor-core down GEMV reads through L2). None picks "global" only where the staged rows alone overflow
+    shared memory (batch 8 of gemma-2b and Mistral-7B: 8 x 16384 / 14336 bf16) and leaving them out fits."""
+    if requested not in (None, "smem", "global"):
+        raise PlanError(f"down_input must be 'smem' or 'global', got {requested!r}")
+    if requested == "smem":
+        return "smem"
+    if requested is None:
+        staged = smem_bytes(dims, batch, capacity, threads, split_kv, staging)
+        unstaged = smem_bytes(dims, batch, capacity, threads, split_kv, staging, global_down=True)
+        if staged <= HOPPER_SMEM_PER_BLOCK or unstaged > HOPPER_SMEM_PER_BLOCK:
+            return "smem"
+    why = _global_down_refusal(staging, tuning, layout)
+    if why:
+        if requested is None:  # check_shared_memory names the batch and capacity that fit
+            return "smem"
+        raise PlanError(f"down_input='global' {why}")
+    check_layout_enabled("global_down_input", EXPERIMENTAL_FEATURES["global_down_input"],
+                         holder=f"this bucket (batch {batch}) needs" if requested is None else "this bake asks for")
+    return "global"
+
+
+def _global_down_refusal(staging: str, tuning: dict[str, GemvTuning], layout: Layout) -> str | None:
+    """Why the down GEMV cannot read its input from global memory in this plan, or None."""
+    if staging != "bfloat16" or not (tuning["down_residual"].mma and tuning["norm_gate_up"].mma):
+        return ("needs the tensor-core GEMV (tiling +mma, bf16 staging) on the gate/up and down stages: the gate/up "
+                "GEMV writes the activation in bf16 for the down GEMV to read")
+    down = next(spec for spec in layout.stages if spec.name == "down_residual")
+    if down.vector.kind != "copy" or down.vector.source != "gate_up":
+        return f"needs a layout whose down projection stages the gated activation as is (this one: {layout.name})"
+    return None
 
 
 def _staging(dims: ModelDims, batch: int, capacity: int, threads: int, split_kv: bool, staging: str | None,
@@ -182,7 +225,10 @@ EXPERIMENTAL_FEATURES = {"rope_tables": "per-layer rotary tables (Gemma 3: one R
                          "bf16_staging": "GEMV inputs staged in bf16 shared memory because fp32 rows do not fit",
                          "mma_gemv": "the tensor-core GEMV (mma.sync on bf16-staged inputs, tiling +mma)",
                          "gated_gemv": "the activation in the plain gate/up GEMV's write (tiling +gated; passed on "
-                                       "the H200 in session 15)"}
+                                       "the H200 in session 15)",
+                         "global_down_input": "the tensor-core down projection reading its bf16 input rows from "
+                                              "global memory, not shared memory (session 40: batch 8 of models whose "
+                                              "MLP is too wide to stage)"}
 
 
 def check_layout_enabled(name: str, what: str | None = None, holder: str = "this model has") -> None:

@@ -5,7 +5,9 @@ Contract: ``smem_floats(dims, batch, capacity, threads, split_kv)`` sizes the sc
 ``megabake.plan.tuning``), the GEMV input rows taking 4 bytes per element when staged in fp32 and 2 in bf16
 (``staging``: "float32" | "bfloat16"). ``staging_dtype`` picks fp32 when it fits and bf16 otherwise (large
 batches: eight 8192-wide rows are 256 KiB in fp32); ``check_shared_memory`` raises :class:`PlanError` when a
-bucket does not fit Hopper's per-CTA limit even so, naming the largest batch or capacity that does.
+bucket does not fit Hopper's per-CTA limit even so, naming the largest batch or capacity that does. With
+``global_down`` (``Plan.down_input == "global"``: the tensor-core down projection reads its bf16 input rows from
+global memory) the intermediate-wide rows are not staged, so the widest staged row is the hidden or query width.
 """
 
 from __future__ import annotations
@@ -17,24 +19,26 @@ from .tuning import HOPPER_SMEM_PER_BLOCK
 STAGING_BYTES = {"float32": 4, "bfloat16": 2}  # bytes per staged GEMV input element
 
 
-def smem_floats(dims: ModelDims, batch: int, capacity: int, threads: int, split_kv: bool = False) -> dict[str, int]:
-    """Shared-memory scratch in elements: GEMV input vectors (``vec_width`` per sequence, in the staging dtype),
-    reductions and attention scratch (fp32; unsplit: one head's scores over the whole capacity; split-KV: the
-    group's queries and per-warp partials, no capacity)."""
+def smem_floats(dims: ModelDims, batch: int, capacity: int, threads: int, split_kv: bool = False,
+                global_down: bool = False) -> dict[str, int]:
+    """Shared-memory scratch in elements: GEMV input vectors (``vec_width`` per sequence, in the staging dtype;
+    the intermediate width only where the down projection stages its input, not ``global_down``), reductions and
+    attention scratch (fp32; unsplit: one head's scores over the whole capacity; split-KV: the group's queries and
+    per-warp partials, no capacity)."""
     warps = threads // WARP
     group = dims.n_heads // dims.n_kv_heads
     att = (group * dims.head_dim + 8 * ((group + 8) // 8) + 8 + (dims.head_dim + 2) * group * warps if split_kv
            else dims.head_dim + capacity + warps * dims.head_dim)
     return {
-        "vec_width": max(dims.hidden, dims.q_rows, dims.intermediate),
+        "vec_width": max(dims.hidden, dims.q_rows, 0 if global_down else dims.intermediate),
         "red": warps * max(batch, 1),
         "att": att,
     }
 
 
 def smem_bytes(dims: ModelDims, batch: int, capacity: int, threads: int, split_kv: bool = False,
-               staging: str = "float32") -> int:
-    floats = smem_floats(dims, batch, capacity, threads, split_kv)
+               staging: str = "float32", global_down: bool = False) -> int:
+    floats = smem_floats(dims, batch, capacity, threads, split_kv, global_down)
     staged = STAGING_BYTES[staging] * batch * floats["vec_width"]
     return _aligned(staged) + 4 * (floats["red"] + floats["att"]) + 3 * 16
 
@@ -52,12 +56,12 @@ def staging_dtype(dims: ModelDims, batch: int, capacity: int, threads: int, spli
 
 
 def check_shared_memory(dims: ModelDims, batch: int, capacity: int, threads: int, split_kv: bool = False,
-                        staging: str = "float32") -> None:
+                        staging: str = "float32", global_down: bool = False) -> None:
     """The kernel stages each GEMV input row and the attention scratch of one head in shared memory."""
-    need = smem_bytes(dims, batch, capacity, threads, split_kv, staging)
+    need = smem_bytes(dims, batch, capacity, threads, split_kv, staging, global_down)
     if need <= HOPPER_SMEM_PER_BLOCK:
         return
-    floats = smem_floats(dims, batch, capacity, threads, split_kv)
+    floats = smem_floats(dims, batch, capacity, threads, split_kv, global_down)
     row = STAGING_BYTES[staging] * floats["vec_width"]
     spare = HOPPER_SMEM_PER_BLOCK - (need - 4 * capacity) if not split_kv else 0
     max_capacity = max(0, spare // 4)

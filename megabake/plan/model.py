@@ -182,6 +182,9 @@ class Plan:
     # GEMV input rows in shared memory: fp32, or bf16 where fp32 rows do not fit (large batches); only bf16 is
     # written to plan.json, so fp32 plans keep their bytes and hash
     staging_dtype: str = "float32"
+    # where the down projection reads its input rows: "smem" (staged) or "global" (the bf16 ``act`` buffer, for
+    # buckets whose intermediate-wide rows overflow shared memory); only "global" is written to plan.json
+    down_input: str = "smem"
 
     # -- identity -----------------------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -207,6 +210,8 @@ class Plan:
             data.pop("rope_tables")
         if data["staging_dtype"] == "float32":
             data.pop("staging_dtype")
+        if data["down_input"] == "smem":
+            data.pop("down_input")
         for packed in data["packed"]:
             if not packed["interleave"]:
                 packed.pop("interleave")

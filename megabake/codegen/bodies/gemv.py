@@ -485,7 +485,8 @@ def gemv_rows_mma(weight: cute.Tensor, bias: cute.Tensor, s_vec: cute.Tensor, s_
     steps (CTA-wide barriers inside); cols % (32 * ksplit * unroll) == 0 (``plan.tuning.mma_unroll``).
     ``gated`` > 0 (the activation's ``plan.stages.GATED_ACT_CODES`` code): each tile holds 4 gate rows then the
     4 matching up rows (``plan.stages.gated_act_layout``), and out[b, tile * 4 + i] = act(gate_i) * up_i (bias
-    added to both first).
+    added to both first), rounded to bf16 where ``out`` is bf16 (``Plan.down_input == "global"``). ``s_vec`` is
+    the staged bf16 rows in shared memory, or such rows in global memory (that plan's down GEMV).
     """
     lane = tidx % WARP
     warp = tidx // WARP
@@ -574,7 +575,10 @@ def _mma_write(acc: cute.Tensor, s_part: cute.Tensor, bias: cute.Tensor, out: cu
                     value = value + bias[cutlass.min(tile * MMA_ROWS + 2 * tig + e, rows - 1)]
                 up = cute.arch.shuffle_sync_bfly(value, 2)
                 if tile * MMA_ROWS < rows and gid < batch and tig < 2:
-                    out[gid, tile * MMA_GATED + 2 * tig + e] = _gated_act(value, up, gated)
+                    if cutlass.const_expr(out.element_type == cutlass.BFloat16):  # a global down input (bf16)
+                        out[gid, tile * MMA_GATED + 2 * tig + e] = _gated_act(value, up, gated).to(cutlass.BFloat16)
+                    else:
+                        out[gid, tile * MMA_GATED + 2 * tig + e] = _gated_act(value, up, gated)
     elif part == 0 and tile * MMA_ROWS < rows and gid < batch:
         for e in cutlass.range_constexpr(2):
             out_row = tile * MMA_ROWS + 2 * tig + e

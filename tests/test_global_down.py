@@ -1,0 +1,83 @@
+"""``Plan.down_input == "global"`` (session 40): a batched bucket whose intermediate-wide GEMV input rows overflow
+shared memory (batch 8 of gemma-2b and Mistral-7B) has its gate/up GEMV write act(gate) * up in bf16 to the ``act``
+buffer and its tensor-core down GEMV read those rows from global memory, instead of staging them. On the CPU: the
+plan (refused without the experimental flag until a GPU has run it), its plan.json, the generated calls and the
+CuTe DSL compile for sm_90a; the kernel's GPU tests are in ``tests/test_global_down_gpu.py``."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from megabake.errors import PlanError
+from megabake.plan import HOPPER_SMEM_PER_BLOCK, Plan, check_shared_memory
+from megabake.presets import get_preset
+from tests.compiler_fixtures import compile_model, compile_preset
+
+FLAG = "MEGABAKE_EXPERIMENTAL_LAYOUTS"
+
+
+def _wide_tiny_llama():
+    """tiny-llama, one layer, with gemma-2b's MLP width: 8 x 16384 bf16 input rows (256 KiB) cannot be staged."""
+    preset = get_preset("tiny-llama")
+    config = dict(preset.config, intermediate_size=16384, num_hidden_layers=1)
+    return dataclasses.replace(preset, config=config).build_model()
+
+
+def test_a_bucket_too_wide_to_stage_reads_the_down_input_from_global_memory(monkeypatch):
+    model = _wide_tiny_llama()
+    monkeypatch.delenv(FLAG, raising=False)
+    with pytest.raises(PlanError, match=f"{FLAG}=global_down_input"):
+        compile_model(model, batch=8, capacity=128)
+    monkeypatch.setenv(FLAG, "global_down_input")
+    plan = compile_model(model, batch=8, capacity=128).plan
+    assert plan.down_input == "global" and plan.staging_dtype == "bfloat16"
+    assert plan.smem_bytes <= HOPPER_SMEM_PER_BLOCK
+    with pytest.raises(PlanError, match="16384-wide bf16 GEMV input"):  # staged, it would not fit
+        check_shared_memory(plan.dims, 8, 128, plan.threads, True, "bfloat16")
+    source = compile_model(model, batch=8, capacity=128).generated.source
+    assert "\nVEC_WIDTH = 256\n" in source  # s_vec holds hidden-wide rows only: SMEM_BYTES counts no more
+    act = next(b for b in plan.buffers if b.name == "act")
+    assert (act.dtype, act.shape, act.role) == ("bfloat16", [8, 16384], "workspace")
+    assert '"down_input": "global"' in plan.to_json()
+    assert Plan.from_json(plan.to_json()).down_input == "global"
+    assert Plan.from_json(plan.to_json()).to_json() == plan.to_json()
+
+
+def test_buckets_that_fit_keep_staging_and_their_plan_json():
+    plan = compile_preset("tiny-llama", batch=8, capacity=128).plan
+    assert plan.down_input == "smem" and "down_input" not in plan.to_json()
+    assert not any(b.name == "act" for b in plan.buffers)
+
+
+def test_global_down_input_on_request_generates_the_calls_and_compiles_for_sm_90a(monkeypatch, tmp_path):
+    monkeypatch.setenv(FLAG, "global_down_input")
+    compiled = compile_preset("tiny-llama", batch=8, capacity=128, down_input="global")
+    source = compiled.generated.source
+    gate_up = source.split("# ---- stage 4: norm_gate_up")[1].split("# ---- stage 5")[0]
+    down = source.split("# ---- stage 5: down_residual")[1].split("# ---- stage 6")[0]
+    assert "out=act" in gate_up and "gated=1" in gate_up
+    assert "copy_to_smem" not in down and "s_vec=act" in down and "out=x" in down
+    assert compiled.generated.arguments[-1] == "act" and "act" not in compiled.generated.arguments[:-1]
+    staged = compile_preset("tiny-llama", batch=8, capacity=128).generated.source
+    assert "copy_to_smem" in staged.split("# ---- stage 5: down_residual")[1].split("# ---- stage 6")[0]
+    pytest.importorskip("cutlass")
+    from megabake.runtime.compile import compile_check, load_module
+
+    stores = []
+    for name, text in (("global", source), ("staged", staged)):
+        result = compile_check(compiled.plan if name == "global" else compile_preset(
+            "tiny-llama", batch=8, capacity=128).plan, load_module(text), dump_dir=str(tmp_path / name))
+        assert result.ok, result.error
+        stores.append(next((tmp_path / name).glob("*.ptx")).read_text().count("st.global.b16"))
+    assert stores[0] > stores[1]  # the gated write stores bf16 rows (both append bf16 K/V rows)
+
+
+def test_global_down_input_refusals(monkeypatch):
+    monkeypatch.setenv(FLAG, "global_down_input")
+    with pytest.raises(PlanError, match="needs the tensor-core GEMV"):
+        compile_preset("tiny-llama", batch=1, capacity=128, down_input="global")
+    with pytest.raises(PlanError, match="down_input must be 'smem' or 'global'"):
+        compile_preset("tiny-llama", batch=8, capacity=128, down_input="l2")
+    assert compile_preset("tiny-llama", batch=8, capacity=128, down_input="smem").plan.down_input == "smem"
