@@ -46,6 +46,9 @@ from pathlib import Path
 
 BAKE_DEFAULT = None  # variant value: build_plan's own default tuning (tuning=None)
 BAKE_BALANCED = "bake-balanced"  # variant value: that tuning with rows per tile balanced per stage
+# variant value: the bake's tuning with the down GEMV reading its bf16 input rows from global memory
+# (build_plan(down_input="global"); a batch 2-8 bucket on the tensor cores; session 40, not GPU-run yet)
+BAKE_GLOBAL_DOWN = "bake-global-down"
 
 
 @dataclass(frozen=True)
@@ -94,7 +97,11 @@ def variants() -> dict:
             "bake": BAKE_DEFAULT,
             # ... with each stage's rows per tile chosen for warp balance (autotune.rebalanced_tuning; session 30,
             # not run yet: Qwen3-0.6B's O and down projections keep 512 of 1056 warps busy with tiles of 2 rows)
-            "bake-balanced": BAKE_BALANCED}
+            "bake-balanced": BAKE_BALANCED,
+            # ... with the down projection's input read from global memory instead of staged (session 40: where a
+            # bucket's rows do not fit it is the plan's own choice; elsewhere it skips the staging copy, ~31 us
+            # of Qwen2.5-0.5B's 807 at batch 8, while every step of the down GEMV waits for its input from L2)
+            "bake-global-down": BAKE_GLOBAL_DOWN}
 
 
 # also measured with attention preload
@@ -102,8 +109,8 @@ ATTENTION_PRELOAD_VARIANTS = ("default", "t2u4-spread-preload", "t2u4-spread-pip
                               "t2u4-spread-ring4-preload")
 
 
-# variant -> the experimental kernel feature it needs (none now: gated_gemv passed on the H200 in session 15)
-EXPERIMENTAL_VARIANTS: dict[str, str] = {}
+# variant -> the experimental kernel feature it needs (gated_gemv passed on the H200 in session 15)
+EXPERIMENTAL_VARIANTS: dict[str, str] = {"bake-global-down": "global_down_input"}
 
 
 def opt_in_experimental(chosen: list[str]) -> None:
@@ -120,7 +127,7 @@ def opt_in_experimental(chosen: list[str]) -> None:
 def tuning_for(variant, default_plan) -> dict | None:
     from megabake.runtime.autotune import balanced_tuning, rebalanced_tuning, uniform_tuning
 
-    if variant is BAKE_DEFAULT:
+    if variant is BAKE_DEFAULT or variant == BAKE_GLOBAL_DOWN:
         return None
     if variant == BAKE_BALANCED:
         return rebalanced_tuning(default_plan)
@@ -360,11 +367,13 @@ def bake_plan(context: dict):
     return build_tuned_plan(context, None)
 
 
-def build_tuned_plan(context: dict, tuning: dict | None, attention_preload: bool = False):
+def build_tuned_plan(context: dict, tuning: dict | None, attention_preload: bool = False,
+                     down_input: str | None = None):
     from megabake.plan import build_plan
 
     return build_plan(context["ir"], ctas=context["sm_count"], inv_freq_buffer=context["inv"],
-                      rotary_scaling=context["scale"], tuning=tuning, attention_preload=attention_preload)
+                      rotary_scaling=context["scale"], tuning=tuning, attention_preload=attention_preload,
+                      down_input=down_input)
 
 
 def measure_variant(variant: str, tuning: dict, context: dict, default_logits: list,
@@ -380,7 +389,8 @@ def measure_variant(variant: str, tuning: dict, context: dict, default_logits: l
     model, tokens, reps = context["model"], context["tokens"], context["reps"]
     pos = len(tokens) - 1
     try:
-        plan = build_tuned_plan(context, tuning, attention_preload)
+        down_input = "global" if variant.split("@")[0] == BAKE_GLOBAL_DOWN else None
+        plan = build_tuned_plan(context, tuning, attention_preload, down_input)
         decoder = MegakernelDecoder(plan, generate(plan, **BUILDS[build]).source, model, device="cuda")
         for p in range(len(tokens)):
             decoder.buffers["logits"].fill_(float("nan"))  # poison

@@ -81,3 +81,21 @@ def test_global_down_input_refusals(monkeypatch):
     with pytest.raises(PlanError, match="down_input must be 'smem' or 'global'"):
         compile_preset("tiny-llama", batch=8, capacity=128, down_input="l2")
     assert compile_preset("tiny-llama", batch=8, capacity=128, down_input="smem").plan.down_input == "smem"
+
+
+def test_gpu_tune_times_the_global_down_input_against_the_bakes_plan(monkeypatch):
+    """``gpu_tune.py --variants bake bake-global-down --batch 8``: the A/B for buckets where both plans fit (the
+    staging copy it skips against the down GEMV's L2 reads); the script opts in to the feature itself."""
+    from megabake.plan.rotary import recover_rotary
+    from tests.test_autotune import _gpu_tune_script
+
+    module = _gpu_tune_script()
+    monkeypatch.setenv(FLAG, "")
+    module.opt_in_experimental(["bake", "bake-global-down"])
+    compiled = compile_preset("tiny-llama", batch=8, capacity=128)
+    inv, scale = recover_rotary(compiled.captured, compiled.ir)
+    context = dict(ir=compiled.ir, inv=inv, scale=scale, sm_count=132)
+    variant = module.variants()["bake-global-down"]
+    plan = module.build_tuned_plan(context, module.tuning_for(variant, compiled.plan), False, "global")
+    assert plan.down_input == "global"
+    assert [s.tiling for s in plan.stages] == [s.tiling for s in compiled.plan.stages]
