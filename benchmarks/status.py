@@ -407,10 +407,9 @@ def expected_presets() -> list[str]:
     return [name for name, preset in PRESETS.items() if not name.startswith("tiny-") and not preset.experimental]
 
 
-def bucket_refusal(config, batch: int) -> str | None:
-    """Why no plan of this model holds ``batch`` sequences (the shared-memory check every bake runs,
-    ``plan.memory.check_shared_memory``, with bf16 staging, split-KV attention and the down projection's input
-    read from global memory: the least the kernel stages, ``Plan.down_input``), or None where the bucket fits."""
+def _bucket_check(config, batch: int, global_down: bool) -> str | None:
+    """The bake's shared-memory check (``plan.memory.check_shared_memory``, bf16 staging, split-KV attention) of
+    this model at ``batch``: its refusal, or None where the bucket fits."""
     from megabake.errors import PlanError
     from megabake.plan.memory import check_shared_memory
     from megabake.plan.model import ModelDims
@@ -421,10 +420,22 @@ def bucket_refusal(config, batch: int) -> str | None:
                      intermediate=config.intermediate_size, vocab=config.vocab_size, layers=config.num_hidden_layers,
                      eps=1e-6, norm_offset=0.0, attn_scale=1.0, act="silu")
     try:
-        check_shared_memory(dims, batch, 4096, 256, split_kv=True, staging="bfloat16", global_down=True)
+        check_shared_memory(dims, batch, 4096, 256, split_kv=True, staging="bfloat16", global_down=global_down)
     except PlanError as exc:
         return str(exc)
     return None
+
+
+def bucket_refusal(config, batch: int) -> str | None:
+    """Why no plan of this model holds ``batch`` sequences even with the down projection's input read from global
+    memory (the least the kernel stages, ``Plan.down_input``), or None where the bucket fits."""
+    return _bucket_check(config, batch, global_down=True)
+
+
+def bucket_needs_global_down(config, batch: int) -> bool:
+    """Whether only a ``down_input="global"`` plan holds the bucket (experimental until GPU-run: the bake then
+    needs ``MEGABAKE_EXPERIMENTAL_LAYOUTS=global_down_input``)."""
+    return bool(_bucket_check(config, batch, global_down=False)) and not bucket_refusal(config, batch)
 
 
 def missing_lines(best: dict, presets: list[str], config_of=preset_config) -> list[str]:
@@ -442,6 +453,8 @@ def missing_lines(best: dict, presets: list[str], config_of=preset_config) -> li
                 refused.append(f"- {preset} batch {batch}: {why}")
                 continue
             holes += [f"b{batch} {cls}" for cls in absent]
+            if bucket_needs_global_down(config_of(preset), batch):  # said once, after the batch's last cell
+                holes[-1] += " (these need MEGABAKE_EXPERIMENTAL_LAYOUTS=global_down_input)"
         if holes:
             lines.append(f"- {preset}: " + ", ".join(holes))
     return lines + (["", "Buckets no plan holds (the bake refuses them; nothing to measure):", "", *refused]

@@ -180,8 +180,15 @@ def _down_input(dims: ModelDims, batch: int, capacity: int, threads: int, split_
         if requested is None:  # check_shared_memory names the batch and capacity that fit
             return "smem"
         raise PlanError(f"down_input='global' {why}")
-    check_layout_enabled("global_down_input", EXPERIMENTAL_FEATURES["global_down_input"],
-                         holder=f"this bucket (batch {batch}) needs" if requested is None else "this bake asks for")
+    try:
+        check_layout_enabled("global_down_input", EXPERIMENTAL_FEATURES["global_down_input"],
+                             holder=f"this bucket (batch {batch}) needs" if requested is None else "this bake asks for")
+    except PlanError as exc:
+        fitting = [b for b in range(batch - 1, 0, -1)
+                   if smem_bytes(dims, b, capacity, threads, split_kv, staging) <= HOPPER_SMEM_PER_BLOCK]
+        if requested is None and fitting:
+            raise PlanError(f"{exc}; or bake --batch {fitting[0]} or less, whose rows fit in shared memory") from None
+        raise
     return "global"
 
 
