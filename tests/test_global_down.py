@@ -31,13 +31,14 @@ def test_a_bucket_too_wide_to_stage_reads_the_down_input_from_global_memory(monk
     with pytest.raises(PlanError, match=f"{FLAG}=global_down_input.*; or bake --batch 6 or less, whose rows fit"):
         compile_model(model, batch=8, capacity=128)
     monkeypatch.setenv(FLAG, "global_down_input")
-    plan = compile_model(model, batch=8, capacity=128).plan
+    compiled = compile_model(model, batch=8, capacity=128)
+    plan = compiled.plan
     assert plan.down_input == "global" and plan.staging_dtype == "bfloat16"
     assert plan.smem_bytes <= HOPPER_SMEM_PER_BLOCK
     with pytest.raises(PlanError, match="16384-wide bf16 GEMV input"):  # staged, it would not fit
         check_shared_memory(plan.dims, 8, 128, plan.threads, True, "bfloat16")
-    source = compile_model(model, batch=8, capacity=128).generated.source
-    assert "\nVEC_WIDTH = 256\n" in source  # s_vec holds hidden-wide rows only: SMEM_BYTES counts no more
+    # s_vec holds hidden-wide rows only (tiny-llama: 256), as SMEM_BYTES counts
+    assert "\nVEC_WIDTH = 256\n" in compiled.generated.source
     act = next(b for b in plan.buffers if b.name == "act")
     assert (act.dtype, act.shape, act.role) == ("bfloat16", [8, 16384], "workspace")
     assert '"down_input": "global"' in plan.to_json()
@@ -60,15 +61,15 @@ def test_global_down_input_on_request_generates_the_calls_and_compiles_for_sm_90
     assert "out=act" in gate_up and "gated=1" in gate_up
     assert "copy_to_smem" not in down and "s_vec=act" in down and "out=x" in down
     assert compiled.generated.arguments[-1] == "act" and "act" not in compiled.generated.arguments[:-1]
-    staged = compile_preset("tiny-llama", batch=8, capacity=128).generated.source
-    assert "copy_to_smem" in staged.split("# ---- stage 5: down_residual")[1].split("# ---- stage 6")[0]
+    staged = compile_preset("tiny-llama", batch=8, capacity=128)
+    staged_down = staged.generated.source.split("# ---- stage 5: down_residual")[1].split("# ---- stage 6")[0]
+    assert "copy_to_smem" in staged_down
     pytest.importorskip("cutlass")
     from megabake.runtime.compile import compile_check, load_module
 
     stores = []
-    for name, text in (("global", source), ("staged", staged)):
-        result = compile_check(compiled.plan if name == "global" else compile_preset(
-            "tiny-llama", batch=8, capacity=128).plan, load_module(text), dump_dir=str(tmp_path / name))
+    for name, step in (("global", compiled), ("staged", staged)):
+        result = compile_check(step.plan, load_module(step.generated.source), dump_dir=str(tmp_path / name))
         assert result.ok, result.error
         stores.append(next((tmp_path / name).glob("*.ptx")).read_text().count("st.global.b16"))
     assert stores[0] > stores[1]  # the gated write stores bf16 rows (both append bf16 K/V rows)
