@@ -70,9 +70,9 @@
 #   tune:  GEMV tiling / preload / pipeline sweep with per-stage clocks (scripts/gpu_tune.py) -> OUT/tune-*.json
 #          (~2 min per preset for all 17 variants; VARIANTS="default t2u4-pipe ..." picks some)
 #   global-down: the GPU tests of Plan.down_input="global" (session 40, not run yet: batch 8 of gemma-2b and
-#          Mistral-7B, the down GEMV reading its bf16 input rows from global memory), then gpu_tune's bake against
-#          bake-global-down at batch 8 (Qwen2.5-0.5B, Llama-3.2-1B at 16) -> OUT/pytest-gpu-global-down.log,
-#          OUT/tune-global-down-b8.log (~6 min?)
+#          Mistral-7B, the down GEMV reading its bf16 input rows from global memory; TEST_LIMIT default 240 here),
+#          then gpu_tune's bake against bake-global-down at batch 8 (Qwen2.5-0.5B at 16, per-phase clocks)
+#          -> OUT/pytest-gpu-global-down.log, OUT/tune-global-down-b8.log (~6-9 min?)
 #   tests-parallel: the same tests as tests1-3, the fused_o build's (tests/test_fused_o_gpu.py) and
 #          tests/test_global_down_gpu.py at once, as
 #          SHARDS (default 4) pytest processes on the one GPU
@@ -132,10 +132,10 @@ if [[ " $PARTS " == *" tests-parallel "* ]]; then
   collect_tests "${names[@]}"
 fi
 if [[ " $PARTS " == *" global-down "* ]]; then
-  run_tests global-down "" tests/test_global_down_gpu.py
+  TEST_LIMIT=${TEST_LIMIT:-240} run_tests global-down "" tests/test_global_down_gpu.py
   collect_tests global-down
   # then the A/B where both plans fit: the staging copy the global input skips against its L2 reads (batch 8)
-  timeout 300 python3 scripts/gpu_tune.py qwen2.5-0.5b llama-3.2-1b --variants bake bake-global-down --batch 8 \
+  timeout 300 python3 scripts/gpu_tune.py qwen2.5-0.5b --variants bake bake-global-down --batch 8 \
     --capacity 4096 --no-composite --phases --out "$OUT" >"$OUT/tune-global-down-b8.log" 2>&1
   summary+=("global-down tune: rc=$? $(sed -n '/^== /,$p' "$OUT/tune-global-down-b8.log")")
 fi
