@@ -185,10 +185,14 @@ def layer_windows(config) -> list[int | None]:
     return [window] * layers
 
 
+def _head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def kv_bytes(config, position: int, batch: int, element_bytes: int = 2) -> int:
     """Bytes of K and V that the decode step at ``position`` reads: its ``position + 1`` visible keys per
     layer (at most the layer's window), every KV head, every sequence of the batch."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    head_dim = _head_dim(config)
     row = 2 * config.num_key_value_heads * head_dim * element_bytes
     visible = [position + 1 if window is None else min(position + 1, window) for window in layer_windows(config)]
     return sum(visible) * row * batch
@@ -352,7 +356,7 @@ def default_since(config, batch: int, cls: str | None) -> int:
     1's ~16 and 33 elsewhere where the model's KV groups are 2-8 query heads of 64 or 128 dims (what the tensor-core
     attention and the fused step take, ``plan.attention.mma_attention_fits``; the fused step has other conditions
     too, so this can call a row stale that session 36 did not change), else 29."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    head_dim = _head_dim(config)
     group = config.num_attention_heads // config.num_key_value_heads
     if not (2 <= group <= 8 and head_dim in (64, 128)):
         return KV_PREFETCH_CAPPED
@@ -414,7 +418,7 @@ def _bucket_check(config, batch: int, global_down: bool) -> str | None:
     from megabake.plan.memory import check_shared_memory
     from megabake.plan.model import ModelDims
 
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    head_dim = _head_dim(config)
     dims = ModelDims(hidden=config.hidden_size, n_heads=config.num_attention_heads,
                      n_kv_heads=config.num_key_value_heads, head_dim=head_dim,
                      intermediate=config.intermediate_size, vocab=config.vocab_size, layers=config.num_hidden_layers,
@@ -432,28 +436,22 @@ def bucket_refusal(config, batch: int) -> str | None:
     return _bucket_check(config, batch, global_down=True)
 
 
-def bucket_needs_global_down(config, batch: int) -> bool:
-    """Whether only a ``down_input="global"`` plan holds the bucket (experimental until GPU-run: the bake then
-    needs ``MEGABAKE_EXPERIMENTAL_LAYOUTS=global_down_input``)."""
-    return bool(_bucket_check(config, batch, global_down=False)) and not bucket_refusal(config, batch)
-
-
 def missing_lines(best: dict, presets: list[str], config_of=preset_config) -> list[str]:
     """The cells no stored run has measured, per preset; buckets no plan can hold (:func:`bucket_refusal`) are
     named apart, with the reason, as nothing to measure."""
     lines, refused = [], []
     for preset in presets:
-        holes = []
+        holes, config = [], config_of(preset)
         for batch in BATCHES:
             absent = [cls for cls in POSITION_CLASSES if (preset, batch, cls) not in best]
             if not absent:
                 continue
-            why = bucket_refusal(config_of(preset), batch)
+            why = bucket_refusal(config, batch)
             if why:
                 refused.append(f"- {preset} batch {batch}: {why}")
                 continue
             holes += [f"b{batch} {cls}" for cls in absent]
-            if bucket_needs_global_down(config_of(preset), batch):  # said once, after the batch's last cell
+            if _bucket_check(config, batch, global_down=False):  # only a down_input="global" plan holds it
                 holes[-1] += " (these need MEGABAKE_EXPERIMENTAL_LAYOUTS=global_down_input)"
         if holes:
             lines.append(f"- {preset}: " + ", ".join(holes))
