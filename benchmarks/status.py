@@ -452,7 +452,7 @@ def missing_lines(best: dict, presets: list[str], config_of=preset_config) -> li
                 continue
             holes += [f"b{batch} {cls}" for cls in absent]
             if _bucket_check(config, batch, global_down=False):  # only a down_input="global" plan holds it
-                holes[-1] += " (these need MEGABAKE_EXPERIMENTAL_LAYOUTS=global_down_input)"
+                holes[-1] += " (these read the down input from global memory)"
         if holes:
             lines.append(f"- {preset}: " + ", ".join(holes))
     return lines + (["", "Buckets no plan holds (the bake refuses them; nothing to measure):", "", *refused]

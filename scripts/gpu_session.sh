@@ -69,10 +69,10 @@
 #          4 presets need two calls: the second with BENCH_RESUME, see below)
 #   tune:  GEMV tiling / preload / pipeline sweep with per-stage clocks (scripts/gpu_tune.py) -> OUT/tune-*.json
 #          (~2 min per preset for all 17 variants; VARIANTS="default t2u4-pipe ..." picks some)
-#   global-down: the GPU tests of Plan.down_input="global" (session 40, not run yet: batch 8 of gemma-2b and
+#   global-down: the GPU tests of Plan.down_input="global" (session 40; passed on an H100 in session 41: batch 8 of gemma-2b and
 #          Mistral-7B, the down GEMV reading its bf16 input rows from global memory; TEST_LIMIT default 240 here),
 #          then gpu_tune's bake against bake-global-down at batch 8 (Qwen2.5-0.5B at 16, per-phase clocks)
-#          -> OUT/pytest-gpu-global-down.log, OUT/tune-global-down-b8.log (~6-9 min?)
+#          -> OUT/pytest-gpu-global-down.log, OUT/tune-global-down-b8.log (210 s on an H100, session 41)
 #   tests-parallel: the same tests as tests1-3, the fused_o build's (tests/test_fused_o_gpu.py) and
 #          tests/test_global_down_gpu.py at once, as
 #          SHARDS (default 4) pytest processes on the one GPU

@@ -47,7 +47,7 @@ from pathlib import Path
 BAKE_DEFAULT = None  # variant value: build_plan's own default tuning (tuning=None)
 BAKE_BALANCED = "bake-balanced"  # variant value: that tuning with rows per tile balanced per stage
 # variant value: the bake's tuning with the down GEMV reading its bf16 input rows from global memory
-# (build_plan(down_input="global"); a batch 2-8 bucket on the tensor cores; session 40, not GPU-run yet)
+# (build_plan(down_input="global"); a batch 2-8 bucket on the tensor cores; session 40, GPU-verified in session 41)
 BAKE_GLOBAL_DOWN = "bake-global-down"
 
 
@@ -109,8 +109,9 @@ ATTENTION_PRELOAD_VARIANTS = ("default", "t2u4-spread-preload", "t2u4-spread-pip
                               "t2u4-spread-ring4-preload")
 
 
-# variant -> the experimental kernel feature it needs (gated_gemv passed on the H200 in session 15)
-EXPERIMENTAL_VARIANTS: dict[str, str] = {"bake-global-down": "global_down_input"}
+# variant -> the experimental kernel feature it needs: none now (gated_gemv passed on the H200 in session 15,
+# bake-global-down's global_down_input on an H100 in session 41); a new candidate's variant goes here
+EXPERIMENTAL_VARIANTS: dict[str, str] = {}
 
 
 def opt_in_experimental(chosen: list[str]) -> None:

@@ -205,7 +205,7 @@ def test_buckets_no_plan_holds_are_named_apart_from_the_missing_cells(status):
     lines = status.missing_lines({}, ["huge", "gemma-2b"], config_of=configs.get)
     holes = {line.split(": ")[0][2:]: line for line in lines if line.startswith("- ") and "batch" not in line}
     assert "b4 ~16" in holes["huge"] and "b8" not in holes["huge"]
-    assert "b8 ~4000 (these need MEGABAKE_EXPERIMENTAL_LAYOUTS=global_down_input)" in holes["gemma-2b"]  # 16384-wide
+    assert "b8 ~4000 (these read the down input from global memory)" in holes["gemma-2b"]  # 16384-wide
     assert "b4 ~4000, b8" in holes["gemma-2b"]  # MLP input, read from global memory at batch 8 only
     refused = lines[lines.index("Buckets no plan holds (the bake refuses them; nothing to measure):") + 2:]
     assert len(refused) == 1 and refused[0].startswith("- huge batch 8: bucket batch=8")

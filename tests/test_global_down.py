@@ -1,8 +1,8 @@
 """``Plan.down_input == "global"`` (session 40): a batched bucket whose intermediate-wide GEMV input rows overflow
 shared memory (batch 8 of gemma-2b and Mistral-7B) has its gate/up GEMV write act(gate) * up in bf16 to the ``act``
 buffer and its tensor-core down GEMV read those rows from global memory, instead of staging them. On the CPU: the
-plan (refused without the experimental flag until a GPU has run it), its plan.json, the generated calls and the
-CuTe DSL compile for sm_90a; the kernel's GPU tests are in ``tests/test_global_down_gpu.py``."""
+plan (baked by default since its GPU tests passed on an H100 in session 41), its plan.json, the generated calls and
+the CuTe DSL compile for sm_90a; the kernel's GPU tests are in ``tests/test_global_down_gpu.py``."""
 
 from __future__ import annotations
 
@@ -27,10 +27,7 @@ def _wide_tiny_llama():
 
 def test_a_bucket_too_wide_to_stage_reads_the_down_input_from_global_memory(monkeypatch):
     model = _wide_tiny_llama()
-    monkeypatch.delenv(FLAG, raising=False)
-    with pytest.raises(PlanError, match=f"{FLAG}=global_down_input.*; or bake --batch 6 or less, whose rows fit"):
-        compile_model(model, batch=8, capacity=128)
-    monkeypatch.setenv(FLAG, "global_down_input")
+    monkeypatch.delenv(FLAG, raising=False)  # a GPU-verified feature: no flag needed
     compiled = compile_model(model, batch=8, capacity=128)
     plan = compiled.plan
     assert plan.down_input == "global" and plan.staging_dtype == "bfloat16"
@@ -52,8 +49,7 @@ def test_buckets_that_fit_keep_staging_and_their_plan_json():
     assert not any(b.name == "act" for b in plan.buffers)
 
 
-def test_global_down_input_on_request_generates_the_calls_and_compiles_for_sm_90a(monkeypatch, tmp_path):
-    monkeypatch.setenv(FLAG, "global_down_input")
+def test_global_down_input_on_request_generates_the_calls_and_compiles_for_sm_90a(tmp_path):
     compiled = compile_preset("tiny-llama", batch=8, capacity=128, down_input="global")
     source = compiled.generated.source
     gate_up = source.split("# ---- stage 4: norm_gate_up")[1].split("# ---- stage 5")[0]
@@ -75,8 +71,7 @@ def test_global_down_input_on_request_generates_the_calls_and_compiles_for_sm_90
     assert stores[0] > stores[1]  # the gated write stores bf16 rows (both append bf16 K/V rows)
 
 
-def test_global_down_input_refusals(monkeypatch):
-    monkeypatch.setenv(FLAG, "global_down_input")
+def test_global_down_input_refusals():
     with pytest.raises(PlanError, match="needs the tensor-core GEMV"):
         compile_preset("tiny-llama", batch=1, capacity=128, down_input="global")
     with pytest.raises(PlanError, match="down_input must be 'smem' or 'global'"):
@@ -84,15 +79,13 @@ def test_global_down_input_refusals(monkeypatch):
     assert compile_preset("tiny-llama", batch=8, capacity=128, down_input="smem").plan.down_input == "smem"
 
 
-def test_gpu_tune_times_the_global_down_input_against_the_bakes_plan(monkeypatch):
+def test_gpu_tune_times_the_global_down_input_against_the_bakes_plan():
     """``gpu_tune.py --variants bake bake-global-down --batch 8``: the A/B for buckets where both plans fit (the
-    staging copy it skips against the down GEMV's L2 reads); the script opts in to the feature itself."""
+    staging copy it skips against the down GEMV's L2 reads)."""
     from megabake.plan.rotary import recover_rotary
     from tests.test_autotune import _gpu_tune_script
 
     module = _gpu_tune_script()
-    monkeypatch.setenv(FLAG, "")
-    module.opt_in_experimental(["bake", "bake-global-down"])
     compiled = compile_preset("tiny-llama", batch=8, capacity=128)
     inv, scale = recover_rotary(compiled.captured, compiled.ir)
     context = dict(ir=compiled.ir, inv=inv, scale=scale, sm_count=132)
