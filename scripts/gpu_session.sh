@@ -73,8 +73,11 @@
 #          Mistral-7B, the down GEMV reading its bf16 input rows from global memory; TEST_LIMIT default 240 here),
 #          then gpu_tune's bake against bake-global-down at batch 8 (Qwen2.5-0.5B at 16, per-phase clocks)
 #          -> OUT/pytest-gpu-global-down.log, OUT/tune-global-down-b8.log (210 s on an H100, session 41)
-#   tests-parallel: the same tests as tests1-3, the fused_o build's (tests/test_fused_o_gpu.py) and
-#          tests/test_global_down_gpu.py at once, as
+#   mma-wide: the GPU tests of generate(plan, mma_wide=True) (session 41, not run yet: Gemma's heads of 256 on the
+#          tensor cores), then gemma-2b at 4000, batch 8 and 1, default (lane-group loop) against mma-wide
+#          -> OUT/pytest-gpu-mma-wide.log, OUT/tune-mma-wide-b{8,1}.log (~8 min?: TEST_LIMIT default 240 here)
+#   tests-parallel: the same tests as tests1-3, the fused_o build's (tests/test_fused_o_gpu.py),
+#          tests/test_global_down_gpu.py and tests/test_mma_wide_gpu.py at once, as
 #          SHARDS (default 4) pytest processes on the one GPU
 #          (pytest --shard I/N, tests/sharding.py: their CPU-bound setup, random init and CuTe DSL compiles,
 #          overlaps; kernels time-share the GPU) -> OUT/pytest-gpu-shard*.log (3 processes: 6.6 min, session 16)
@@ -126,7 +129,7 @@ if [[ " $PARTS " == *" tests-parallel "* ]]; then
   for ((i = 0; i < shards; i++)); do
     names+=("shard$i")
     OMP_NUM_THREADS=$threads run_tests "shard$i" "" --shard "$i/$shards" "${TESTS3[@]:2}" tests/test_fused_o_gpu.py \
-      tests/test_global_down_gpu.py &
+      tests/test_global_down_gpu.py tests/test_mma_wide_gpu.py &
   done
   wait
   collect_tests "${names[@]}"
@@ -138,6 +141,16 @@ if [[ " $PARTS " == *" global-down "* ]]; then
   timeout 300 python3 scripts/gpu_tune.py qwen2.5-0.5b --variants bake bake-global-down --batch 8 \
     --capacity 4096 --no-composite --phases --out "$OUT" >"$OUT/tune-global-down-b8.log" 2>&1
   summary+=("global-down tune: rc=$? $(sed -n '/^== /,$p' "$OUT/tune-global-down-b8.log")")
+fi
+if [[ " $PARTS " == *" mma-wide "* ]]; then
+  TEST_LIMIT=${TEST_LIMIT:-240} run_tests mma-wide "" tests/test_mma_wide_gpu.py
+  collect_tests mma-wide
+  # then gemma-2b's long step with heads of 256 on the tensor cores against the lane-group loop (batch 8 and 1)
+  for batch in 8 1; do
+    timeout 170 python3 scripts/gpu_tune.py gemma-2b --variants bake --builds default mma-wide --batch $batch \
+      --capacity 4096 --position 4000 --no-composite --out "$OUT/b$batch" >"$OUT/tune-mma-wide-b$batch.log" 2>&1
+    summary+=("mma-wide tune b$batch: rc=$? $(sed -n '/^== /,$p' "$OUT/tune-mma-wide-b$batch.log")")
+  done
 fi
 if [[ " $PARTS " == *" tests1 "* ]]; then
   run_tests "${TESTS1[@]}"

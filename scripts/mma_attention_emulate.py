@@ -1,5 +1,6 @@
 """Float64 emulation of the fragment algebra of ``bodies._mma_softmax_chunk`` (split-KV attention on the tensor
-cores, ``generate(plan, mma_attention=True)``), on a CPU, against plain softmax attention.
+cores, ``generate(plan, mma_attention=True)``; heads of 256 dims: ``mma_wide=True``), on a CPU, against plain
+softmax attention.
 
     python3 scripts/mma_attention_emulate.py            # a table of cases: heads, head_dim, keys, max |error|
 
@@ -124,7 +125,8 @@ def main() -> None:
     print("| heads | head_dim | keys [first, end) | max abs error vs softmax attention |\n|---|---|---|---|")
     worst = 0.0
     for heads, head_dim, first, end in [(7, 64, 0, 1), (7, 64, 0, 17), (3, 64, 5, 300), (2, 128, 0, 129),
-                                        (4, 64, 100, 613), (8, 128, 3, 40)]:
+                                        (4, 64, 100, 613), (8, 128, 3, 40),
+                                        (8, 256, 0, 257), (2, 256, 7, 90)]:  # 256: an mma_wide build (Gemma)
         keys, values = rng.standard_normal((end + 8, head_dim)), rng.standard_normal((end + 8, head_dim))
         q = rng.standard_normal((heads, head_dim)) * 0.3
         scores = q @ keys[first:end].T

@@ -40,6 +40,8 @@ SECONDS = {  # node-id fragment -> seconds (first match wins); from `pytest --du
     # tests/test_global_down_gpu.py (session 40, not timed yet): three builds; a 2-layer Mistral-7B + its reference
     "global_down_input_gives_the_staged": 30.0, "wide_mlp_matches_the_reference_executor[mistral": 40.0,
     "wide_mlp_matches_the_reference_executor": 25.0,
+    # tests/test_mma_wide_gpu.py (session 41, not run yet): three builds per case; one build + its reference
+    "mma_wide_matches_the_lane_group": 35.0, "mma_wide_kernel_matches_its_reference": 30.0,
 }
 
 

@@ -133,7 +133,7 @@ def test_reference_from_a_decoders_buffers_runs_on_those_weights_and_tables(tiny
 
 
 @pytest.mark.parametrize("heads,head_dim,keys,warps", [(2, 64, 1, 4), (3, 64, 17, 4), (7, 64, 512, 4),
-                                                       (4, 128, 1000, 8), (2, 64, 33, 16)])
+                                                       (4, 128, 1000, 8), (2, 64, 33, 16), (8, 256, 300, 8)])
 def test_the_reference_tensor_core_partial_is_softmax_attention_then_bf16_rounding(heads, head_dim, keys, warps):
     """``plan.reference._mma_partial`` mirrors ``bodies._mma_softmax_chunk``'s order (16-key steps dealt over the
     warps, per-warp running maxima, rescales, the warps' merge): without its roundings it is the plain softmax

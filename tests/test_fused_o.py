@@ -121,7 +121,7 @@ def test_fused_mma_refuses_groups_the_tensor_cores_cannot_take(monkeypatch):
     import megabake.codegen as codegen
 
     plan = compile_preset("smollm-1.7b", layers=1, vocab=512, capacity=1024).plan
-    monkeypatch.setattr(codegen, "mma_attention_items", lambda *args: [1])  # let mma_attention=True through
+    monkeypatch.setattr(codegen, "mma_attention_items", lambda *args, **kwargs: [1])  # let mma_attention=True through
     with pytest.raises(ValueError, match="fused_mma") as error:
         generate(plan, fused_o=True, mma_attention=True, fused_mma=True)
     assert "a KV group of 1 x 64 is not 2-8 heads of 64 or 128 dims" in str(error.value)

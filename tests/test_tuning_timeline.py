@@ -528,8 +528,9 @@ def test_mma_attention_takes_items_of_2_to_8_heads_of_64_or_128_and_is_refused_e
 
 def test_the_mma_attention_fragment_algebra_is_softmax_attention():
     """``scripts/mma_attention_emulate.py`` builds every lane's fragments as ``bodies._mma_softmax_chunk`` does and
-    applies m16n8k16 with the PTX layouts: in float64 it equals softmax attention (2-8 heads, 64 and 128 dims,
-    one key, masked tails, chunks that start past 0). The executable spec of the kernel's mapping."""
+    applies m16n8k16 with the PTX layouts: in float64 it equals softmax attention (2-8 heads, 64 and 128 dims, and
+    256 as an ``mma_wide`` build deals them; one key, masked tails, chunks that start past 0). The executable spec
+    of the kernel's mapping."""
     import subprocess
     import sys
     from pathlib import Path
@@ -538,7 +539,7 @@ def test_the_mma_attention_fragment_algebra_is_softmax_attention():
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     errors = [float(line.split("|")[4]) for line in result.stdout.splitlines()[2:]]
-    assert len(errors) == 6 and max(errors) < 1e-12, result.stdout
+    assert len(errors) == 8 and max(errors) < 1e-12, result.stdout
 
 
 def test_the_mma_schedule_deals_whole_groups_over_shorter_chunks_where_heads_come_free():

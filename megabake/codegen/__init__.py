@@ -42,8 +42,8 @@ from pathlib import Path
 
 from ..plan import (ATTN_COUNT, ATTN_PART, ATTN_WINDOW, DOWN_INPUT, HEAD_NORMS, ROPE_TABLE, STAGE_BIAS, Plan,
                    Stage, kv_splits, ring_shape, smem_floats)
-from ..plan.attention import (LONG_SLICES, PASS_CHUNKS, chunk_quantum, mma_attention_fits, mma_attention_items,
-                              mma_slice_mask)
+from ..plan.attention import (LONG_SLICES, MMA_ATT_WIDE_HEAD_DIMS, PASS_CHUNKS, chunk_quantum, mma_attention_fits,
+                              mma_attention_items, mma_slice_mask)
 from ..plan.stages import (ACTIVATIONS, DIMENSION_CONSTANTS, GATED_ACT_CODES, StageSpec, next_gemv, norm_slot,
                            spec_of)
 from .fused import FUSED_O_BUFFERS, fused_geometry, fused_kv_refusal, fused_o_refusal
@@ -244,6 +244,7 @@ class BuildOptions:
     arrival: str | None = None  # a split barrier's arrival (SPLIT_ARRIVAL), emitted before the before-barrier calls
     mma_attention: bool = False  # split-KV items of 2-8 query heads on the tensor cores (generate: on where they fit)
     mma_schedule: bool = False  # every split-KV dealing weighs those items by their chunk alone (MMA_SLICES)
+    mma_wide: bool = False  # ... and items of heads of 256 dims there too (MMA_WIDE, a candidate)
     fused_o: bool = False  # steps within MIN_CHUNK run attention and the O projection in one interval (codegen.fused)
     fused_kv_smem: bool = False  # ... scoring their cached K/V rows from shared memory (codegen.fused)
 
@@ -350,6 +351,17 @@ def default_fused_o(plan: Plan, *, spread_merge: bool = False, barrier: str = DE
                                 timeline=timeline) is None)
 
 
+def _check_mma_wide(plan: Plan, head_slices: bool, mma_attention: bool | None) -> None:
+    """``generate(plan, mma_wide=True)``'s refusals: it needs heads of 256 dims in items the tensor cores take."""
+    group = plan.dims.n_heads // plan.dims.n_kv_heads
+    if plan.dims.head_dim not in MMA_ATT_WIDE_HEAD_DIMS or not mma_attention_items(plan, head_slices, wide=True):
+        raise ValueError(f"mma_wide puts split-KV items of 2-8 query heads of {MMA_ATT_WIDE_HEAD_DIMS[0]} dims on "
+                         f"the tensor cores, but this plan deals none ({group} heads of {plan.dims.head_dim} dims per "
+                         f"KV group{'' if kv_splits(plan) else ', no split-KV attention'}): build without it")
+    if mma_attention is False:
+        raise ValueError("mma_wide widens mma_attention's tensor-core items: it needs mma_attention on (or None)")
+
+
 def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str = False,
              self_contained: bool = True, watchdog: bool = False, barrier: str | None = None,
              kv_prefetch: bool = True, kv_prefetch_l1: bool = False, kv_prefetch_rows: int | None = None,
@@ -359,7 +371,7 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
              kv_pipeline: bool | None = None, fold_merge: bool | None = None,
              prefetch_bytes: int | None = None, mma_attention: bool | None = None,
              mma_schedule: bool = False, fused_o: bool | None = None, fused_kv_smem: bool = False,
-             fused_mma: bool | None = None) -> GeneratedModule:
+             fused_mma: bool | None = None, mma_wide: bool = False) -> GeneratedModule:
     """module.py of ``plan``. ``merge_preload`` / ``spread_merge``: None picks them per plan
     (:func:`default_merge`); True asks for one (refused where the attention scratch cannot hold it), False
     leaves it out (both False: the plain last-arrival merge of sessions 10-16). ``head_slices=False`` deals
@@ -390,7 +402,10 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     (:func:`megabake.codegen.fused.fused_kv_refusal`). ``fused_mma`` (with ``fused_o`` and ``mma_attention``) scores
     a fused step's whole KV group on the tensor cores (the query and probabilities rounded to bf16, as every
     tensor-core item; refused where the group is not 2-8 heads of 64 or 128 dims); False on the fp32 lane-group
-    loop (logits within fp32 order of the default's split path); None: on wherever it fits."""
+    loop (logits within fp32 order of the default's split path); None: on wherever it fits. ``mma_wide`` (session
+    41, a candidate never GPU-run) also puts split-KV items of 2-8 query heads of 256 dims (Gemma) on the tensor
+    cores (``bodies._mma_softmax_chunk`` loading each step's K/V at the step; ``mma_attention`` then defaults to
+    on); refused where the plan deals no such item. Fused steps keep their groups of 256 on the lane-group loop."""
     if watchdog and timeline:
         raise ValueError("a watchdog build has no timeline: build them separately")
     if barrier is not None and barrier not in BARRIER_ARRIVALS:
@@ -428,15 +443,18 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
                "attention is not split")
         raise ValueError(f"fold_merge needs 2+ splits to fold and no spread merge, but {why}: build without it")
     kv_pipeline = default_kv_pipeline(plan) if kv_pipeline is None else kv_pipeline
-    mma_attention = default_mma_attention(plan, head_slices) if mma_attention is None else mma_attention
-    if mma_attention and not mma_attention_items(plan, head_slices):
+    if mma_wide:
+        _check_mma_wide(plan, head_slices, mma_attention)
+    if mma_attention is None:
+        mma_attention = True if mma_wide else default_mma_attention(plan, head_slices)
+    if mma_attention and not mma_attention_items(plan, head_slices, wide=mma_wide):
         group = plan.dims.n_heads // plan.dims.n_kv_heads
         why = f"groups of {group} x {plan.dims.head_dim}" if kv_splits(plan) else "no split-KV attention"
         raise ValueError("mma_attention puts split-KV items of 2-8 query heads of 64 or 128 dims on the tensor "
                          f"cores, but this plan deals none ({why}): build without it")
     if mma_schedule and not mma_attention:
         raise ValueError("mma_schedule deals split-KV items for the tensor cores: it needs mma_attention=True")
-    mma_slices = mma_slice_mask(plan, head_slices) if mma_schedule else 0
+    mma_slices = mma_slice_mask(plan, head_slices, wide=mma_wide) if mma_schedule else 0
     if fused_o is None:
         fused_o = default_fused_o(plan, spread_merge=spread_merge, barrier=barrier, timeline=bool(timeline),
                                   mma_schedule=mma_schedule, mma_attention=mma_attention)
@@ -468,7 +486,7 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     plan_hash = plan_hash or plan.hash
     w = _Writer(keyword_calls=True)
     _header(w, plan, plan_hash, arguments, self_contained, head_slices, long_slices, pass_chunks,
-            kv_pipeline, folded, mma_attention, mma_slices, fused_o, fused_kv_smem, fused_mma)
+            kv_pipeline, folded, mma_attention, mma_slices, fused_o, fused_kv_smem, fused_mma, mma_wide)
     prologue = [s for s in plan.stages if s.scope == "prologue"]
     per_layer = [s for s in plan.stages if s.scope == "layer"]
     epilogue = [s for s in plan.stages if s.scope == "epilogue"]
@@ -536,7 +554,8 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
                            merge_preload=merge_preload, spread_merge=spread_merge,
                            fold_splits=folded, prefetch_bytes=prefetch_bytes, clock_every_cta=every_cta,
                            arrival=SPLIT_ARRIVAL if barrier == "split" else None, mma_attention=mma_attention,
-                           mma_schedule=mma_schedule, fused_o=fused_o, fused_kv_smem=fused_kv_smem)
+                           mma_schedule=mma_schedule, fused_o=fused_o, fused_kv_smem=fused_kv_smem,
+                           mma_wide=mma_wide)
     if phases:
         _phase_timed_stages(w, plan, prologue, per_layer, epilogue, options)
     else:
@@ -581,7 +600,8 @@ def _packed(items: list[str], indent: int) -> list[str]:
 def _header(w: _Writer, plan: Plan, plan_hash: str, arguments: list[str], self_contained: bool,
             head_slices: bool = True, long_slices: bool = True, pass_chunks: bool = False,
             kv_pipeline: bool = False, folded: int = 0, mma_attention: bool = False, mma_slices: int = 0,
-            fused_o: bool = False, fused_kv_smem: bool = False, fused_mma: bool = False) -> None:
+            fused_o: bool = False, fused_kv_smem: bool = False, fused_mma: bool = False,
+            mma_wide: bool = False) -> None:
     d = plan.dims
     w(f'"""Generated by MegaBake from plan {plan_hash[:16]}. Do not edit: re-bake instead.')
     w("")
@@ -630,6 +650,8 @@ def _header(w: _Writer, plan: Plan, plan_hash: str, arguments: list[str], self_c
             consts["MMA_ATTENTION"] = True
         if mma_slices:
             consts["MMA_SLICES"] = mma_slices
+        if mma_wide:
+            consts["MMA_WIDE"] = True
     ring_stages, ring_vectors = _ring_stages(plan)
     if ring_stages:
         consts.update({"RING_STAGES": ring_stages, "RING_VECTORS": ring_vectors})
@@ -705,7 +727,7 @@ def _stage(w: _Writer, plan: Plan, stage: Stage, indent: int, layer_var, clocks:
     w.begin(_entry(plan, stage, layer_var, "barrier_interval", f"{prefix}{stage.name}"))
     w(f"# ---- stage {stage.index}: {stage.name} ({stage.scope}) ----", indent)
     calls = _body_calls(plan, stage, options.merge_preload, options.spread_merge, options.fold_splits,
-                        options.mma_attention, options.mma_schedule)
+                        options.mma_attention, options.mma_schedule, options.mma_wide)
     if fused:
         calls = _fused_o_calls(plan, stage, calls)
     previous = next((s for s in plan.stages if s.index == stage.index - 1), None)
@@ -797,7 +819,7 @@ def _fused_attention_stages(w: _Writer, plan: Plan, attention: Stage, indent: in
                   f"{'ROTARY_DIM' if plan.dims.rotary_dim else 'HEAD_DIM'}, {plan.dims.whole_qk_norm}, KV_PIPELINE, "
                   "FUSED_MMA, HIDDEN, FUSED_O_BLOCKS, FUSED_O_BLOCK_ROWS, MIN_CHUNK, FUSED_KV_SMEM)")
     body, call = _body_calls(plan, attention, options.merge_preload, options.spread_merge, options.fold_splits,
-                             options.mma_attention, options.mma_schedule)[0]
+                             options.mma_attention, options.mma_schedule, options.mma_wide)[0]
     w("if fo == 1:", indent)
     w.begin(_entry(plan, attention, layer_var, "body_call", "layer[*].attention.fused_attention_o"))
     w(fused_call, indent + 1)
@@ -816,7 +838,7 @@ def _fused_attention_stages(w: _Writer, plan: Plan, attention: Stage, indent: in
     w.begin(_entry(plan, o_stage, layer_var, "barrier_interval", f"layer[*].{o_stage.name}"))
     w(f"# ---- stage {o_stage.index}: {o_stage.name} ({o_stage.scope}); only where fo == 0 ----", indent + 1)
     for body, call in _body_calls(plan, o_stage, options.merge_preload, options.spread_merge, options.fold_splits,
-                                  options.mma_attention, options.mma_schedule):
+                                  options.mma_attention, options.mma_schedule, options.mma_wide):
         w.begin(_entry(plan, o_stage, layer_var, "body_call", f"layer[*].{o_stage.name}.{body}"))
         w(call, indent + 1)
         w.end()
@@ -1023,7 +1045,8 @@ def _warp_index(stage: Stage) -> str:
 
 
 def _attention_call(plan: Plan, merge_preload: bool = False, spread_merge: bool = False,
-                    folded: int = 0, mma_attention: bool = False, mma_schedule: bool = False) -> tuple[str, str]:
+                    folded: int = 0, mma_attention: bool = False, mma_schedule: bool = False,
+                    mma_wide: bool = False) -> tuple[str, str]:
     if kv_splits(plan):
         return ("split_kv_attention",
                 f"bodies.split_kv_attention(qkv, {_qk_norm_argument(plan)}, {_rope_arguments(plan)}, "
@@ -1035,7 +1058,7 @@ def _attention_call(plan: Plan, merge_preload: bool = False, spread_merge: bool 
                 f"{'ROTARY_DIM' if plan.dims.rotary_dim else 'HEAD_DIM'}, "
                 f"{plan.dims.whole_qk_norm}, {merge_preload}, {spread_merge}, HEAD_SLICES, LONG_SLICES, KV_PIPELINE"
                 f"{', FOLD_SPLITS' if folded else ''}{', mma_attention=MMA_ATTENTION' if mma_attention else ''}"
-                f"{_mma_slices_argument(mma_schedule)})")
+                f"{_mma_slices_argument(mma_schedule)}{', mma_wide=MMA_WIDE' if mma_wide else ''})")
     caches = (f"{_rope_arguments(plan)}, k_cache[layer, None, None, None, None], "
               "v_cache[layer, None, None, None, None], "
               "attn, pos, s_att, s_red, cta, tidx, BATCH, N_HEADS, N_KV_HEADS, HEAD_DIM, CAPACITY, CTAS, THREADS, "
@@ -1153,13 +1176,13 @@ def _gemv_stage_calls(plan: Plan, stage: Stage, folded: int = 0,
 
 def _body_calls(plan: Plan, stage: Stage, merge_preload: bool = False,
                 spread_merge: bool = False, folded: int = 0, mma_attention: bool = False,
-                mma_schedule: bool = False) -> list[tuple[str, str]]:
+                mma_schedule: bool = False, mma_wide: bool = False) -> list[tuple[str, str]]:
     """(body name, call text) of one stage, from the stage table (the merge options: :class:`BuildOptions`)."""
     spec = spec_of(stage, plan)
     if spec.gemv is not None:
         return _gemv_stage_calls(plan, stage, folded, mma_schedule)
     if stage.kind == "attention":
-        return [_attention_call(plan, merge_preload, spread_merge, folded, mma_attention, mma_schedule)]
+        return [_attention_call(plan, merge_preload, spread_merge, folded, mma_attention, mma_schedule, mma_wide)]
     if spec.writes != ("x",):  # post-norm layouts: the residual starts in x_mid, the pending MLP output is zero
         target, pending = spec.writes
         scaled = "_scaled" if plan.dims.embed_scale != 1.0 else ""

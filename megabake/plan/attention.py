@@ -47,6 +47,8 @@ LONG_SLICES = True  # the default dealing deals head slices at long contexts too
 MMA_ATT_MAX_HEADS = 8  # query heads per item that split-KV attention on the tensor cores takes (the default build
 # since session 33, codegen.default_mma_attention: the M rows 0..7 of m16n8k16; bodies.mma_attention_fits mirrors it)
 MMA_ATT_HEAD_DIMS = (64, 128)
+MMA_ATT_WIDE_HEAD_DIMS = (256,)  # heads the tensor-core item also takes in an ``mma_wide`` build (session 41, a
+# candidate never GPU-run: Gemma's heads of 256 dims; bodies._mma_softmax_chunk without the next step's loads ahead)
 MMA_ATT_KEYS = 16  # cached keys per warp and step on the tensor cores (bodies.MMA_ATT_KEYS; the reference mirrors it)
 PASS_CHUNKS = False  # a candidate (session 19; H200 session 21: within noise): chunks in whole CTA passes
 # instead of whole per_tile chunks (chunk_quantum); read like LONG_SLICES by the kernel's default and the reference
@@ -151,32 +153,35 @@ def kv_splits(plan_or_tiling) -> int:
     return tiling.tiles // tiling.units if tiling.kind == "kv_splits" else 0
 
 
-def mma_attention_fits(heads: int, head_dim: int) -> bool:
+def mma_attention_fits(heads: int, head_dim: int, wide: bool = False) -> bool:
     """Whether a split-KV item of ``heads`` query heads of ``head_dim`` runs on the tensor cores in an
     ``mma_attention`` build (``bodies._mma_softmax_chunk``): 2 to 8 heads (one alone keeps the lane-group loop),
-    64 or 128 dims. The kernel's copy of this rule is ``bodies.mma_attention_fits``."""
-    return 2 <= heads <= MMA_ATT_MAX_HEADS and head_dim in MMA_ATT_HEAD_DIMS
+    64 or 128 dims, or with ``wide`` (an ``mma_wide`` build) also 256. The kernel's copy of this rule is
+    ``bodies.mma_attention_fits``."""
+    dims = MMA_ATT_HEAD_DIMS + (MMA_ATT_WIDE_HEAD_DIMS if wide else ())
+    return 2 <= heads <= MMA_ATT_MAX_HEADS and head_dim in dims
 
 
-def mma_attention_items(plan: Plan, head_slices: bool = True) -> list[int]:
+def mma_attention_items(plan: Plan, head_slices: bool = True, wide: bool = False) -> list[int]:
     """The item sizes (query heads) the plan's split-KV attention can deal that an ``mma_attention`` build puts
     on the tensor cores: the group, and each of its head slices (``group / s`` for every divisor ``s`` of
-    ``head_slices``; with ``head_slices=False`` the group only)."""
-    mask, group = mma_slice_mask(plan, head_slices), plan.dims.n_heads // plan.dims.n_kv_heads
+    ``head_slices``; with ``head_slices=False`` the group only); ``wide``: in an ``mma_wide`` build."""
+    mask, group = mma_slice_mask(plan, head_slices, wide), plan.dims.n_heads // plan.dims.n_kv_heads
     return sorted({group // s for s in range(1, mask.bit_length()) if (mask >> s) & 1}, reverse=True)
 
 
-def mma_slice_mask(plan: Plan, head_slices: bool = True) -> int:
+def mma_slice_mask(plan: Plan, head_slices: bool = True, wide: bool = False) -> int:
     """Bit ``s`` set for each slice count ``s`` the plan's split-KV attention can deal whose items (``group / s``
-    query heads) run on the tensor cores in an ``mma_attention`` build (:func:`mma_attention_fits`): the
-    ``mma_slices`` of :func:`split_schedule` and of the kernel's (``generate(plan, mma_schedule=True)``)."""
+    query heads) run on the tensor cores in an ``mma_attention`` build (:func:`mma_attention_fits`; ``wide``: an
+    ``mma_wide`` build): the ``mma_slices`` of :func:`split_schedule` and of the kernel's
+    (``generate(plan, mma_schedule=True)``)."""
     if not kv_splits(plan):
         return 0
     tiling = next(s.tiling for s in plan.stages if s.kind == "attention")
     group = plan.dims.n_heads // plan.dims.n_kv_heads
     slices = max(1, tiling.head_slices) if head_slices else 1
     return sum(1 << s for s in range(1, slices + 1)
-               if slices % s == 0 and mma_attention_fits(group // s, plan.dims.head_dim))
+               if slices % s == 0 and mma_attention_fits(group // s, plan.dims.head_dim, wide))
 
 
 def split_kv_buffers(dims: ModelDims, batch: int, stages: list[Stage]) -> list[Buffer]:

@@ -15,7 +15,8 @@ kernel (:func:`_mma_partial`). Off (the default here) it is the plan's math in f
 against eager PyTorch hold to fp32 rounding. ``fused_mma=True`` (with it) mirrors a ``fused_o`` build whose fused
 steps score whole KV groups on the tensor cores (``FUSED_MMA``: the build ``codegen.FUSED_O_DEFAULT`` makes): a
 step whose visible positions fit ``MIN_CHUNK`` is one item per group (``bodies.fused_attention_o``); the O
-projection's sums are the plan's (the kernel's per-group partials differ by fp32 order only).
+projection's sums are the plan's (the kernel's per-group partials differ by fp32 order only). ``mma_wide=True``
+(with ``mma_attention``) mirrors an ``mma_wide`` build, whose tensor-core items also take heads of 256 dims.
 """
 
 from __future__ import annotations
@@ -33,9 +34,10 @@ from .stages import VectorInput, norm_slot, spec_of
 class ReferenceExecutor:
     def __init__(self, plan: Plan, weights: dict[str, torch.Tensor], rope_cos: torch.Tensor,
                  rope_sin: torch.Tensor, *, lm_head: str = "embed", mma_attention: bool = False,
-                 fused_mma: bool = False):
+                 fused_mma: bool = False, mma_wide: bool = False):
         self.plan = plan
         self.mma_attention = mma_attention
+        self.mma_wide = mma_wide
         self.fused_mma = fused_mma
         self.w = {k: v.float() for k, v in weights.items()}
         self.cache_dtype = next(v.dtype for k, v in weights.items() if k == "w_qkv")
@@ -291,7 +293,7 @@ class ReferenceExecutor:
             kc, vc = self.buffers["k_cache"][layer, b, kvh], self.buffers["v_cache"][layer, b, kvh]
             if end == n:  # every slice of the split holding `position` appends this step's key and value
                 kc[position], vc[position] = k_new.to(self.cache_dtype), v_new.to(self.cache_dtype)
-            if self.mma_attention and mma_attention_fits(heads, d.head_dim):
+            if self.mma_attention and mma_attention_fits(heads, d.head_dim, self.mma_wide):
                 partials[(virtual, split)] = _mma_partial(queries, kc[start:end], vc[start:end], plan.warps)
                 continue
             scores = queries @ kc[start:end].float().T  # [heads, chunk]
@@ -359,14 +361,16 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotated: int) -
 
 
 def reference_executor_from_buffers(plan: Plan, buffers: dict[str, torch.Tensor], *,
-                                    mma_attention: bool = False, fused_mma: bool = False) -> ReferenceExecutor:
+                                    mma_attention: bool = False, fused_mma: bool = False,
+                                    mma_wide: bool = False) -> ReferenceExecutor:
     """A reference executor on a decoder's own packed weights and rotary tables (``buffers`` as a
     ``MegakernelDecoder`` holds them, on any device; copied to the CPU): what a GPU check compares the kernel
-    with, the same bf16 weights in fp32 math; ``mma_attention`` and ``fused_mma``: the decoder's
-    (``MegakernelDecoder.mma_attention`` / ``.fused_mma``), so its tensor-core items' bf16 rounding is mirrored."""
+    with, the same bf16 weights in fp32 math; ``mma_attention``, ``fused_mma`` and ``mma_wide``: the decoder's
+    (``MegakernelDecoder.mma_attention`` / ``.fused_mma`` / ``.mma_wide``), so its tensor-core items' bf16
+    rounding is mirrored."""
     weights = {spec.buffer: buffers[spec.buffer].cpu() for spec in plan.packed}
     return ReferenceExecutor(plan, weights, buffers["rope_cos"].cpu(), buffers["rope_sin"].cpu(),
-                             mma_attention=mma_attention, fused_mma=fused_mma)
+                             mma_attention=mma_attention, fused_mma=fused_mma, mma_wide=mma_wide)
 
 
 def reference_executor_for(plan: Plan, model, *, dtype=torch.float32) -> ReferenceExecutor:

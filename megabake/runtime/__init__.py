@@ -127,6 +127,7 @@ class MegakernelDecoder:
         # the reference backend mirrors their bf16 rounding, and GPU checks build their reference with it
         self.mma_attention = "\nMMA_ATTENTION = True\n" in module_source
         self.fused_mma = "\nFUSED_MMA = True\n" in module_source  # fused steps' groups on the tensor cores
+        self.mma_wide = "\nMMA_WIDE = True\n" in module_source  # heads of 256 on the tensor cores too (a candidate)
         self.package_dir = Path(package_dir) if package_dir else None
         self.report = report or {}
         device = torch.device(device) if device is not None else torch.device(
@@ -155,7 +156,7 @@ class MegakernelDecoder:
             weights = pack_weights(plan, model.get_parameter, dtype=dtype)
             cos, sin = rotary_tables(plan, self.inv_freq_fp32)
             self._reference = ReferenceExecutor(plan, weights, cos, sin, mma_attention=self.mma_attention,
-                                                fused_mma=self.fused_mma)
+                                                fused_mma=self.fused_mma, mma_wide=self.mma_wide)
             self.buffers = self._reference.buffers
         else:
             raise InputError(f"unknown backend {backend!r}: use 'cuda' or 'reference'")
@@ -351,11 +352,12 @@ class MegakernelDecoder:
 
     def reference_executor(self):
         """The plan's CPU reference executor on this (cuda) decoder's own packed weights and rotary tables, mirroring
-        the module's tensor-core roundings (``mma_attention``, ``fused_mma``): what a GPU check compares with."""
+        the module's tensor-core roundings (``mma_attention``, ``fused_mma``, ``mma_wide``): what a GPU check
+        compares with."""
         from ..plan.reference import reference_executor_from_buffers
 
         return reference_executor_from_buffers(self.plan, self.buffers, mma_attention=self.mma_attention,
-                                               fused_mma=self.fused_mma)
+                                               fused_mma=self.fused_mma, mma_wide=self.mma_wide)
 
     def stage_timeline(self) -> list[tuple[str, float]]:
         """(stage, microseconds as seen by CTA 0) of the last step; needs a ``generate(timeline=True)`` module

@@ -227,10 +227,11 @@ MMA_ATT_KEYS = 16  # cached keys per warp and step
 MMA_ATT_MAX_HEADS = 8  # query heads per item (the M rows of m16n8k16 a lane group of 4 lanes holds)
 
 
-def mma_attention_fits(heads: int, head_dim: int) -> bool:
+def mma_attention_fits(heads: int, head_dim: int, wide: bool = False) -> bool:
     """Whether an item of ``heads`` query heads of ``head_dim`` runs on the tensor cores in an
-    ``mma_attention`` build (2 to 8 heads: one head alone keeps the lane-group loop; 64 or 128 dims)."""
-    return 2 <= heads <= MMA_ATT_MAX_HEADS and head_dim in (64, 128)
+    ``mma_attention`` build (2 to 8 heads: one head alone keeps the lane-group loop; 64 or 128 dims, and with
+    ``wide``, an ``mma_wide`` build, also 256)."""
+    return 2 <= heads <= MMA_ATT_MAX_HEADS and head_dim in ((64, 128, 256) if wide else (64, 128))
 
 
 @cute.jit
@@ -258,11 +259,14 @@ def _mma_softmax_chunk(keys: cute.Tensor, values: cute.Tensor, s_q: cute.Tensor,
     """Keys [first, end) of one item on the tensor cores (module comment above ``MMA_ATT_KEYS``): warp ``warp``
     takes the 16-key steps first + 16 (warp + i x warps), its next step's K/V loads issued before this step's
     MMAs, and keeps an online softmax per head; then it writes its partial (accumulator, max, sum) per head into
-    ``s_part[:, h, warp]``, the layout the lane-group loop's warps leave there, for the same merge."""
+    ``s_part[:, h, warp]``, the layout the lane-group loop's warps leave there, for the same merge. Heads of 256
+    dims (an ``mma_wide`` build) load each step's K/V at the step instead: a step's K, V and output fragments
+    already hold ~190 registers per lane, and a second K/V set would spill (the same sums either way)."""
     g = lane // 4
     t = lane % 4
     kblocks = head_dim // 32
     vblocks = head_dim // 64
+    ahead = head_dim <= 128  # the next step's K/V loaded during this step's MMAs
     atom = cute.make_mma_atom(cute.nvgpu.warp.MmaF16BF16Op(cutlass.BFloat16, Float32, (16, 8, 16)))
     a_q = cute.make_rmem_tensor(cute.make_layout((8, 1, 1)), cutlass.BFloat16)
     a_v = cute.make_rmem_tensor(cute.make_layout((8, 1, 1)), cutlass.BFloat16)
@@ -289,12 +293,16 @@ def _mma_softmax_chunk(keys: cute.Tensor, values: cute.Tensor, s_q: cute.Tensor,
     top = Float32(ATT_NEG)
     total = Float32(0.0)
     stride = warps * MMA_ATT_KEYS
-    _mma_load_kv(keys, values, knext, vnext, first + warp * MMA_ATT_KEYS, end, g, t, head_dim)
+    if cutlass.const_expr(ahead):
+        _mma_load_kv(keys, values, knext, vnext, first + warp * MMA_ATT_KEYS, end, g, t, head_dim)
     for kb in range(first + warp * MMA_ATT_KEYS, end, stride):
-        kbuf.store(knext.load())
-        vbuf.store(vnext.load())
-        _mma_load_kv(keys, values, knext, vnext, kb + stride, end, g, t, head_dim)
-        cute.arch.sync_warp()  # a scheduling fence: keep the next step's loads above this step's MMAs
+        if cutlass.const_expr(ahead):
+            kbuf.store(knext.load())
+            vbuf.store(vnext.load())
+            _mma_load_kv(keys, values, knext, vnext, kb + stride, end, g, t, head_dim)
+            cute.arch.sync_warp()  # a scheduling fence: keep the next step's loads above this step's MMAs
+        else:
+            _mma_load_kv(keys, values, kbuf, vbuf, kb, end, g, t, head_dim)
         new_top = top
         for tile in cutlass.range_constexpr(2):
             for i in cutlass.range_constexpr(4):
@@ -462,7 +470,7 @@ def split_kv_attention(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Te
                        spread_merge: cutlass.Constexpr[bool], head_slices: cutlass.Constexpr[int],
                        long_slices: cutlass.Constexpr[bool], kv_pipeline: cutlass.Constexpr[bool],
                        merge_above: cutlass.Constexpr[int] = 1, mma_attention: cutlass.Constexpr[bool] = False,
-                       mma_slices: cutlass.Constexpr[int] = 0):
+                       mma_slices: cutlass.Constexpr[int] = 0, mma_wide: cutlass.Constexpr[bool] = False):
     """Flash decoding: RoPE + KV append + attention over positions [first_key, pos], the cached keys split across
     CTAs (``first_key`` is 0, or where the layer's sliding window starts). ``merge_preload``: the merging item
     loads its first partials at once (:func:`_merge_splits`). ``spread_merge``: every active item of a group
@@ -472,7 +480,7 @@ def split_kv_attention(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Te
     default since session 24) they only store their partials, and the next stage's staging merges them
     (:func:`merge_splits_to_smem`). ``mma_attention`` (a candidate): items of 2-8 query heads of 64 or 128 dims
     score and sum their keys on the tensor cores (:func:`_mma_softmax_chunk`); ``mma_slices`` deals with them in
-    mind (:func:`split_schedule`).
+    mind (:func:`split_schedule`); ``mma_wide`` (a candidate, session 41) also puts heads of 256 dims there.
 
     Work items are (split, batch, KV head), split-major, dealt to CTAs. At this step the ``pos + 1 - first_key``
     visible positions are cut into ``active`` chunks of ``chunk`` positions (at least ``min_chunk``, which is the
@@ -491,7 +499,7 @@ def split_kv_attention(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Te
         _split_kv_items(qkv, qk_norm, rope_cos, rope_sin, k_cache, v_cache, attn, part, counts, pos, first_key,
                         chunk, active, s_att, cta, tidx, batch, n_heads, n_kv_heads, head_dim, ctas, threads, scale,
                         has_qk_norm, eps, splits, unroll, rotary_dim, whole_qk_norm, merge_preload, spread_merge,
-                        group, 1, kv_pipeline, merge_above, mma_attention)
+                        group, 1, kv_pipeline, merge_above, mma_attention, mma_wide)
     else:
         for s in cutlass.range_constexpr(1, head_slices + 1):
             if cutlass.const_expr(head_slices % s == 0 and (long_slices or s == 1 or s == head_slices)):
@@ -500,7 +508,7 @@ def split_kv_attention(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Te
                                     first_key, chunk, active, s_att, cta, tidx, batch, n_heads, n_kv_heads,
                                     head_dim, ctas, threads, scale, has_qk_norm, eps, splits, unroll, rotary_dim,
                                     whole_qk_norm, merge_preload, spread_merge, group // s, s, kv_pipeline,
-                                    merge_above, mma_attention)
+                                    merge_above, mma_attention, mma_wide)
 
 
 def _item_scratch(s_att: cute.Tensor, heads: int, head_dim: int, warps: int):
@@ -525,10 +533,12 @@ def _item_warp_partials(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.T
                         rotary_dim: cutlass.Constexpr[int], whole_qk_norm: cutlass.Constexpr[bool],
                         heads: cutlass.Constexpr[int], kv_pipeline: cutlass.Constexpr[bool],
                         mma_attention: cutlass.Constexpr[bool], s_keys: cute.Tensor,
-                        s_values: cute.Tensor, kv_smem: cutlass.Constexpr[bool]):
+                        s_values: cute.Tensor, kv_smem: cutlass.Constexpr[bool],
+                        mma_wide: cutlass.Constexpr[bool] = False):
     """One work item up to its warps' partials: the ``heads`` query heads from ``vkvh x heads`` of KV head ``kvh``
     of sequence ``b`` roped into ``s_q`` (and this step's key and value appended where ``end`` is ``pos + 1``),
-    keys [start, end) scored on the lane-group loop or, for ``mma_attention`` items that fit, the tensor cores,
+    keys [start, end) scored on the lane-group loop or, for ``mma_attention`` items that fit (``mma_wide``: heads of
+    256 too), the tensor cores,
     and each warp's (accumulator, max, sum) per head left in ``s_part`` (:func:`_item_scratch`), then ``bar.sync``.
     Shared by :func:`_split_kv_items` and :func:`fused_attention_o`; with ``kv_smem`` (a fused step's group whose
     cached rows :func:`fused_o_load` put in shared memory) the keys are scored from ``s_keys`` / ``s_values``."""
@@ -561,7 +571,7 @@ def _item_warp_partials(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.T
     if cutlass.const_expr(kv_smem):
         keys = s_keys
         values = s_values
-    if cutlass.const_expr(mma_attention and mma_attention_fits(heads, head_dim)):
+    if cutlass.const_expr(mma_attention and mma_attention_fits(heads, head_dim, mma_wide)):
         _mma_softmax_chunk(keys, values, s_q, s_part, start, end, warp, lane, heads, head_dim, warps)
     else:
         for h in cutlass.range_constexpr(heads):
@@ -619,7 +629,7 @@ def _split_kv_items(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Tenso
                     merge_preload: cutlass.Constexpr[bool], spread_merge: cutlass.Constexpr[bool],
                     heads: cutlass.Constexpr[int], slices: cutlass.Constexpr[int],
                     kv_pipeline: cutlass.Constexpr[bool], merge_above: cutlass.Constexpr[int],
-                    mma_attention: cutlass.Constexpr[bool]):
+                    mma_attention: cutlass.Constexpr[bool], mma_wide: cutlass.Constexpr[bool] = False):
     """This CTA's work items of :func:`split_kv_attention` at this step, ``slices`` head slices of ``heads`` query
     heads each per (split, batch, KV head) (1 slice: the whole group). Item ``i`` is split ``i // (groups x
     slices)``, then (batch, KV head, slice); the ``heads`` query heads of a slice are a "virtual KV group" of
@@ -656,7 +666,7 @@ def _split_kv_items(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Tenso
             _item_warp_partials(qkv, qk_norm, rope_cos, rope_sin, k_cache, v_cache, s_att, b, kvh, vkvh, pos, start,
                                 end, tidx, n_heads, n_kv_heads, head_dim, threads, scale, has_qk_norm, eps, unroll,
                                 rotary_dim, whole_qk_norm, heads, kv_pipeline, mma_attention,
-                                k_cache[b, kvh, None, None], v_cache[b, kvh, None, None], False)
+                                k_cache[b, kvh, None, None], v_cache[b, kvh, None, None], False, mma_wide)
             for i in range(tidx, heads * head_dim, threads):  # warps: merge, then output or partial
                 h = i // head_dim
                 d = i - h * head_dim
