@@ -74,8 +74,9 @@
 #          then gpu_tune's bake against bake-global-down at batch 8 (Qwen2.5-0.5B at 16, per-phase clocks)
 #          -> OUT/pytest-gpu-global-down.log, OUT/tune-global-down-b8.log (210 s on an H100, session 41)
 #   mma-wide: the GPU tests of generate(plan, mma_wide=True) (session 41, not run yet: Gemma's heads of 256 on the
-#          tensor cores), then gemma-2b at 4000, batch 8 and 1, default (lane-group loop) against mma-wide
-#          -> OUT/pytest-gpu-mma-wide.log, OUT/tune-mma-wide-b{8,1}.log (~8 min?: TEST_LIMIT default 240 here)
+#          tensor cores; TEST_LIMIT default 300 here), then gemma-2b at 4000, batch 8 (MMA_WIDE_BATCHES="8 1": also
+#          batch 1), default (lane-group loop) against mma-wide
+#          -> OUT/pytest-gpu-mma-wide.log, OUT/tune-mma-wide-b8.log (~8 min?)
 #   tests-parallel: the same tests as tests1-3, the fused_o build's (tests/test_fused_o_gpu.py),
 #          tests/test_global_down_gpu.py and tests/test_mma_wide_gpu.py at once, as
 #          SHARDS (default 4) pytest processes on the one GPU
@@ -143,10 +144,11 @@ if [[ " $PARTS " == *" global-down "* ]]; then
   summary+=("global-down tune: rc=$? $(sed -n '/^== /,$p' "$OUT/tune-global-down-b8.log")")
 fi
 if [[ " $PARTS " == *" mma-wide "* ]]; then
-  TEST_LIMIT=${TEST_LIMIT:-240} run_tests mma-wide "" tests/test_mma_wide_gpu.py
+  TEST_LIMIT=${TEST_LIMIT:-300} run_tests mma-wide "" tests/test_mma_wide_gpu.py
   collect_tests mma-wide
-  # then gemma-2b's long step with heads of 256 on the tensor cores against the lane-group loop (batch 8 and 1)
-  for batch in 8 1; do
+  # then gemma-2b's long step with heads of 256 on the tensor cores against the lane-group loop (batch 8; batch 1
+  # too with MMA_WIDE_BATCHES="8 1", which may not fit one 10-minute call after the tests)
+  for batch in ${MMA_WIDE_BATCHES:-8}; do
     timeout 170 python3 scripts/gpu_tune.py gemma-2b --variants bake --builds default mma-wide --batch $batch \
       --capacity 4096 --position 4000 --no-composite --out "$OUT/b$batch" >"$OUT/tune-mma-wide-b$batch.log" 2>&1
     summary+=("mma-wide tune b$batch: rc=$? $(sed -n '/^== /,$p' "$OUT/tune-mma-wide-b$batch.log")")
