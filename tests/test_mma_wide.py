@@ -1,8 +1,8 @@
 """``generate(plan, mma_wide=True)`` (session 41, a candidate that has not run on a GPU): split-KV items of 2-8 query
 heads of 256 dims (Gemma's heads) scored and summed on the tensor cores, which the default build leaves on the
 lane-group loop. On the CPU: which items it takes, its refusals, module.py's constant and call, the decoder and the
-reference executor mirroring its rounding, and the CuTe DSL compile for sm_90a with the default build's PTX
-unchanged. The fragment algebra at 256 dims: ``scripts/mma_attention_emulate.py``; the kernel's GPU tests:
+reference executor mirroring its rounding, the CuTe DSL compile for sm_90a with the default build's PTX unchanged,
+and ``MEGABAKE_EXPERIMENTAL_LAYOUTS=mma_wide`` making it the default build (``codegen.default_mma_wide``). The fragment algebra at 256 dims: ``scripts/mma_attention_emulate.py``; the kernel's GPU tests:
 ``tests/test_mma_wide_gpu.py``."""
 
 from __future__ import annotations
@@ -20,10 +20,12 @@ from tests.compiler_fixtures import body_calls, compile_preset
 
 @pytest.mark.parametrize("preset,batch,items", [("gemma-2b", 1, [8, 4, 2]), ("gemma-2b", 8, [8, 4, 2]),
                                                  ("gemma-2-2b", 1, [2]), ("gemma-3-1b", 1, [4, 2])])
-def test_mma_wide_takes_the_items_of_heads_of_256_and_changes_only_its_constant_and_call(preset, batch, items):
+def test_mma_wide_takes_the_items_of_heads_of_256_and_changes_only_its_constant_and_call(preset, batch, items,
+                                                                                         monkeypatch):
     """Gemma's KV groups (8, 2 and 4 query heads of 256) and their head slices of 2+ heads go to the tensor cores
     in an ``mma_wide`` build and to none by default; module.py differs from the default (the lane-group loop) in
     the two constants and the attention call's keywords only."""
+    monkeypatch.delenv("MEGABAKE_EXPERIMENTAL_LAYOUTS", raising=False)  # the default build: the lane-group loop
     compiled = compile_preset(preset, layers=2, vocab=512, batch=batch, capacity=1024)
     assert mma_attention_items(compiled.plan) == [] and mma_attention_items(compiled.plan, wide=True) == items
     default = generate(compiled.plan).source
@@ -84,10 +86,12 @@ def test_the_reference_rounds_the_wide_items_only_in_an_mma_wide_build():
     assert 1e-3 < error < 2e-2, error
 
 
-def test_a_decoder_reads_mma_wide_from_its_module():
+def test_a_decoder_reads_mma_wide_from_its_module(monkeypatch):
     """``MegakernelDecoder.mma_wide`` reads module.py's ``MMA_WIDE``; its reference (the CPU backend, and what
     ``reference_executor()`` builds for a GPU check) mirrors it."""
     from megabake.runtime import MegakernelDecoder
+
+    monkeypatch.delenv("MEGABAKE_EXPERIMENTAL_LAYOUTS", raising=False)
 
     compiled = compile_preset("gemma-2b", layers=2, vocab=512, batch=8, capacity=1024)
     decoders = [MegakernelDecoder(compiled.plan, generate(compiled.plan, **build).source, compiled.model,
@@ -109,3 +113,24 @@ def test_the_mma_wide_build_compiles_for_sm_90a(tmp_path):
         assert result.ok, result.error
         counts.append(next((tmp_path / name).glob("*.ptx")).read_text().count("mma.sync"))
     assert counts[1] > counts[0], counts
+
+
+def test_the_experimental_flag_makes_it_the_default_build_where_it_applies(monkeypatch):
+    """``generate(plan)`` leaves heads of 256 on the lane-group loop until ``mma_wide`` has passed on a GPU;
+    ``MEGABAKE_EXPERIMENTAL_LAYOUTS=mma_wide`` makes the default build the wide one where the plan deals such items
+    (so `megabake bake` and ``benchmarks/decode.py`` can measure it), and changes nothing elsewhere or where
+    ``mma_attention=False`` asks for the lane-group loop."""
+    from megabake.codegen import default_mma_wide
+
+    gemma = compile_preset("gemma-2b", layers=1, vocab=512, batch=8, capacity=1024).plan
+    llama = compile_preset("llama-3.2-1b", layers=1, vocab=512, capacity=1024).plan
+    monkeypatch.delenv("MEGABAKE_EXPERIMENTAL_LAYOUTS", raising=False)
+    default, llama_default = generate(gemma).source, generate(llama).source
+    assert not default_mma_wide(gemma) and "MMA_WIDE" not in default
+    monkeypatch.setenv("MEGABAKE_EXPERIMENTAL_LAYOUTS", "global_down_input mma_wide")
+    assert default_mma_wide(gemma) and not default_mma_wide(llama)
+    assert not default_mma_wide(gemma, mma_attention=False)
+    assert generate(gemma).source == generate(gemma, mma_wide=True).source != default
+    assert generate(gemma, mma_attention=False).source == default
+    assert generate(gemma, mma_wide=False).source == default
+    assert generate(llama).source == llama_default

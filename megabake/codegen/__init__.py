@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..plan import (ATTN_COUNT, ATTN_PART, ATTN_WINDOW, DOWN_INPUT, HEAD_NORMS, ROPE_TABLE, STAGE_BIAS, Plan,
-                   Stage, kv_splits, ring_shape, smem_floats)
+                   Stage, feature_enabled, kv_splits, ring_shape, smem_floats)
 from ..plan.attention import (LONG_SLICES, MMA_ATT_WIDE_HEAD_DIMS, PASS_CHUNKS, chunk_quantum, mma_attention_fits,
                               mma_attention_items, mma_slice_mask)
 from ..plan.stages import (ACTIVATIONS, DIMENSION_CONSTANTS, GATED_ACT_CODES, StageSpec, next_gemv, norm_slot,
@@ -351,6 +351,16 @@ def default_fused_o(plan: Plan, *, spread_merge: bool = False, barrier: str = DE
                                 timeline=timeline) is None)
 
 
+def default_mma_wide(plan: Plan, head_slices: bool = True, mma_attention: bool | None = None) -> bool:
+    """Whether ``generate(plan, mma_wide=None)`` puts split-KV items of heads of 256 dims on the tensor cores: where
+    the plan deals such items, ``mma_attention`` is not turned off, and the ``mma_wide`` kernel feature is enabled
+    (``plan.feature_enabled``: it has not run on a GPU yet, so only where ``MEGABAKE_EXPERIMENTAL_LAYOUTS=mma_wide``
+    asks for it, which lets `megabake bake` and ``benchmarks/decode.py`` measure it; once its GPU tests pass,
+    ``GPU_VERIFIED_FEATURES`` turns it on for every such plan)."""
+    return (mma_attention is not False and plan.dims.head_dim in MMA_ATT_WIDE_HEAD_DIMS
+            and bool(mma_attention_items(plan, head_slices, wide=True)) and feature_enabled("mma_wide"))
+
+
 def _check_mma_wide(plan: Plan, head_slices: bool, mma_attention: bool | None) -> None:
     """``generate(plan, mma_wide=True)``'s refusals: it needs heads of 256 dims in items the tensor cores take."""
     group = plan.dims.n_heads // plan.dims.n_kv_heads
@@ -371,7 +381,7 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
              kv_pipeline: bool | None = None, fold_merge: bool | None = None,
              prefetch_bytes: int | None = None, mma_attention: bool | None = None,
              mma_schedule: bool = False, fused_o: bool | None = None, fused_kv_smem: bool = False,
-             fused_mma: bool | None = None, mma_wide: bool = False) -> GeneratedModule:
+             fused_mma: bool | None = None, mma_wide: bool | None = None) -> GeneratedModule:
     """module.py of ``plan``. ``merge_preload`` / ``spread_merge``: None picks them per plan
     (:func:`default_merge`); True asks for one (refused where the attention scratch cannot hold it), False
     leaves it out (both False: the plain last-arrival merge of sessions 10-16). ``head_slices=False`` deals
@@ -405,7 +415,8 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     loop (logits within fp32 order of the default's split path); None: on wherever it fits. ``mma_wide`` (session
     41, a candidate never GPU-run) also puts split-KV items of 2-8 query heads of 256 dims (Gemma) on the tensor
     cores (``bodies._mma_softmax_chunk`` loading each step's K/V at the step; ``mma_attention`` then defaults to
-    on); refused where the plan deals no such item. Fused steps keep their groups of 256 on the lane-group loop."""
+    on); refused where the plan deals no such item; None: :func:`default_mma_wide` (off unless
+    ``MEGABAKE_EXPERIMENTAL_LAYOUTS=mma_wide``). Fused steps keep their groups of 256 on the lane-group loop."""
     if watchdog and timeline:
         raise ValueError("a watchdog build has no timeline: build them separately")
     if barrier is not None and barrier not in BARRIER_ARRIVALS:
@@ -443,6 +454,7 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
                "attention is not split")
         raise ValueError(f"fold_merge needs 2+ splits to fold and no spread merge, but {why}: build without it")
     kv_pipeline = default_kv_pipeline(plan) if kv_pipeline is None else kv_pipeline
+    mma_wide = default_mma_wide(plan, head_slices, mma_attention) if mma_wide is None else mma_wide
     if mma_wide:
         _check_mma_wide(plan, head_slices, mma_attention)
     if mma_attention is None:

@@ -230,7 +230,17 @@ EXPERIMENTAL_FEATURES = {"rope_tables": "per-layer rotary tables (Gemma 3: one R
                                        "the H200 in session 15)",
                          "global_down_input": "the tensor-core down projection reading its bf16 input rows from "
                                               "global memory, not shared memory (session 40: batch 8 of models whose "
-                                              "MLP is too wide to stage; passed on an H100 in session 41)"}
+                                              "MLP is too wide to stage; passed on an H100 in session 41)",
+                         "mma_wide": "split-KV attention items of heads of 256 dims on the tensor cores (session 41: "
+                                     "Gemma; codegen.default_mma_wide turns it on where the plan deals such items)"}
+
+
+def feature_enabled(name: str) -> bool:
+    """Whether a layout or kernel feature is baked: it has passed `pytest -m gpu` (``GPU_VERIFIED_LAYOUTS`` /
+    ``GPU_VERIFIED_FEATURES``) or ``MEGABAKE_EXPERIMENTAL_LAYOUTS`` names it (comma- or space-separated)."""
+    if name in GPU_VERIFIED_LAYOUTS or name in GPU_VERIFIED_FEATURES:
+        return True
+    return name in os.environ.get(EXPERIMENTAL_LAYOUTS_ENV, "").replace(",", " ").split()
 
 
 def check_layout_enabled(name: str, what: str | None = None, holder: str = "this model has") -> None:
@@ -238,9 +248,7 @@ def check_layout_enabled(name: str, what: str | None = None, holder: str = "this
     yet run on a GPU is baked only when ``MEGABAKE_EXPERIMENTAL_LAYOUTS`` names it (comma- or space-separated).
     Every layout in ``LAYOUTS`` has passed, and every feature in ``GPU_VERIFIED_FEATURES``. ``holder`` opens the
     refusal ("this bake asks for" where the feature is an option, not the model's)."""
-    if name in GPU_VERIFIED_LAYOUTS or name in GPU_VERIFIED_FEATURES:
-        return
-    if name in os.environ.get(EXPERIMENTAL_LAYOUTS_ENV, "").replace(",", " ").split():
+    if feature_enabled(name):
         return
     subject = f"{what} ({name!r})" if what else f"the {name!r} decoder layout"
     raise PlanError(f"{holder} {subject}, whose kernel matches eager fp32 on the CPU (reference executor) and "
