@@ -149,7 +149,10 @@ if [[ " $PARTS " == *" mma-wide "* ]]; then
   # then gemma-2b's long step with heads of 256 on the tensor cores against the lane-group loop (batch 8; batch 1
   # too with MMA_WIDE_BATCHES="8 1", which may not fit one 10-minute call after the tests)
   for batch in ${MMA_WIDE_BATCHES:-8}; do
-    timeout 170 python3 scripts/gpu_tune.py gemma-2b --variants bake --builds default mma-wide --batch $batch \
+    builds="default mma-wide"
+    ((batch > 1)) || builds="$builds mma-wide-schedule"  # batch 1 deals one-head slices unless the schedule says
+    # shellcheck disable=SC2086
+    timeout 200 python3 scripts/gpu_tune.py gemma-2b --variants bake --builds $builds --batch "$batch" \
       --capacity 4096 --position 4000 --no-composite --out "$OUT/b$batch" >"$OUT/tune-mma-wide-b$batch.log" 2>&1
     summary+=("mma-wide tune b$batch: rc=$? $(sed -n '/^== /,$p' "$OUT/tune-mma-wide-b$batch.log")")
   done

@@ -214,6 +214,8 @@ BUILDS = {"default": {}, "atom": {"barrier": "atom"}, "red": {"barrier": "red"},
           "mma-schedule": {"mma_attention": True, "mma_schedule": True},
           # ... and items of 2-8 query heads of 256 dims there too (session 41, a candidate: Gemma's heads)
           "mma-wide": {"mma_wide": True},
+          # ... with the dealing made for them (batch 1: whole groups over shorter chunks where slices were dealt)
+          "mma-wide-schedule": {"mma_wide": True, "mma_schedule": True},
           # one-split steps run attention (whole KV groups, on the tensor cores where they fit) and the O projection
           # in one interval: one grid barrier less per layer at short contexts (codegen.fused; session 35: -2% to
           # -8% at 16); fused-o-lane: those groups on the fp32 lane-group loop (slower: +8% on Qwen2.5-0.5B);
