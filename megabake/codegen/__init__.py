@@ -357,14 +357,18 @@ def default_mma_wide(plan: Plan, head_slices: bool = True, mma_attention: bool |
     (``plan.feature_enabled``: it has not run on a GPU yet, so only where ``MEGABAKE_EXPERIMENTAL_LAYOUTS=mma_wide``
     asks for it, which lets `megabake bake` and ``benchmarks/decode.py`` measure it; once its GPU tests pass,
     ``GPU_VERIFIED_FEATURES`` turns it on for every such plan)."""
-    return (mma_attention is not False and plan.dims.head_dim in MMA_ATT_WIDE_HEAD_DIMS
-            and bool(mma_attention_items(plan, head_slices, wide=True)) and feature_enabled("mma_wide"))
+    return mma_attention is not False and _deals_wide_items(plan, head_slices) and feature_enabled("mma_wide")
+
+
+def _deals_wide_items(plan: Plan, head_slices: bool) -> bool:
+    """The plan deals split-KV items of heads of 256 dims that an ``mma_wide`` build puts on the tensor cores."""
+    return plan.dims.head_dim in MMA_ATT_WIDE_HEAD_DIMS and bool(mma_attention_items(plan, head_slices, wide=True))
 
 
 def _check_mma_wide(plan: Plan, head_slices: bool, mma_attention: bool | None) -> None:
     """``generate(plan, mma_wide=True)``'s refusals: it needs heads of 256 dims in items the tensor cores take."""
     group = plan.dims.n_heads // plan.dims.n_kv_heads
-    if plan.dims.head_dim not in MMA_ATT_WIDE_HEAD_DIMS or not mma_attention_items(plan, head_slices, wide=True):
+    if not _deals_wide_items(plan, head_slices):
         raise ValueError(f"mma_wide puts split-KV items of 2-8 query heads of {MMA_ATT_WIDE_HEAD_DIMS[0]} dims on "
                          f"the tensor cores, but this plan deals none ({group} heads of {plan.dims.head_dim} dims per "
                          f"KV group{'' if kv_splits(plan) else ', no split-KV attention'}): build without it")
