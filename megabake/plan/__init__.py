@@ -219,9 +219,10 @@ GPU_VERIFIED_LAYOUTS = ("pre_norm", "sandwich", "post_norm")  # layouts whose ke
 
 
 # kernel features (beyond layouts) that passed `pytest -m gpu` on a Hopper GPU (an H200; global_down_input on an
-# H100 in session 41, the H200 not being lent: same sm_90a code and shared memory per CTA)
+# H100 in session 41 and mma_wide on an H100 in session 42, the H200 not being lent: same sm_90a code and shared
+# memory per CTA)
 GPU_VERIFIED_FEATURES = ("rope_tables", "whole_qk_norm", "bf16_staging", "mma_gemv", "gated_gemv",
-                         "global_down_input")
+                         "global_down_input", "mma_wide")
 EXPERIMENTAL_FEATURES = {"rope_tables": "per-layer rotary tables (Gemma 3: one RoPE base per layer type)",
                          "whole_qk_norm": "q/k RMSNorm over the whole projection (OLMo-2)",
                          "bf16_staging": "GEMV inputs staged in bf16 shared memory because fp32 rows do not fit",
@@ -232,7 +233,8 @@ EXPERIMENTAL_FEATURES = {"rope_tables": "per-layer rotary tables (Gemma 3: one R
                                               "global memory, not shared memory (session 40: batch 8 of models whose "
                                               "MLP is too wide to stage; passed on an H100 in session 41)",
                          "mma_wide": "split-KV attention items of heads of 256 dims on the tensor cores (session 41: "
-                                     "Gemma; codegen.default_mma_wide turns it on where the plan deals such items)"}
+                                     "Gemma; codegen.default_mma_wide turns it on where the plan deals such items; "
+                                     "passed on an H100 in session 42)"}
 
 
 def feature_enabled(name: str) -> bool:
