@@ -496,9 +496,10 @@ def test_mma_attention_takes_items_of_2_to_8_heads_of_64_or_128_and_is_refused_e
     """``generate(plan)`` (since session 33; ``mma_attention=True`` asks for it): the split-KV items the plan can
     deal (the KV group, or its head slices) of 2-8 query heads of 64 or 128 dims go to the tensor cores (Qwen2.5-0.5B
     batch 8: groups of 7; Llama-3.2-1B: 4, or 2 per slice). Where none can (SmolLM-1.7B: one query head per KV head;
-    gemma-2b: heads of 256) the default is the lane-group loop and asking for them is refused by name. Otherwise
-    module.py with ``mma_attention=False`` differs from the default only in the constant and the attention call's
-    keyword."""
+    gemma-2b: heads of 256, which only an ``mma_wide`` build takes, the default where it applies since session 42:
+    tests/test_mma_wide.py) the narrow build (``mma_wide=False``) is the lane-group loop and asking for them is
+    refused by name. Otherwise module.py with ``mma_attention=False`` differs from the default only in the constant
+    and the attention call's keyword."""
     from megabake.codegen import default_mma_attention
     from megabake.plan.attention import mma_attention_items
 
@@ -509,9 +510,9 @@ def test_mma_attention_takes_items_of_2_to_8_heads_of_64_or_128_and_is_refused_e
     lane_group = generate(compiled.plan, mma_attention=False).source
     assert "MMA_ATTENTION" not in lane_group
     if not items:
-        assert default == lane_group
+        assert generate(compiled.plan, fused_o=False, mma_wide=False).source == lane_group
         with pytest.raises(ValueError, match="mma_attention puts split-KV items of 2-8 query heads .* build without it"):
-            generate(compiled.plan, mma_attention=True)
+            generate(compiled.plan, mma_attention=True, mma_wide=False)
         return
     assert generate(compiled.plan, mma_attention=True, fused_o=False).source == default
     assert [c.get("mma_attention") for c in body_calls(default, "split_kv_attention")] == ["MMA_ATTENTION"]
