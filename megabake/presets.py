@@ -1,7 +1,8 @@
 """Built-in model presets: configs of real decoder architectures, built offline with random weights.
 
 Contract: ``get_preset(name)`` returns a :class:`Preset`; ``preset.build_model()`` returns an eval-mode
-``transformers`` causal LM with weights drawn from a fixed seed (same seed -> bit-identical weights), so
+``transformers`` causal LM with weights drawn from a fixed seed (same seed -> bit-identical weights, drawn or
+read back from ``MEGABAKE_PRESET_CACHE``: :mod:`megabake.preset_cache`), so
 every part of MegaBake runs without network access. ``PRESETS`` lists them; ``DEFAULT_PRESET`` is a tiny
 Llama that bakes in seconds on a CPU.
 """
@@ -37,17 +38,27 @@ class Preset:
     def config_hash(self) -> str:
         return config_hash(self.make_config())
 
-    def build_model(self, seed: int = DEFAULT_SEED, dtype=None):
-        """Instantiate the model with random weights from ``seed`` (CPU, eval mode)."""
+    def build_model(self, seed: int = DEFAULT_SEED, dtype=None, cache_dir=None):
+        """Instantiate the model with random weights from ``seed`` (CPU, eval mode). ``cache_dir`` (default: the
+        folder ``MEGABAKE_PRESET_CACHE`` names, if any) keeps the drawn weights on disk so the next build of the
+        same preset and seed reads them instead of drawing them again (:mod:`megabake.preset_cache`: the same
+        bits)."""
         import torch
         import transformers
 
+        from .preset_cache import cached_preset_model, preset_cache_dir
+
         config = self.make_config()
         model_cls = getattr(transformers, self.architecture)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            model = model_cls(config)
-            _randomize_norm_weights(model, seed)
+
+        def draw():
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                drawn = model_cls(config)
+                _randomize_norm_weights(drawn, seed)
+            return drawn
+
+        model = cached_preset_model(self.name, seed, config, model_cls, draw, cache_dir or preset_cache_dir())
         model = model.eval()
         if dtype is not None:
             model = model.to(dtype)

@@ -93,6 +93,9 @@ PRESETS=("$@")
 ((${#PRESETS[@]})) || PRESETS=(smollm-135m llama-3.2-1b qwen2.5-0.5b qwen3-0.6b)
 PARTS=${PARTS:-tests1}
 mkdir -p "$OUT"
+# preset weights drawn once per warm machine: the folder is git-ignored, so the device keeps it between calls
+# (megabake.preset_cache; gemma-2b's draw took 60 s of each call in session 42). Set it empty to turn it off.
+export MEGABAKE_PRESET_CACHE=${MEGABAKE_PRESET_CACHE-$PWD/.preset-cache}
 summary=()
 MMA_SPECS=()  # mma-attention / mma-attention-b1: the (preset batch capacity position) timings to run
 
