@@ -16,6 +16,12 @@ from megabake.presets import get_preset
 from megabake.registry.models import FAMILIES
 
 
+@pytest.fixture(autouse=True)
+def _no_cache_from_the_environment(monkeypatch):
+    """A drawn reference is drawn here, whatever ``MEGABAKE_PRESET_CACHE`` the shell sets (gpu_session.sh does)."""
+    monkeypatch.delenv(preset_cache.PRESET_CACHE_ENV, raising=False)
+
+
 def _tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return dict(preset_cache._named_tensors(model))
 
@@ -46,9 +52,9 @@ def test_a_cached_build_is_the_drawn_model(name, tmp_path, monkeypatch):
     def no_draw(*args):
         raise AssertionError("drawn again")
 
-    monkeypatch.setattr(megabake.presets, "_randomize_norm_weights", no_draw)  # a hit reads the file
-    hit = preset.build_model(seed=5, cache_dir=tmp_path)
-    monkeypatch.undo()
+    with monkeypatch.context() as patch:
+        patch.setattr(megabake.presets, "_randomize_norm_weights", no_draw)  # a hit reads the file
+        hit = preset.build_model(seed=5, cache_dir=tmp_path)
     _assert_same_model(missed, preset.build_model(seed=5))
     _assert_same_model(hit, preset.build_model(seed=5))
     assert not hit.training
