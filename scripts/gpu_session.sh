@@ -77,6 +77,9 @@
 #          tensor cores; TEST_LIMIT default 300 here), then gemma-2b at 4000, batch 8 (MMA_WIDE_BATCHES="8 1": also
 #          batch 1), default (lane-group loop) against mma-wide
 #          -> OUT/pytest-gpu-mma-wide.log, OUT/tune-mma-wide-b8.log (~8 min?)
+#   split-quantum: gemma-2b batch 1 at 4000 and 1000, default against split-KV chunks rounded to 128 and 256
+#          positions (generate(plan, split_quantum=N), session 42, a candidate) -> OUT/tune-split-quantum-p*.log
+#          (~6 min?)
 #   tests-parallel: the same tests as tests1-3, the fused_o build's (tests/test_fused_o_gpu.py),
 #          tests/test_global_down_gpu.py and tests/test_mma_wide_gpu.py at once, as
 #          SHARDS (default 4) pytest processes on the one GPU
@@ -158,6 +161,15 @@ if [[ " $PARTS " == *" mma-wide "* ]]; then
     timeout 200 python3 scripts/gpu_tune.py gemma-2b --variants bake --builds $builds --batch "$batch" \
       --capacity 4096 --position 4000 --no-composite --out "$OUT/b$batch" >"$OUT/tune-mma-wide-b$batch.log" 2>&1
     summary+=("mma-wide tune b$batch: rc=$? $(sed -n '/^== /,$p' "$OUT/tune-mma-wide-b$batch.log")")
+  done
+fi
+if [[ " $PARTS " == *" split-quantum "* ]]; then
+  # gemma-2b batch 1: split-KV chunks rounded to 128 / 256 positions against the default (64), at 4000 and 1000
+  for position in 4000 1000; do
+    timeout 240 python3 scripts/gpu_tune.py gemma-2b --variants bake --builds default split-q128 split-q256 \
+      --batch 1 --capacity 4096 --position "$position" --no-composite --out "$OUT/q$position" \
+      >"$OUT/tune-split-quantum-p$position.log" 2>&1
+    summary+=("split-quantum tune (gemma-2b b1 at $position): rc=$? $(sed -n '/^== /,$p' "$OUT/tune-split-quantum-p$position.log")")
   done
 fi
 if [[ " $PARTS " == *" tests1 "* ]]; then

@@ -216,6 +216,9 @@ BUILDS = {"default": {}, "atom": {"barrier": "atom"}, "red": {"barrier": "red"},
           "mma-wide": {"mma_wide": True},
           # ... with the dealing made for them (batch 1: whole groups over shorter chunks where slices were dealt)
           "mma-wide-schedule": {"mma_wide": True, "mma_schedule": True},
+          # split-KV chunks rounded to 128 / 256 positions (session 42, a candidate): gemma-2b at batch 1 deals
+          # 64-position items of 4 heads at 4000 positions, half of each CTA's warps idle on the tensor cores
+          "split-q128": {"split_quantum": 128}, "split-q256": {"split_quantum": 256},
           # one-split steps run attention (whole KV groups, on the tensor cores where they fit) and the O projection
           # in one interval: one grid barrier less per layer at short contexts (codegen.fused; session 35: -2% to
           # -8% at 16); fused-o-lane: those groups on the fp32 lane-group loop (slower: +8% on Qwen2.5-0.5B);
