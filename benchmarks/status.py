@@ -59,9 +59,10 @@ FOLDER_GPU = re.compile(r"\d{4}-\d{2}-\d{2}-(h\d+)(?:-|$)")
 SCORED_GPU = "h200"  # issue 12's criteria are H200 numbers
 # the sessions that changed the default kernel since every preset's K/V prefetch was capped (session 29,
 # docs/PERF.md): 33 put split-KV items of 2-8 query heads of 64 / 128 dims on the tensor cores (GQA presets), 36
-# fused attention and the O projection at batch 1's short contexts (those presets, ~16 only); a failing row
-# measured before the change that applies to it is stale, and "Re-bench first" lists it (:func:`default_since`)
-KV_PREFETCH_CAPPED, MMA_ATTENTION, FUSED_O = 29, 33, 36
+# fused attention and the O projection at batch 1's short contexts (those presets, ~16 only), 42 the same
+# tensor-core items for heads of 256 dims (Gemma, mma_wide); a failing row measured before the change that applies
+# to it is stale, and "Re-bench first" lists it (:func:`default_since`)
+KV_PREFETCH_CAPPED, MMA_ATTENTION, FUSED_O, MMA_WIDE = 29, 33, 36, 42
 
 
 @dataclass(frozen=True)
@@ -355,9 +356,13 @@ def default_since(config, batch: int, cls: str | None) -> int:
     """The session since which a (preset, batch, position class) cell runs the default kernel of today: 36 at batch
     1's ~16 and 33 elsewhere where the model's KV groups are 2-8 query heads of 64 or 128 dims (what the tensor-core
     attention and the fused step take, ``plan.attention.mma_attention_fits``; the fused step has other conditions
-    too, so this can call a row stale that session 36 did not change), else 29."""
+    too, so this can call a row stale that session 36 did not change), 42 where they are 2-8 query heads of 256
+    dims (Gemma: ``mma_wide``; every position class, though short contexts may deal one-head slices that it does
+    not change, so this too can call a row stale that did not change), else 29."""
     head_dim = _head_dim(config)
     group = config.num_attention_heads // config.num_key_value_heads
+    if 2 <= group <= 8 and head_dim == 256:
+        return MMA_WIDE
     if not (2 <= group <= 8 and head_dim in (64, 128)):
         return KV_PREFETCH_CAPPED
     return FUSED_O if batch == 1 and cls == "~16" else MMA_ATTENTION

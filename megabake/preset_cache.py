@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import tempfile
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -114,8 +115,16 @@ def _store(path: Path, model: torch.nn.Module) -> None:
         Path(temporary).unlink(missing_ok=True)
 
 
+STALE_WRITE_SECONDS = 3600  # a temporary file this old is a write that was killed (a device call's time limit)
+
+
 def _evict(folder: Path, room: float) -> None:
-    """Remove the least recently used cache files until the rest take at most ``room`` bytes."""
+    """Remove the least recently used cache files until the rest take at most ``room`` bytes, and temporary files
+    of writes that were killed."""
+    now = time.time()
+    for stale in folder.glob(".*.tmp"):
+        if now - stale.stat().st_mtime > STALE_WRITE_SECONDS:
+            stale.unlink(missing_ok=True)
     files = sorted(folder.glob("*.safetensors"), key=lambda f: f.stat().st_mtime, reverse=True)
     total = 0
     for file in files:

@@ -112,3 +112,18 @@ def test_the_size_cap_evicts_the_least_recently_used_and_skips_what_cannot_fit(t
     monkeypatch.setenv(preset_cache.PRESET_CACHE_GB_ENV, str(0.5 * one / 2**30))  # room for none
     preset.build_model(seed=2, cache_dir=tmp_path)
     assert not list(tmp_path.glob("*seed2*"))
+
+
+def test_a_killed_write_leaves_no_entry_and_its_temporary_file_goes_once_stale(tmp_path):
+    import os
+    import time
+
+    preset = get_preset("tiny-llama")
+    killed, fresh = tmp_path / ".tiny-llama-seed0-x.safetensors.abc.tmp", tmp_path / ".other.safetensors.def.tmp"
+    for path in (killed, fresh):
+        path.write_bytes(b"half a file")
+    old = time.time() - preset_cache.STALE_WRITE_SECONDS - 5
+    os.utime(killed, (old, old))
+    preset.build_model(cache_dir=tmp_path)
+    assert not killed.exists() and fresh.exists()  # another process may still be writing the fresh one
+    assert len(list(tmp_path.glob("*.safetensors"))) == 1
