@@ -499,8 +499,8 @@ def render(cells: list[Cell], presets: list[str], config_of=preset_config) -> st
              "", "## Short-context GPU time", "", *short_target_table(best), "", batch8_line(cells, best), "",
              host_line(best), "", "## Re-bench first", "",
              f"Rows that fail a criterion on cells measured before today's default kernel (session {FUSED_O} at batch "
-             f"1's ~16, {MMA_ATTENTION} elsewhere for KV groups of 2-8 heads of 64 / 128 dims, else "
-             f"{KV_PREFETCH_CAPPED}):", ""]
+             f"1's ~16, {MMA_ATTENTION} elsewhere for KV groups of 2-8 heads of 64 / 128 dims, {MMA_WIDE} for "
+             f"groups of 2-8 heads of 256, else {KV_PREFETCH_CAPPED}):", ""]
     parts.extend(rebench_lines(best, growths, config_of)
                  or ["None: every failing row was measured on the current default."])
     parts.extend(["", "## Not measured yet", ""])
