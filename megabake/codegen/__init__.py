@@ -244,7 +244,7 @@ class BuildOptions:
     arrival: str | None = None  # a split barrier's arrival (SPLIT_ARRIVAL), emitted before the before-barrier calls
     mma_attention: bool = False  # split-KV items of 2-8 query heads on the tensor cores (generate: on where they fit)
     mma_schedule: bool = False  # every split-KV dealing weighs those items by their chunk alone (MMA_SLICES)
-    mma_wide: bool = False  # ... and items of heads of 256 dims there too (MMA_WIDE, a candidate)
+    mma_wide: bool = False  # ... and items of heads of 256 dims there too (MMA_WIDE)
     fused_o: bool = False  # steps within MIN_CHUNK run attention and the O projection in one interval (codegen.fused)
     fused_kv_smem: bool = False  # ... scoring their cached K/V rows from shared memory (codegen.fused)
 
@@ -409,7 +409,8 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     whole CTA passes (``plan.chunk_quantum``, a candidate); ``split_quantum`` (a candidate, session 42) rounds
     them to that many positions instead, a multiple of the tiling's chunk (``MIN_CHUNK``): longer chunks, fewer
     splits (gemma-2b at batch 1 deals 64-position items of 4 heads at 4000 positions, which keep half of a
-    CTA's warps idle on the tensor cores; the reference executor does not mirror it: compare with the default); ``kv_pipeline`` loads each split-KV loop iteration's
+    CTA's warps idle on the tensor cores; the reference executor does not mirror it: compare with the default);
+    ``kv_pipeline`` loads each split-KV loop iteration's
     K/V rows one iteration ahead (``bodies._online_softmax_chunk``, the same bits; None picks it per plan:
     :func:`default_kv_pipeline`); ``fold_merge`` leaves steps with 2..:func:`fold_splits` active splits unmerged and
     merges their partials in the O projection's staging (no arrival counter, no last-arrival chain; None picks it

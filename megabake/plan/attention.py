@@ -47,8 +47,8 @@ LONG_SLICES = True  # the default dealing deals head slices at long contexts too
 MMA_ATT_MAX_HEADS = 8  # query heads per item that split-KV attention on the tensor cores takes (the default build
 # since session 33, codegen.default_mma_attention: the M rows 0..7 of m16n8k16; bodies.mma_attention_fits mirrors it)
 MMA_ATT_HEAD_DIMS = (64, 128)
-MMA_ATT_WIDE_HEAD_DIMS = (256,)  # heads the tensor-core item also takes in an ``mma_wide`` build (session 41, a
-# candidate never GPU-run: Gemma's heads of 256 dims; bodies._mma_softmax_chunk without the next step's loads ahead)
+MMA_ATT_WIDE_HEAD_DIMS = (256,)  # heads the tensor-core item also takes in an ``mma_wide`` build (session 41, the
+# default since session 42: Gemma's heads of 256 dims; bodies._mma_softmax_chunk without the next step's loads ahead)
 MMA_ATT_KEYS = 16  # cached keys per warp and step on the tensor cores (bodies.MMA_ATT_KEYS; the reference mirrors it)
 PASS_CHUNKS = False  # a candidate (session 19; H200 session 21: within noise): chunks in whole CTA passes
 # instead of whole per_tile chunks (chunk_quantum); read like LONG_SLICES by the kernel's default and the reference

@@ -127,7 +127,7 @@ class MegakernelDecoder:
         # the reference backend mirrors their bf16 rounding, and GPU checks build their reference with it
         self.mma_attention = "\nMMA_ATTENTION = True\n" in module_source
         self.fused_mma = "\nFUSED_MMA = True\n" in module_source  # fused steps' groups on the tensor cores
-        self.mma_wide = "\nMMA_WIDE = True\n" in module_source  # heads of 256 on the tensor cores too (a candidate)
+        self.mma_wide = "\nMMA_WIDE = True\n" in module_source  # heads of 256 on the tensor cores too
         self.package_dir = Path(package_dir) if package_dir else None
         self.report = report or {}
         device = torch.device(device) if device is not None else torch.device(
