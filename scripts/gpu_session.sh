@@ -80,6 +80,11 @@
 #   split-quantum: gemma-2b batch 1 at 4000 and 1000, default against split-KV chunks rounded to 128 and 256
 #          positions (generate(plan, split_quantum=N), session 42, a candidate) -> OUT/tune-split-quantum-p*.log
 #          (~6 min?)
+#   fused-mlp: the GPU tests of generate(plan, fused_mlp=True) (session 43, never run on a GPU: a layer's gate/up
+#          and down GEMVs in one interval, int64 fixed-point partial sums), then only if they pass, default against
+#          fused-mlp at 16 on SmolLM-135M, Qwen3-0.6B and Qwen2.5-0.5B (FUSED_MLP_SPECS="preset capacity position;..."
+#          for others) -> OUT/pytest-gpu-fused-mlp.log, OUT/tune-*-fused-mlp-p*.log (~8 min?)
+#   fused-mlp-times: the same timings without the tests (once they passed)
 #   tests-parallel: the same tests as tests1-3, the fused_o build's (tests/test_fused_o_gpu.py),
 #          tests/test_global_down_gpu.py and tests/test_mma_wide_gpu.py at once, as
 #          SHARDS (default 4) pytest processes on the one GPU
@@ -162,6 +167,24 @@ if [[ " $PARTS " == *" mma-wide "* ]]; then
       --capacity 4096 --position 4000 --no-composite --out "$OUT/b$batch" >"$OUT/tune-mma-wide-b$batch.log" 2>&1
     summary+=("mma-wide tune b$batch: rc=$? $(sed -n '/^== /,$p' "$OUT/tune-mma-wide-b$batch.log")")
   done
+fi
+if [[ " $PARTS " == *" fused-mlp "* || " $PARTS " == *" fused-mlp-times "* ]]; then
+  mlp_rc=0
+  if [[ " $PARTS " == *" fused-mlp "* ]]; then
+    TEST_LIMIT=${TEST_LIMIT:-300} run_tests fused-mlp "" tests/test_fused_mlp_gpu.py
+    mlp_rc=$(sed -n 's/.*rc=\([0-9]*\).*/\1/p' "$OUT/.summary-fused-mlp")
+    collect_tests fused-mlp
+  fi
+  if [[ "$mlp_rc" == 0 ]]; then  # timings only of a build whose GPU tests passed (here or in an earlier call)
+    IFS=';' read -ra mlp_specs <<<"${FUSED_MLP_SPECS:-smollm-135m 2048 16;qwen3-0.6b 4096 16;qwen2.5-0.5b 4096 16}"
+    for spec in "${mlp_specs[@]}"; do
+      read -r preset capacity position <<<"$spec"
+      log="$OUT/tune-$preset-fused-mlp-p$position.log"
+      timeout 180 python3 scripts/gpu_tune.py "$preset" --variants bake --builds default fused-mlp --no-composite \
+        --capacity "$capacity" --position "$position" --out "$OUT/fused-mlp-p$position" >"$log" 2>&1
+      summary+=("fused-mlp tune ($preset at $position): rc=$?" "$(grep -E '^(==|\|)' "$log")")
+    done
+  fi
 fi
 if [[ " $PARTS " == *" split-quantum "* ]]; then
   # gemma-2b batch 1: split-KV chunks rounded to 128 / 256 positions against the default (64), at 4000 and 1000

@@ -225,6 +225,9 @@ BUILDS = {"default": {}, "atom": {"barrier": "atom"}, "red": {"barrier": "red"},
           # fused-o-kv: their cached K/V rows from shared memory
           "fused-o": {"fused_o": True}, "fused-o-lane": {"fused_o": True, "fused_mma": False},
           "fused-o-kv": {"fused_o": True, "fused_kv_smem": True},
+          # every layer's gate/up and down GEMVs in one interval (session 43, a candidate never run on a GPU): each CTA
+          # owns a block of the intermediate width, the down partials meet in an int64 fixed-point accumulator
+          "fused-mlp": {"fused_mlp": True},
           # the L2 prefetch of the next GEMV's first tiles before each barrier at one budget for every stage (the
           # default since session 26: none before a ring-prefilled GEMV, 16 MB elsewhere; pf16mb: the old default)
           "pf0": {"prefetch_bytes": 0}, "pf8mb": {"prefetch_bytes": 8 << 20}, "pf16mb": {"prefetch_bytes": 16 << 20},

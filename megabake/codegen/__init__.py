@@ -47,6 +47,7 @@ from ..plan.attention import (LONG_SLICES, MMA_ATT_WIDE_HEAD_DIMS, PASS_CHUNKS, 
 from ..plan.stages import (ACTIVATIONS, DIMENSION_CONSTANTS, GATED_ACT_CODES, StageSpec, next_gemv, norm_slot,
                            spec_of)
 from .fused import FUSED_O_BUFFERS, fused_geometry, fused_kv_refusal, fused_o_refusal
+from .fused_mlp import ACC_PAD, FUSED_MLP_BUFFERS, fused_mlp_refusal, mlp_geometry, mlp_smem_bytes
 
 KERNEL_ARGUMENTS = [
     "embed", "w_qkv", "w_o", "w_gate_up", "w_down", "norms", "final_norm", "lm_head", "rope_cos", "rope_sin",
@@ -247,6 +248,7 @@ class BuildOptions:
     mma_wide: bool = False  # ... and items of heads of 256 dims there too (MMA_WIDE)
     fused_o: bool = False  # steps within MIN_CHUNK run attention and the O projection in one interval (codegen.fused)
     fused_kv_smem: bool = False  # ... scoring their cached K/V rows from shared memory (codegen.fused)
+    fused_mlp: bool = False  # a layer's gate/up and down GEMVs in one interval (codegen.fused_mlp)
 
 
 # A KV group's outputs (query heads per KV head x head_dim) from which the spread merge is the default: on the H200
@@ -400,7 +402,7 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
              prefetch_bytes: int | None = None, mma_attention: bool | None = None,
              mma_schedule: bool = False, fused_o: bool | None = None, fused_kv_smem: bool = False,
              fused_mma: bool | None = None, mma_wide: bool | None = None,
-             split_quantum: int | None = None) -> GeneratedModule:
+             split_quantum: int | None = None, fused_mlp: bool = False) -> GeneratedModule:
     """module.py of ``plan``. ``merge_preload`` / ``spread_merge``: None picks them per plan
     (:func:`default_merge`); True asks for one (refused where the attention scratch cannot hold it), False
     leaves it out (both False: the plain last-arrival merge of sessions 10-16). ``head_slices=False`` deals
@@ -439,7 +441,12 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     41; GPU-verified in session 42) also puts split-KV items of 2-8 query heads of 256 dims (Gemma) on the tensor
     cores (``bodies._mma_softmax_chunk`` loading each step's K/V at the step; ``mma_attention`` then defaults to
     on); refused where the plan deals no such item; None: :func:`default_mma_wide` (on wherever the plan deals
-    such items); False: the lane-group loop. Fused steps keep their groups of 256 on the lane-group loop."""
+    such items); False: the lane-group loop. Fused steps keep their groups of 256 on the lane-group loop.
+    ``fused_mlp`` (session 43, a candidate, never run on a GPU): every layer's gate/up and down projections in one
+    barrier interval (one grid barrier less per layer at every context): each CTA takes a block of the
+    intermediate width, its down-projection partials meet in an int64 fixed-point accumulator (deterministic,
+    not the default's fp32 order: close to it, not equal; :mod:`megabake.codegen.fused_mlp`); it needs
+    ``fused_o``; refused where :func:`megabake.codegen.fused_mlp.fused_mlp_refusal` names a reason."""
     if watchdog and timeline:
         raise ValueError("a watchdog build has no timeline: build them separately")
     if barrier is not None and barrier not in BARRIER_ARRIVALS:
@@ -518,12 +525,18 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
             raise ValueError(f"fused_kv_smem copies a fused step's cached K/V rows into shared memory, but {why}: "
                              "build without it")
     _check_split_quantum(plan, split_quantum, pass_chunks)
-    arguments = kernel_arguments(plan) + (list(FUSED_O_BUFFERS) if fused_o else [])
+    if fused_mlp:
+        why = fused_mlp_refusal(plan, fused_o=fused_o)
+        if why:
+            raise ValueError(f"fused_mlp runs the gate/up and down projections in one interval, but {why}: build "
+                             "without it")
+    arguments = (kernel_arguments(plan) + (list(FUSED_O_BUFFERS) if fused_o else [])
+                 + (list(FUSED_MLP_BUFFERS) if fused_mlp else []))
     plan_hash = plan_hash or plan.hash
     w = _Writer(keyword_calls=True)
     _header(w, plan, plan_hash, arguments, self_contained, head_slices, long_slices, pass_chunks,
             kv_pipeline, folded, mma_attention, mma_slices, fused_o, fused_kv_smem, fused_mma, mma_wide,
-            split_quantum)
+            split_quantum, fused_mlp)
     prologue = [s for s in plan.stages if s.scope == "prologue"]
     per_layer = [s for s in plan.stages if s.scope == "layer"]
     epilogue = [s for s in plan.stages if s.scope == "epilogue"]
@@ -575,6 +588,9 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
         w("cute.make_layout((WARPS, RING_STAGES, RING_VECTORS, 32, 8),", 2)
         w("stride=(RING_STAGES * RING_VECTORS * 256, RING_VECTORS * 256, 256, 8, 1)),", 3)
         w("byte_alignment=16)", 2)
+    if fused_mlp:
+        for line in _FUSED_MLP_DECLARATIONS:
+            w(line, 1)
     for line in _preload_registers(plan):
         w(line, 1)
     if _attention_preloads(plan):
@@ -592,7 +608,7 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
                            fold_splits=folded, prefetch_bytes=prefetch_bytes, clock_every_cta=every_cta,
                            arrival=SPLIT_ARRIVAL if barrier == "split" else None, mma_attention=mma_attention,
                            mma_schedule=mma_schedule, fused_o=fused_o, fused_kv_smem=fused_kv_smem,
-                           mma_wide=mma_wide)
+                           mma_wide=mma_wide, fused_mlp=fused_mlp)
     if phases:
         _phase_timed_stages(w, plan, prologue, per_layer, epilogue, options)
     else:
@@ -638,14 +654,15 @@ def _header(w: _Writer, plan: Plan, plan_hash: str, arguments: list[str], self_c
             head_slices: bool = True, long_slices: bool = True, pass_chunks: bool = False,
             kv_pipeline: bool = False, folded: int = 0, mma_attention: bool = False, mma_slices: int = 0,
             fused_o: bool = False, fused_kv_smem: bool = False, fused_mma: bool = False,
-            mma_wide: bool = False, split_quantum: int | None = None) -> None:
+            mma_wide: bool = False, split_quantum: int | None = None, fused_mlp: bool = False) -> None:
     d = plan.dims
     w(f'"""Generated by MegaBake from plan {plan_hash[:16]}. Do not edit: re-bake instead.')
     w("")
     w(f"Model: hidden {d.hidden}, {d.layers} layers, {d.n_heads}/{d.n_kv_heads} heads x {d.head_dim}, "
       f"intermediate {d.intermediate}, vocab {d.vocab}.")
-    barriers = (f"{plan.barriers_per_step} grid barriers per step ({plan.barriers_per_step - d.layers} where the "
-                "context fits MIN_CHUNK: fused_o)" if fused_o else f"{plan.barriers_per_step} grid barriers per step")
+    per_step = plan.barriers_per_step - (d.layers if fused_mlp else 0)
+    barriers = (f"{per_step} grid barriers per step ({per_step - d.layers} where the context fits MIN_CHUNK: "
+                "fused_o)" if fused_o else f"{per_step} grid barriers per step")
     w(f"Bucket: batch {plan.batch}, KV capacity {plan.capacity}. Grid {plan.ctas} x {plan.threads} threads, "
       f"{barriers}.")
     if self_contained:
@@ -673,7 +690,8 @@ def _header(w: _Writer, plan: Plan, plan_hash: str, arguments: list[str], self_c
         "THREADS": plan.threads, "WARPS": plan.warps, "TOTAL_WARPS": plan.ctas * plan.warps,
     }
     splits = kv_splits(plan)
-    scratch = smem_floats(d, plan.batch, plan.capacity, plan.threads, bool(splits), plan.down_input == "global")
+    scratch = smem_floats(d, plan.batch, plan.capacity, plan.threads, bool(splits),
+                          plan.down_input == "global" or fused_mlp)  # fused_mlp stages no intermediate row
     consts.update({"VEC_WIDTH": scratch["vec_width"], "RED_SCRATCH": scratch["red"], "ATT_SCRATCH": scratch["att"]})
     if splits:
         attention = next(s.tiling for s in plan.stages if s.kind == "attention")
@@ -696,11 +714,20 @@ def _header(w: _Writer, plan: Plan, plan_hash: str, arguments: list[str], self_c
         geometry = fused_geometry(plan)
         consts.update({"FUSED_O_BLOCKS": geometry.blocks, "FUSED_O_BLOCK_ROWS": geometry.block_rows,
                        "FUSED_KV_SMEM": fused_kv_smem, "FUSED_MMA": fused_mma})
+    if fused_mlp:
+        mlp = mlp_geometry(plan)
+        consts.update({"FUSED_MLP": True, "MLP_PER_CTA": mlp.per_cta, "MLP_CHUNKS": mlp.chunks,
+                       "MLP_LOAD_BITS": mlp.load_bits})
     for name, value in consts.items():
         w(f"{name} = {value}")
     if fused_o:
         w("# fp32 buffers of a fused_o build beyond the plan's (the runtime allocates them): name -> shape")
-        w(f"EXTRA_BUFFERS = {{'o_mid': (1, {d.hidden}), 'o_part': ({d.n_kv_heads}, {d.hidden})}}")
+        extra = f"'o_mid': (1, {d.hidden}), 'o_part': ({d.n_kv_heads}, {d.hidden})"
+        if fused_mlp:
+            extra += f", 'mlp_acc': ({d.layers + 1}, {d.hidden + ACC_PAD})"
+        w(f"EXTRA_BUFFERS = {{{extra}}}")
+        if fused_mlp:
+            w("EXTRA_BUFFER_DTYPES = {'mlp_acc': 'int64'}  # the others are fp32")
     w(f"EPS = {d.eps!r}")
     w(f"ATTN_SCALE = {d.attn_scale!r}")
     if d.embed_scale != 1.0:
@@ -719,7 +746,10 @@ def _header(w: _Writer, plan: Plan, plan_hash: str, arguments: list[str], self_c
         w(f"MMA_SPLIT = {{{splits_mma}}}")
     w("GRID = (CTAS, 1, 1)")
     w("BLOCK = (THREADS, 1, 1)")
-    if plan.staging_dtype == "float32":
+    if fused_mlp:
+        w(f"SMEM_BYTES = {mlp_smem_bytes(plan)}  # the plan's {plan.smem_bytes}, VEC_WIDTH without the intermediate "
+          "width, + 2 * HIDDEN * MLP_PER_CTA (W_down columns) + alignment")
+    elif plan.staging_dtype == "float32":
         w(f"SMEM_BYTES = {plan.smem_bytes}  # 4 * (BATCH * VEC_WIDTH + RED_SCRATCH + ATT_SCRATCH) + alignment")
     else:
         w(f"SMEM_BYTES = {plan.smem_bytes}  # 2 * BATCH * VEC_WIDTH (bf16 staging: fp32 rows do not fit) "
@@ -767,6 +797,8 @@ def _stage(w: _Writer, plan: Plan, stage: Stage, indent: int, layer_var, clocks:
                         options.mma_attention, options.mma_schedule, options.mma_wide)
     if fused:
         calls = _fused_o_calls(plan, stage, calls)
+    if options.fused_mlp:
+        calls = _fused_mlp_calls(plan, stage, calls)
     previous = next((s for s in plan.stages if s.index == stage.index - 1), None)
     if options.spread_merge and previous is not None and previous.kind == "attention" and kv_splits(plan):
         w(f"bodies.split_kv_counts_reset({ATTN_COUNT}, cta, tidx, BATCH * N_KV_HEADS * HEAD_SLICES, THREADS)",
@@ -776,9 +808,11 @@ def _stage(w: _Writer, plan: Plan, stage: Stage, indent: int, layer_var, clocks:
         w(call, indent)
         w.end()
         clock()
-    if stage.barrier_after:
+    if stage.barrier_after and not (options.fused_mlp and stage.scope == "layer" and stage.name == "norm_gate_up"):
         before = _before_barrier_calls(plan, stage, options.kv_prefetch, options.kv_prefetch_l1,
                                        options.prefetch_bytes, options.kv_prefetch_rows, options.mma_schedule)
+        if options.fused_mlp:
+            before = _fused_mlp_before(before)
         reads = [call for call in before if call.startswith(_BEFORE_ARRIVAL)]
         following = next((s for s in plan.stages if s.index == stage.index + 1), None)
         if fused and following is not None and following.kind == "attention":
@@ -880,11 +914,84 @@ def _fused_attention_stages(w: _Writer, plan: Plan, attention: Stage, indent: in
         w(call, indent + 1)
         w.end()
     w(options.arrival, indent + 1)
-    for call in _before_barrier_calls(plan, o_stage, options.kv_prefetch, options.kv_prefetch_l1,
-                                      options.prefetch_bytes, options.kv_prefetch_rows, options.mma_schedule):
+    before = _before_barrier_calls(plan, o_stage, options.kv_prefetch, options.kv_prefetch_l1,
+                                   options.prefetch_bytes, options.kv_prefetch_rows, options.mma_schedule)
+    for call in _fused_mlp_before(before) if options.fused_mlp else before:
         w(call, indent)
     w(options.barrier, indent)
     w.end()
+
+
+# ------------------------------------------------------------------------------ fused_mlp builds (codegen.fused_mlp)
+_FUSED_MLP_DECLARATIONS = [
+    "# fused_mlp: this CTA's W_down columns and activations, the block of the intermediate width it owns, and its",
+    "# warps' index in that block's (gate, up) tiles (past the last tile on CTAs without a block)",
+    "s_down = smem.allocate_tensor(",
+    "    w_down.element_type, cute.make_layout((HIDDEN, MLP_PER_CTA), stride=(MLP_PER_CTA, 1)), byte_alignment=16)",
+    "s_act = cute.make_tensor(s_att.iterator, cute.make_layout((1, MLP_PER_CTA), stride=(MLP_PER_CTA, 1)))",
+    "mchunk = cutlass.min(cta, MLP_CHUNKS - 1)",
+    "mwarp = tidx // 32 + cta // MLP_CHUNKS * 2 * MLP_PER_CTA",
+]
+# this CTA's (gate, up) row pairs of the layer's packed gate/up weight
+_MLP_UP_ROWS = "cute.local_tile(w_gate_up[layer, None, None], (2 * MLP_PER_CTA, HIDDEN), (mchunk, 0))"
+
+
+def _fused_mlp_before(calls: list[str]) -> list[str]:
+    """The calls before the barrier that precedes a ``fused_mlp`` layer's MLP: the gate/up ring is filled with this
+    CTA's own row pairs, and its W_down columns are copied into ``s_down`` (the L2 prefetch of the grid-wide
+    dealing, which asks for nothing at the default budget, is left out)."""
+    out = []
+    for call in calls:
+        if call.startswith("bodies.prefetch_rows(w_gate_up["):
+            continue
+        if call.startswith("bodies.gemv_ring_prefill(w_gate_up["):
+            tail = call.split("TOTAL_WARPS, ", 1)[1].split(", ", 2)[2]  # per_tile, unroll, stages)
+            out.append(f"bodies.gemv_ring_prefill({_MLP_UP_ROWS}, {_RING}, mwarp, lane, 1, WARPS, 2 * MLP_PER_CTA, "
+                       f"HIDDEN, {tail}")
+            out.append("bodies.mlp_down_load(w_down[layer, None, None], s_down, cta, tidx, MLP_CHUNKS, MLP_PER_CTA, "
+                       "HIDDEN, MLP_LOAD_BITS, THREADS)")
+            continue
+        out.append(call)
+    return out
+
+
+def _fused_mlp_calls(plan: Plan, stage: Stage, calls: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """A ``fused_mlp`` build's body calls: the embedding goes to ``o_mid`` (the accumulator's row 0 stays zero) and
+    the accumulator is zeroed; the staging of every GEMV whose input is the residual x reads o_mid + the
+    accumulator row of the layer before (and stores x); the gate/up stage computes this CTA's activations into
+    ``s_act`` and adds its down-projection partials into the layer's accumulator row; the down stage has no
+    body (its barrier stays: it ends the MLP's interval)."""
+    if stage.scope == "prologue":
+        (name, call), = calls  # pre-norm layouts (fused_o_refusal): the embedding alone
+        assert name.startswith("embed_gather") and "(embed, tokens, x, " in call, calls
+        return [(name, call.replace("(embed, tokens, x, ", "(embed, tokens, o_mid, ")),
+                ("mlp_acc_zero", f"bodies.mlp_acc_zero(mlp_acc, cta, tidx, LAYERS + 1, HIDDEN + {ACC_PAD}, CTAS, "
+                                 "THREADS)")]
+    spec = spec_of(stage, plan)
+    if spec.gemv is None:
+        return calls
+    if stage.name == "down_residual":
+        return []
+    if stage.name == "norm_gate_up":
+        assert calls[0][0] == "rmsnorm_partials_to_smem" and calls[1][0] == "gemv_rows_streamed", calls
+        up = (f"bodies.gemv_rows_streamed({_MLP_UP_ROWS}, {_RING}, s_act, s_vec, s_act, mwarp, lane, WARPS, "
+              "2 * MLP_PER_CTA, HIDDEN, BATCH, ROWS_PER_TILE['norm_gate_up'], False, GEMV_UNROLL['norm_gate_up'], "
+              f"False, {stage.tiling.stages}, True, {GATED_ACT_CODES[plan.dims.act]})")
+        down = ("bodies.mlp_down_partial(s_down, s_act, mlp_acc[layer + 1, None], cta, tidx, MLP_CHUNKS, MLP_PER_CTA, "
+                "HIDDEN, THREADS)")
+        return [calls[0], ("gemv_rows_streamed", up),
+                ("sync_threads", "cute.arch.sync_threads()  # s_act and s_down complete in the whole CTA"),
+                ("mlp_down_partial", down)] + calls[2:]
+    vector = spec.vector
+    if vector.kind == "rmsnorm" and vector.source == "x":
+        assert calls[0][0] == "rmsnorm_to_smem", calls
+        final = vector.norm_role == "final_norm"
+        weight = "final_norm" if final else f"norms[layer, {norm_slot(vector.norm_role, plan)}, None]"
+        row = "LAYERS" if final else "layer"
+        return [("rmsnorm_from_acc_to_smem",
+                 f"bodies.rmsnorm_from_acc_to_smem(o_mid, mlp_acc[{row}, None], x, {weight}, s_vec, s_red, cta, tidx, "
+                 "HIDDEN, CTAS, THREADS, EPS)")] + calls[1:]
+    return calls
 
 
 def _phase_timed_stages(w: _Writer, plan: Plan, prologue: list[Stage], per_layer: list[Stage],
@@ -1248,7 +1355,8 @@ def _launcher(w: _Writer, arguments: list[str]) -> None:
 
 # ------------------------------------------------------------------------------ self-contained module.py
 BODIES_DIR = Path(__file__).resolve().parent / "bodies"
-BODY_FILES = ("common.py", "sync.py", "staging.py", "gemv.py", "attention.py", "split_attention.py")  # = bodies'
+BODY_FILES = ("common.py", "sync.py", "staging.py", "gemv.py", "attention.py", "split_attention.py",
+              "mlp.py")  # = bodies'
 
 
 def bodies_source() -> str:

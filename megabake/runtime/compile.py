@@ -84,11 +84,13 @@ def load_module(source: str | Path, name: str | None = None) -> types.ModuleType
 
 
 def extra_buffers(module) -> list:
-    """The fp32 workspace buffers a module declares beyond its plan's (``EXTRA_BUFFERS``, name -> shape: a
-    ``generate(plan, fused_o=True)`` build's ``o_mid`` and ``o_part``), as plan buffers; none for other builds."""
+    """The workspace buffers a module declares beyond its plan's (``EXTRA_BUFFERS``, name -> shape: a
+    ``generate(plan, fused_o=True)`` build's ``o_mid`` and ``o_part``, a ``fused_mlp`` build's ``mlp_acc``), as plan
+    buffers, fp32 unless ``EXTRA_BUFFER_DTYPES`` names another dtype; none for other builds."""
     from ..plan import Buffer
 
-    return [Buffer(name, "workspace", "float32", list(shape))
+    dtypes = getattr(module, "EXTRA_BUFFER_DTYPES", {})
+    return [Buffer(name, "workspace", dtypes.get(name, "float32"), list(shape))
             for name, shape in getattr(module, "EXTRA_BUFFERS", {}).items()]
 
 

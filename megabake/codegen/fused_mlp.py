@@ -1,0 +1,93 @@
+"""Where a ``generate(plan, fused_mlp=True)`` build applies, and its geometry (a candidate since session 43).
+
+Contract: pure functions of a :class:`~megabake.plan.Plan`; no code is written here. A fused-MLP build runs a
+layer's gate/up and down projections in one barrier interval (one grid barrier less per layer, at every
+context): CTA ``c < chunks`` owns the activations [c * per_cta, (c + 1) * per_cta) of the intermediate width. It
+streams their (gate, up) row pairs through its warps' cp.async rings (the gated write puts the activations in
+shared memory), then multiplies them with its columns of W_down (copied into shared memory before the barrier)
+and adds the partial output rows into an int64 fixed-point accumulator (``bodies/mlp.py``: exact and
+order-free, so deterministic). The next stage's staging reads o_mid + accumulator. It builds on ``fused_o``
+(its ``o_mid`` residual, batch 1, pre-norm, the split barrier); :func:`fused_mlp_refusal` names what is missing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..plan import Plan
+from ..plan.memory import smem_bytes, smem_floats
+from ..plan.stages import spec_of
+from ..plan.tuning import HOPPER_SMEM_PER_BLOCK
+
+FUSED_MLP_BUFFERS = ("mlp_acc",)  # int64 [layers + 1, hidden + 4]: fixed-point sums of the MLPs' outputs
+ACC_PAD = 4  # columns past ``hidden`` in an accumulator row: the flag word, then padding to whole 4-vectors
+
+
+@dataclass(frozen=True)
+class MlpGeometry:
+    """How a fused-MLP build deals the intermediate width: ``chunks`` CTAs own ``per_cta`` activations each
+    (``per_cta`` divides the width; the other CTAs idle in the MLP); each copies its [hidden, per_cta] bf16
+    columns of W_down (``down_bytes``) with ``load_bits``-wide cp.async copies."""
+
+    per_cta: int
+    chunks: int
+    load_bits: int
+    down_bytes: int
+
+
+def mlp_geometry(plan: Plan) -> MlpGeometry | None:
+    """The smallest even ``per_cta`` dividing the intermediate width that leaves no more chunks than CTAs, or
+    None where there is none."""
+    inter, hidden = plan.dims.intermediate, plan.dims.hidden
+    least = max(2, -(-inter // plan.ctas))
+    per_cta = next((a for a in range(least, inter + 1) if inter % a == 0 and a % 2 == 0), None)
+    if per_cta is None:
+        return None
+    bits = next(b for b in (128, 64, 32) if (per_cta * 16) % b == 0)
+    return MlpGeometry(per_cta, inter // per_cta, bits, hidden * per_cta * 2)
+
+
+def mlp_smem_bytes(plan: Plan) -> int:
+    """The shared memory of a fused-MLP build: the plan's, less the intermediate width of the staged input rows
+    (no stage stages the down projection's input: ``smem_bytes(..., global_down=True)``, as ``VEC_WIDTH`` then
+    says), plus the CTA's W_down columns (16-byte aligned)."""
+    geometry = mlp_geometry(plan)
+    args = (plan.dims, plan.batch, plan.capacity, plan.threads, True, plan.staging_dtype)
+    staged = smem_bytes(*args, global_down=plan.down_input == "global")
+    return plan.smem_bytes - staged + smem_bytes(*args, global_down=True) + (geometry.down_bytes + 15) // 16 * 16 + 16
+
+
+def _layer_stage(plan: Plan, name: str):
+    return next((s for s in plan.stages if s.scope == "layer" and s.name == name), None)
+
+
+def fused_mlp_refusal(plan: Plan, *, fused_o: bool) -> str | None:
+    """Why ``fused_mlp`` cannot build this plan (with ``fused_o`` as chosen), or None where it can."""
+    if not fused_o:
+        return "it needs fused_o=True (its o_mid residual; batch 1, pre-norm, the split barrier)"
+    up, down = _layer_stage(plan, "norm_gate_up"), _layer_stage(plan, "down_residual")
+    layer = [s.name for s in plan.stages if s.scope == "layer"]
+    if up is None or down is None or layer.index("down_residual") != layer.index("norm_gate_up") + 1:
+        return "the layer's gate/up and down projections are not consecutive stages"
+    if layer[-1] != "down_residual":
+        return "the down projection is not the layer's last stage"
+    up_gemv = spec_of(up, plan).gemv
+    if not up_gemv.gated or up.tiling.mma or not up.tiling.stages or not up.tiling.preload \
+            or up.tiling.per_tile % 2:
+        return ("the gate/up GEMV is not the prefilled cp.async ring with the gated write in tiles of whole "
+                "(gate, up) pairs (the bake's default tiling is)")
+    if plan.bias_of("norm_gate_up"):
+        return "the gate/up projection has a bias"
+    if plan.down_input == "global":
+        return "the down projection reads its input from global memory (down_input='global')"
+    geometry = mlp_geometry(plan)
+    if geometry is None:
+        return f"the intermediate width {plan.dims.intermediate} has no even divisor that deals it over the CTAs"
+    att = smem_floats(plan.dims, plan.batch, plan.capacity, plan.threads, True)["att"]
+    if geometry.per_cta > att:
+        return f"{geometry.per_cta} activations per CTA do not fit the attention scratch ({att} floats)"
+    if mlp_smem_bytes(plan) > HOPPER_SMEM_PER_BLOCK:
+        return (f"with a CTA's W_down columns ({plan.dims.hidden} x {geometry.per_cta} bf16, {geometry.down_bytes} "
+                f"bytes) a CTA needs {mlp_smem_bytes(plan)} bytes of shared memory, over the "
+                f"{HOPPER_SMEM_PER_BLOCK} a Hopper CTA can have")
+    return None

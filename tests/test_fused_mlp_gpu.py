@@ -1,0 +1,79 @@
+"""The ``fused_mlp`` build on the GPU (session 43 candidate, ``megabake.codegen.fused_mlp``; not run on a GPU yet):
+every layer's gate/up and down projections in one barrier interval, the down projection's per-CTA partials summed
+as int64 fixed point. Against the ``fused_o`` build it extends, from one random KV cache, at fused and split steps;
+a second run must give the same bits (the integer sums are order-free: a moving result is a race); against the CPU
+reference executor; and a non-finite down projection must still reach the logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.test_fused_o_gpu import _compiled, _fused_and_split_positions
+from tests.test_gpu_decode import _assert_steps_match, _logits_over_random_cache, _reference_for
+
+pytestmark = pytest.mark.gpu
+
+PRESETS = [("smollm-135m", 2048), ("qwen2.5-0.5b", 4096), ("qwen3-0.6b", 4096), ("tiny-mistral", 256)]
+
+
+@pytest.mark.parametrize("preset,capacity", PRESETS)
+def test_fused_mlp_gives_the_fused_o_logits_to_fp32_order_and_the_same_bits_twice(preset, capacity):
+    """SmolLM-135M copies its W_down columns 8 bytes at a time, Qwen2.5-0.5B 4, Qwen3-0.6B 16; tiny-mistral has
+    sliding windows. The activations are the fused_o build's (the same gate/up GEMV per row); the down
+    projection's sum order differs (a CTA's columns in fp32, then the CTAs in fixed point), so logits agree to
+    fp32 order (1e-4 over 2 layers), not bit for bit."""
+    compiled = _compiled(preset, capacity)
+    fused, split = _fused_and_split_positions(compiled, capacity)
+    positions = split + fused
+    base = {"fused_o": True}
+    fused_o, fused_mlp, again = _logits_over_random_cache(
+        compiled, positions, 1, [base, {**base, "fused_mlp": True}, {**base, "fused_mlp": True}])
+    assert torch.isfinite(fused_mlp).all()
+    assert torch.equal(again, fused_mlp)
+    for i, position in enumerate(positions):
+        assert float((fused_mlp[i] - fused_o[i]).norm() / fused_o[i].norm()) < 1e-4, position
+
+
+@pytest.mark.parametrize("preset,capacity", [("smollm-135m", 2048), ("qwen3-0.6b", 4096)])
+def test_fused_mlp_kernel_matches_the_reference_executor(preset, capacity):
+    """The fused_mlp build on the default's other choices (fused groups and split items on the tensor cores,
+    mirrored by ``ReferenceExecutor(..., fused_mma=True)``) against the CPU reference at the usual tolerance."""
+    from megabake.codegen import generate
+    from megabake.runtime import MegakernelDecoder
+
+    compiled = _compiled(preset, capacity)
+    fused, split = _fused_and_split_positions(compiled, capacity)
+    source = generate(compiled.plan, fused_mlp=True).source
+    assert "\nFUSED_MLP = True\n" in source and "\nFUSED_MMA = True\n" in source
+    decoder = MegakernelDecoder(compiled.plan, source, compiled.model, device="cuda")
+    reference = _reference_for(compiled, decoder)
+    generator = torch.Generator().manual_seed(43)
+    for name in ("k_cache", "v_cache"):
+        cache = torch.randn(reference.buffers[name].shape, generator=generator).to(reference.buffers[name].dtype)
+        reference.buffers[name].copy_(cache)
+        decoder.buffers[name].copy_(cache.to(decoder.buffers[name].device))
+    positions = fused + split
+    tokens = torch.randint(1, compiled.plan.dims.vocab, (1, len(positions)), generator=generator)
+    _assert_steps_match(decoder, reference, tokens, positions)
+
+
+@pytest.mark.parametrize("poison", [float("inf"), float("nan"), 3.0e38])
+def test_a_non_finite_or_huge_down_projection_reaches_the_logits(poison):
+    """One W_down weight of the first layer set to inf, NaN or 3e38 (a partial past the fixed-point range): the
+    flag word turns the residual into NaN, so the logits are not finite (inf and NaN make the fp32 build's logits
+    non-finite too: nothing is silently clipped); the next call with the weight restored is finite again (the
+    accumulator is zeroed every launch)."""
+    from megabake.codegen import generate
+    from megabake.runtime import MegakernelDecoder
+
+    compiled = _compiled("smollm-135m", 2048)
+    decoder = MegakernelDecoder(compiled.plan, generate(compiled.plan, fused_mlp=True).source, compiled.model,
+                                device="cuda")
+    w_down = decoder.buffers["w_down"]
+    kept = w_down[0, 5, 7].clone()
+    w_down[0, 5, 7] = poison
+    token = torch.tensor([11])
+    assert not torch.isfinite(decoder.step(token, 3).float()).all()
+    w_down[0, 5, 7] = kept
+    assert torch.isfinite(decoder.step(token, 3).float()).all()
