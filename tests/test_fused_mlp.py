@@ -50,6 +50,7 @@ def test_refusals_name_the_cause():
     with pytest.raises(ValueError, match=r"W_down columns \(2048 x 64 bf16, 262144 bytes\) a CTA needs \d+ bytes of "
                                          r"shared memory, over the 232448"):
         generate(llama, fused_mlp=True)
+    assert fused_mlp_refusal(plan, fused_o=True) is None
     batched = compile_preset("smollm-135m", layers=1, vocab=512, capacity=2048, batch=2).plan
     with pytest.raises(ValueError, match="needs fused_o=True"):
         generate(batched, fused_mlp=True)
@@ -74,7 +75,10 @@ def test_the_module_drops_one_barrier_per_layer_and_reads_the_accumulator(smollm
                                                                                 plan.dims.hidden + 4]
     assert buffers["o_mid"].dtype == "float32"
     assert [b.name for b in argument_buffers(plan, module)][-1] == "mlp_acc"
-    assert (module.MLP_PER_CTA, module.MLP_CHUNKS, module.MLP_LOAD_BITS) == (12, 128, 64)
+    assert (module.MLP_PER_CTA, module.MLP_CHUNKS, module.MLP_LOAD_BITS, module.MLP_TILES) == (12, 128, 64, 12)
+    # a CTA without a block deals its warps past the last tile: gemv_rows_streamed's steps are 0 for all 8 warps
+    tiles, warps = module.MLP_TILES, module.WARPS
+    assert all((tiles - (warp + 1 * tiles) + warps - 1) // warps == 0 for warp in range(warps))
     assert module.VEC_WIDTH == plan.dims.hidden  # no intermediate row is staged
     assert module.SMEM_BYTES == mlp_smem_bytes(plan)
     kernel, default_kernel = source.split("# ====")[0], default.split("# ====")[0]

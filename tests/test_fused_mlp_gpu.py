@@ -77,3 +77,35 @@ def test_a_non_finite_or_huge_down_projection_reaches_the_logits(poison):
     assert not torch.isfinite(decoder.step(token, 3).float()).all()
     w_down[0, 5, 7] = kept
     assert torch.isfinite(decoder.step(token, 3).float()).all()
+
+
+def test_the_accumulator_holds_the_last_layers_mlp_and_replays_give_the_same_bits():
+    """After a step (SmolLM-135M, 2 layers): accumulator row 0 is zero, no flag word is set, and the last row / 2^32
+    is the last layer's MLP of rmsnorm(o_mid) (o_mid: the residual after its attention) computed in fp32 by torch
+    from the same packed weights (1e-5: fp32 order). Then 30 replays of one step give the same logits and
+    accumulator bits (a race would move them: the review of session 43 found a missing CTA barrier this way)."""
+    from megabake.codegen import generate
+    from megabake.plan.stages import norm_slot, spec_of
+    from megabake.runtime import MegakernelDecoder
+
+    compiled = _compiled("smollm-135m", 2048)
+    plan, d = compiled.plan, compiled.plan.dims
+    decoder = MegakernelDecoder(plan, generate(plan, fused_mlp=True).source, compiled.model, device="cuda")
+    tokens = torch.tensor([[5], [17], [29], [41]])
+    for position, token in enumerate(tokens):
+        logits = decoder.step(token, position).float().clone()
+    acc = decoder.buffers["mlp_acc"].cpu()
+    assert acc.dtype == torch.int64 and not acc[0].any() and not acc[:, d.hidden:].any()
+    up_stage = next(s for s in plan.stages if s.scope == "layer" and s.name == "norm_gate_up")
+    slot = norm_slot(spec_of(up_stage, plan).vector.norm_role, plan)
+    residual = decoder.buffers["o_mid"][0].double().cpu()
+    normed = residual * torch.rsqrt(residual.square().mean() + d.eps) * decoder.buffers["norms"][-1, slot].double().cpu()
+    gate_up = decoder.buffers["w_gate_up"][-1].double().cpu() @ normed
+    activation = torch.nn.functional.silu(gate_up[0::2]) * gate_up[1::2]
+    expected = decoder.buffers["w_down"][-1].double().cpu() @ activation
+    got = acc[-1, :d.hidden].double() / 2.0 ** 32
+    assert float((got - expected).norm() / expected.norm()) < 1e-5
+    kept = acc.clone()
+    for _ in range(30):
+        again = decoder.step(tokens[-1], len(tokens) - 1).float()
+        assert torch.equal(again, logits) and torch.equal(decoder.buffers["mlp_acc"].cpu(), kept)

@@ -625,6 +625,9 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
         for e, stage in enumerate(epilogue):
             _stage(w, plan, stage, 1, layer_var=None, options=options)
             _timeline_store(w, 1, timeline, str(2 + len(prologue) + len(per_layer) * plan.dims.layers + e))
+    if fused_mlp and w.text.count("bodies.mlp_down_load(") != 1:
+        raise AssertionError("a fused_mlp build must copy its W_down columns once per layer, before the MLP's barrier; "
+                             f"it emitted {w.text.count('bodies.mlp_down_load(')} copies (codegen._fused_mlp_before)")
     w("")
     _launcher(w, arguments)
     if self_contained:
@@ -716,8 +719,9 @@ def _header(w: _Writer, plan: Plan, plan_hash: str, arguments: list[str], self_c
                        "FUSED_KV_SMEM": fused_kv_smem, "FUSED_MMA": fused_mma})
     if fused_mlp:
         mlp = mlp_geometry(plan)
+        up = next(s for s in plan.stages if s.scope == "layer" and s.name == "norm_gate_up")
         consts.update({"FUSED_MLP": True, "MLP_PER_CTA": mlp.per_cta, "MLP_CHUNKS": mlp.chunks,
-                       "MLP_LOAD_BITS": mlp.load_bits})
+                       "MLP_LOAD_BITS": mlp.load_bits, "MLP_TILES": mlp.tiles(up.tiling.per_tile)})
     for name, value in consts.items():
         w(f"{name} = {value}")
     if fused_o:
@@ -925,12 +929,12 @@ def _fused_attention_stages(w: _Writer, plan: Plan, attention: Stage, indent: in
 # ------------------------------------------------------------------------------ fused_mlp builds (codegen.fused_mlp)
 _FUSED_MLP_DECLARATIONS = [
     "# fused_mlp: this CTA's W_down columns and activations, the block of the intermediate width it owns, and its",
-    "# warps' index in that block's (gate, up) tiles (past the last tile on CTAs without a block)",
+    "# warps' index in that block's (gate, up) tiles (on CTAs without a block: past the last, so they have none)",
     "s_down = smem.allocate_tensor(",
     "    w_down.element_type, cute.make_layout((HIDDEN, MLP_PER_CTA), stride=(MLP_PER_CTA, 1)), byte_alignment=16)",
     "s_act = cute.make_tensor(s_att.iterator, cute.make_layout((1, MLP_PER_CTA), stride=(MLP_PER_CTA, 1)))",
     "mchunk = cutlass.min(cta, MLP_CHUNKS - 1)",
-    "mwarp = tidx // 32 + cta // MLP_CHUNKS * 2 * MLP_PER_CTA",
+    "mwarp = tidx // 32 + cta // MLP_CHUNKS * MLP_TILES",
 ]
 # this CTA's (gate, up) row pairs of the layer's packed gate/up weight
 _MLP_UP_ROWS = "cute.local_tile(w_gate_up[layer, None, None], (2 * MLP_PER_CTA, HIDDEN), (mchunk, 0))"

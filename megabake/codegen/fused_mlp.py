@@ -21,6 +21,7 @@ from ..plan.tuning import HOPPER_SMEM_PER_BLOCK
 
 FUSED_MLP_BUFFERS = ("mlp_acc",)  # int64 [layers + 1, hidden + 4]: fixed-point sums of the MLPs' outputs
 ACC_PAD = 4  # columns past ``hidden`` in an accumulator row: the flag word, then padding to whole 4-vectors
+MAX_PARTIALS = 256  # = bodies.mlp.MLP_MAX_PARTIALS: the int64 sum of this many limited partials cannot wrap
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,10 @@ class MlpGeometry:
     chunks: int
     load_bits: int
     down_bytes: int
+
+    def tiles(self, per_tile: int) -> int:
+        """The gate/up GEMV's tiles of ``per_tile`` packed rows in one CTA's block (its 2 x ``per_cta`` rows)."""
+        return -(-2 * self.per_cta // per_tile)
 
 
 def mlp_geometry(plan: Plan) -> MlpGeometry | None:
@@ -78,11 +83,18 @@ def fused_mlp_refusal(plan: Plan, *, fused_o: bool) -> str | None:
                 "(gate, up) pairs (the bake's default tiling is)")
     if plan.bias_of("norm_gate_up"):
         return "the gate/up projection has a bias"
+    residual_readers = [s for s in plan.stages if s.scope != "prologue" and spec_of(s, plan).gemv is not None
+                        and spec_of(s, plan).vector.source == "x" and s.name != "norm_gate_up"]
+    odd = [s.name for s in residual_readers if spec_of(s, plan).vector.kind != "rmsnorm"]
+    if odd:
+        return f"stage(s) {', '.join(odd)} read the residual x without an RMSNorm (the accumulator's staging is one)"
     if plan.down_input == "global":
         return "the down projection reads its input from global memory (down_input='global')"
     geometry = mlp_geometry(plan)
     if geometry is None:
         return f"the intermediate width {plan.dims.intermediate} has no even divisor that deals it over the CTAs"
+    if geometry.chunks > MAX_PARTIALS:
+        return f"{geometry.chunks} CTAs' partials per output row could overflow the int64 sum (at most {MAX_PARTIALS})"
     att = smem_floats(plan.dims, plan.batch, plan.capacity, plan.threads, True)["att"]
     if geometry.per_cta > att:
         return f"{geometry.per_cta} activations per CTA do not fit the attention scratch ({att} floats)"

@@ -10,7 +10,9 @@ depend on that order (a different result on every run); the partials are instead
 (``MLP_FIXED_ONE`` units per 1.0, round toward zero) and summed as 64-bit integers, which is exact and
 order-free, so every run gives the same bits. A partial that is not finite or not under ``MLP_FIXED_LIMIT`` in
 magnitude is not added; it counts in the row's flag word (column ``hidden``) instead, and the staging that reads
-the accumulator turns a flagged row into NaN, as an fp32 sum would have.
+the accumulator turns a flagged row into NaN (where fp32 would have given inf or NaN, or, past the limit, a
+finite output row of 8.4e6 or more per CTA, which no trained model's MLP produces). The limit keeps the sum of up
+to ``MLP_MAX_PARTIALS`` partials inside int64: 2^8 x 2^23 x 2^32 = 2^63, so the sum can never wrap.
 
 Buffers: ``mlp_acc`` int64 [layers + 1, hidden + 4] (``codegen.fused_mlp``): row l is what layer l's
 input adds to ``o_mid`` (row 0 stays zero: layer 0's input is the embedding, stored in ``o_mid``), row l + 1 is
@@ -28,7 +30,8 @@ from .common import WARP
 from .staging import F32_VEC, _f32_vec, _stage_store
 
 MLP_FIXED_ONE = 4294967296.0  # 2^32 integer units per 1.0 in the accumulator
-MLP_FIXED_LIMIT = 1073741824.0  # 2^30: partials at or over this magnitude are flagged, never wrapped
+MLP_FIXED_LIMIT = 8388608.0  # 2^23: partials at or over this magnitude are flagged (the sum never wraps)
+MLP_MAX_PARTIALS = 256  # partials one accumulator row may sum (codegen.fused_mlp refuses more CTAs)
 
 
 @cute.jit
@@ -68,7 +71,8 @@ def mlp_down_partial(s_down: cute.Tensor, s_act: cute.Tensor, acc: cute.Tensor, 
     """This CTA's share of the down projection, added into one accumulator row ``acc`` [hidden + 4]: for each
     output row h (thread-strided) p = sum_j s_down[h, j] * s_act[0, j] in fp32, j ascending, then
     ``red.add.u64`` of p in fixed point (:data:`MLP_FIXED_ONE`); a p that is NaN, infinite or at least
-    :data:`MLP_FIXED_LIMIT` in magnitude adds 1 to the flag word ``acc[hidden]`` instead. Needs the CTA's
+    :data:`MLP_FIXED_LIMIT` in magnitude adds 1 to the flag word ``acc[hidden]`` instead (so the int64 sum of at
+    most :data:`MLP_MAX_PARTIALS` partials cannot wrap). Needs the CTA's
     activations in ``s_act`` and its ``s_down`` copies landed (wait_group(0) and a CTA barrier before)."""
     if cta < chunks:
         for h in range(tidx, hidden, threads):
@@ -96,7 +100,7 @@ def rmsnorm_from_acc_to_smem(o_mid: cute.Tensor, acc: cute.Tensor, x: cute.Tenso
     """The staging of the first GEMV after a ``fused_mlp`` layer (the next layer's QKV projection, or the final
     norm; batch 1): the residual r = o_mid + acc / :data:`MLP_FIXED_ONE` (NaN where the row's flag word is set);
     the CTA that owns each 4-float vector (vector index mod ``ctas``) stores r in ``x``, and every CTA stages
-    rmsnorm(r) * weight as :func:`rmsnorm_to_smem` does."""
+    rmsnorm(r) * weight as :func:`rmsnorm_to_smem` does (and, as it, meets the CTA before the GEMV reads the row)."""
     warps = threads // WARP
     lane = tidx % WARP
     warp = tidx // WARP
@@ -134,3 +138,4 @@ def rmsnorm_from_acc_to_smem(o_mid: cute.Tensor, acc: cute.Tensor, x: cute.Tenso
         idx = tidx + j * threads
         if idx < nvec:
             _stage_store(s_vec, 0, idx, _f32_vec(values, j).load() * inv * scales[j])
+    cute.arch.sync_threads()
