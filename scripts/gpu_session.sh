@@ -82,9 +82,10 @@
 #          (~6 min?)
 #   fused-mlp: the GPU tests of generate(plan, fused_mlp=True) (session 43, never run on a GPU: a layer's gate/up
 #          and down GEMVs in one interval, int64 fixed-point partial sums), then only if they pass, default against
-#          fused-mlp at 16 on SmolLM-135M, Qwen3-0.6B and Qwen2.5-0.5B (FUSED_MLP_SPECS="preset capacity position;..."
-#          for others) -> OUT/pytest-gpu-fused-mlp.log, OUT/tune-*-fused-mlp-p*.log (~8 min?)
-#   fused-mlp-times: the same timings without the tests (once they passed)
+#          fused-mlp at 16 on SmolLM-135M (FUSED_MLP_SPECS="preset capacity position;..." for others)
+#          -> OUT/pytest-gpu-fused-mlp.log, OUT/tune-*-fused-mlp-p*.log (~6 min?)
+#   fused-mlp-times: timings without the tests (once they passed), by default Qwen3-0.6B and Qwen2.5-0.5B at 16
+#          and SmolLM-135M at 1000 (~5 min?)
 #   tests-parallel: the same tests as tests1-3, the fused_o build's (tests/test_fused_o_gpu.py),
 #          tests/test_global_down_gpu.py and tests/test_mma_wide_gpu.py at once, as
 #          SHARDS (default 4) pytest processes on the one GPU
@@ -170,13 +171,15 @@ if [[ " $PARTS " == *" mma-wide "* ]]; then
 fi
 if [[ " $PARTS " == *" fused-mlp "* || " $PARTS " == *" fused-mlp-times "* ]]; then
   mlp_rc=0
+  mlp_default="qwen3-0.6b 4096 16;qwen2.5-0.5b 4096 16;smollm-135m 2048 1000"
   if [[ " $PARTS " == *" fused-mlp "* ]]; then
-    TEST_LIMIT=${TEST_LIMIT:-300} run_tests fused-mlp "" tests/test_fused_mlp_gpu.py
+    TEST_LIMIT=${TEST_LIMIT:-330} run_tests fused-mlp "" tests/test_fused_mlp_gpu.py
     mlp_rc=$(sed -n 's/.*rc=\([0-9]*\).*/\1/p' "$OUT/.summary-fused-mlp")
     collect_tests fused-mlp
+    mlp_default="smollm-135m 2048 16"
   fi
   if [[ "$mlp_rc" == 0 ]]; then  # timings only of a build whose GPU tests passed (here or in an earlier call)
-    IFS=';' read -ra mlp_specs <<<"${FUSED_MLP_SPECS:-smollm-135m 2048 16;qwen3-0.6b 4096 16;qwen2.5-0.5b 4096 16}"
+    IFS=';' read -ra mlp_specs <<<"${FUSED_MLP_SPECS:-$mlp_default}"
     for spec in "${mlp_specs[@]}"; do
       read -r preset capacity position <<<"$spec"
       log="$OUT/tune-$preset-fused-mlp-p$position.log"
