@@ -77,10 +77,7 @@
 #          tensor cores; TEST_LIMIT default 300 here), then gemma-2b at 4000, batch 8 (MMA_WIDE_BATCHES="8 1": also
 #          batch 1), default (lane-group loop) against mma-wide
 #          -> OUT/pytest-gpu-mma-wide.log, OUT/tune-mma-wide-b8.log (~8 min?)
-#   split-quantum: gemma-2b batch 1 at 4000 and 1000, default against split-KV chunks rounded to 128 and 256
-#          positions (generate(plan, split_quantum=N), session 42, a candidate) -> OUT/tune-split-quantum-p*.log
-#          (~6 min?)
-#   fused-mlp: the GPU tests of generate(plan, fused_mlp=True) (session 43, never run on a GPU: a layer's gate/up
+#   fused-mlp: the GPU tests of generate(plan, fused_mlp=True) (session 43; 8 passed on an H100: a layer's gate/up
 #          and down GEMVs in one interval, int64 fixed-point partial sums), then only if they pass, default against
 #          fused-mlp at 16 on SmolLM-135M (FUSED_MLP_SPECS="preset capacity position;..." for others)
 #          -> OUT/pytest-gpu-fused-mlp.log, OUT/tune-*-fused-mlp-p*.log (~6 min?)
@@ -183,20 +180,11 @@ if [[ " $PARTS " == *" fused-mlp "* || " $PARTS " == *" fused-mlp-times "* ]]; t
     for spec in "${mlp_specs[@]}"; do
       read -r preset capacity position <<<"$spec"
       log="$OUT/tune-$preset-fused-mlp-p$position.log"
-      timeout 180 python3 scripts/gpu_tune.py "$preset" --variants bake --builds default fused-mlp --no-composite \
+      timeout 180 python3 scripts/gpu_tune.py "$preset" --variants bake --builds default fused-o fused-mlp --no-composite \
         --capacity "$capacity" --position "$position" --out "$OUT/fused-mlp-p$position" >"$log" 2>&1
       summary+=("fused-mlp tune ($preset at $position): rc=$?" "$(grep -E '^(==|\|)' "$log")")
     done
   fi
-fi
-if [[ " $PARTS " == *" split-quantum "* ]]; then
-  # gemma-2b batch 1: split-KV chunks rounded to 128 / 256 positions against the default (64), at 4000 and 1000
-  for position in 4000 1000; do
-    timeout 240 python3 scripts/gpu_tune.py gemma-2b --variants bake --builds default split-q128 split-q256 \
-      --batch 1 --capacity 4096 --position "$position" --no-composite --out "$OUT/q$position" \
-      >"$OUT/tune-split-quantum-p$position.log" 2>&1
-    summary+=("split-quantum tune (gemma-2b b1 at $position): rc=$? $(sed -n '/^== /,$p' "$OUT/tune-split-quantum-p$position.log")")
-  done
 fi
 if [[ " $PARTS " == *" tests1 "* ]]; then
   run_tests "${TESTS1[@]}"

@@ -216,18 +216,15 @@ BUILDS = {"default": {}, "atom": {"barrier": "atom"}, "red": {"barrier": "red"},
           "mma-wide": {"mma_wide": True},
           # ... with the dealing made for them (batch 1: whole groups over shorter chunks where slices were dealt)
           "mma-wide-schedule": {"mma_wide": True, "mma_schedule": True},
-          # split-KV chunks rounded to 128 / 256 positions (session 42, a candidate): gemma-2b at batch 1 deals
-          # 64-position items of 4 heads at 4000 positions, half of each CTA's warps idle on the tensor cores
-          "split-q128": {"split_quantum": 128}, "split-q256": {"split_quantum": 256},
           # one-split steps run attention (whole KV groups, on the tensor cores where they fit) and the O projection
           # in one interval: one grid barrier less per layer at short contexts (codegen.fused; session 35: -2% to
           # -8% at 16); fused-o-lane: those groups on the fp32 lane-group loop (slower: +8% on Qwen2.5-0.5B);
           # fused-o-kv: their cached K/V rows from shared memory
           "fused-o": {"fused_o": True}, "fused-o-lane": {"fused_o": True, "fused_mma": False},
           "fused-o-kv": {"fused_o": True, "fused_kv_smem": True},
-          # every layer's gate/up and down GEMVs in one interval (session 43, a candidate never run on a GPU): each CTA
+          # every layer's gate/up and down GEMVs in one interval (session 43, a candidate; H100: -3% to +7%): each CTA
           # owns a block of the intermediate width, the down partials meet in an int64 fixed-point accumulator
-          "fused-mlp": {"fused_mlp": True},
+          "fused-mlp": {"fused_o": True, "fused_mlp": True},
           # the L2 prefetch of the next GEMV's first tiles before each barrier at one budget for every stage (the
           # default since session 26: none before a ring-prefilled GEMV, 16 MB elsewhere; pf16mb: the old default)
           "pf0": {"prefetch_bytes": 0}, "pf8mb": {"prefetch_bytes": 8 << 20}, "pf16mb": {"prefetch_bytes": 16 << 20},

@@ -1,4 +1,4 @@
-"""The ``fused_mlp`` build on the GPU (session 43 candidate, ``megabake.codegen.fused_mlp``; not run on a GPU yet):
+"""The ``fused_mlp`` build on the GPU (session 43 candidate, ``megabake.codegen.fused_mlp``; 8 passed on an H100):
 every layer's gate/up and down projections in one barrier interval, the down projection's per-CTA partials summed
 as int64 fixed point. Against the ``fused_o`` build it extends, from one random KV cache, at fused and split steps;
 a second run must give the same bits (the integer sums are order-free: a moving result is a race); against the CPU

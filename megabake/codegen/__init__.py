@@ -368,19 +368,6 @@ def _deals_wide_items(plan: Plan, head_slices: bool) -> bool:
     return plan.dims.head_dim in MMA_ATT_WIDE_HEAD_DIMS and bool(mma_attention_items(plan, head_slices, wide=True))
 
 
-def _check_split_quantum(plan: Plan, split_quantum: int | None, pass_chunks: bool) -> None:
-    """``generate(plan, split_quantum=N)``'s refusals: a split-KV plan, N a positive multiple of its chunk."""
-    if split_quantum is None:
-        return
-    if not kv_splits(plan):
-        raise ValueError("split_quantum rounds split-KV chunks, but this plan has no split-KV attention: build "
-                         "without it")
-    minimum = next(s.tiling for s in plan.stages if s.kind == "attention").per_tile
-    if pass_chunks or split_quantum <= 0 or split_quantum % minimum:
-        raise ValueError(f"split_quantum={split_quantum!r}: use a positive multiple of this plan's split-KV chunk "
-                         f"({minimum} positions){', without pass_chunks' if pass_chunks else ''}")
-
-
 def _check_mma_wide(plan: Plan, head_slices: bool, mma_attention: bool | None) -> None:
     """``generate(plan, mma_wide=True)``'s refusals: it needs heads of 256 dims in items the tensor cores take."""
     group = plan.dims.n_heads // plan.dims.n_kv_heads
@@ -402,17 +389,14 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
              prefetch_bytes: int | None = None, mma_attention: bool | None = None,
              mma_schedule: bool = False, fused_o: bool | None = None, fused_kv_smem: bool = False,
              fused_mma: bool | None = None, mma_wide: bool | None = None,
-             split_quantum: int | None = None, fused_mlp: bool = False) -> GeneratedModule:
+             fused_mlp: bool = False) -> GeneratedModule:
     """module.py of ``plan``. ``merge_preload`` / ``spread_merge``: None picks them per plan
     (:func:`default_merge`); True asks for one (refused where the attention scratch cannot hold it), False
     leaves it out (both False: the plain last-arrival merge of sessions 10-16). ``head_slices=False`` deals
     split-KV attention one item per (split, batch, KV head) at every context (``plan.attention``);
     ``long_slices=False`` slices only short contexts, as in session 18; ``pass_chunks`` rounds split-KV chunks to
-    whole CTA passes (``plan.chunk_quantum``, a candidate); ``split_quantum`` (a candidate, session 42) rounds
-    them to that many positions instead, a multiple of the tiling's chunk (``MIN_CHUNK``): longer chunks, fewer
-    splits (gemma-2b at batch 1 deals 64-position items of 4 heads at 4000 positions, which keep half of a
-    CTA's warps idle on the tensor cores; the reference executor does not mirror it: compare with the default);
-    ``kv_pipeline`` loads each split-KV loop iteration's
+    whole CTA passes (``plan.chunk_quantum``, a candidate; session 42's ``split_quantum``, chunks of 128 / 256
+    positions for gemma-2b, lost on an H100 in session 43 and was removed); ``kv_pipeline`` loads each split-KV loop iteration's
     K/V rows one iteration ahead (``bodies._online_softmax_chunk``, the same bits; None picks it per plan:
     :func:`default_kv_pipeline`); ``fold_merge`` leaves steps with 2..:func:`fold_splits` active splits unmerged and
     merges their partials in the O projection's staging (no arrival counter, no last-arrival chain; None picks it
@@ -442,7 +426,8 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     cores (``bodies._mma_softmax_chunk`` loading each step's K/V at the step; ``mma_attention`` then defaults to
     on); refused where the plan deals no such item; None: :func:`default_mma_wide` (on wherever the plan deals
     such items); False: the lane-group loop. Fused steps keep their groups of 256 on the lane-group loop.
-    ``fused_mlp`` (session 43, a candidate, never run on a GPU): every layer's gate/up and down projections in one
+    ``fused_mlp`` (session 43, a candidate: its GPU tests pass; H100, GPU ms at 16: -2.8% SmolLM-135M, -0.9%
+    Qwen3-0.6B, +7.2% Qwen2.5-0.5B): every layer's gate/up and down projections in one
     barrier interval (one grid barrier less per layer at every context): each CTA takes a block of the
     intermediate width, its down-projection partials meet in an int64 fixed-point accumulator (deterministic,
     not the default's fp32 order: close to it, not equal; :mod:`megabake.codegen.fused_mlp`); it needs
@@ -524,7 +509,6 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
         if why:
             raise ValueError(f"fused_kv_smem copies a fused step's cached K/V rows into shared memory, but {why}: "
                              "build without it")
-    _check_split_quantum(plan, split_quantum, pass_chunks)
     if fused_mlp:
         why = fused_mlp_refusal(plan, fused_o=fused_o)
         if why:
@@ -536,7 +520,7 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     w = _Writer(keyword_calls=True)
     _header(w, plan, plan_hash, arguments, self_contained, head_slices, long_slices, pass_chunks,
             kv_pipeline, folded, mma_attention, mma_slices, fused_o, fused_kv_smem, fused_mma, mma_wide,
-            split_quantum, fused_mlp)
+            fused_mlp)
     prologue = [s for s in plan.stages if s.scope == "prologue"]
     per_layer = [s for s in plan.stages if s.scope == "layer"]
     epilogue = [s for s in plan.stages if s.scope == "epilogue"]
@@ -657,7 +641,7 @@ def _header(w: _Writer, plan: Plan, plan_hash: str, arguments: list[str], self_c
             head_slices: bool = True, long_slices: bool = True, pass_chunks: bool = False,
             kv_pipeline: bool = False, folded: int = 0, mma_attention: bool = False, mma_slices: int = 0,
             fused_o: bool = False, fused_kv_smem: bool = False, fused_mma: bool = False,
-            mma_wide: bool = False, split_quantum: int | None = None, fused_mlp: bool = False) -> None:
+            mma_wide: bool = False, fused_mlp: bool = False) -> None:
     d = plan.dims
     w(f'"""Generated by MegaBake from plan {plan_hash[:16]}. Do not edit: re-bake instead.')
     w("")
@@ -700,7 +684,7 @@ def _header(w: _Writer, plan: Plan, plan_hash: str, arguments: list[str], self_c
         attention = next(s.tiling for s in plan.stages if s.kind == "attention")
         consts.update({"KV_SPLITS": splits, "ATT_UNROLL": attention.unroll, "MIN_CHUNK": attention.per_tile,
                        "HEAD_SLICES": max(1, attention.head_slices) if head_slices else 1,
-                       "LONG_SLICES": long_slices, "CHUNK_QUANTUM": split_quantum or chunk_quantum(plan, pass_chunks),
+                       "LONG_SLICES": long_slices, "CHUNK_QUANTUM": chunk_quantum(plan, pass_chunks),
                        "KV_PIPELINE": kv_pipeline})
         if folded:
             consts["FOLD_SPLITS"] = folded
