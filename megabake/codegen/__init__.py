@@ -396,14 +396,14 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     split-KV attention one item per (split, batch, KV head) at every context (``plan.attention``);
     ``long_slices=False`` slices only short contexts, as in session 18; ``pass_chunks`` rounds split-KV chunks to
     whole CTA passes (``plan.chunk_quantum``, a candidate; session 42's ``split_quantum``, chunks of 128 / 256
-    positions for gemma-2b, lost on an H100 in session 43 and was removed); ``kv_pipeline`` loads each split-KV loop iteration's
-    K/V rows one iteration ahead (``bodies._online_softmax_chunk``, the same bits; None picks it per plan:
-    :func:`default_kv_pipeline`); ``fold_merge`` leaves steps with 2..:func:`fold_splits` active splits unmerged and
-    merges their partials in the O projection's staging (no arrival counter, no last-arrival chain; None picks it
-    per plan: :func:`default_fold_merge`); ``prefetch_bytes`` is the L2 prefetch of the next GEMV's first tiles
-    issued before each grid barrier, in bytes over the whole grid, for every stage (0: none; at least one tile per
-    warp otherwise: :func:`_prefetch_call`; None picks it per stage: :func:`default_prefetch_bytes`); ``barrier``
-    is how CTAs meet at grid barriers (``BARRIER_ARRIVALS``; None: ``DEFAULT_BARRIER``, or a watchdog's);
+    positions for gemma-2b, lost on an H100 in session 43 and was removed); ``kv_pipeline`` loads each split-KV loop
+    iteration's K/V rows one iteration ahead (``bodies._online_softmax_chunk``, the same bits; None picks it per
+    plan: :func:`default_kv_pipeline`); ``fold_merge`` leaves steps with 2..:func:`fold_splits` active splits
+    unmerged and merges their partials in the O projection's staging (no arrival counter, no last-arrival chain;
+    None picks it per plan: :func:`default_fold_merge`); ``prefetch_bytes`` is the L2 prefetch of the next GEMV's
+    first tiles issued before each grid barrier, in bytes over the whole grid, for every stage (0: none; at least
+    one tile per warp otherwise: :func:`_prefetch_call`; None picks it per stage: :func:`default_prefetch_bytes`);
+    ``barrier`` is how CTAs meet at grid barriers (``BARRIER_ARRIVALS``; None: ``DEFAULT_BARRIER``, or a watchdog's);
     ``kv_prefetch_rows`` caps the K/V prefetch at that many cached rows per CTA (None:
     :func:`default_kv_prefetch_rows`, one chunk). ``mma_attention`` (session 32; None: :func:`default_mma_attention`,
     on wherever it applies) scores and sums the split-KV items of 2-8 query heads of 64 or 128 dims on the tensor
