@@ -40,6 +40,17 @@ def test_every_activation_has_one_cta_and_a_ctas_columns_fit_shared_memory(prese
     assert plan.smem_bytes < mlp_smem_bytes(plan) <= HOPPER_SMEM_PER_BLOCK
 
 
+def test_the_partial_limit_keeps_the_int64_sum_from_wrapping():
+    """The kernel flags partials at or over MLP_FIXED_LIMIT; the geometry refuses more than MAX_PARTIALS of them per
+    row: their fixed-point sum stays inside int64."""
+    pytest.importorskip("cutlass")
+    from megabake.codegen.bodies import mlp
+    from megabake.codegen.fused_mlp import MAX_PARTIALS
+
+    assert MAX_PARTIALS == mlp.MLP_MAX_PARTIALS
+    assert MAX_PARTIALS * mlp.MLP_FIXED_LIMIT * mlp.MLP_FIXED_ONE <= 2 ** 63
+
+
 def test_refusals_name_the_cause():
     plan = _plan("smollm-135m", 2048)
     assert "needs fused_o=True" in fused_mlp_refusal(plan, fused_o=False)
