@@ -26,8 +26,7 @@ import cutlass.cute as cute
 import cutlass.cute.nvgpu.cpasync as cpasync
 from cutlass import Float32, Int32, Int64
 
-from .common import WARP
-from .staging import F32_VEC, _f32_vec, _stage_store
+from .staging import F32_VEC, _f32_vec, _store_and_stage_rmsnorm
 
 MLP_FIXED_ONE = 4294967296.0  # 2^32 integer units per 1.0 in the accumulator
 MLP_FIXED_LIMIT = 8388608.0  # 2^23: partials at or over this magnitude are flagged (the sum never wraps)
@@ -101,9 +100,6 @@ def rmsnorm_from_acc_to_smem(o_mid: cute.Tensor, acc: cute.Tensor, x: cute.Tenso
     norm; batch 1): the residual r = o_mid + acc / :data:`MLP_FIXED_ONE` (NaN where the row's flag word is set);
     the CTA that owns each 4-float vector (vector index mod ``ctas``) stores r in ``x``, and every CTA stages
     rmsnorm(r) * weight as :func:`rmsnorm_to_smem` does (and, as it, meets the CTA before the GEMV reads the row)."""
-    warps = threads // WARP
-    lane = tidx % WARP
-    warp = tidx // WARP
     nvec = hidden // F32_VEC
     slots = (nvec + threads - 1) // threads
     values = cute.make_rmem_tensor(cute.make_layout(F32_VEC * slots), Float32)
@@ -114,28 +110,4 @@ def rmsnorm_from_acc_to_smem(o_mid: cute.Tensor, acc: cute.Tensor, x: cute.Tenso
     if acc[hidden] != Int64(0):
         for j in cutlass.range_constexpr(slots):
             _f32_vec(values, j).store(_f32_vec(values, j).load() * Float32(float("nan")))
-    scales = []
-    for j in cutlass.range_constexpr(slots):
-        scales.append(_f32_vec(weight, cutlass.min(tidx + j * threads, nvec - 1)).load())
-    partial = Float32(0.0)
-    for j in cutlass.range_constexpr(slots):
-        row = _f32_vec(values, j).load()
-        square = (row * row).reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
-        idx = tidx + j * threads
-        if idx < nvec:
-            partial = partial + square
-            if idx % ctas == cta:
-                _f32_vec(x[0, None], idx).store(row)
-    partial = cute.arch.warp_reduction_sum(partial)
-    if lane == 0:
-        s_red[warp] = partial
-    cute.arch.sync_threads()
-    total = Float32(0.0)
-    for w in cutlass.range_constexpr(warps):
-        total = total + s_red[w]
-    inv = cute.math.rsqrt(total * (1.0 / hidden) + eps)
-    for j in cutlass.range_constexpr(slots):
-        idx = tidx + j * threads
-        if idx < nvec:
-            _stage_store(s_vec, 0, idx, _f32_vec(values, j).load() * inv * scales[j])
-    cute.arch.sync_threads()
+    _store_and_stage_rmsnorm(values, x, weight, s_vec, s_red, cta, tidx, hidden, ctas, threads, eps)

@@ -284,9 +284,6 @@ def rmsnorm_partials_to_smem(x: cute.Tensor, o_mid: cute.Tensor, o_part: cute.Te
     o_part[parts - 1] (in that order) where ``fused`` is 1, else x; every CTA stages rmsnorm(r) * weight as
     :func:`rmsnorm_to_smem` does, and the CTA that owns each 4-float vector (vector index mod ``ctas``) stores r
     in ``o_mid``, which the down projection then adds its output to (x itself is still read by other CTAs)."""
-    warps = threads // WARP
-    lane = tidx % WARP
-    warp = tidx // WARP
     nvec = hidden // F32_VEC
     slots = (nvec + threads - 1) // threads
     values = cute.make_rmem_tensor(cute.make_layout(F32_VEC * slots), Float32)
@@ -297,6 +294,23 @@ def rmsnorm_partials_to_smem(x: cute.Tensor, o_mid: cute.Tensor, o_part: cute.Te
             for j in cutlass.range_constexpr(slots):
                 _f32_vec(values, j).store(_f32_vec(values, j).load() +
                                           _f32_vec(o_part[p, None], cutlass.min(tidx + j * threads, nvec - 1)).load())
+    _store_and_stage_rmsnorm(values, o_mid, weight, s_vec, s_red, cta, tidx, hidden, ctas, threads, eps)
+
+
+@cute.jit
+def _store_and_stage_rmsnorm(values: cute.Tensor, store: cute.Tensor, weight: cute.Tensor, s_vec: cute.Tensor,
+                             s_red: cute.Tensor, cta: Int32, tidx: Int32, hidden: cutlass.Constexpr[int],
+                             ctas: cutlass.Constexpr[int], threads: cutlass.Constexpr[int],
+                             eps: cutlass.Constexpr[float]):
+    """The common end of a batch-1 staging that built this thread's residual vectors in ``values`` (register
+    slots of 4 floats, thread-strided): the CTA that owns each vector (vector index mod ``ctas``) stores it in
+    ``store`` [1, hidden], and every CTA stages rmsnorm(residual) * weight in ``s_vec`` as :func:`rmsnorm_to_smem`
+    does, then meets (the GEMV after it reads the whole row)."""
+    warps = threads // WARP
+    lane = tidx % WARP
+    warp = tidx // WARP
+    nvec = hidden // F32_VEC
+    slots = (nvec + threads - 1) // threads
     scales = []
     for j in cutlass.range_constexpr(slots):
         scales.append(_f32_vec(weight, cutlass.min(tidx + j * threads, nvec - 1)).load())
@@ -308,7 +322,7 @@ def rmsnorm_partials_to_smem(x: cute.Tensor, o_mid: cute.Tensor, o_part: cute.Te
         if idx < nvec:
             partial = partial + square
             if idx % ctas == cta:
-                _f32_vec(o_mid[0, None], idx).store(row)
+                _f32_vec(store[0, None], idx).store(row)
     partial = cute.arch.warp_reduction_sum(partial)
     if lane == 0:
         s_red[warp] = partial
