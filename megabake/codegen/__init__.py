@@ -953,8 +953,7 @@ def _fused_mlp_calls(plan: Plan, stage: Stage, calls: list[tuple[str, str]]) -> 
         (name, call), = calls  # pre-norm layouts (fused_o_refusal): the embedding alone
         assert name.startswith("embed_gather") and "(embed, tokens, x, " in call, calls
         return [(name, call.replace("(embed, tokens, x, ", "(embed, tokens, o_mid, ")),
-                ("mlp_acc_zero", f"bodies.mlp_acc_zero(mlp_acc, cta, tidx, LAYERS + 1, HIDDEN + {ACC_PAD}, CTAS, "
-                                 "THREADS)")]
+                ("zero_rows", f"bodies.zero_rows(mlp_acc, cta, tidx, LAYERS + 1, HIDDEN + {ACC_PAD}, CTAS, THREADS)")]
     spec = spec_of(stage, plan)
     if spec.gemv is None:
         return calls

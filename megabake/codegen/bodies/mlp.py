@@ -16,7 +16,7 @@ to ``MLP_MAX_PARTIALS`` partials inside int64: 2^8 x 2^23 x 2^32 = 2^63, so the 
 
 Buffers: ``mlp_acc`` int64 [layers + 1, hidden + 4] (``codegen.fused_mlp``): row l is what layer l's
 input adds to ``o_mid`` (row 0 stays zero: layer 0's input is the embedding, stored in ``o_mid``), row l + 1 is
-what layer l's MLP adds. Every launch zeroes it before its first grid barrier (:func:`mlp_acc_zero`).
+what layer l's MLP adds. Every launch zeroes it before its first grid barrier (``zero_rows``).
 """
 
 from __future__ import annotations
@@ -31,15 +31,6 @@ from .staging import F32_VEC, _f32_vec, _store_and_stage_rmsnorm
 MLP_FIXED_ONE = 4294967296.0  # 2^32 integer units per 1.0 in the accumulator
 MLP_FIXED_LIMIT = 8388608.0  # 2^23: partials at or over this magnitude are flagged (the sum never wraps)
 MLP_MAX_PARTIALS = 256  # partials one accumulator row may sum (codegen.fused_mlp refuses more CTAs)
-
-
-@cute.jit
-def mlp_acc_zero(acc: cute.Tensor, cta: Int32, tidx: Int32, rows: cutlass.Constexpr[int],
-                 cols: cutlass.Constexpr[int], ctas: cutlass.Constexpr[int], threads: cutlass.Constexpr[int]):
-    """acc[:, :] = 0 over all CTAs' threads (issued before the launch's first grid barrier)."""
-    for i in range(cta * threads + tidx, rows * cols, ctas * threads):
-        r = i // cols
-        acc[r, i - r * cols] = Int64(0)
 
 
 @cute.jit

@@ -184,10 +184,11 @@ def gelu_mul_to_smem(gate_up: cute.Tensor, s_vec: cute.Tensor, tidx: Int32, batc
 @cute.jit
 def zero_rows(t: cute.Tensor, cta: Int32, tidx: Int32, batch: cutlass.Constexpr[int], width: cutlass.Constexpr[int],
               ctas: cutlass.Constexpr[int], threads: cutlass.Constexpr[int]):
-    """t[b, :width] = 0 over all CTAs' threads (a post-norm layout's pending MLP output before layer 0)."""
+    """t[b, :width] = 0 over all CTAs' threads, in t's element type (a post-norm layout's pending MLP output before
+    layer 0; a fused_mlp build's int64 accumulator rows)."""
     for i in range(cta * threads + tidx, batch * width, ctas * threads):
         b = i // width
-        t[b, i - b * width] = Float32(0.0)
+        t[b, i - b * width] = t.element_type(0)
 
 
 @cute.jit
