@@ -84,7 +84,7 @@
 #   fused-mlp-times: timings without the tests (once they passed), by default Qwen3-0.6B and Qwen2.5-0.5B at 16
 #          and SmolLM-135M at 1000 (~5 min?)
 #   tests-parallel: the same tests as tests1-3, the fused_o build's (tests/test_fused_o_gpu.py),
-#          tests/test_global_down_gpu.py and tests/test_mma_wide_gpu.py at once, as
+#          tests/test_global_down_gpu.py, tests/test_mma_wide_gpu.py and tests/test_fused_mlp_gpu.py at once, as
 #          SHARDS (default 4) pytest processes on the one GPU
 #          (pytest --shard I/N, tests/sharding.py: their CPU-bound setup, random init and CuTe DSL compiles,
 #          overlaps; kernels time-share the GPU) -> OUT/pytest-gpu-shard*.log (3 processes: 6.6 min, session 16)
@@ -139,7 +139,7 @@ if [[ " $PARTS " == *" tests-parallel "* ]]; then
   for ((i = 0; i < shards; i++)); do
     names+=("shard$i")
     OMP_NUM_THREADS=$threads run_tests "shard$i" "" --shard "$i/$shards" "${TESTS3[@]:2}" tests/test_fused_o_gpu.py \
-      tests/test_global_down_gpu.py tests/test_mma_wide_gpu.py &
+      tests/test_global_down_gpu.py tests/test_mma_wide_gpu.py tests/test_fused_mlp_gpu.py &
   done
   wait
   collect_tests "${names[@]}"

@@ -42,6 +42,8 @@ SECONDS = {  # node-id fragment -> seconds (first match wins); from `pytest --du
     "wide_mlp_matches_the_reference_executor": 25.0,
     # tests/test_mma_wide_gpu.py (session 41, not run yet): three builds per case; one build + its reference
     "mma_wide_matches_the_lane_group": 35.0, "mma_wide_kernel_matches_its_reference": 30.0,
+    # tests/test_fused_mlp_gpu.py (session 43, alone on an H100): two builds per case; one build + its reference
+    "fused_mlp_gives_the_fused_o_logits": 35.0, "fused_mlp_kernel_matches_the_reference": 12.0,
 }
 
 
