@@ -421,11 +421,6 @@ def measure_variant(variant: str, tuning: dict, context: dict, default_logits: l
             row["rel_l2_at_position_vs_default"] = float((at_position - default_logits[1]).norm()
                                                          / default_logits[1].norm())
         del decoder
-        if BUILDS[build].get("fused_o"):  # a fused_o build has no timeline (it skips the O stage it would clock)
-            row["build_s"] = round(time.perf_counter() - started, 1)
-            print(json.dumps(row), flush=True)
-            torch.cuda.empty_cache()
-            return row, {}
         stages = timeline(plan, model, tokens, build=build, position=context.get("position"))
         if context.get("phases"):
             row["phases_us"] = {k: round(v, 1) for k, v in timeline(plan, model, tokens, phases=True, build=build,

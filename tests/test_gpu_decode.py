@@ -759,14 +759,15 @@ def test_greedy_tokens_on_the_gpu_equal_step_by_step_argmax(batch):
 
 def test_timeline_build_accounts_for_the_step():
     """The profiling build records a clock per stage (or per phase of each stage); their sum is the kernel's
-    time, and logits are unchanged (against the unfused build: a timeline clocks the O-projection stage that a
-    fused step skips, so timelines are never fused); the same for the phases build and the per-CTA phases build,
-    whose clocks also show every grid barrier holding every CTA until the last one arrived."""
+    time, and logits are unchanged against the default build, which is fused_o here (session 44: timelines clock
+    fused builds too; the module names its intervals in ``TIMELINE_LABELS``); the same for the phases build and
+    the per-CTA phases build, whose clocks also show every grid barrier holding every CTA until the last one
+    arrived (in a fused step a CTA arrives at the O stage's barrier right after ``fused_attention_o``)."""
     from megabake.codegen import TIMELINE_PER_CTA, TIMELINE_PHASES, generate, timeline_labels
     from megabake.runtime import MegakernelDecoder, gpu_info
 
     compiled = compile_preset("tiny-llama", capacity=128, ctas=gpu_info().sm_count)
-    decoder = MegakernelDecoder(compiled.plan, generate(compiled.plan, fused_o=False).source, compiled.model,
+    decoder = MegakernelDecoder(compiled.plan, generate(compiled.plan).source, compiled.model,
                                 device="cuda", use_graph=False)
     timed = MegakernelDecoder(compiled.plan, generate(compiled.plan, timeline=True).source, compiled.model,
                               device="cuda", use_graph=False)
@@ -775,7 +776,9 @@ def test_timeline_build_accounts_for_the_step():
         got = timed.step(torch.tensor([token]), position).clone()
     assert torch.equal(got, want)
     stages = timed.stage_timeline()
-    assert [label for label, _ in stages] == timeline_labels(compiled.plan)
+    assert [label for label, _ in stages] == list(timed.module.TIMELINE_LABELS)
+    assert "layer0.attention+o_residual" in timed.module.TIMELINE_LABELS  # the fused build's interval
+    assert len(stages) == len(timeline_labels(compiled.plan)) - compiled.plan.dims.layers
     assert all(us > 0 for _, us in stages), stages
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -791,7 +794,7 @@ def test_timeline_build_accounts_for_the_step():
         got = phased.step(torch.tensor([token]), position).clone()
     assert torch.equal(got, want)
     phases = phased.stage_timeline()
-    assert [label for label, _ in phases] == timeline_labels(compiled.plan, phases=True)
+    assert [label for label, _ in phases] == list(phased.module.TIMELINE_LABELS)
     assert all(us >= 0 for _, us in phases), phases
     phase_us = sum(us for _, us in phases)
     assert 0.5 * total_us < phase_us < 2.0 * total_us, (phase_us, total_us)  # the same step, timed twice
@@ -806,10 +809,15 @@ def test_timeline_build_accounts_for_the_step():
     assert len(rows) == compiled.plan.ctas and min(row[0] for row in rows) == 0.0
     assert all(row[k] <= row[k + 1] for row in rows for k in range(len(row) - 1))
     barriers = [k + 1 for k, label in enumerate(labels) if label.endswith(".barrier")]
-    assert barriers
+    fused_ends = {label.split(".")[0]: k + 1 for k, label in enumerate(labels)
+                  if label.endswith("|fused_attention_o")}
+    assert barriers and len(fused_ends) == compiled.plan.dims.layers
     for end in barriers:  # rows[c][end]: CTA c's release; it arrived (split barrier, the default since session
-        # 27) before the prefetch phase where the stage has one, else at the barrier interval's start
-        arrival = end - 2 if labels[end - 2].endswith(".prefetch") else end - 1
+        # 27) before the prefetch phase where the stage has one, else at the barrier interval's start; at the O
+        # stage's barrier of a fused step (every step here), right after fused_attention_o
+        layer, stage = labels[end - 1].split(".")[0], labels[end - 1].split(".")[-2]
+        arrival = (fused_ends[layer] if stage == "o_residual" else
+                   end - 2 if labels[end - 2].endswith(".prefetch") else end - 1)
         assert max(row[arrival] for row in rows) <= min(row[end] for row in rows), labels[end - 1]
 
 

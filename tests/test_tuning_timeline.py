@@ -109,7 +109,8 @@ def test_per_cta_timeline_stores_every_ctas_phase_clocks_in_its_own_row(tiny):
 
     source = generate(tiny.plan, timeline=TIMELINE_PER_CTA).source
     module = load_module(source)
-    labels = timeline_labels(tiny.plan, phases=True)
+    labels = list(module.TIMELINE_LABELS)  # named as this build runs them (its merge, its fused stages)
+    assert len(labels) == len(timeline_labels(tiny.plan, phases=True))
     ctas = tiny.plan.ctas
     assert module.TIMELINE_STRIDE == 1 + len(labels) and module.TIMELINE_SLOTS == module.TIMELINE_STRIDE * ctas
     assert module.TIMELINE_PHASES is True and module.TIMELINE_PER_CTA is True
@@ -960,3 +961,36 @@ def test_hang_probe_names_the_stage_of_every_barrier(tiny):
     names = module.barrier_stages(tiny.plan)
     assert len(names) == tiny.plan.barriers_per_step
     assert names[:3] == ["embed", "layer0.norm_qkv", "layer0.attention"] and names[-1] == "layer1.down_residual"
+
+
+@pytest.mark.parametrize("timeline", [True, "phases", "phases-per-cta"])
+def test_fused_builds_have_timelines_whose_clocks_fill_every_slot_once(timeline):
+    """A fused_o + fused_mlp build (session 44; these builds had no timeline before): the module names its
+    intervals (``TIMELINE_LABELS``: the attention interval holds the O projection, the gate/up interval the
+    whole MLP), its clock stores, over every layer, write each slot 1..N exactly once, and it compiles for sm_90a
+    (the phases builds close and reopen ``if fo == 0:`` blocks around their stores)."""
+    from megabake.runtime.compile import compile_check
+
+    plan = compile_preset("smollm-135m", layers=2, vocab=512, capacity=2048).plan
+    source = generate(plan, timeline=timeline, fused_o=True, fused_mlp=True).source
+    module = load_module(source)
+    labels = list(module.TIMELINE_LABELS)
+    assert len(set(labels)) == len(labels)
+    assert getattr(module, "TIMELINE_STRIDE", module.TIMELINE_SLOTS) == 1 + len(labels)
+    written = []
+    for line in source.split("\n# ====")[0].splitlines():
+        if "= cute.arch.globaltimer()" in line:
+            slot = line.split("barrier[")[1].split("]")[0].removeprefix("cta * TIMELINE_STRIDE + ")
+            layers = range(plan.dims.layers) if "layer" in slot else [None]
+            written += [eval(slot, {"layer": layer}) for layer in layers]  # noqa: S307 (our own slot expressions)
+    assert sorted(written) == list(range(1, 2 + len(labels)))
+    if timeline is True:
+        assert "layer1.attention+o_residual" in labels and not any(l.endswith(".o_residual") for l in labels)
+        assert "layer1.norm_gate_up" in labels and "layer1.down_residual" in labels
+    else:
+        layer0 = [label.removeprefix("layer0.") for label in labels if label.startswith("layer0.")]
+        assert layer0[4:6] == ["attention.split_kv_attention|fused_attention_o", "attention.split_barrier"]
+        assert layer0[-4:] == ["norm_gate_up.sync_threads", "norm_gate_up.mlp_down_partial",
+                               "down_residual.prefetch", "down_residual.barrier"]
+    result = compile_check(plan, module)
+    assert result.ok, result.error

@@ -24,7 +24,9 @@ times back (:meth:`megabake.runtime.MegakernelDecoder.stage_timeline`). ``timeli
 after every phase of every stage instead (:func:`stage_phases`: staging, GEMV, prefetch, barrier wait) and
 declares ``TIMELINE_PHASES``; ``timeline="phases-per-cta"`` stores them in every CTA, each once the whole CTA is
 through the phase (a ``sync_threads`` before each clock: a diagnostic that perturbs what it measures), in rows of
-``TIMELINE_STRIDE`` (:meth:`megabake.runtime.MegakernelDecoder.cta_timelines`). Grid barriers are split by default
+``TIMELINE_STRIDE`` (:meth:`megabake.runtime.MegakernelDecoder.cta_timelines`). Every timeline module names its
+intervals in ``TIMELINE_LABELS`` (:func:`timeline_labels` of its build: fused_o and fused_mlp builds, which have
+timelines since session 44, merge or skip some stages' intervals). Grid barriers are split by default
 (``DEFAULT_BARRIER``): a CTA arrives right after its stage's writes and waits after the next GEMV's ring fill and
 prefetches; ``generate(plan, barrier="atom")`` (one call that arrives and waits, the default until session 27),
 ``"red"`` or ``"red-fence"`` (fire-and-forget arrivals) build the others (``BARRIER_ARRIVALS``).
@@ -149,13 +151,20 @@ TIMELINE_PHASES = "phases"  # generate(plan, timeline=TIMELINE_PHASES): a clock 
 TIMELINE_PER_CTA = "phases-per-cta"
 
 
-def timeline_labels(plan: Plan, phases: bool = False) -> list[str]:
+def timeline_labels(plan: Plan, phases: bool = False, options: BuildOptions | None = None) -> list[str]:
     """Names of the timeline intervals (slot k-1 -> k) of a ``timeline=True`` module, in order; with
-    ``phases`` those of a ``timeline="phases"`` module: ``<stage>.<phase>`` (:func:`stage_phases`)."""
+    ``phases`` those of a ``timeline="phases"`` module: ``<stage>.<phase>`` (:func:`stage_phases`). ``options``:
+    the build's (:class:`BuildOptions`; a ``fused_o`` build's attention interval holds the O projection,
+    ``attention+o_residual``, and its phases are :func:`stage_phases`'). A timeline module carries its own labels
+    (``TIMELINE_LABELS``), which :meth:`megabake.runtime.MegakernelDecoder.stage_timeline` reads."""
+    options = options or BuildOptions()
+
     def named(prefix: str, stage: Stage) -> list[str]:
-        if not phases:
-            return [f"{prefix}{stage.name}"]
-        return [f"{prefix}{stage.name}.{phase}" for phase in stage_phases(plan, stage)]
+        if phases:
+            return [f"{prefix}{stage.name}.{phase}" for phase in stage_phases(plan, stage, options)]
+        if _fused_layer_stage(options, stage) and stage.kind == "attention":
+            return [f"{prefix}{stage.name}+{_o_stage(plan).name}"]
+        return [] if _fused_layer_stage(options, stage) and stage.name == "o_residual" else [f"{prefix}{stage.name}"]
 
     names = [n for s in plan.stages if s.scope == "prologue" for n in named("", s)]
     for layer in range(plan.dims.layers):
@@ -164,15 +173,29 @@ def timeline_labels(plan: Plan, phases: bool = False) -> list[str]:
     return names
 
 
-def stage_phases(plan: Plan, stage: Stage) -> list[str]:
+def stage_phases(plan: Plan, stage: Stage, options: BuildOptions | None = None) -> list[str]:
     """The phases a ``timeline="phases"`` build clocks in one stage: each body call (the staging of a GEMV's
     input rows, the GEMV, ...; thread 0 of CTA 0 stores the clock when its own warp is done), then, before a grid
     barrier, ``prefetch`` (the next GEMV's L2 prefetch / preload) where there is one, and ``barrier`` (the wait:
-    CTA 0 against the slowest CTA)."""
-    names = [body for body, _ in _body_calls(plan, stage)]
-    if stage.barrier_after:
-        names += (["prefetch"] if _before_barrier_calls(plan, stage) else []) + ["barrier"]
+    CTA 0 against the slowest CTA). In a ``fused_o`` build (``options``) the attention stage has two phases,
+    ``<its body>|fused_attention_o`` (a fused step runs the latter) and ``split_barrier`` (the wait of a step of
+    several splits; nothing in a fused step), and the O projection's body phases are empty in a fused step, whose
+    arrival at the O stage's barrier comes right after ``fused_attention_o``."""
+    options = options or BuildOptions()
+    if _fused_layer_stage(options, stage) and stage.kind == "attention":
+        return [f"{_stage_calls(plan, stage, options)[0][0]}|fused_attention_o", "split_barrier"]
+    names = [body for body, _ in _stage_calls(plan, stage, options)]
+    if _ends_at_a_barrier(stage, options):
+        names += (["prefetch"] if _prefetch_phase(plan, stage, options) else []) + ["barrier"]
     return names
+
+
+def _fused_layer_stage(options: BuildOptions, stage: Stage) -> bool:
+    return options.fused_o and stage.scope == "layer"
+
+
+def _o_stage(plan: Plan) -> Stage:
+    return next(s for s in plan.stages if s.scope == "layer" and s.name == "o_residual")
 
 
 def _timeline_store(w: _Writer, indent: int, enabled: bool, slot: str, every_cta: bool = False) -> None:
@@ -338,7 +361,7 @@ def fused_mma_fits(plan: Plan) -> bool:
     return mma_attention_fits(plan.dims.n_heads // plan.dims.n_kv_heads, plan.dims.head_dim)
 
 
-def default_fused_o(plan: Plan, *, spread_merge: bool = False, barrier: str = DEFAULT_BARRIER, timeline: bool = False,
+def default_fused_o(plan: Plan, *, spread_merge: bool = False, barrier: str = DEFAULT_BARRIER,
                     mma_schedule: bool = False, mma_attention: bool = True) -> bool:
     """Whether ``generate(plan, fused_o=None)`` fuses short-context steps' attention and O projection: where
     ``FUSED_O_DEFAULT`` is on, the build can (:func:`megabake.codegen.fused.fused_o_refusal` finds nothing, no
@@ -349,8 +372,7 @@ def default_fused_o(plan: Plan, *, spread_merge: bool = False, barrier: str = DE
     Qwen2.5-0.5B 0.509 -> 0.499 (0.551: a 7-head group on the lane loop is slower than seven 1-head items); Qwen3
     at 1000, where steps are split, 0.728 -> 0.725 (benchmarks/results/2026-12-05-h200-session35)."""
     return (FUSED_O_DEFAULT and not mma_schedule and mma_attention and fused_mma_fits(plan)
-            and fused_o_refusal(plan, spread_merge=spread_merge, split_barrier=barrier == "split",
-                                timeline=timeline) is None)
+            and fused_o_refusal(plan, spread_merge=spread_merge, split_barrier=barrier == "split") is None)
 
 
 def default_mma_wide(plan: Plan, head_slices: bool = True, mma_attention: bool | None = None) -> bool:
@@ -483,11 +505,10 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
         raise ValueError("mma_schedule deals split-KV items for the tensor cores: it needs mma_attention=True")
     mma_slices = mma_slice_mask(plan, head_slices, wide=mma_wide) if mma_schedule else 0
     if fused_o is None:
-        fused_o = default_fused_o(plan, spread_merge=spread_merge, barrier=barrier, timeline=bool(timeline),
-                                  mma_schedule=mma_schedule, mma_attention=mma_attention)
+        fused_o = default_fused_o(plan, spread_merge=spread_merge, barrier=barrier, mma_schedule=mma_schedule,
+                                  mma_attention=mma_attention)
     if fused_o:
-        why = fused_o_refusal(plan, spread_merge=spread_merge, split_barrier=barrier == "split",
-                              timeline=bool(timeline))
+        why = fused_o_refusal(plan, spread_merge=spread_merge, split_barrier=barrier == "split")
         if why:
             raise ValueError(f"fused_o runs attention and the O projection in one interval, but {why}: build "
                              "without it")
@@ -529,16 +550,31 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     if timeline not in (False, True, TIMELINE_PHASES, TIMELINE_PER_CTA):
         raise ValueError(f"timeline={timeline!r}: use False, True (a clock per stage), {TIMELINE_PHASES!r} or "
                          f"{TIMELINE_PER_CTA!r}")
+    options = BuildOptions(barrier=("bodies.grid_barrier_watched(barrier, tidx, CTAS, cta, WATCH_POLLS)" if watchdog
+                                    else BARRIER_ARRIVALS[barrier]), kv_prefetch=kv_prefetch,
+                           kv_prefetch_l1=kv_prefetch_l1, kv_prefetch_rows=kv_prefetch_rows,
+                           merge_preload=merge_preload, spread_merge=spread_merge,
+                           fold_splits=folded, prefetch_bytes=prefetch_bytes, clock_every_cta=every_cta,
+                           arrival=SPLIT_ARRIVAL if barrier == "split" else None, mma_attention=mma_attention,
+                           mma_schedule=mma_schedule, fused_o=fused_o, fused_kv_smem=fused_kv_smem,
+                           mma_wide=mma_wide, fused_mlp=fused_mlp)
+    labels = timeline_labels(plan, phases, options) if timeline else []
     if every_cta:
-        w(f"TIMELINE_STRIDE = {1 + len(timeline_labels(plan, phases))}  "
+        w(f"TIMELINE_STRIDE = {1 + len(labels)}  "
           "# barrier[cta * TIMELINE_STRIDE + 1 + k]: CTA cta's k=0 kernel start, k>0 end of interval k (ns)")
         w("TIMELINE_SLOTS = TIMELINE_STRIDE * CTAS")
         w("TIMELINE_PER_CTA = True  # each CTA clocks a phase once all its warps are done (codegen.TIMELINE_PER_CTA)")
     elif timeline:
-        w(f"TIMELINE_SLOTS = {1 + len(timeline_labels(plan, phases))}  "
+        w(f"TIMELINE_SLOTS = {1 + len(labels)}  "
           "# barrier[1 + k]: k=0 kernel start, k>0 end of interval k (ns)")
     if phases:
         w("TIMELINE_PHASES = True  # intervals are the phases of each stage (codegen.stage_phases)")
+    if timeline:
+        w("# the interval names, in slot order (codegen.timeline_labels of this build)")
+        w("TIMELINE_LABELS = (")
+        for line in _packed([repr(label) for label in labels], indent=1):
+            w(line)
+        w(")")
     if watchdog:
         w("WATCH_SLOTS = 2 * CTAS  # barrier[1 + 2 * cta]: arrivals, barrier[2 + 2 * cta]: first barrier given up at")
         w(f"WATCH_POLLS = {WATCHDOG_POLLS}  # polls before a CTA stops waiting at a grid barrier")
@@ -585,14 +621,6 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
         w("bar_next[0] = cutlass.Int64(0)  # 0: the launch's first barrier asks the counter", 1)
     w("pos = position[0]", 1)
     _timeline_store(w, 1, bool(timeline), "1", every_cta)
-    options = BuildOptions(barrier=("bodies.grid_barrier_watched(barrier, tidx, CTAS, cta, WATCH_POLLS)" if watchdog
-                                    else BARRIER_ARRIVALS[barrier]), kv_prefetch=kv_prefetch,
-                           kv_prefetch_l1=kv_prefetch_l1, kv_prefetch_rows=kv_prefetch_rows,
-                           merge_preload=merge_preload, spread_merge=spread_merge,
-                           fold_splits=folded, prefetch_bytes=prefetch_bytes, clock_every_cta=every_cta,
-                           arrival=SPLIT_ARRIVAL if barrier == "split" else None, mma_attention=mma_attention,
-                           mma_schedule=mma_schedule, fused_o=fused_o, fused_kv_smem=fused_kv_smem,
-                           mma_wide=mma_wide, fused_mlp=fused_mlp)
     if phases:
         _phase_timed_stages(w, plan, prologue, per_layer, epilogue, options)
     else:
@@ -601,14 +629,16 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
             _timeline_store(w, 1, timeline, str(2 + i))
         w("for layer in range(LAYERS):", 1)
         if fused_o:
-            w(f"fo = bodies.fused_o_step(pos, {_first_key(plan)}, MIN_CHUNK)  # 1: the context fits one chunk; the O "
-              "projection runs in attention's interval", 2)
-        for j, stage in enumerate(per_layer):
+            _write_fused_o_step(w, plan)
+        clocked = [s for s in per_layer if not (fused_o and s.name == "o_residual")]  # in attention's interval
+        for stage in per_layer:
             _stage(w, plan, stage, 2, layer_var="layer", options=options)
-            _timeline_store(w, 2, timeline, f"{2 + len(prologue) + j} + layer * {len(per_layer)}")
+            if stage in clocked:
+                j = clocked.index(stage)
+                _timeline_store(w, 2, timeline, f"{2 + len(prologue) + j} + layer * {len(clocked)}")
         for e, stage in enumerate(epilogue):
             _stage(w, plan, stage, 1, layer_var=None, options=options)
-            _timeline_store(w, 1, timeline, str(2 + len(prologue) + len(per_layer) * plan.dims.layers + e))
+            _timeline_store(w, 1, timeline, str(2 + len(prologue) + len(clocked) * plan.dims.layers + e))
     if fused_mlp and w.text.count("bodies.mlp_down_load(") != 1:
         raise AssertionError("a fused_mlp build must copy its W_down columns once per layer, before the MLP's barrier; "
                              f"it emitted {w.text.count('bodies.mlp_down_load(')} copies (codegen._fused_mlp_before)")
@@ -772,52 +802,82 @@ def _stage(w: _Writer, plan: Plan, stage: Stage, indent: int, layer_var, clocks:
         if clocks:
             _timeline_store(w, indent, True, clocks.pop(0), options.clock_every_cta)
 
-    fused = options.fused_o and stage.scope == "layer"
+    fused = _fused_layer_stage(options, stage)
     if fused and stage.name == "o_residual":
         return  # emitted inside the attention stage's interval (_fused_attention_stages)
     if fused and stage.kind == "attention":
-        _fused_attention_stages(w, plan, stage, indent, layer_var, options)
+        _fused_attention_stages(w, plan, stage, indent, layer_var, options, clocks)
         return
     prefix = "layer[*]." if stage.scope == "layer" else ""
     w.begin(_entry(plan, stage, layer_var, "barrier_interval", f"{prefix}{stage.name}"))
     w(f"# ---- stage {stage.index}: {stage.name} ({stage.scope}) ----", indent)
-    calls = _body_calls(plan, stage, options.merge_preload, options.spread_merge, options.fold_splits,
-                        options.mma_attention, options.mma_schedule, options.mma_wide)
-    if fused:
-        calls = _fused_o_calls(plan, stage, calls)
-    if options.fused_mlp:
-        calls = _fused_mlp_calls(plan, stage, calls)
     previous = next((s for s in plan.stages if s.index == stage.index - 1), None)
     if options.spread_merge and previous is not None and previous.kind == "attention" and kv_splits(plan):
         w(f"bodies.split_kv_counts_reset({ATTN_COUNT}, cta, tidx, BATCH * N_KV_HEADS * HEAD_SLICES, THREADS)",
           indent)
-    for body, call in calls:
+    for body, call in _stage_calls(plan, stage, options):
         w.begin(_entry(plan, stage, layer_var, "body_call", f"{prefix}{stage.name}.{body}"))
         w(call, indent)
         w.end()
         clock()
-    if stage.barrier_after and not (options.fused_mlp and stage.scope == "layer" and stage.name == "norm_gate_up"):
-        before = _before_barrier_calls(plan, stage, options.kv_prefetch, options.kv_prefetch_l1,
-                                       options.prefetch_bytes, options.kv_prefetch_rows, options.mma_schedule)
-        if options.fused_mlp:
-            before = _fused_mlp_before(before)
+    if _ends_at_a_barrier(stage, options):
+        before = _stage_before_calls(plan, stage, options)
         reads = [call for call in before if call.startswith(_BEFORE_ARRIVAL)]
-        following = next((s for s in plan.stages if s.index == stage.index + 1), None)
-        if fused and following is not None and following.kind == "attention":
+        if _loads_fused_o(plan, stage, options):
             assert not reads, reads  # split-KV plans have no attention preload (plan.build_plan refuses it)
             _write_fused_o_loads(w, [options.arrival] + before, indent)
         else:
             for call in reads + ([options.arrival] if options.arrival else []) + [c for c in before if c not in reads]:
                 w(call, indent)
-        if before:
+        if _prefetch_phase(plan, stage, options):
             clock()
         w(options.barrier, indent)
         clock()
     w.end()
 
 
+def _stage_calls(plan: Plan, stage: Stage, options: BuildOptions) -> list[tuple[str, str]]:
+    """(body name, call) of one stage's interval as ``options`` build it (not a fused_o build's attention stage,
+    which :func:`_fused_attention_stages` writes)."""
+    calls = _body_calls(plan, stage, options.merge_preload, options.spread_merge, options.fold_splits,
+                        options.mma_attention, options.mma_schedule, options.mma_wide)
+    if _fused_layer_stage(options, stage):
+        calls = _fused_o_calls(plan, stage, calls)
+    if options.fused_mlp:
+        calls = _fused_mlp_calls(plan, stage, calls)
+    return calls
+
+
+def _ends_at_a_barrier(stage: Stage, options: BuildOptions) -> bool:
+    """A grid barrier ends this stage's interval (a fused_mlp build's gate/up stage goes on into the MLP's)."""
+    return stage.barrier_after and not (options.fused_mlp and stage.scope == "layer" and stage.name == "norm_gate_up")
+
+
+def _stage_before_calls(plan: Plan, stage: Stage, options: BuildOptions) -> list[str]:
+    before = _before_barrier_calls(plan, stage, options.kv_prefetch, options.kv_prefetch_l1, options.prefetch_bytes,
+                                   options.kv_prefetch_rows, options.mma_schedule)
+    return _fused_mlp_before(before) if options.fused_mlp else before
+
+
+def _loads_fused_o(plan: Plan, stage: Stage, options: BuildOptions) -> bool:
+    """The stage before a fused_o build's attention: a fused step copies its W_O block before that barrier."""
+    following = next((s for s in plan.stages if s.index == stage.index + 1), None)
+    return _fused_layer_stage(options, stage) and following is not None and following.kind == "attention"
+
+
+def _prefetch_phase(plan: Plan, stage: Stage, options: BuildOptions) -> bool:
+    """Something is issued between this stage's arrival and its wait (a phases timeline clocks it as ``prefetch``)."""
+    return bool(_stage_before_calls(plan, stage, options)) or _loads_fused_o(plan, stage, options)
+
+
 # ------------------------------------------------------------------------------ fused_o builds (codegen.fused)
 _O_RING_PREFILL = "bodies.gemv_ring_prefill(w_o["
+
+
+def _write_fused_o_step(w: _Writer, plan: Plan) -> None:
+    """``fo``, at the top of a fused_o build's layer loop: whether this step runs attention and O fused."""
+    w(f"fo = bodies.fused_o_step(pos, {_first_key(plan)}, MIN_CHUNK)  # 1: the context fits one chunk; the O "
+      "projection runs in attention's interval", 2)
 
 
 def _write_fused_o_loads(w: _Writer, calls: list[str], indent: int) -> None:
@@ -863,11 +923,19 @@ def _fused_o_calls(plan: Plan, stage: Stage, calls: list[tuple[str, str]]) -> li
 
 
 def _fused_attention_stages(w: _Writer, plan: Plan, attention: Stage, indent: int, layer_var,
-                            options: BuildOptions) -> None:
+                            options: BuildOptions, clocks: list[str] | None = None) -> None:
     """The attention stage of a ``fused_o`` build and, in steps of more than one split (``fo == 0``), the O
     projection's stage after it, as the default build runs them; a fused step (``fo == 1``) runs
-    ``bodies.fused_attention_o`` and goes on to the gate/up GEMV's ring fill after one arrival."""
-    o_stage = next(s for s in plan.stages if s.scope == "layer" and s.name == "o_residual")
+    ``bodies.fused_attention_o`` and goes on to the gate/up GEMV's ring fill after one arrival. ``clocks`` (a
+    phases timeline): the slots of both stages' phases (:func:`stage_phases`), each stored in every step (the
+    ``fo == 0`` block is closed for the store and opened again)."""
+    def clock(reopen: bool) -> None:
+        if clocks:
+            _timeline_store(w, indent, True, clocks.pop(0), options.clock_every_cta)
+            if reopen:
+                w("if fo == 0:", indent)
+
+    o_stage = _o_stage(plan)
     w.begin(_entry(plan, attention, layer_var, "barrier_interval", f"layer[*].{attention.name}"))
     w(f"# ---- stage {attention.index}: {attention.name} ({attention.scope}); with {o_stage.name} where fo == 1 ----",
       indent)
@@ -877,8 +945,7 @@ def _fused_attention_stages(w: _Writer, plan: Plan, attention: Stage, indent: in
                   f"tidx, N_HEADS, N_KV_HEADS, HEAD_DIM, THREADS, ATTN_SCALE, {plan.has_head_norms}, EPS, ATT_UNROLL, "
                   f"{'ROTARY_DIM' if plan.dims.rotary_dim else 'HEAD_DIM'}, {plan.dims.whole_qk_norm}, KV_PIPELINE, "
                   "FUSED_MMA, HIDDEN, FUSED_O_BLOCKS, FUSED_O_BLOCK_ROWS, MIN_CHUNK, FUSED_KV_SMEM)")
-    body, call = _body_calls(plan, attention, options.merge_preload, options.spread_merge, options.fold_splits,
-                             options.mma_attention, options.mma_schedule, options.mma_wide)[0]
+    body, call = _stage_calls(plan, attention, options)[0]
     w("if fo == 1:", indent)
     w.begin(_entry(plan, attention, layer_var, "body_call", "layer[*].attention.fused_attention_o"))
     w(fused_call, indent + 1)
@@ -887,26 +954,30 @@ def _fused_attention_stages(w: _Writer, plan: Plan, attention: Stage, indent: in
     w.begin(_entry(plan, attention, layer_var, "body_call", f"layer[*].attention.{body}"))
     w(call, indent + 1)
     w.end()
+    clock(reopen=False)
     w(options.arrival, indent)
     w("if fo == 0:", indent)
     for call in _before_barrier_calls(plan, attention, options.kv_prefetch, options.kv_prefetch_l1,
                                       options.prefetch_bytes, options.kv_prefetch_rows, options.mma_schedule):
         w(call, indent + 1)
     w(options.barrier, indent + 1)
+    clock(reopen=True)
     w.end()
     w.begin(_entry(plan, o_stage, layer_var, "barrier_interval", f"layer[*].{o_stage.name}"))
     w(f"# ---- stage {o_stage.index}: {o_stage.name} ({o_stage.scope}); only where fo == 0 ----", indent + 1)
-    for body, call in _body_calls(plan, o_stage, options.merge_preload, options.spread_merge, options.fold_splits,
-                                  options.mma_attention, options.mma_schedule, options.mma_wide):
+    for body, call in _stage_calls(plan, o_stage, options):
         w.begin(_entry(plan, o_stage, layer_var, "body_call", f"layer[*].{o_stage.name}.{body}"))
         w(call, indent + 1)
         w.end()
+        clock(reopen=True)
     w(options.arrival, indent + 1)
-    before = _before_barrier_calls(plan, o_stage, options.kv_prefetch, options.kv_prefetch_l1,
-                                   options.prefetch_bytes, options.kv_prefetch_rows, options.mma_schedule)
-    for call in _fused_mlp_before(before) if options.fused_mlp else before:
+    before = _stage_before_calls(plan, o_stage, options)
+    for call in before:
         w(call, indent)
+    if before:
+        clock(reopen=False)
     w(options.barrier, indent)
+    clock(reopen=False)
     w.end()
 
 
@@ -987,20 +1058,26 @@ def _phase_timed_stages(w: _Writer, plan: Plan, prologue: list[Stage], per_layer
     loop's slots repeat every ``per_layer_slots``)."""
     slot = 2
     for stage in prologue:
-        count = len(stage_phases(plan, stage))
+        count = len(stage_phases(plan, stage, options))
         _stage(w, plan, stage, 1, layer_var=None, clocks=[str(slot + k) for k in range(count)], options=options)
         slot += count
-    per_layer_slots = sum(len(stage_phases(plan, stage)) for stage in per_layer)
-    w("for layer in range(LAYERS):", 1)
-    offset = 0
+    per_layer_slots = sum(len(stage_phases(plan, stage, options)) for stage in per_layer)
+    layer_clocks, offset = {}, 0
     for stage in per_layer:
-        count = len(stage_phases(plan, stage))
-        clocks = [f"{slot + offset + k} + layer * {per_layer_slots}" for k in range(count)]
-        _stage(w, plan, stage, 2, layer_var="layer", clocks=clocks, options=options)
+        count = len(stage_phases(plan, stage, options))
+        layer_clocks[stage.name] = [f"{slot + offset + k} + layer * {per_layer_slots}" for k in range(count)]
         offset += count
+    w("for layer in range(LAYERS):", 1)
+    if options.fused_o:
+        _write_fused_o_step(w, plan)
+    for stage in per_layer:
+        clocks = layer_clocks[stage.name]
+        if _fused_layer_stage(options, stage) and stage.kind == "attention":  # it writes the O stage's phases too
+            clocks = clocks + layer_clocks[_o_stage(plan).name]
+        _stage(w, plan, stage, 2, layer_var="layer", clocks=clocks, options=options)
     slot += per_layer_slots * plan.dims.layers
     for stage in epilogue:
-        count = len(stage_phases(plan, stage))
+        count = len(stage_phases(plan, stage, options))
         _stage(w, plan, stage, 1, layer_var=None, clocks=[str(slot + k) for k in range(count)], options=options)
         slot += count
 

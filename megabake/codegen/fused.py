@@ -50,8 +50,7 @@ def _layer_stage(plan: Plan, name: str):
     return next((s for s in plan.stages if s.scope == "layer" and s.name == name), None)
 
 
-def fused_o_refusal(plan: Plan, *, spread_merge: bool = False, split_barrier: bool = True,
-                    timeline: bool = False) -> str | None:
+def fused_o_refusal(plan: Plan, *, spread_merge: bool = False, split_barrier: bool = True) -> str | None:
     """Why ``fused_o`` cannot build this plan (with these other choices), or None where it can."""
     if plan.batch != 1:
         return f"it deals batch 1 only (this bucket has batch {plan.batch}; bake --batch 1)"
@@ -84,8 +83,6 @@ def fused_o_refusal(plan: Plan, *, spread_merge: bool = False, split_barrier: bo
         return "the spread split-KV merge is on (spread_merge=False turns it off)"
     if not split_barrier:
         return "it needs the split grid barrier (barrier='split', no watchdog)"
-    if timeline:
-        return "a timeline build clocks the O-projection stage it skips: build the timeline without fused_o"
     return None
 
 

@@ -370,7 +370,8 @@ class MegakernelDecoder:
                                 "megabake.codegen.generate(plan, timeline=True)")
         stride = getattr(self.module, "TIMELINE_STRIDE", slots)  # a per-CTA build: CTA 0's row comes first
         clocks = self.buffers["barrier"][1:1 + stride].cpu().tolist()
-        labels = timeline_labels(self.plan, phases=getattr(self.module, "TIMELINE_PHASES", False))
+        labels = getattr(self.module, "TIMELINE_LABELS", None) or timeline_labels(
+            self.plan, phases=getattr(self.module, "TIMELINE_PHASES", False))
         return [(label, (clocks[k + 1] - clocks[k]) / 1000.0) for k, label in enumerate(labels)]
 
     def cta_timelines(self) -> tuple[list[str], list[list[float]]]:
@@ -387,7 +388,7 @@ class MegakernelDecoder:
                                 "megabake.codegen.generate(plan, timeline=\"phases-per-cta\")")
         rows = self.buffers["barrier"][1:1 + stride * self.plan.ctas].view(self.plan.ctas, stride).cpu()
         rows = ((rows - rows[:, 0].min()).double() / 1000.0).tolist()
-        return timeline_labels(self.plan, phases=True), rows
+        return list(getattr(self.module, "TIMELINE_LABELS", None) or timeline_labels(self.plan, phases=True)), rows
 
     def barrier_watch(self) -> list[tuple[int, int]]:
         """Per CTA of a ``generate(plan, watchdog=True)`` build: (grid barriers arrived at since the decoder was
