@@ -83,8 +83,15 @@
 #          -> OUT/pytest-gpu-fused-mlp.log, OUT/tune-*-fused-mlp-p*.log (~6 min?)
 #   fused-mlp-times: timings without the tests (once they passed), by default Qwen3-0.6B and Qwen2.5-0.5B at 16
 #          and SmolLM-135M at 1000 (~5 min?)
+#   fused-split: the GPU tests of generate(plan, fused_split=True) (session 44, built without a GPU: every step's
+#          O projection in attention's interval, split steps waiting on per-group counters), then only if they pass,
+#          default against fused-split and fused-split-mlp at long contexts with the per-stage timeline
+#          (FUSED_SPLIT_SPECS="preset capacity position;...", default SmolLM-135M at 2000, Qwen2.5-0.5B at 4000)
+#          -> OUT/pytest-gpu-fused-split.log, OUT/tune-*-fused-split-p*.log; fused-split-times: the timings alone
+#          (once the tests passed: tests-parallel runs them too)
 #   tests-parallel: the same tests as tests1-3, the fused_o build's (tests/test_fused_o_gpu.py),
-#          tests/test_global_down_gpu.py, tests/test_mma_wide_gpu.py and tests/test_fused_mlp_gpu.py at once, as
+#          tests/test_global_down_gpu.py, tests/test_mma_wide_gpu.py, tests/test_fused_mlp_gpu.py and
+#          tests/test_fused_split_gpu.py at once, as
 #          SHARDS (default 4) pytest processes on the one GPU
 #          (pytest --shard I/N, tests/sharding.py: their CPU-bound setup, random init and CuTe DSL compiles,
 #          overlaps; kernels time-share the GPU) -> OUT/pytest-gpu-shard*.log (3 processes: 6.6 min, session 16)
@@ -139,7 +146,7 @@ if [[ " $PARTS " == *" tests-parallel "* ]]; then
   for ((i = 0; i < shards; i++)); do
     names+=("shard$i")
     OMP_NUM_THREADS=$threads run_tests "shard$i" "" --shard "$i/$shards" "${TESTS3[@]:2}" tests/test_fused_o_gpu.py \
-      tests/test_global_down_gpu.py tests/test_mma_wide_gpu.py tests/test_fused_mlp_gpu.py &
+      tests/test_global_down_gpu.py tests/test_mma_wide_gpu.py tests/test_fused_mlp_gpu.py tests/test_fused_split_gpu.py &
   done
   wait
   collect_tests "${names[@]}"
@@ -165,6 +172,24 @@ if [[ " $PARTS " == *" mma-wide "* ]]; then
       --capacity 4096 --position 4000 --no-composite --out "$OUT/b$batch" >"$OUT/tune-mma-wide-b$batch.log" 2>&1
     summary+=("mma-wide tune b$batch: rc=$? $(sed -n '/^== /,$p' "$OUT/tune-mma-wide-b$batch.log")")
   done
+fi
+if [[ " $PARTS " == *" fused-split "* || " $PARTS " == *" fused-split-times "* ]]; then
+  split_rc=0
+  if [[ " $PARTS " == *" fused-split "* ]]; then
+    TEST_LIMIT=${TEST_LIMIT:-300} run_tests fused-split "" tests/test_fused_split_gpu.py
+    split_rc=$(sed -n 's/.*rc=\([0-9]*\).*/\1/p' "$OUT/.summary-fused-split")
+    collect_tests fused-split
+  fi
+  if [[ "$split_rc" == 0 ]]; then  # timings only of a build whose GPU tests passed (here or in an earlier call)
+    IFS=';' read -ra split_specs <<<"${FUSED_SPLIT_SPECS:-smollm-135m 2048 2000;qwen2.5-0.5b 4096 4000}"
+    for spec in "${split_specs[@]}"; do
+      read -r preset capacity position <<<"$spec"
+      log="$OUT/tune-$preset-fused-split-p$position.log"
+      timeout 200 python3 scripts/gpu_tune.py "$preset" --variants bake --builds default fused-split fused-split-mlp \
+        --no-composite --capacity "$capacity" --position "$position" --out "$OUT/fused-split-p$position" >"$log" 2>&1
+      summary+=("fused-split tune ($preset at $position): rc=$?" "$(grep -E '^(==|\||timeline)' "$log")")
+    done
+  fi
 fi
 if [[ " $PARTS " == *" fused-mlp "* || " $PARTS " == *" fused-mlp-times "* ]]; then
   mlp_rc=0

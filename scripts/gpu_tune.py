@@ -225,6 +225,11 @@ BUILDS = {"default": {}, "atom": {"barrier": "atom"}, "red": {"barrier": "red"},
           # every layer's gate/up and down GEMVs in one interval (session 43, a candidate; H100: -3% to +7%): each CTA
           # owns a block of the intermediate width, the down partials meet in an int64 fixed-point accumulator
           "fused-mlp": {"fused_o": True, "fused_mlp": True},
+          # the split steps' O projection in attention's interval too (session 44, a candidate): each CTA waits for its
+          # KV group's items on a counter, merges the group and multiplies its W_O block (one barrier less at long
+          # contexts); fused-split-mlp: with fused-mlp on top
+          "fused-split": {"fused_o": True, "fused_split": True},
+          "fused-split-mlp": {"fused_o": True, "fused_split": True, "fused_mlp": True},
           # the L2 prefetch of the next GEMV's first tiles before each barrier at one budget for every stage (the
           # default since session 26: none before a ring-prefilled GEMV, 16 MB elsewhere; pf16mb: the old default)
           "pf0": {"prefetch_bytes": 0}, "pf8mb": {"prefetch_bytes": 8 << 20}, "pf16mb": {"prefetch_bytes": 16 << 20},

@@ -44,6 +44,8 @@ SECONDS = {  # node-id fragment -> seconds (first match wins); from `pytest --du
     "mma_wide_matches_the_lane_group": 35.0, "mma_wide_kernel_matches_its_reference": 30.0,
     # tests/test_fused_mlp_gpu.py (session 43, alone on an H100): two builds per case; one build + its reference
     "fused_mlp_gives_the_fused_o_logits": 35.0, "fused_mlp_kernel_matches_the_reference": 12.0,
+    # tests/test_fused_split_gpu.py (session 44, not run yet): four builds per case; one build + its reference
+    "fused_split_gives_the_fused_o_logits": 45.0, "fused_split_kernel_matches_the_reference": 12.0,
 }
 
 

@@ -963,16 +963,18 @@ def test_hang_probe_names_the_stage_of_every_barrier(tiny):
     assert names[:3] == ["embed", "layer0.norm_qkv", "layer0.attention"] and names[-1] == "layer1.down_residual"
 
 
-@pytest.mark.parametrize("timeline", [True, "phases", "phases-per-cta"])
-def test_fused_builds_have_timelines_whose_clocks_fill_every_slot_once(timeline):
+@pytest.mark.parametrize("timeline,split", [(True, False), ("phases", False), ("phases-per-cta", False),
+                                            ("phases-per-cta", True)])
+def test_fused_builds_have_timelines_whose_clocks_fill_every_slot_once(timeline, split):
     """A fused_o + fused_mlp build (session 44; these builds had no timeline before): the module names its
     intervals (``TIMELINE_LABELS``: the attention interval holds the O projection, the gate/up interval the
     whole MLP), its clock stores, over every layer, write each slot 1..N exactly once, and it compiles for sm_90a
-    (the phases builds close and reopen ``if fo == 0:`` blocks around their stores)."""
+    (the phases builds close and reopen ``if fo == 0:`` blocks around their stores). ``split``: with fused_split,
+    whose attention interval is one phase and whose O stage keeps only its prefetch and barrier."""
     from megabake.runtime.compile import compile_check
 
     plan = compile_preset("smollm-135m", layers=2, vocab=512, capacity=2048).plan
-    source = generate(plan, timeline=timeline, fused_o=True, fused_mlp=True).source
+    source = generate(plan, timeline=timeline, fused_o=True, fused_mlp=True, fused_split=split).source
     module = load_module(source)
     labels = list(module.TIMELINE_LABELS)
     assert len(set(labels)) == len(labels)
@@ -989,7 +991,11 @@ def test_fused_builds_have_timelines_whose_clocks_fill_every_slot_once(timeline)
         assert "layer1.norm_gate_up" in labels and "layer1.down_residual" in labels
     else:
         layer0 = [label.removeprefix("layer0.") for label in labels if label.startswith("layer0.")]
-        assert layer0[4:6] == ["attention.split_kv_attention|fused_attention_o", "attention.split_barrier"]
+        if split:
+            assert layer0[4:7] == ["attention.split_kv_attention+split_o_block|fused_attention_o",
+                                   "o_residual.prefetch", "o_residual.barrier"]
+        else:
+            assert layer0[4:6] == ["attention.split_kv_attention|fused_attention_o", "attention.split_barrier"]
         assert layer0[-4:] == ["norm_gate_up.sync_threads", "norm_gate_up.mlp_down_partial",
                                "down_residual.prefetch", "down_residual.barrier"]
     result = compile_check(plan, module)

@@ -48,7 +48,8 @@ from ..plan.attention import (LONG_SLICES, MMA_ATT_WIDE_HEAD_DIMS, PASS_CHUNKS, 
                               mma_attention_items, mma_slice_mask)
 from ..plan.stages import (ACTIVATIONS, DIMENSION_CONSTANTS, GATED_ACT_CODES, StageSpec, next_gemv, norm_slot,
                            spec_of)
-from .fused import FUSED_O_BUFFERS, fused_geometry, fused_kv_refusal, fused_o_refusal
+from .fused import (FUSED_O_BUFFERS, FUSED_SPLIT_BUFFERS, fused_geometry, fused_kv_refusal, fused_o_refusal,
+                    fused_split_refusal)
 from .fused_mlp import ACC_PAD, FUSED_MLP_BUFFERS, fused_mlp_refusal, mlp_geometry, mlp_smem_bytes
 
 KERNEL_ARGUMENTS = [
@@ -180,10 +181,17 @@ def stage_phases(plan: Plan, stage: Stage, options: BuildOptions | None = None) 
     CTA 0 against the slowest CTA). In a ``fused_o`` build (``options``) the attention stage has two phases,
     ``<its body>|fused_attention_o`` (a fused step runs the latter) and ``split_barrier`` (the wait of a step of
     several splits; nothing in a fused step), and the O projection's body phases are empty in a fused step, whose
-    arrival at the O stage's barrier comes right after ``fused_attention_o``."""
+    arrival at the O stage's barrier comes right after ``fused_attention_o``. With ``fused_split`` the attention
+    stage is one phase (``<its body>+split_o_block|fused_attention_o``) and the O stage has only its prefetch and
+    barrier."""
     options = options or BuildOptions()
     if _fused_layer_stage(options, stage) and stage.kind == "attention":
-        return [f"{_stage_calls(plan, stage, options)[0][0]}|fused_attention_o", "split_barrier"]
+        body = _stage_calls(plan, stage, options)[0][0]
+        if options.fused_split:  # one interval: the split items and split_o_block, or fused_attention_o
+            return [f"{body}+split_o_block|fused_attention_o"]
+        return [f"{body}|fused_attention_o", "split_barrier"]
+    if options.fused_split and _fused_layer_stage(options, stage) and stage.name == "o_residual":
+        return (["prefetch"] if _prefetch_phase(plan, stage, options) else []) + ["barrier"]
     names = [body for body, _ in _stage_calls(plan, stage, options)]
     if _ends_at_a_barrier(stage, options):
         names += (["prefetch"] if _prefetch_phase(plan, stage, options) else []) + ["barrier"]
@@ -272,6 +280,7 @@ class BuildOptions:
     fused_o: bool = False  # steps within MIN_CHUNK run attention and the O projection in one interval (codegen.fused)
     fused_kv_smem: bool = False  # ... scoring their cached K/V rows from shared memory (codegen.fused)
     fused_mlp: bool = False  # a layer's gate/up and down GEMVs in one interval (codegen.fused_mlp)
+    fused_split: bool = False  # fused_o: split steps' O projection in attention's interval too (split_o_block)
 
 
 # A KV group's outputs (query heads per KV head x head_dim) from which the spread merge is the default: on the H200
@@ -411,7 +420,7 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
              prefetch_bytes: int | None = None, mma_attention: bool | None = None,
              mma_schedule: bool = False, fused_o: bool | None = None, fused_kv_smem: bool = False,
              fused_mma: bool | None = None, mma_wide: bool | None = None,
-             fused_mlp: bool = False) -> GeneratedModule:
+             fused_mlp: bool = False, fused_split: bool = False) -> GeneratedModule:
     """module.py of ``plan``. ``merge_preload`` / ``spread_merge``: None picks them per plan
     (:func:`default_merge`); True asks for one (refused where the attention scratch cannot hold it), False
     leaves it out (both False: the plain last-arrival merge of sessions 10-16). ``head_slices=False`` deals
@@ -453,7 +462,12 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     barrier interval (one grid barrier less per layer at every context): each CTA takes a block of the
     intermediate width, its down-projection partials meet in an int64 fixed-point accumulator (deterministic,
     not the default's fp32 order: close to it, not equal; :mod:`megabake.codegen.fused_mlp`); it needs
-    ``fused_o``; refused where :func:`megabake.codegen.fused_mlp.fused_mlp_refusal` names a reason."""
+    ``fused_o``; refused where :func:`megabake.codegen.fused_mlp.fused_mlp_refusal` names a reason.
+    ``fused_split`` (session 44, a candidate built without a GPU): with ``fused_o``, the steps of several splits run
+    their O projection in attention's interval too (``bodies.split_o_block``: each CTA waits for its KV group's
+    split-KV items on a per-group counter, merges that group's partials and multiplies its W_O block into
+    ``o_part``), so every step has one grid barrier less per layer; refused where
+    :func:`megabake.codegen.fused.fused_split_refusal` names a reason."""
     if watchdog and timeline:
         raise ValueError("a watchdog build has no timeline: build them separately")
     if barrier is not None and barrier not in BARRIER_ARRIVALS:
@@ -535,13 +549,18 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
         if why:
             raise ValueError(f"fused_mlp runs the gate/up and down projections in one interval, but {why}: build "
                              "without it")
+    if fused_split:
+        why = fused_split_refusal(plan, fused_o=fused_o)
+        if why:
+            raise ValueError(f"fused_split runs every step's O projection in attention's interval, but {why}: build "
+                             "without it")
     arguments = (kernel_arguments(plan) + (list(FUSED_O_BUFFERS) if fused_o else [])
-                 + (list(FUSED_MLP_BUFFERS) if fused_mlp else []))
+                 + (list(FUSED_MLP_BUFFERS) if fused_mlp else []) + (list(FUSED_SPLIT_BUFFERS) if fused_split else []))
     plan_hash = plan_hash or plan.hash
     w = _Writer(keyword_calls=True)
     _header(w, plan, plan_hash, arguments, self_contained, head_slices, long_slices, pass_chunks,
             kv_pipeline, folded, mma_attention, mma_slices, fused_o, fused_kv_smem, fused_mma, mma_wide,
-            fused_mlp)
+            fused_mlp, fused_split)
     prologue = [s for s in plan.stages if s.scope == "prologue"]
     per_layer = [s for s in plan.stages if s.scope == "layer"]
     epilogue = [s for s in plan.stages if s.scope == "epilogue"]
@@ -557,7 +576,7 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
                            fold_splits=folded, prefetch_bytes=prefetch_bytes, clock_every_cta=every_cta,
                            arrival=SPLIT_ARRIVAL if barrier == "split" else None, mma_attention=mma_attention,
                            mma_schedule=mma_schedule, fused_o=fused_o, fused_kv_smem=fused_kv_smem,
-                           mma_wide=mma_wide, fused_mlp=fused_mlp)
+                           mma_wide=mma_wide, fused_mlp=fused_mlp, fused_split=fused_split)
     labels = timeline_labels(plan, phases, options) if timeline else []
     if every_cta:
         w(f"TIMELINE_STRIDE = {1 + len(labels)}  "
@@ -671,14 +690,15 @@ def _header(w: _Writer, plan: Plan, plan_hash: str, arguments: list[str], self_c
             head_slices: bool = True, long_slices: bool = True, pass_chunks: bool = False,
             kv_pipeline: bool = False, folded: int = 0, mma_attention: bool = False, mma_slices: int = 0,
             fused_o: bool = False, fused_kv_smem: bool = False, fused_mma: bool = False,
-            mma_wide: bool = False, fused_mlp: bool = False) -> None:
+            mma_wide: bool = False, fused_mlp: bool = False, fused_split: bool = False) -> None:
     d = plan.dims
     w(f'"""Generated by MegaBake from plan {plan_hash[:16]}. Do not edit: re-bake instead.')
     w("")
     w(f"Model: hidden {d.hidden}, {d.layers} layers, {d.n_heads}/{d.n_kv_heads} heads x {d.head_dim}, "
       f"intermediate {d.intermediate}, vocab {d.vocab}.")
     per_step = plan.barriers_per_step - (d.layers if fused_mlp else 0)
-    barriers = (f"{per_step} grid barriers per step ({per_step - d.layers} where the context fits MIN_CHUNK: "
+    barriers = (f"{per_step - d.layers} grid barriers per step (fused_o, fused_split)" if fused_split else
+                f"{per_step} grid barriers per step ({per_step - d.layers} where the context fits MIN_CHUNK: "
                 "fused_o)" if fused_o else f"{per_step} grid barriers per step")
     w(f"Bucket: batch {plan.batch}, KV capacity {plan.capacity}. Grid {plan.ctas} x {plan.threads} threads, "
       f"{barriers}.")
@@ -731,6 +751,8 @@ def _header(w: _Writer, plan: Plan, plan_hash: str, arguments: list[str], self_c
         geometry = fused_geometry(plan)
         consts.update({"FUSED_O_BLOCKS": geometry.blocks, "FUSED_O_BLOCK_ROWS": geometry.block_rows,
                        "FUSED_KV_SMEM": fused_kv_smem, "FUSED_MMA": fused_mma})
+    if fused_split:
+        consts["FUSED_SPLIT"] = True
     if fused_mlp:
         mlp = mlp_geometry(plan)
         up = next(s for s in plan.stages if s.scope == "layer" and s.name == "norm_gate_up")
@@ -743,9 +765,12 @@ def _header(w: _Writer, plan: Plan, plan_hash: str, arguments: list[str], self_c
         extra = f"'o_mid': (1, {d.hidden}), 'o_part': ({d.n_kv_heads}, {d.hidden})"
         if fused_mlp:
             extra += f", 'mlp_acc': ({d.layers + 1}, {d.hidden + ACC_PAD})"
+        if fused_split:
+            extra += f", 'o_count': ({d.layers}, {d.n_kv_heads})"
         w(f"EXTRA_BUFFERS = {{{extra}}}")
-        if fused_mlp:
-            w("EXTRA_BUFFER_DTYPES = {'mlp_acc': 'int64'}  # the others are fp32")
+        dtypes = ([] if not fused_mlp else ["'mlp_acc': 'int64'"]) + ([] if not fused_split else ["'o_count': 'int64'"])
+        if dtypes:
+            w(f"EXTRA_BUFFER_DTYPES = {{{', '.join(dtypes)}}}  # the others are fp32")
     w(f"EPS = {d.eps!r}")
     w(f"ATTN_SCALE = {d.attn_scale!r}")
     if d.embed_scale != 1.0:
@@ -806,7 +831,8 @@ def _stage(w: _Writer, plan: Plan, stage: Stage, indent: int, layer_var, clocks:
     if fused and stage.name == "o_residual":
         return  # emitted inside the attention stage's interval (_fused_attention_stages)
     if fused and stage.kind == "attention":
-        _fused_attention_stages(w, plan, stage, indent, layer_var, options, clocks)
+        write = _fused_split_stages if options.fused_split else _fused_attention_stages
+        write(w, plan, stage, indent, layer_var, options, clocks)
         return
     prefix = "layer[*]." if stage.scope == "layer" else ""
     w.begin(_entry(plan, stage, layer_var, "barrier_interval", f"{prefix}{stage.name}"))
@@ -825,7 +851,7 @@ def _stage(w: _Writer, plan: Plan, stage: Stage, indent: int, layer_var, clocks:
         reads = [call for call in before if call.startswith(_BEFORE_ARRIVAL)]
         if _loads_fused_o(plan, stage, options):
             assert not reads, reads  # split-KV plans have no attention preload (plan.build_plan refuses it)
-            _write_fused_o_loads(w, [options.arrival] + before, indent)
+            _write_fused_o_loads(w, [options.arrival] + before, indent, every_step=options.fused_split)
         else:
             for call in reads + ([options.arrival] if options.arrival else []) + [c for c in before if c not in reads]:
                 w(call, indent)
@@ -845,6 +871,8 @@ def _stage_calls(plan: Plan, stage: Stage, options: BuildOptions) -> list[tuple[
         calls = _fused_o_calls(plan, stage, calls)
     if options.fused_mlp:
         calls = _fused_mlp_calls(plan, stage, calls)
+    if options.fused_split:
+        calls = _fused_split_calls(stage, calls)
     return calls
 
 
@@ -880,10 +908,11 @@ def _write_fused_o_step(w: _Writer, plan: Plan) -> None:
       "projection runs in attention's interval", 2)
 
 
-def _write_fused_o_loads(w: _Writer, calls: list[str], indent: int) -> None:
+def _write_fused_o_loads(w: _Writer, calls: list[str], indent: int, every_step: bool = False) -> None:
     """The calls between the arrival after the QKV projection and its wait, in a ``fused_o`` build: a fused step
     copies its W_O block into the ring's shared memory (``bodies.fused_o_load``) instead of the O projection's
-    ring fill, which the other steps keep."""
+    ring fill, which the other steps keep; with ``every_step`` (fused_split: no step has that ring fill) every
+    step copies its block."""
     load = ("bodies.fused_o_load(w_o[layer, None, None], k_cache[layer, None, None, None, None], "
             "v_cache[layer, None, None, None, None], s_ring, pos, cta, tidx, N_HEADS, N_KV_HEADS, HEAD_DIM, HIDDEN, "
             "FUSED_O_BLOCKS, FUSED_O_BLOCK_ROWS, MIN_CHUNK, FUSED_KV_SMEM, THREADS)")
@@ -892,6 +921,9 @@ def _write_fused_o_loads(w: _Writer, calls: list[str], indent: int) -> None:
         if call.startswith(_O_RING_PREFILL):
             continue
         w(call, indent)
+    if every_step:
+        w(load, indent)
+        return
     w("if fo == 1:", indent)
     w(load, indent + 1)
     if prefill:
@@ -939,12 +971,7 @@ def _fused_attention_stages(w: _Writer, plan: Plan, attention: Stage, indent: in
     w.begin(_entry(plan, attention, layer_var, "barrier_interval", f"layer[*].{attention.name}"))
     w(f"# ---- stage {attention.index}: {attention.name} ({attention.scope}); with {o_stage.name} where fo == 1 ----",
       indent)
-    fused_call = (f"bodies.fused_attention_o(qkv, {_qk_norm_argument(plan)}, {_rope_arguments(plan)}, "
-                  "k_cache[layer, None, None, None, None], v_cache[layer, None, None, None, None], s_ring, o_part, "
-                  f"pos, {_first_key(plan)}, s_att, cta, "
-                  f"tidx, N_HEADS, N_KV_HEADS, HEAD_DIM, THREADS, ATTN_SCALE, {plan.has_head_norms}, EPS, ATT_UNROLL, "
-                  f"{'ROTARY_DIM' if plan.dims.rotary_dim else 'HEAD_DIM'}, {plan.dims.whole_qk_norm}, KV_PIPELINE, "
-                  "FUSED_MMA, HIDDEN, FUSED_O_BLOCKS, FUSED_O_BLOCK_ROWS, MIN_CHUNK, FUSED_KV_SMEM)")
+    fused_call = _fused_attention_call(plan)
     body, call = _stage_calls(plan, attention, options)[0]
     w("if fo == 1:", indent)
     w.begin(_entry(plan, attention, layer_var, "body_call", "layer[*].attention.fused_attention_o"))
@@ -978,6 +1005,75 @@ def _fused_attention_stages(w: _Writer, plan: Plan, attention: Stage, indent: in
         clock(reopen=False)
     w(options.barrier, indent)
     clock(reopen=False)
+    w.end()
+
+
+def _fused_attention_call(plan: Plan) -> str:
+    return (f"bodies.fused_attention_o(qkv, {_qk_norm_argument(plan)}, {_rope_arguments(plan)}, "
+            "k_cache[layer, None, None, None, None], v_cache[layer, None, None, None, None], s_ring, o_part, "
+            f"pos, {_first_key(plan)}, s_att, cta, "
+            f"tidx, N_HEADS, N_KV_HEADS, HEAD_DIM, THREADS, ATTN_SCALE, {plan.has_head_norms}, EPS, ATT_UNROLL, "
+            f"{'ROTARY_DIM' if plan.dims.rotary_dim else 'HEAD_DIM'}, {plan.dims.whole_qk_norm}, KV_PIPELINE, "
+            "FUSED_MMA, HIDDEN, FUSED_O_BLOCKS, FUSED_O_BLOCK_ROWS, MIN_CHUNK, FUSED_KV_SMEM)")
+
+
+# ------------------------------------------------------------------------------ fused_split builds (codegen.fused)
+def _fused_split_calls(stage: Stage, calls: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """A ``fused_split`` build's body calls beyond fused_o's: the prologue zeroes the per-group arrival counters
+    (``o_count``), and the gate/up staging always sums the O partials (every step wrote them)."""
+    if stage.scope == "prologue":
+        return calls + [("zero_counts", "bodies.zero_rows(o_count, cta, tidx, LAYERS, N_KV_HEADS, CTAS, THREADS)")]
+    if stage.name == "norm_gate_up":
+        name, call = calls[0]
+        assert name == "rmsnorm_partials_to_smem" and ", fo, N_KV_HEADS, " in call, calls
+        return [(name, call.replace(", fo, N_KV_HEADS, ", ", 1, N_KV_HEADS, "))] + calls[1:]
+    return calls
+
+
+def _fused_split_stages(w: _Writer, plan: Plan, attention: Stage, indent: int, layer_var, options: BuildOptions,
+                        clocks: list[str] | None = None) -> None:
+    """The attention stage of a ``fused_split`` build with the O projection in its interval at every step: a
+    fused step runs ``bodies.fused_attention_o``, any other its split-KV items (counting each into its KV group's
+    ``o_count`` row) and then ``bodies.split_o_block``; both then arrive, issue the O stage's calls before the
+    barrier (the gate/up ring fill) and wait. ``clocks`` (a phases timeline): the slots of both stages' phases
+    (:func:`stage_phases`)."""
+    def clock() -> None:
+        if clocks:
+            _timeline_store(w, indent, True, clocks.pop(0), options.clock_every_cta)
+
+    o_stage = _o_stage(plan)
+    w.begin(_entry(plan, attention, layer_var, "barrier_interval", f"layer[*].{attention.name}"))
+    w(f"# ---- stage {attention.index}: {attention.name} ({attention.scope}) with {o_stage.name} (fused_split) ----",
+      indent)
+    body, call = _stage_calls(plan, attention, options)[0]
+    assert body == "split_kv_attention" and call.endswith(")"), (body, call)
+    counted = call[:-1] + ", group_counts=o_count[layer, None], count_groups=True)"
+    o_block = (f"bodies.split_o_block(attn, {ATTN_PART}, o_count[layer, None], s_ring, s_att, o_part, pos, "
+               f"{_first_key(plan)}, cta, tidx, N_HEADS, N_KV_HEADS, HEAD_DIM, HIDDEN, THREADS, KV_SPLITS, MIN_CHUNK, "
+               f"CHUNK_QUANTUM, HEAD_SLICES, LONG_SLICES, {options.fold_splits}, FUSED_O_BLOCKS, FUSED_O_BLOCK_ROWS)")
+    w("if fo == 1:", indent)
+    w.begin(_entry(plan, attention, layer_var, "body_call", "layer[*].attention.fused_attention_o"))
+    w(_fused_attention_call(plan), indent + 1)
+    w.end()
+    w("else:", indent)
+    w.begin(_entry(plan, attention, layer_var, "body_call", f"layer[*].attention.{body}"))
+    w(counted, indent + 1)
+    w.end()
+    w.begin(_entry(plan, o_stage, layer_var, "body_call", f"layer[*].{o_stage.name}.split_o_block"))
+    w(o_block, indent + 1)
+    w.end()
+    clock()
+    w.end()
+    w.begin(_entry(plan, o_stage, layer_var, "barrier_interval", f"layer[*].{o_stage.name}"))
+    w(f"# ---- stage {o_stage.index}: {o_stage.name} ({o_stage.scope}): in attention's interval ----", indent)
+    w(options.arrival, indent)
+    before = _stage_before_calls(plan, o_stage, options)
+    for call in before:
+        w(call, indent)
+    if before:
+        clock()
+    w(options.barrier, indent)
+    clock()
     w.end()
 
 

@@ -17,6 +17,8 @@ from ..plan import Plan, kv_splits, ring_shape
 from ..plan.stages import spec_of
 
 FUSED_O_BUFFERS = ("o_mid", "o_part")  # fp32 [1, hidden] residual after attention, [n_kv_heads, hidden] partials
+# a fused_split build's int64 [layers, n_kv_heads] arrival counters of each layer's split-KV items per KV group
+FUSED_SPLIT_BUFFERS = ("o_count",)
 
 
 @dataclass(frozen=True)
@@ -95,4 +97,12 @@ def fused_kv_refusal(plan: Plan) -> str | None:
     if geometry.block_bytes + geometry.kv_bytes > geometry.ring_bytes:
         return (f"the W_O block ({geometry.block_bytes} bytes) and the group's K/V rows ({geometry.kv_bytes}) do not "
                 f"fit the cp.async ring ({geometry.ring_bytes} bytes)")
+    return None
+
+
+def fused_split_refusal(plan: Plan, *, fused_o: bool) -> str | None:
+    """Why ``generate(plan, fused_split=True)`` (every step's O projection in attention's interval: the split
+    steps' too, ``bodies.split_o_block``) cannot build this plan, or None where it can."""
+    if not fused_o:  # fused_o_refusal also asks for split-KV attention
+        return "it extends fused_o (fused_o=True, where fused_o_refusal allows it)"
     return None

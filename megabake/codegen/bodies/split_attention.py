@@ -470,7 +470,8 @@ def split_kv_attention(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Te
                        spread_merge: cutlass.Constexpr[bool], head_slices: cutlass.Constexpr[int],
                        long_slices: cutlass.Constexpr[bool], kv_pipeline: cutlass.Constexpr[bool],
                        merge_above: cutlass.Constexpr[int] = 1, mma_attention: cutlass.Constexpr[bool] = False,
-                       mma_slices: cutlass.Constexpr[int] = 0, mma_wide: cutlass.Constexpr[bool] = False):
+                       mma_slices: cutlass.Constexpr[int] = 0, mma_wide: cutlass.Constexpr[bool] = False,
+                       group_counts: cute.Tensor = None, count_groups: cutlass.Constexpr[bool] = False):
     """Flash decoding: RoPE + KV append + attention over positions [first_key, pos], the cached keys split across
     CTAs (``first_key`` is 0, or where the layer's sliding window starts). ``merge_preload``: the merging item
     loads its first partials at once (:func:`_merge_splits`). ``spread_merge``: every active item of a group
@@ -481,6 +482,8 @@ def split_kv_attention(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Te
     (:func:`merge_splits_to_smem`). ``mma_attention`` (a candidate): items of 2-8 query heads of 64 or 128 dims
     score and sum their keys on the tensor cores (:func:`_mma_softmax_chunk`); ``mma_slices`` deals with them in
     mind (:func:`split_schedule`); ``mma_wide`` (a candidate, session 41) also puts heads of 256 dims there.
+    ``count_groups`` (``generate(plan, fused_split=True)``, a candidate): each item, once its partial (or its
+    merge) is written, adds 1 to ``group_counts[KV head]`` (release), which :func:`split_o_block` waits on.
 
     Work items are (split, batch, KV head), split-major, dealt to CTAs. At this step the ``pos + 1 - first_key``
     visible positions are cut into ``active`` chunks of ``chunk`` positions (at least ``min_chunk``, which is the
@@ -499,7 +502,7 @@ def split_kv_attention(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Te
         _split_kv_items(qkv, qk_norm, rope_cos, rope_sin, k_cache, v_cache, attn, part, counts, pos, first_key,
                         chunk, active, s_att, cta, tidx, batch, n_heads, n_kv_heads, head_dim, ctas, threads, scale,
                         has_qk_norm, eps, splits, unroll, rotary_dim, whole_qk_norm, merge_preload, spread_merge,
-                        group, 1, kv_pipeline, merge_above, mma_attention, mma_wide)
+                        group, 1, kv_pipeline, merge_above, mma_attention, mma_wide, group_counts, count_groups)
     else:
         for s in cutlass.range_constexpr(1, head_slices + 1):
             if cutlass.const_expr(head_slices % s == 0 and (long_slices or s == 1 or s == head_slices)):
@@ -508,7 +511,7 @@ def split_kv_attention(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Te
                                     first_key, chunk, active, s_att, cta, tidx, batch, n_heads, n_kv_heads,
                                     head_dim, ctas, threads, scale, has_qk_norm, eps, splits, unroll, rotary_dim,
                                     whole_qk_norm, merge_preload, spread_merge, group // s, s, kv_pipeline,
-                                    merge_above, mma_attention, mma_wide)
+                                    merge_above, mma_attention, mma_wide, group_counts, count_groups)
 
 
 def _item_scratch(s_att: cute.Tensor, heads: int, head_dim: int, warps: int):
@@ -629,7 +632,8 @@ def _split_kv_items(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Tenso
                     merge_preload: cutlass.Constexpr[bool], spread_merge: cutlass.Constexpr[bool],
                     heads: cutlass.Constexpr[int], slices: cutlass.Constexpr[int],
                     kv_pipeline: cutlass.Constexpr[bool], merge_above: cutlass.Constexpr[int],
-                    mma_attention: cutlass.Constexpr[bool], mma_wide: cutlass.Constexpr[bool] = False):
+                    mma_attention: cutlass.Constexpr[bool], mma_wide: cutlass.Constexpr[bool] = False,
+                    group_counts: cute.Tensor = None, count_groups: cutlass.Constexpr[bool] = False):
     """This CTA's work items of :func:`split_kv_attention` at this step, ``slices`` head slices of ``heads`` query
     heads each per (split, batch, KV head) (1 slice: the whole group). Item ``i`` is split ``i // (groups x
     slices)``, then (batch, KV head, slice); the ``heads`` query heads of a slice are a "virtual KV group" of
@@ -691,6 +695,10 @@ def _split_kv_items(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Tenso
                     _merge_splits(attn, part, counts, s_flag, s_weight, b, vkvh, vg, active, tidx, heads, head_dim,
                                   threads, splits, merge_preload)
             cute.arch.sync_threads()
+            if cutlass.const_expr(count_groups):  # bar.sync above: the CTA's writes come before the release
+                if tidx == 0:
+                    cute.arch.red((group_counts.iterator + g).llvm_ptr, Int64(1), op="add", dtype="u64",
+                                  sem="release", scope="gpu")
 
 
 @cute.jit
@@ -1043,11 +1051,8 @@ def fused_attention_o(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Ten
     group's columns for the rows of its block, from the block :func:`fused_o_load` put in shared memory. With
     ``kv_smem`` the group's cached rows are scored from shared memory too (no window: they start at 0)."""
     warps = threads // WARP
-    lane = tidx % WARP
-    warp = tidx // WARP
     heads = n_heads // n_kv_heads
     cols = heads * head_dim
-    vecs = cols // VEC
     group = cta % n_kv_heads
     block = cta // n_kv_heads
     if block < blocks:
@@ -1070,25 +1075,137 @@ def fused_attention_o(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Ten
             s_q[i] = out / total
         cute.arch.cp_async_wait_group(0)
         cute.arch.sync_threads()
-        s_wo = cute.make_tensor(s_ring.iterator, cute.make_layout((block_rows, cols), stride=(cols, 1)))
-        sums = cute.make_rmem_tensor(cute.make_layout(FUSED_O_ROWS), Float32)
-        for r0 in range(warp * FUSED_O_ROWS, block_rows, warps * FUSED_O_ROWS):
-            for k in cutlass.range_constexpr(FUSED_O_ROWS):
-                sums[k] = Float32(0.0)
-            for v0 in cutlass.range_constexpr(0, vecs, WARP):
-                v = v0 + lane
-                if v < vecs:
-                    av = cute.zipped_divide(s_q, (VEC,))[(None, cutlass.min(v, vecs - 1))].load()
-                    for k in cutlass.range_constexpr(FUSED_O_ROWS):
-                        r = cutlass.min(r0 + k, block_rows - 1)
-                        wv = cute.zipped_divide(s_wo[r, None], (VEC,))[(None, cutlass.min(v, vecs - 1))].load()
-                        sums[k] = sums[k] + (wv.to(Float32) * av).reduce(cute.ReductionOp.ADD, Float32(0.0),
-                                                                         reduction_profile=0)
-            for k in cutlass.range_constexpr(FUSED_O_ROWS):
-                total = cute.arch.warp_reduction_sum(sums[k])
-                row = block * block_rows + r0 + k
-                if lane == 0 and r0 + k < block_rows and row < hidden:
-                    o_part[group, row] = total
-        cute.arch.sync_threads()  # s_q and the W_O block are read: the next stage's ring fill may overwrite them
+        _o_block_rows(s_q, s_ring, o_part, group, block, tidx, threads, cols, hidden, block_rows)
     else:
         cute.arch.cp_async_wait_group(0)
+
+
+@cute.jit
+def _o_block_rows(s_q: cute.Tensor, s_ring: cute.Tensor, o_part: cute.Tensor, group: Int32, block: Int32,
+                  tidx: Int32, threads: cutlass.Constexpr[int], cols: cutlass.Constexpr[int],
+                  hidden: cutlass.Constexpr[int], block_rows: cutlass.Constexpr[int]):
+    """``o_part[group, r] = sum_c W_O[r, c] * s_q[c]`` for the rows of this CTA's W_O block (in shared memory,
+    :func:`fused_o_load`; ``s_q``: the group's attention output, fp32, complete in the whole CTA), one warp per
+    ``FUSED_O_ROWS`` rows; ends with a CTA-wide sync (the next stage's ring fill may then overwrite both)."""
+    warps = threads // WARP
+    lane = tidx % WARP
+    warp = tidx // WARP
+    vecs = cols // VEC
+    s_wo = cute.make_tensor(s_ring.iterator, cute.make_layout((block_rows, cols), stride=(cols, 1)))
+    sums = cute.make_rmem_tensor(cute.make_layout(FUSED_O_ROWS), Float32)
+    for r0 in range(warp * FUSED_O_ROWS, block_rows, warps * FUSED_O_ROWS):
+        for k in cutlass.range_constexpr(FUSED_O_ROWS):
+            sums[k] = Float32(0.0)
+        for v0 in cutlass.range_constexpr(0, vecs, WARP):
+            v = v0 + lane
+            if v < vecs:
+                av = cute.zipped_divide(s_q, (VEC,))[(None, cutlass.min(v, vecs - 1))].load()
+                for k in cutlass.range_constexpr(FUSED_O_ROWS):
+                    r = cutlass.min(r0 + k, block_rows - 1)
+                    wv = cute.zipped_divide(s_wo[r, None], (VEC,))[(None, cutlass.min(v, vecs - 1))].load()
+                    sums[k] = sums[k] + (wv.to(Float32) * av).reduce(cute.ReductionOp.ADD, Float32(0.0),
+                                                                     reduction_profile=0)
+        for k in cutlass.range_constexpr(FUSED_O_ROWS):
+            total = cute.arch.warp_reduction_sum(sums[k])
+            row = block * block_rows + r0 + k
+            if lane == 0 and r0 + k < block_rows and row < hidden:
+                o_part[group, row] = total
+    cute.arch.sync_threads()  # s_q and the W_O block are read: the next stage's ring fill may overwrite them
+
+
+# Attention's O projection in attention's interval at every context (``generate(plan, fused_split=True)``, a
+# candidate since session 44, on top of ``fused_o``): a step of several splits runs its split-KV items as the
+# default does (each then adds 1 to its KV group's counter, ``group_counts``), and then every CTA takes the same
+# (KV group, W_O row block) as a fused step: it waits until every item of its group arrived, merges that group's
+# partials (or copies its merged output, where the items merged them) and multiplies its W_O block, copied into
+# shared memory before the barrier as a fused step's, into ``o_part``. The O-projection stage, its grid barrier and
+# the every-CTA merge of all heads in its staging are gone; the next staging sums the partials as after a fused
+# step. A per-group wait replaces a grid barrier; the logits differ from the default's by the fp32 order of the
+# merge and of the O projection's sums.
+@cute.jit
+def split_o_block(attn: cute.Tensor, part: cute.Tensor, group_counts: cute.Tensor, s_ring: cute.Tensor,
+                  s_att: cute.Tensor, o_part: cute.Tensor, pos: Int32, first_key: Int32, cta: Int32, tidx: Int32,
+                  n_heads: cutlass.Constexpr[int], n_kv_heads: cutlass.Constexpr[int],
+                  head_dim: cutlass.Constexpr[int], hidden: cutlass.Constexpr[int], threads: cutlass.Constexpr[int],
+                  splits: cutlass.Constexpr[int], min_chunk: cutlass.Constexpr[int], quantum: cutlass.Constexpr[int],
+                  head_slices: cutlass.Constexpr[int], long_slices: cutlass.Constexpr[bool],
+                  fold: cutlass.Constexpr[int], blocks: cutlass.Constexpr[int], block_rows: cutlass.Constexpr[int],
+                  mma_slices: cutlass.Constexpr[int] = 0):
+    """The O projection of a step of several splits in a ``fused_split`` build (module comment above; batch 1):
+    this CTA's KV group (``cta % n_kv_heads``) and W_O row block (``cta // n_kv_heads``). Thread 0 polls
+    ``group_counts[group]`` (acquire) until all ``active x slices`` items of the group (the dealing of
+    :func:`split_schedule`) arrived; then the CTA merges the group's partials of the 2..``fold`` active splits
+    (as :func:`merge_splits_to_smem`: each split's max, sum and accumulator, clamped past ``active``) or copies
+    ``attn`` (one split, or more than ``fold``: the items merged them), into the attention scratch, and
+    :func:`_o_block_rows` writes its rows of ``o_part[group]``. CTAs past the last block only wait for their
+    cp.async groups."""
+    heads = n_heads // n_kv_heads
+    cols = heads * head_dim
+    group = cta % n_kv_heads
+    block = cta // n_kv_heads
+    if block < blocks:
+        chunk, active, slices = split_schedule(pos + 1 - first_key, splits, min_chunk, quantum, head_slices,
+                                               long_slices, mma_slices)
+        if tidx == 0:
+            ptr = (group_counts.iterator + group).llvm_ptr
+            target = Int64(active * slices)
+            current = cute.arch.load(ptr, Int64, sem="acquire", scope="gpu")
+            while current < target:
+                current = cute.arch.load(ptr, Int64, sem="acquire", scope="gpu")
+        cute.arch.sync_threads()
+        s_q = cute.make_tensor(s_att.iterator, cute.make_layout(cols))
+        if cutlass.const_expr(fold >= 2):
+            if active == 1 or active > fold:
+                for i in range(tidx, cols, threads):
+                    s_q[i] = attn[0, group * cols + i]
+            else:
+                _merge_group_partials(part, s_q, group, active, tidx, heads, head_dim, threads, fold)
+        else:  # the items merge every step of 2+ splits (no fold_merge)
+            for i in range(tidx, cols, threads):
+                s_q[i] = attn[0, group * cols + i]
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.sync_threads()
+        _o_block_rows(s_q, s_ring, o_part, group, block, tidx, threads, cols, hidden, block_rows)
+    else:
+        cute.arch.cp_async_wait_group(0)
+
+
+@cute.jit
+def _merge_group_partials(part: cute.Tensor, s_q: cute.Tensor, group: Int32, active: Int32, tidx: Int32,
+                          heads: cutlass.Constexpr[int], head_dim: cutlass.Constexpr[int],
+                          threads: cutlass.Constexpr[int], fold: cutlass.Constexpr[int]):
+    """``s_q`` = one KV group's attention output merged from ``part[0, head, split, :]`` (accumulator, max, sum) of
+    its ``active`` (2..``fold``) splits: :func:`merge_splits_to_smem`'s arithmetic, in the same order, for the
+    group's heads; each thread loads every split of its 4-output vectors at once (clamped repeats weigh 0)."""
+    nvec = heads * head_dim // F32_VEC
+    for v in range(tidx, nvec, threads):
+        o = v * F32_VEC
+        h = o // head_dim
+        d = o - h * head_dim
+        head = group * heads + h
+        ms = cute.make_rmem_tensor(cute.make_layout(fold), Float32)
+        ls = cute.make_rmem_tensor(cute.make_layout(fold), Float32)
+        ps = cute.make_rmem_tensor(cute.make_layout((F32_VEC, fold)), Float32)
+        for s in cutlass.range_constexpr(fold):
+            split = cutlass.min(Int32(s), active - 1)
+            ms[s] = part[0, head, split, head_dim]
+            ls[s] = part[0, head, split, head_dim + 1]
+            for e in cutlass.range_constexpr(F32_VEC):
+                ps[e, s] = part[0, head, split, d + e]
+        top = ms[0]
+        for s in cutlass.range_constexpr(1, fold):
+            top = cute.arch.fmax(top, ms[s])
+        total = Float32(0.0)
+        out = cute.make_rmem_tensor(cute.make_layout(F32_VEC), Float32)
+        for e in cutlass.range_constexpr(F32_VEC):
+            out[e] = Float32(0.0)
+        for s in cutlass.range_constexpr(fold):
+            weight = cute.math.exp(ms[s] - top)
+            if s >= active:
+                weight = Float32(0.0)
+            total = total + ls[s] * weight
+            for e in cutlass.range_constexpr(F32_VEC):
+                out[e] = out[e] + ps[e, s] * weight
+        inverse = Float32(1.0) / total
+        for e in cutlass.range_constexpr(F32_VEC):
+            s_q[o + e] = out[e] * inverse

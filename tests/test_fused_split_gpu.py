@@ -1,0 +1,90 @@
+"""The ``fused_split`` build on the GPU (session 44 candidate, ``bodies.split_o_block``): every step's O projection
+in attention's interval, a split step's CTAs waiting on their KV group's arrival counter instead of a grid barrier.
+Against the ``fused_o`` build it extends, from one random KV cache, at split steps (near the first split boundary,
+halfway, at capacity - 1) and fused ones; a second run must give the same bits (a moving result is a race);
+against the CPU reference executor; and the counters must hold each layer's item count after a step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.test_fused_o_gpu import _compiled, _fused_and_split_positions
+from tests.test_gpu_decode import _assert_steps_match, _logits_over_random_cache, _reference_for
+
+pytestmark = pytest.mark.gpu
+
+PRESETS = [("smollm-135m", 2048), ("qwen2.5-0.5b", 4096), ("qwen3-0.6b", 4096), ("llama-3.2-1b", 1024),
+           ("tiny-mistral", 256)]
+
+
+@pytest.mark.parametrize("preset,capacity", PRESETS)
+def test_fused_split_gives_the_fused_o_logits_to_fp32_order_and_the_same_bits_twice(preset, capacity):
+    """The split items and their merge are the fused_o build's arithmetic (the group's merge in the same order);
+    the O projection's sum order differs (a W_O block per KV group, the groups then summed in the staging), so
+    logits agree to fp32 order (1e-4 over 2 layers), not bit for bit; with fused_mlp on top too. tiny-mistral
+    has sliding windows (a layer's first key past 0)."""
+    compiled = _compiled(preset, capacity)
+    fused, split = _fused_and_split_positions(compiled, capacity)
+    assert split, "no split step among the positions: the test would not reach split_o_block"
+    positions = split + fused
+    base = {"fused_o": True}
+    fused_o, fused_split, again, with_mlp = _logits_over_random_cache(
+        compiled, positions, 1, [base, {**base, "fused_split": True}, {**base, "fused_split": True},
+                                 {**base, "fused_split": True, "fused_mlp": True}])
+    assert torch.isfinite(fused_split).all()
+    assert torch.equal(again, fused_split)
+    for i, position in enumerate(positions):
+        assert float((fused_split[i] - fused_o[i]).norm() / fused_o[i].norm()) < 1e-4, position
+        assert float((with_mlp[i] - fused_o[i]).norm() / fused_o[i].norm()) < 1e-4, position
+
+
+@pytest.mark.parametrize("preset,capacity", [("smollm-135m", 2048), ("qwen3-0.6b", 4096)])
+def test_fused_split_kernel_matches_the_reference_executor(preset, capacity):
+    """The fused_split build on the default's other choices (split items and fused groups on the tensor cores,
+    mirrored by the reference executor) against the CPU reference at the usual tolerance."""
+    from megabake.codegen import generate
+    from megabake.runtime import MegakernelDecoder
+
+    compiled = _compiled(preset, capacity)
+    fused, split = _fused_and_split_positions(compiled, capacity)
+    source = generate(compiled.plan, fused_split=True).source
+    assert "\nFUSED_SPLIT = True\n" in source
+    decoder = MegakernelDecoder(compiled.plan, source, compiled.model, device="cuda")
+    reference = _reference_for(compiled, decoder)
+    generator = torch.Generator().manual_seed(44)
+    for name in ("k_cache", "v_cache"):
+        cache = torch.randn(reference.buffers[name].shape, generator=generator).to(reference.buffers[name].dtype)
+        reference.buffers[name].copy_(cache)
+        decoder.buffers[name].copy_(cache.to(decoder.buffers[name].device))
+    positions = fused + split
+    tokens = torch.randint(1, compiled.plan.dims.vocab, (1, len(positions)), generator=generator)
+    _assert_steps_match(decoder, reference, tokens, positions)
+
+
+def test_the_counters_hold_each_layers_items_and_replays_give_the_same_bits():
+    """After a split step (SmolLM-135M at 1500, 2 layers) every layer's row of ``o_count`` holds, per KV group,
+    the items the dealing made (``plan.attention.split_schedule``: active splits x head slices), the counters are
+    zeroed by every launch (the same counts after 30 replays), and the replays give the same logits."""
+    from megabake.codegen import generate
+    from megabake.plan.attention import PASS_CHUNKS, chunk_quantum, split_schedule
+    from megabake.runtime import MegakernelDecoder
+
+    compiled = _compiled("smollm-135m", 2048)
+    plan = compiled.plan
+    decoder = MegakernelDecoder(plan, generate(plan, fused_split=True).source, compiled.model, device="cuda")
+    generator = torch.Generator().manual_seed(45)
+    for name in ("k_cache", "v_cache"):
+        buffer = decoder.buffers[name]
+        buffer.copy_(torch.randn(buffer.shape, generator=generator).to(buffer.dtype))
+    tiling = next(s.tiling for s in plan.stages if s.kind == "attention")
+    schedule = split_schedule(tiling, 1501, quantum=chunk_quantum(plan, PASS_CHUNKS))
+    assert schedule.active > 1
+    token = torch.tensor([17])
+    logits = decoder.step(token, 1500).float().clone()
+    counts = decoder.buffers["o_count"].cpu()
+    assert counts.dtype == torch.int64
+    assert torch.equal(counts, torch.full_like(counts, schedule.active * schedule.slices))
+    for _ in range(30):
+        assert torch.equal(decoder.step(token, 1500).float(), logits)
+    assert torch.equal(decoder.buffers["o_count"].cpu(), counts)
