@@ -75,3 +75,16 @@ def test_a_fused_split_build_compiles_for_sm90a(preset, capacity, builds):
     module = load_module(generate(plan, fused_o=True, fused_split=True, **builds).source)
     result = compile_check(plan, module)
     assert result.ok, result.error
+
+
+def test_the_experimental_switch_turns_it_on_where_fused_o_is(smollm, monkeypatch):
+    """Off by default (not in GPU_VERIFIED_FEATURES yet); ``MEGABAKE_EXPERIMENTAL_LAYOUTS=fused_split`` turns it on
+    wherever fused_o is on (so the whole GPU suite can run with it), and never asks for it where fused_o is off."""
+    from megabake.plan import EXPERIMENTAL_LAYOUTS_ENV, GPU_VERIFIED_FEATURES
+
+    assert "fused_split" not in GPU_VERIFIED_FEATURES
+    with monkeypatch.context() as patch:
+        patch.setenv(EXPERIMENTAL_LAYOUTS_ENV, "fused_split")
+        assert generate(smollm.plan).source == generate(smollm.plan, fused_split=True).source
+        assert "split_o_block" not in generate(smollm.plan, fused_o=False).source.split("\n# ====")[0]
+    assert "split_o_block" not in generate(smollm.plan).source.split("\n# ====")[0]

@@ -420,7 +420,7 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
              prefetch_bytes: int | None = None, mma_attention: bool | None = None,
              mma_schedule: bool = False, fused_o: bool | None = None, fused_kv_smem: bool = False,
              fused_mma: bool | None = None, mma_wide: bool | None = None,
-             fused_mlp: bool = False, fused_split: bool = False) -> GeneratedModule:
+             fused_mlp: bool = False, fused_split: bool | None = None) -> GeneratedModule:
     """module.py of ``plan``. ``merge_preload`` / ``spread_merge``: None picks them per plan
     (:func:`default_merge`); True asks for one (refused where the attention scratch cannot hold it), False
     leaves it out (both False: the plain last-arrival merge of sessions 10-16). ``head_slices=False`` deals
@@ -463,11 +463,14 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     intermediate width, its down-projection partials meet in an int64 fixed-point accumulator (deterministic,
     not the default's fp32 order: close to it, not equal; :mod:`megabake.codegen.fused_mlp`); it needs
     ``fused_o``; refused where :func:`megabake.codegen.fused_mlp.fused_mlp_refusal` names a reason.
-    ``fused_split`` (session 44, a candidate built without a GPU): with ``fused_o``, the steps of several splits run
+    ``fused_split`` (session 44, a candidate; its GPU tests pass on an H100, SmolLM-135M -4% at 1000 and 2000,
+    Qwen2.5-0.5B / Qwen3-0.6B -1% at 4000, same at 16): with ``fused_o``, the steps of several splits run
     their O projection in attention's interval too (``bodies.split_o_block``: each CTA waits for its KV group's
     split-KV items on a per-group counter, merges that group's partials and multiplies its W_O block into
     ``o_part``), so every step has one grid barrier less per layer; refused where
-    :func:`megabake.codegen.fused.fused_split_refusal` names a reason."""
+    :func:`megabake.codegen.fused.fused_split_refusal` names a reason; None: on where fused_o is and the
+    ``fused_split`` feature is enabled (``MEGABAKE_EXPERIMENTAL_LAYOUTS=fused_split`` until the GPU suite passes
+    with it on and it joins ``GPU_VERIFIED_FEATURES``)."""
     if watchdog and timeline:
         raise ValueError("a watchdog build has no timeline: build them separately")
     if barrier is not None and barrier not in BARRIER_ARRIVALS:
@@ -549,6 +552,8 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
         if why:
             raise ValueError(f"fused_mlp runs the gate/up and down projections in one interval, but {why}: build "
                              "without it")
+    if fused_split is None:
+        fused_split = bool(fused_o) and feature_enabled("fused_split")
     if fused_split:
         why = fused_split_refusal(plan, fused_o=fused_o)
         if why:

@@ -1118,7 +1118,8 @@ def split_kv_attention(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Te
                        spread_merge: cutlass.Constexpr[bool], head_slices: cutlass.Constexpr[int],
                        long_slices: cutlass.Constexpr[bool], kv_pipeline: cutlass.Constexpr[bool],
                        merge_above: cutlass.Constexpr[int] = 1, mma_attention: cutlass.Constexpr[bool] = False,
-                       mma_slices: cutlass.Constexpr[int] = 0, mma_wide: cutlass.Constexpr[bool] = False):
+                       mma_slices: cutlass.Constexpr[int] = 0, mma_wide: cutlass.Constexpr[bool] = False,
+                       group_counts: cute.Tensor = None, count_groups: cutlass.Constexpr[bool] = False):
     """Flash decoding: RoPE + KV append + attention over positions [first_key, pos], the cached keys split across
     CTAs (``first_key`` is 0, or where the layer's sliding window starts). ``merge_preload``: the merging item
     loads its first partials at once (:func:`_merge_splits`). ``spread_merge``: every active item of a group
@@ -1129,6 +1130,8 @@ def split_kv_attention(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Te
     (:func:`merge_splits_to_smem`). ``mma_attention`` (a candidate): items of 2-8 query heads of 64 or 128 dims
     score and sum their keys on the tensor cores (:func:`_mma_softmax_chunk`); ``mma_slices`` deals with them in
     mind (:func:`split_schedule`); ``mma_wide`` (a candidate, session 41) also puts heads of 256 dims there.
+    ``count_groups`` (``generate(plan, fused_split=True)``, a candidate): each item, once its partial (or its
+    merge) is written, adds 1 to ``group_counts[KV head]`` (release), which :func:`split_o_block` waits on.
 
     Work items are (split, batch, KV head), split-major, dealt to CTAs. At this step the ``pos + 1 - first_key``
     visible positions are cut into ``active`` chunks of ``chunk`` positions (at least ``min_chunk``, which is the
@@ -1147,7 +1150,7 @@ def split_kv_attention(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Te
         _split_kv_items(qkv, qk_norm, rope_cos, rope_sin, k_cache, v_cache, attn, part, counts, pos, first_key,
                         chunk, active, s_att, cta, tidx, batch, n_heads, n_kv_heads, head_dim, ctas, threads, scale,
                         has_qk_norm, eps, splits, unroll, rotary_dim, whole_qk_norm, merge_preload, spread_merge,
-                        group, 1, kv_pipeline, merge_above, mma_attention, mma_wide)
+                        group, 1, kv_pipeline, merge_above, mma_attention, mma_wide, group_counts, count_groups)
     else:
         for s in cutlass.range_constexpr(1, head_slices + 1):
             if cutlass.const_expr(head_slices % s == 0 and (long_slices or s == 1 or s == head_slices)):
@@ -1156,7 +1159,7 @@ def split_kv_attention(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Te
                                     first_key, chunk, active, s_att, cta, tidx, batch, n_heads, n_kv_heads,
                                     head_dim, ctas, threads, scale, has_qk_norm, eps, splits, unroll, rotary_dim,
                                     whole_qk_norm, merge_preload, spread_merge, group // s, s, kv_pipeline,
-                                    merge_above, mma_attention, mma_wide)
+                                    merge_above, mma_attention, mma_wide, group_counts, count_groups)
 
 
 def _item_scratch(s_att: cute.Tensor, heads: int, head_dim: int, warps: int):
@@ -1277,7 +1280,8 @@ def _split_kv_items(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Tenso
                     merge_preload: cutlass.Constexpr[bool], spread_merge: cutlass.Constexpr[bool],
                     heads: cutlass.Constexpr[int], slices: cutlass.Constexpr[int],
                     kv_pipeline: cutlass.Constexpr[bool], merge_above: cutlass.Constexpr[int],
-                    mma_attention: cutlass.Constexpr[bool], mma_wide: cutlass.Constexpr[bool] = False):
+                    mma_attention: cutlass.Constexpr[bool], mma_wide: cutlass.Constexpr[bool] = False,
+                    group_counts: cute.Tensor = None, count_groups: cutlass.Constexpr[bool] = False):
     """This CTA's work items of :func:`split_kv_attention` at this step, ``slices`` head slices of ``heads`` query
     heads each per (split, batch, KV head) (1 slice: the whole group). Item ``i`` is split ``i // (groups x
     slices)``, then (batch, KV head, slice); the ``heads`` query heads of a slice are a "virtual KV group" of
@@ -1339,6 +1343,10 @@ def _split_kv_items(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Tenso
                     _merge_splits(attn, part, counts, s_flag, s_weight, b, vkvh, vg, active, tidx, heads, head_dim,
                                   threads, splits, merge_preload)
             cute.arch.sync_threads()
+            if cutlass.const_expr(count_groups):  # bar.sync above: the CTA's writes come before the release
+                if tidx == 0:
+                    cute.arch.red((group_counts.iterator + g).llvm_ptr, Int64(1), op="add", dtype="u64",
+                                  sem="release", scope="gpu")
 
 
 @cute.jit
@@ -1680,11 +1688,8 @@ def fused_attention_o(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Ten
     group's columns for the rows of its block, from the block :func:`fused_o_load` put in shared memory. With
     ``kv_smem`` the group's cached rows are scored from shared memory too (no window: they start at 0)."""
     warps = threads // WARP
-    lane = tidx % WARP
-    warp = tidx // WARP
     heads = n_heads // n_kv_heads
     cols = heads * head_dim
-    vecs = cols // VEC
     group = cta % n_kv_heads
     block = cta // n_kv_heads
     if block < blocks:
@@ -1707,28 +1712,42 @@ def fused_attention_o(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Ten
             s_q[i] = out / total
         cute.arch.cp_async_wait_group(0)
         cute.arch.sync_threads()
-        s_wo = cute.make_tensor(s_ring.iterator, cute.make_layout((block_rows, cols), stride=(cols, 1)))
-        sums = cute.make_rmem_tensor(cute.make_layout(FUSED_O_ROWS), Float32)
-        for r0 in range(warp * FUSED_O_ROWS, block_rows, warps * FUSED_O_ROWS):
-            for k in cutlass.range_constexpr(FUSED_O_ROWS):
-                sums[k] = Float32(0.0)
-            for v0 in cutlass.range_constexpr(0, vecs, WARP):
-                v = v0 + lane
-                if v < vecs:
-                    av = cute.zipped_divide(s_q, (VEC,))[(None, cutlass.min(v, vecs - 1))].load()
-                    for k in cutlass.range_constexpr(FUSED_O_ROWS):
-                        r = cutlass.min(r0 + k, block_rows - 1)
-                        wv = cute.zipped_divide(s_wo[r, None], (VEC,))[(None, cutlass.min(v, vecs - 1))].load()
-                        sums[k] = sums[k] + (wv.to(Float32) * av).reduce(cute.ReductionOp.ADD, Float32(0.0),
-                                                                         reduction_profile=0)
-            for k in cutlass.range_constexpr(FUSED_O_ROWS):
-                total = cute.arch.warp_reduction_sum(sums[k])
-                row = block * block_rows + r0 + k
-                if lane == 0 and r0 + k < block_rows and row < hidden:
-                    o_part[group, row] = total
-        cute.arch.sync_threads()  # s_q and the W_O block are read: the next stage's ring fill may overwrite them
+        _o_block_rows(s_q, s_ring, o_part, group, block, tidx, threads, cols, hidden, block_rows)
     else:
         cute.arch.cp_async_wait_group(0)
+
+
+@cute.jit
+def _o_block_rows(s_q: cute.Tensor, s_ring: cute.Tensor, o_part: cute.Tensor, group: Int32, block: Int32,
+                  tidx: Int32, threads: cutlass.Constexpr[int], cols: cutlass.Constexpr[int],
+                  hidden: cutlass.Constexpr[int], block_rows: cutlass.Constexpr[int]):
+    """``o_part[group, r] = sum_c W_O[r, c] * s_q[c]`` for the rows of this CTA's W_O block (in shared memory,
+    :func:`fused_o_load`; ``s_q``: the group's attention output, fp32, complete in the whole CTA), one warp per
+    ``FUSED_O_ROWS`` rows; ends with a CTA-wide sync (the next stage's ring fill may then overwrite both)."""
+    warps = threads // WARP
+    lane = tidx % WARP
+    warp = tidx // WARP
+    vecs = cols // VEC
+    s_wo = cute.make_tensor(s_ring.iterator, cute.make_layout((block_rows, cols), stride=(cols, 1)))
+    sums = cute.make_rmem_tensor(cute.make_layout(FUSED_O_ROWS), Float32)
+    for r0 in range(warp * FUSED_O_ROWS, block_rows, warps * FUSED_O_ROWS):
+        for k in cutlass.range_constexpr(FUSED_O_ROWS):
+            sums[k] = Float32(0.0)
+        for v0 in cutlass.range_constexpr(0, vecs, WARP):
+            v = v0 + lane
+            if v < vecs:
+                av = cute.zipped_divide(s_q, (VEC,))[(None, cutlass.min(v, vecs - 1))].load()
+                for k in cutlass.range_constexpr(FUSED_O_ROWS):
+                    r = cutlass.min(r0 + k, block_rows - 1)
+                    wv = cute.zipped_divide(s_wo[r, None], (VEC,))[(None, cutlass.min(v, vecs - 1))].load()
+                    sums[k] = sums[k] + (wv.to(Float32) * av).reduce(cute.ReductionOp.ADD, Float32(0.0),
+                                                                     reduction_profile=0)
+        for k in cutlass.range_constexpr(FUSED_O_ROWS):
+            total = cute.arch.warp_reduction_sum(sums[k])
+            row = block * block_rows + r0 + k
+            if lane == 0 and r0 + k < block_rows and row < hidden:
+                o_part[group, row] = total
+    cute.arch.sync_threads()  # s_q and the W_O block are read: the next stage's ring fill may overwrite them
 
 
 class bodies:
