@@ -6,7 +6,10 @@ here. A fused build runs a short-context step's attention and O projection in on
 positions fit the first split-KV chunk, ``MIN_CHUNK``): CTA ``c`` takes KV group
 ``c % n_kv_heads`` and row block ``c // n_kv_heads`` of W_O, whose bf16 block must fit the idle cp.async ring.
 It needs the pre-norm residual layout (x += O(attn); x += down(act(gate/up(norm(x))))) at batch 1, split-KV
-attention and the split grid barrier; :func:`fused_o_refusal` names what is missing otherwise.
+attention and the split grid barrier; :func:`fused_o_refusal` names what is missing otherwise. A ``fused_split``
+build (session 44, on top of fused_o) deals W_O the same way at every step: a step of several splits runs its
+split-KV items, counts them per KV group (``FUSED_SPLIT_BUFFERS``), and each CTA then waits for its group, merges it
+and multiplies its block (``bodies.split_o_block``); :func:`fused_split_refusal`.
 """
 
 from __future__ import annotations
