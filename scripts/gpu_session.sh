@@ -146,7 +146,8 @@ if [[ " $PARTS " == *" tests-parallel "* ]]; then
   for ((i = 0; i < shards; i++)); do
     names+=("shard$i")
     OMP_NUM_THREADS=$threads run_tests "shard$i" "" --shard "$i/$shards" "${TESTS3[@]:2}" tests/test_fused_o_gpu.py \
-      tests/test_global_down_gpu.py tests/test_mma_wide_gpu.py tests/test_fused_mlp_gpu.py tests/test_fused_split_gpu.py &
+      tests/test_global_down_gpu.py tests/test_mma_wide_gpu.py tests/test_fused_mlp_gpu.py \
+      tests/test_fused_split_gpu.py &
   done
   wait
   collect_tests "${names[@]}"

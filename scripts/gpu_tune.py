@@ -267,24 +267,33 @@ def timeline(plan, model, tokens, phases: bool = False, build: str = "default",
     return by_kind
 
 
-def summarize_ctas(labels: list[str], rows: list[list[float]], top: int = 8, split: bool = False) -> dict:
+def summarize_ctas(labels: list[str], rows: list[list[float]], top: int = 8, split: bool = False,
+                   fused_step: bool = False) -> dict:
     """Where the grid barriers' waits come from, from every CTA's phase clocks (``cta_timelines``: per CTA, us
     from the earliest start to the end of each interval). Per stage kind, summed over layers: ``wait_mean`` (a
     CTA's mean time in the barrier interval), ``skew`` (last minus first arrival), ``latency`` (first release
     minus last arrival: the barrier itself), and ``gemv_min`` / ``gemv_median`` / ``gemv_max`` (a CTA's GEMV
     time); ``last_arrivals``: the CTAs that arrived last most often, with their counts. A CTA arrives where the
     barrier interval starts, or with ``split`` (a split barrier, the default since session 27) where the stage's
-    ``prefetch`` interval before it starts, if it has one."""
+    ``prefetch`` interval before it starts, if it has one. In a fused_o build (codegen.stage_phases) the attention
+    stage's ``split_barrier`` is its barrier (a CTA arrives where it starts) in a step of several splits and no
+    barrier at all in a fused step (``fused_step``), where a CTA arrives at the O stage's barrier right after
+    ``fused_attention_o``."""
     import collections
 
     kinds: dict[str, dict[str, float]] = {}
     gemv: dict[str, list[float]] = {}
     last = collections.Counter()
     ctas = range(len(rows))
+    fused_ends = {label.split(".")[0]: k + 1 for k, label in enumerate(labels) if label.endswith("|fused_attention_o")}
     for k, label in enumerate(labels):  # interval k runs from rows[c][k] to rows[c][k + 1]
         kind, phase = label.split(".")[-2:]
+        if phase == "split_barrier" and not fused_step:
+            phase = "barrier"  # its arrival comes right after the attention body: where this interval starts
         if phase == "barrier":
             arrived = k - 1 if split and k and labels[k - 1].endswith(".prefetch") else k
+            if fused_step and kind == "o_residual" and label.split(".")[0] in fused_ends:
+                arrived = fused_ends[label.split(".")[0]]
             arrivals = [rows[c][arrived] for c in ctas]
             releases = [rows[c][k + 1] for c in ctas]
             entry = kinds.setdefault(kind, {"wait_mean": 0.0, "skew": 0.0, "latency": 0.0})
@@ -310,8 +319,11 @@ def cta_timeline(plan, model, tokens, build: str = "default", position: int | No
 
     decoder = stepped_timeline_decoder(plan, model, tokens, TIMELINE_PER_CTA, build, position)
     labels, rows = decoder.cta_timelines()
+    at = len(tokens) - 1 if position is None else position
+    fused_step = hasattr(decoder.module, "FUSED_O_BLOCKS") and at + 1 <= decoder.module.MIN_CHUNK  # fused_o_step
     del decoder
-    return summarize_ctas(labels, rows, split=BUILDS[build].get("barrier", DEFAULT_BARRIER) == "split")
+    return summarize_ctas(labels, rows, split=BUILDS[build].get("barrier", DEFAULT_BARRIER) == "split",
+                          fused_step=fused_step)
 
 
 def sweep(name: str, chosen: list[str], reps: int, capacity: int, batch: int = 1, phases: bool = False,

@@ -358,6 +358,17 @@ def test_gpu_tune_summarizes_every_ctas_barrier_arrivals():
     assert (split["skew"], split["latency"]) == (3.0, 4.0)  # arrivals at 4, 5, 2; releases at 9, 9, 10
     atom = module.summarize_ctas(labels, rows)["stages"]["norm_qkv"]
     assert (atom["skew"], atom["latency"]) == (2.0, 1.0)  # arrivals at 6, 7, 8
+    # a fused_o build: in a fused step a CTA arrives at the O barrier right after fused_attention_o and the
+    # attention's split_barrier is no barrier; in a split step that split_barrier is one (arrival where it starts)
+    labels = ["layer0.attention.split_kv_attention|fused_attention_o", "layer0.attention.split_barrier",
+              "layer0.o_residual.gemv_rows_streamed", "layer0.o_residual.prefetch", "layer0.o_residual.barrier"]
+    rows = [[0, 3, 3, 3, 4, 9], [0, 5, 5, 5, 6, 9], [0, 2, 2, 2, 3, 10]]
+    fused = module.summarize_ctas(labels, rows, split=True, fused_step=True)["stages"]
+    assert set(fused) == {"o_residual"} and fused["o_residual"]["skew"] == 3.0  # arrivals at 3, 5, 2
+    rows = [[0, 3, 5, 6, 7, 9], [0, 4, 5, 7, 8, 9], [0, 2, 6, 7, 8, 10]]
+    unfused = module.summarize_ctas(labels, rows, split=True)["stages"]
+    assert (unfused["attention"]["skew"], unfused["attention"]["latency"]) == (2.0, 1.0)  # 3, 4, 2 -> 5, 5, 6
+    assert unfused["o_residual"]["skew"] == 1.0  # the prefetch starts: 6, 7, 7
 
 
 def _gpu_tune_script():
