@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.test_fused_o_gpu import _compiled, _fused_and_split_positions
-from tests.test_gpu_decode import _assert_steps_match, _logits_over_random_cache, _reference_for
+from tests.test_fused_o_gpu import _assert_matches_reference_over_random_cache, _compiled, _fused_and_split_positions
+from tests.test_gpu_decode import _logits_over_random_cache
 
 pytestmark = pytest.mark.gpu
 
@@ -40,22 +40,12 @@ def test_fused_mlp_kernel_matches_the_reference_executor(preset, capacity):
     """The fused_mlp build on the default's other choices (fused groups and split items on the tensor cores,
     mirrored by ``ReferenceExecutor(..., fused_mma=True)``) against the CPU reference at the usual tolerance."""
     from megabake.codegen import generate
-    from megabake.runtime import MegakernelDecoder
 
     compiled = _compiled(preset, capacity)
     fused, split = _fused_and_split_positions(compiled, capacity)
     source = generate(compiled.plan, fused_mlp=True).source
     assert "\nFUSED_MLP = True\n" in source and "\nFUSED_MMA = True\n" in source
-    decoder = MegakernelDecoder(compiled.plan, source, compiled.model, device="cuda")
-    reference = _reference_for(compiled, decoder)
-    generator = torch.Generator().manual_seed(43)
-    for name in ("k_cache", "v_cache"):
-        cache = torch.randn(reference.buffers[name].shape, generator=generator).to(reference.buffers[name].dtype)
-        reference.buffers[name].copy_(cache)
-        decoder.buffers[name].copy_(cache.to(decoder.buffers[name].device))
-    positions = fused + split
-    tokens = torch.randint(1, compiled.plan.dims.vocab, (1, len(positions)), generator=generator)
-    _assert_steps_match(decoder, reference, tokens, positions)
+    _assert_matches_reference_over_random_cache(compiled, source, fused + split, 43)
 
 
 def test_a_non_finite_or_huge_down_projection_reaches_the_logits():

@@ -35,6 +35,22 @@ def _fused_and_split_positions(compiled, capacity: int) -> tuple[list[int], list
     return fused, [p for p in candidates if p not in fused]
 
 
+def _assert_matches_reference_over_random_cache(compiled, source: str, positions: list[int], seed: int) -> None:
+    """A decoder of ``source`` and the CPU reference executor (mirroring its roundings) from the same random KV cache
+    (``seed``), stepped at ``positions`` on random tokens: logits at the usual tolerance (``_assert_steps_match``)."""
+    from megabake.runtime import MegakernelDecoder
+
+    decoder = MegakernelDecoder(compiled.plan, source, compiled.model, device="cuda")
+    reference = _reference_for(compiled, decoder)
+    generator = torch.Generator().manual_seed(seed)
+    for name in ("k_cache", "v_cache"):
+        cache = torch.randn(reference.buffers[name].shape, generator=generator).to(reference.buffers[name].dtype)
+        reference.buffers[name].copy_(cache)
+        decoder.buffers[name].copy_(cache.to(decoder.buffers[name].device))
+    tokens = torch.randint(1, compiled.plan.dims.vocab, (1, len(positions)), generator=generator)
+    _assert_steps_match(decoder, reference, tokens, positions)
+
+
 def _compiled(preset: str, capacity: int):
     from megabake.runtime import gpu_info
 
@@ -97,19 +113,9 @@ def test_fused_o_kernel_matches_the_reference_executor(preset, capacity):
     roundings) against the CPU reference executor from one random cache, fused steps and split steps, at the usual
     tolerance (2e-3)."""
     from megabake.codegen import generate
-    from megabake.runtime import MegakernelDecoder
 
     compiled = _compiled(preset, capacity)
     fused, split = _fused_and_split_positions(compiled, capacity)
     source = generate(compiled.plan, fused_o=True).source
     assert "\nFUSED_MMA = True\n" in source
-    decoder = MegakernelDecoder(compiled.plan, source, compiled.model, device="cuda")
-    reference = _reference_for(compiled, decoder)
-    generator = torch.Generator().manual_seed(41)
-    for name in ("k_cache", "v_cache"):
-        cache = torch.randn(reference.buffers[name].shape, generator=generator).to(reference.buffers[name].dtype)
-        reference.buffers[name].copy_(cache)
-        decoder.buffers[name].copy_(cache.to(decoder.buffers[name].device))
-    positions = fused + split
-    tokens = torch.randint(1, compiled.plan.dims.vocab, (1, len(positions)), generator=generator)
-    _assert_steps_match(decoder, reference, tokens, positions)
+    _assert_matches_reference_over_random_cache(compiled, source, fused + split, 41)
