@@ -26,6 +26,8 @@ def test_refusals_name_the_cause(smollm):
     with pytest.raises(ValueError, match=r"fused_split runs every step's O projection in attention's interval, but "
                                          r"it extends fused_o .*: build without it"):
         generate(smollm.plan, fused_o=False, fused_split=True)
+    with pytest.raises(ValueError, match="fused_kv_smem copies a step's cached K/V rows"):
+        generate(smollm.plan, fused_o=True, fused_kv_smem=True, fused_split=True)
     batch2 = compile_preset("smollm-135m", layers=1, vocab=512, capacity=1024, batch=2).plan
     with pytest.raises(ValueError, match="fused_o"):  # fused_o's own refusal comes first
         generate(batch2, fused_split=True)

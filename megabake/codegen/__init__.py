@@ -553,9 +553,9 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
             raise ValueError(f"fused_mlp runs the gate/up and down projections in one interval, but {why}: build "
                              "without it")
     if fused_split is None:
-        fused_split = bool(fused_o) and feature_enabled("fused_split")
+        fused_split = bool(fused_o) and not fused_kv_smem and feature_enabled("fused_split")
     if fused_split:
-        why = fused_split_refusal(plan, fused_o=fused_o)
+        why = fused_split_refusal(plan, fused_o=fused_o, fused_kv_smem=fused_kv_smem)
         if why:
             raise ValueError(f"fused_split runs every step's O projection in attention's interval, but {why}: build "
                              "without it")

@@ -103,9 +103,11 @@ def fused_kv_refusal(plan: Plan) -> str | None:
     return None
 
 
-def fused_split_refusal(plan: Plan, *, fused_o: bool) -> str | None:
+def fused_split_refusal(plan: Plan, *, fused_o: bool, fused_kv_smem: bool = False) -> str | None:
     """Why ``generate(plan, fused_split=True)`` (every step's O projection in attention's interval: the split
     steps' too, ``bodies.split_o_block``) cannot build this plan, or None where it can."""
     if not fused_o:  # fused_o_refusal also asks for split-KV attention
         return "it extends fused_o (fused_o=True, where fused_o_refusal allows it)"
+    if fused_kv_smem:  # bodies.fused_o_load would copy a split step's whole context into MIN_CHUNK rows
+        return "fused_kv_smem copies a step's cached K/V rows with its W_O block, and split steps have more than fit"
     return None
