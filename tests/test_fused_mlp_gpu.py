@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.test_fused_o_gpu import _assert_matches_reference_over_random_cache, _compiled, _fused_and_split_positions
-from tests.test_gpu_decode import _logits_over_random_cache
+from tests.test_fused_o_gpu import _compiled, _fused_and_split_positions
+from tests.test_gpu_decode import _assert_random_cache_steps_match, _logits_over_random_cache
 
 pytestmark = pytest.mark.gpu
 
@@ -45,7 +45,7 @@ def test_fused_mlp_kernel_matches_the_reference_executor(preset, capacity):
     fused, split = _fused_and_split_positions(compiled, capacity)
     source = generate(compiled.plan, fused_mlp=True).source
     assert "\nFUSED_MLP = True\n" in source and "\nFUSED_MMA = True\n" in source
-    _assert_matches_reference_over_random_cache(compiled, source, fused + split, 43)
+    _assert_random_cache_steps_match(compiled, compiled.model, seed=43, positions=fused + split, source=source)
 
 
 def test_a_non_finite_or_huge_down_projection_reaches_the_logits():

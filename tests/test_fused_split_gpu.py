@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.test_fused_o_gpu import _assert_matches_reference_over_random_cache, _compiled, _fused_and_split_positions
-from tests.test_gpu_decode import _logits_over_random_cache
+from tests.test_fused_o_gpu import _compiled, _fused_and_split_positions
+from tests.test_gpu_decode import _assert_random_cache_steps_match, _logits_over_random_cache
 
 pytestmark = pytest.mark.gpu
 
@@ -52,7 +52,7 @@ def test_fused_split_kernel_matches_the_reference_executor(preset, capacity):
     fused, split = _fused_and_split_positions(compiled, capacity)
     source = generate(compiled.plan, fused_split=True).source
     assert "\nFUSED_SPLIT = True\n" in source
-    _assert_matches_reference_over_random_cache(compiled, source, fused + split, 44)
+    _assert_random_cache_steps_match(compiled, compiled.model, seed=44, positions=fused + split, source=source)
 
 
 def test_the_counters_hold_each_layers_items_and_replays_give_the_same_bits():

@@ -28,12 +28,13 @@ def _reference_for(compiled, decoder):
 
 
 def _assert_random_cache_steps_match(compiled, model, *, seed: int,
-                                     positions=(0, 1, 2, 127, 128, 129, 700, 1023)):
+                                     positions=(0, 1, 2, 127, 128, 129, 700, 1023), source: str | None = None):
     """Kernel vs reference executor from the same random KV cache (every slot filled), one step at each of
-    ``positions`` (near 0, around the split boundary of 128, capacity - 1) for the bucket's batch; the decoder."""
+    ``positions`` (near 0, around the split boundary of 128, capacity - 1) for the bucket's batch; the decoder.
+    ``source``: another build's module.py (default: the compiled one); the reference mirrors its roundings."""
     from megabake.runtime import MegakernelDecoder
 
-    decoder = MegakernelDecoder(compiled.plan, compiled.generated.source, model, device="cuda")
+    decoder = MegakernelDecoder(compiled.plan, source or compiled.generated.source, model, device="cuda")
     reference = _reference_for(compiled, decoder)
     generator = torch.Generator().manual_seed(seed)
     for name in ("k_cache", "v_cache"):
