@@ -1710,8 +1710,6 @@ def fused_attention_o(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Ten
             d = i - h * head_dim
             top, total, out = _merge_warp_partials(s_part, h, d, head_dim, warps)
             s_q[i] = out / total
-        cute.arch.cp_async_wait_group(0)
-        cute.arch.sync_threads()
         _o_block_rows(s_q, s_ring, o_part, group, block, tidx, threads, cols, hidden, block_rows)
     else:
         cute.arch.cp_async_wait_group(0)
@@ -1721,9 +1719,12 @@ def fused_attention_o(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.Ten
 def _o_block_rows(s_q: cute.Tensor, s_ring: cute.Tensor, o_part: cute.Tensor, group: Int32, block: Int32,
                   tidx: Int32, threads: cutlass.Constexpr[int], cols: cutlass.Constexpr[int],
                   hidden: cutlass.Constexpr[int], block_rows: cutlass.Constexpr[int]):
-    """``o_part[group, r] = sum_c W_O[r, c] * s_q[c]`` for the rows of this CTA's W_O block (in shared memory,
-    :func:`fused_o_load`; ``s_q``: the group's attention output, fp32, complete in the whole CTA), one warp per
-    ``FUSED_O_ROWS`` rows; ends with a CTA-wide sync (the next stage's ring fill may then overwrite both)."""
+    """``o_part[group, r] = sum_c W_O[r, c] * s_q[c]`` for the rows of this CTA's W_O block (copied into shared
+    memory by :func:`fused_o_load`: this waits for its cp.async group, then meets the CTA, so ``s_q``, the group's
+    attention output in fp32, is complete too), one warp per ``FUSED_O_ROWS`` rows; ends with a CTA-wide sync (the
+    next stage's ring fill may then overwrite both)."""
+    cute.arch.cp_async_wait_group(0)
+    cute.arch.sync_threads()
     warps = threads // WARP
     lane = tidx % WARP
     warp = tidx // WARP
