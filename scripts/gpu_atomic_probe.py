@@ -10,26 +10,14 @@ partial) bounds that cost per layer, next to fp32 atomics and a plain copy of th
 
 from __future__ import annotations
 
-import statistics
-
 import torch
+from gpu_long_context import _event_ms  # scripts/ is on sys.path when this runs as a script
 
 
 def _median_us(fn, reps: int = 21, calls: int = 200) -> float:
     """Per call: ``calls`` calls queued between two events (one call alone reads the launch floor), median of
-    ``reps`` such blocks."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(times)
+    ``reps`` such blocks (gpu_long_context's event timer)."""
+    return _event_ms(fn, inner=calls, rounds=reps) * 1e3
 
 
 def main() -> None:
@@ -42,18 +30,18 @@ def main() -> None:
         partials = 128
         index = torch.arange(hidden * layers, device="cuda").view(layers, 1, hidden).expand(layers, partials, hidden)
         index = index.reshape(-1).contiguous()
-        hidden = hidden * layers
-        acc64 = torch.zeros(hidden + 1, dtype=torch.int64, device="cuda")
-        src64 = torch.randint(-2**40, 2**40, (partials * hidden,), dtype=torch.int64, device="cuda")
-        acc32 = torch.zeros(hidden + 1, dtype=torch.float32, device="cuda")
-        src32 = torch.randn(partials * hidden, device="cuda")
+        words = hidden * layers  # the accumulator rows of every layer of one call
+        acc64 = torch.zeros(words + 1, dtype=torch.int64, device="cuda")
+        src64 = torch.randint(-2**40, 2**40, (partials * words,), dtype=torch.int64, device="cuda")
+        acc32 = torch.zeros(words + 1, dtype=torch.float32, device="cuda")
+        src32 = torch.randn(partials * words, device="cuda")
         dst = torch.empty_like(src64)
         tiny = torch.zeros(1, device="cuda")
         int_us = _median_us(lambda: acc64.index_add_(0, index, src64))
         f32_us = _median_us(lambda: acc32.index_add_(0, index, src32))
         copy_us = _median_us(lambda: dst.copy_(src64))
         empty_us = _median_us(lambda: tiny.add_(1))
-        print(f"| {hidden // layers} | {partials} | {int_us / layers:.3f} | {f32_us / layers:.3f} | "
+        print(f"| {hidden} | {partials} | {int_us / layers:.3f} | {f32_us / layers:.3f} | "
               f"{copy_us / layers:.3f} | {empty_us:.2f} (whole call) |")
 
 
