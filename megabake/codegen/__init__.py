@@ -854,13 +854,14 @@ def _stage(w: _Writer, plan: Plan, stage: Stage, indent: int, layer_var, clocks:
     if _ends_at_a_barrier(stage, options):
         before = _stage_before_calls(plan, stage, options)
         reads = [call for call in before if call.startswith(_BEFORE_ARRIVAL)]
-        if _loads_fused_o(plan, stage, options):
+        loads_fused_o = _loads_fused_o(plan, stage, options)
+        if loads_fused_o:
             assert not reads, reads  # split-KV plans have no attention preload (plan.build_plan refuses it)
             _write_fused_o_loads(w, [options.arrival] + before, indent, every_step=options.fused_split)
         else:
             for call in reads + ([options.arrival] if options.arrival else []) + [c for c in before if c not in reads]:
                 w(call, indent)
-        if _prefetch_phase(plan, stage, options):
+        if before or loads_fused_o:  # _prefetch_phase
             clock()
         w(options.barrier, indent)
         clock()
