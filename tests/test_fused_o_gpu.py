@@ -55,10 +55,11 @@ def test_fused_o_gives_the_default_bits_where_split_and_fp32_order_where_fused(p
     fused, split = _fused_and_split_positions(compiled, capacity)
     assert fused and (split or preset == "tiny-mistral")
     positions = split + fused
-    builds = [{}, {"fused_o": True}, {"fused_o": True}]
+    only_fused_o = {"fused_o": True, "fused_split": False}  # fused_split's own merge: tests/test_fused_split_gpu.py
+    builds = [{}, only_fused_o, only_fused_o]
     windows = compiled.plan.has_windows
     results = _logits_over_random_cache(compiled, positions, 1,
-                                        builds + ([] if windows else [{"fused_o": True, "fused_kv_smem": True}]))
+                                        builds + ([] if windows else [{**only_fused_o, "fused_kv_smem": True}]))
     default, fused_o, again = results[:3]
     assert torch.isfinite(fused_o).all() and torch.equal(again, fused_o)
     if not windows:

@@ -39,7 +39,7 @@ def test_the_module_has_one_barrier_less_per_layer_and_counts_items_per_group(sm
     counts its items into the layer's ``o_count`` row, ``split_o_block`` follows it, and the gate/up staging
     always sums the O partials; the prologue zeroes the counters (int64 [layers, n_kv_heads])."""
     plan = smollm.plan
-    fused_o = generate(plan, fused_o=True).source
+    fused_o = generate(plan, fused_o=True, fused_split=False).source
     source = generate(plan, fused_o=True, fused_split=True).source
     kernel, base = source.split("\n# ====")[0], fused_o.split("\n# ====")[0]
     assert kernel.count("bodies.grid_wait(") == base.count("bodies.grid_wait(") - 1
@@ -62,9 +62,13 @@ def test_the_module_has_one_barrier_less_per_layer_and_counts_items_per_group(sm
     assert f"{plan.barriers_per_step - plan.dims.layers} grid barriers per step (fused_o, fused_split)" in header
 
 
-def test_the_default_module_is_unchanged_by_the_option(smollm):
-    assert generate(smollm.plan).source == generate(smollm.plan, fused_split=False).source
-    assert "split_o_block" not in generate(smollm.plan).source.split("\n# ====")[0]
+def test_the_default_module_is_the_fused_split_build(smollm):
+    """On by default since session 45 (the whole GPU suite passed with it on): ``generate(plan)`` of a plan whose
+    default is fused_o is the fused_split build; ``fused_split=False`` gives the fused_o build without it."""
+    default = generate(smollm.plan).source
+    assert default == generate(smollm.plan, fused_split=True).source
+    assert "split_o_block" in default.split("\n# ====")[0]
+    assert "split_o_block" not in generate(smollm.plan, fused_split=False).source.split("\n# ====")[0]
 
 
 @pytest.mark.parametrize("preset,capacity,builds", [
@@ -79,14 +83,16 @@ def test_a_fused_split_build_compiles_for_sm90a(preset, capacity, builds):
     assert result.ok, result.error
 
 
-def test_the_experimental_switch_turns_it_on_where_fused_o_is(smollm, monkeypatch):
-    """Off by default (not in GPU_VERIFIED_FEATURES yet); ``MEGABAKE_EXPERIMENTAL_LAYOUTS=fused_split`` turns it on
-    wherever fused_o is on (so the whole GPU suite can run with it), and never asks for it where fused_o is off."""
-    from megabake.plan import EXPERIMENTAL_LAYOUTS_ENV, GPU_VERIFIED_FEATURES
+def test_it_is_on_wherever_fused_o_is_and_only_there(smollm):
+    """A GPU-verified feature (``GPU_VERIFIED_FEATURES``): ``fused_split=None`` turns it on wherever fused_o is on
+    and fused_kv_smem off, never asks for it elsewhere (no refusal raised by the default)."""
+    from megabake.plan import GPU_VERIFIED_FEATURES, feature_enabled
 
-    assert "fused_split" not in GPU_VERIFIED_FEATURES
-    with monkeypatch.context() as patch:
-        patch.setenv(EXPERIMENTAL_LAYOUTS_ENV, "fused_split")
-        assert generate(smollm.plan).source == generate(smollm.plan, fused_split=True).source
-        assert "split_o_block" not in generate(smollm.plan, fused_o=False).source.split("\n# ====")[0]
-    assert "split_o_block" not in generate(smollm.plan).source.split("\n# ====")[0]
+    assert "fused_split" in GPU_VERIFIED_FEATURES and feature_enabled("fused_split")
+
+    def kernel(**build) -> str:
+        return generate(smollm.plan, **build).source.split("\n# ====")[0]
+
+    assert "split_o_block" in kernel(fused_o=True)
+    assert "split_o_block" not in kernel(fused_o=False)
+    assert "split_o_block" not in kernel(fused_o=True, fused_kv_smem=True)

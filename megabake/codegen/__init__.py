@@ -463,14 +463,14 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     intermediate width, its down-projection partials meet in an int64 fixed-point accumulator (deterministic,
     not the default's fp32 order: close to it, not equal; :mod:`megabake.codegen.fused_mlp`); it needs
     ``fused_o``; refused where :func:`megabake.codegen.fused_mlp.fused_mlp_refusal` names a reason.
-    ``fused_split`` (session 44, a candidate; its GPU tests pass on an H100, SmolLM-135M -4% at 1000 and 2000,
-    Qwen2.5-0.5B / Qwen3-0.6B -1% at 4000, same at 16): with ``fused_o``, the steps of several splits run
+    ``fused_split`` (session 44; the default since session 45, where the whole GPU suite passed with it on, on an
+    H100; H100 GPU ms: SmolLM-135M -4% at 1000 and 2000, Qwen2.5-0.5B / Qwen3-0.6B -1% at 4000, same at 16):
+    with ``fused_o``, the steps of several splits run
     their O projection in attention's interval too (``bodies.split_o_block``: each CTA waits for its KV group's
     split-KV items on a per-group counter, merges that group's partials and multiplies its W_O block into
     ``o_part``), so every step has one grid barrier less per layer; refused where
-    :func:`megabake.codegen.fused.fused_split_refusal` names a reason; None: on where fused_o is and the
-    ``fused_split`` feature is enabled (``MEGABAKE_EXPERIMENTAL_LAYOUTS=fused_split`` until the GPU suite passes
-    with it on and it joins ``GPU_VERIFIED_FEATURES``)."""
+    :func:`megabake.codegen.fused.fused_split_refusal` names a reason; None: on where fused_o is, fused_kv_smem is
+    off and the ``fused_split`` feature is enabled (in ``GPU_VERIFIED_FEATURES``)."""
     if watchdog and timeline:
         raise ValueError("a watchdog build has no timeline: build them separately")
     if barrier is not None and barrier not in BARRIER_ARRIVALS:

@@ -219,10 +219,10 @@ GPU_VERIFIED_LAYOUTS = ("pre_norm", "sandwich", "post_norm")  # layouts whose ke
 
 
 # kernel features (beyond layouts) that passed `pytest -m gpu` on a Hopper GPU (an H200; global_down_input on an
-# H100 in session 41 and mma_wide on an H100 in session 42, the H200 not being lent: same sm_90a code and shared
-# memory per CTA)
+# H100 in session 41, mma_wide on an H100 in session 42 and fused_split on an H100 in session 45, the H200 not being
+# lent: same sm_90a code and shared memory per CTA)
 GPU_VERIFIED_FEATURES = ("rope_tables", "whole_qk_norm", "bf16_staging", "mma_gemv", "gated_gemv",
-                         "global_down_input", "mma_wide")
+                         "global_down_input", "mma_wide", "fused_split")
 EXPERIMENTAL_FEATURES = {"rope_tables": "per-layer rotary tables (Gemma 3: one RoPE base per layer type)",
                          "whole_qk_norm": "q/k RMSNorm over the whole projection (OLMo-2)",
                          "bf16_staging": "GEMV inputs staged in bf16 shared memory because fp32 rows do not fit",
@@ -234,7 +234,10 @@ EXPERIMENTAL_FEATURES = {"rope_tables": "per-layer rotary tables (Gemma 3: one R
                                               "MLP is too wide to stage; passed on an H100 in session 41)",
                          "mma_wide": "split-KV attention items of heads of 256 dims on the tensor cores (session 41: "
                                      "Gemma; codegen.default_mma_wide turns it on where the plan deals such items; "
-                                     "passed on an H100 in session 42)"}
+                                     "passed on an H100 in session 42)",
+                         "fused_split": "with fused_o, split steps' O projection in attention's interval too (session "
+                                        "44: codegen.generate(fused_split=None) turns it on where fused_o is on; "
+                                        "the whole GPU suite passed with it on, on an H100 in session 45)"}
 
 
 def feature_enabled(name: str) -> bool:
