@@ -123,6 +123,28 @@ def test_the_default_module_is_unchanged_by_the_option(smollm):
     assert "mlp" not in generate(smollm.plan).source.split("# ====")[0]
 
 
+@pytest.mark.parametrize("preset", sorted(FITTING))
+def test_the_experimental_switch_fuses_where_the_w_down_copies_are_64_bits_or_wider(preset, monkeypatch):
+    """``fused_mlp=None`` (``default_fused_mlp``): off until the ``fused_mlp`` feature is enabled; with
+    ``MEGABAKE_EXPERIMENTAL_LAYOUTS=fused_mlp`` on where fused_o is and a CTA's W_down columns copy at least 64
+    bits wide (SmolLM-135M 64, Qwen3-0.6B 128), off where they copy 32 (Qwen2.5-0.5B: slower in session 44)."""
+    from megabake.codegen.fused_mlp import DEFAULT_MIN_LOAD_BITS, default_fused_mlp
+    from megabake.plan import EXPERIMENTAL_LAYOUTS_ENV, GPU_VERIFIED_FEATURES
+
+    plan = _plan(preset, CAPACITY[preset])
+    assert "fused_mlp" not in GPU_VERIFIED_FEATURES and not default_fused_mlp(plan, fused_o=True)
+    wide = FITTING[preset][1] >= DEFAULT_MIN_LOAD_BITS
+    with monkeypatch.context() as patch:
+        patch.setenv(EXPERIMENTAL_LAYOUTS_ENV, "fused_mlp")
+        assert default_fused_mlp(plan, fused_o=True) is wide
+        assert not default_fused_mlp(plan, fused_o=False)
+        default = generate(plan).source
+        assert ("bodies.mlp_down_load(" in default) is wide
+        if wide:
+            assert default == generate(plan, fused_mlp=True).source
+        assert "bodies.mlp_down_load(" not in generate(plan, fused_o=False).source
+
+
 @pytest.mark.parametrize("preset,capacity", [("smollm-135m", 2048), ("qwen2.5-0.5b", 4096)])
 def test_a_fused_mlp_build_compiles_for_sm90a(preset, capacity, tmp_path):
     """8-byte (SmolLM-135M) and 4-byte (Qwen2.5-0.5B) cp.async copies of the W_down columns; the partials are

@@ -55,7 +55,7 @@ def test_fused_o_gives_the_default_bits_where_split_and_fp32_order_where_fused(p
     fused, split = _fused_and_split_positions(compiled, capacity)
     assert fused and (split or preset == "tiny-mistral")
     positions = split + fused
-    only_fused_o = {"fused_o": True, "fused_split": False}  # fused_split's own merge: tests/test_fused_split_gpu.py
+    only_fused_o = {"fused_o": True, "fused_split": False, "fused_mlp": False}  # fused_split, fused_mlp: their tests
     builds = [{}, only_fused_o, only_fused_o]
     windows = compiled.plan.has_windows
     results = _logits_over_random_cache(compiled, positions, 1,

@@ -30,7 +30,7 @@ def test_fused_split_gives_the_fused_o_logits_to_fp32_order_and_the_same_bits_tw
     fused, split = _fused_and_split_positions(compiled, capacity)
     assert split, "no split step among the positions: the test would not reach split_o_block"
     positions = split + fused
-    base = {"fused_o": True, "fused_split": False}  # the fused_o build without it (the default has it on)
+    base = {"fused_o": True, "fused_split": False, "fused_mlp": False}  # the fused_o build alone (not the default)
     builds = [base, {**base, "fused_split": True}, {**base, "fused_split": True}]
     if fused_mlp_refusal(compiled.plan, fused_o=True) is None:
         builds.append({**base, "fused_split": True, "fused_mlp": True})

@@ -50,7 +50,7 @@ from ..plan.stages import (ACTIVATIONS, DIMENSION_CONSTANTS, GATED_ACT_CODES, St
                            spec_of)
 from .fused import (FUSED_O_BUFFERS, FUSED_SPLIT_BUFFERS, fused_geometry, fused_kv_refusal, fused_o_refusal,
                     fused_split_refusal)
-from .fused_mlp import ACC_PAD, FUSED_MLP_BUFFERS, fused_mlp_refusal, mlp_geometry, mlp_smem_bytes
+from .fused_mlp import ACC_PAD, FUSED_MLP_BUFFERS, default_fused_mlp, fused_mlp_refusal, mlp_geometry, mlp_smem_bytes
 
 KERNEL_ARGUMENTS = [
     "embed", "w_qkv", "w_o", "w_gate_up", "w_down", "norms", "final_norm", "lm_head", "rope_cos", "rope_sin",
@@ -420,7 +420,7 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
              prefetch_bytes: int | None = None, mma_attention: bool | None = None,
              mma_schedule: bool = False, fused_o: bool | None = None, fused_kv_smem: bool = False,
              fused_mma: bool | None = None, mma_wide: bool | None = None,
-             fused_mlp: bool = False, fused_split: bool | None = None) -> GeneratedModule:
+             fused_mlp: bool | None = None, fused_split: bool | None = None) -> GeneratedModule:
     """module.py of ``plan``. ``merge_preload`` / ``spread_merge``: None picks them per plan
     (:func:`default_merge`); True asks for one (refused where the attention scratch cannot hold it), False
     leaves it out (both False: the plain last-arrival merge of sessions 10-16). ``head_slices=False`` deals
@@ -462,7 +462,10 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     barrier interval (one grid barrier less per layer at every context): each CTA takes a block of the
     intermediate width, its down-projection partials meet in an int64 fixed-point accumulator (deterministic,
     not the default's fp32 order: close to it, not equal; :mod:`megabake.codegen.fused_mlp`); it needs
-    ``fused_o``; refused where :func:`megabake.codegen.fused_mlp.fused_mlp_refusal` names a reason.
+    ``fused_o``; refused where :func:`megabake.codegen.fused_mlp.fused_mlp_refusal` names a reason; None:
+    :func:`megabake.codegen.fused_mlp.default_fused_mlp` (where the ``fused_mlp`` feature is enabled, the build can,
+    and a CTA's W_down columns copy at least 64 bits wide; ``MEGABAKE_EXPERIMENTAL_LAYOUTS=fused_mlp`` until the
+    GPU suite passes with it on and it joins ``GPU_VERIFIED_FEATURES``).
     ``fused_split`` (session 44; the default since session 45, where the whole GPU suite passed with it on, on an
     H100; H100 GPU ms: SmolLM-135M -4% at 1000 and 2000, Qwen2.5-0.5B / Qwen3-0.6B -1% at 4000, same at 16):
     with ``fused_o``, the steps of several splits run
@@ -547,6 +550,8 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
         if why:
             raise ValueError(f"fused_kv_smem copies a fused step's cached K/V rows into shared memory, but {why}: "
                              "build without it")
+    if fused_mlp is None:
+        fused_mlp = default_fused_mlp(plan, fused_o=bool(fused_o))
     if fused_mlp:
         why = fused_mlp_refusal(plan, fused_o=fused_o)
         if why:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..plan import Plan
+from ..plan import Plan, feature_enabled
 from ..plan.memory import smem_bytes, smem_floats
 from ..plan.stages import spec_of
 from ..plan.tuning import HOPPER_SMEM_PER_BLOCK
@@ -24,6 +24,7 @@ from ..plan.tuning import HOPPER_SMEM_PER_BLOCK
 FUSED_MLP_BUFFERS = ("mlp_acc",)  # int64 [layers + 1, hidden + 4]: fixed-point sums of the MLPs' outputs
 ACC_PAD = 4  # columns past ``hidden`` in an accumulator row: the flag word, then padding to whole 4-vectors
 MAX_PARTIALS = 256  # = bodies.mlp.MLP_MAX_PARTIALS: the int64 sum of this many limited partials cannot wrap
+DEFAULT_MIN_LOAD_BITS = 64  # the default fuses where a CTA's W_down columns copy at least this wide (session 45)
 
 
 @dataclass(frozen=True)
@@ -105,3 +106,15 @@ def fused_mlp_refusal(plan: Plan, *, fused_o: bool) -> str | None:
                 f"bytes) a CTA needs {mlp_smem_bytes(plan)} bytes of shared memory, over the "
                 f"{HOPPER_SMEM_PER_BLOCK} a Hopper CTA can have")
     return None
+
+
+def default_fused_mlp(plan: Plan, *, fused_o: bool) -> bool:
+    """Whether ``generate(plan, fused_mlp=None)`` fuses the MLP: where the ``fused_mlp`` feature is enabled
+    (``plan.feature_enabled``), the build can (:func:`fused_mlp_refusal` finds nothing) and a CTA's W_down columns
+    copy in cp.async copies of at least :data:`DEFAULT_MIN_LOAD_BITS` bits. Session 44 (H100, GPU ms with
+    fused_split): SmolLM-135M (64-bit copies) 0.353 -> 0.342 at 16, 0.431 -> 0.423 at 2000; Qwen3-0.6B (128-bit)
+    0.950 -> 0.948 at 4000; Qwen2.5-0.5B (38 columns a CTA: 32-bit copies) 0.666 -> 0.706 at 4000, so it stays
+    off there."""
+    if not feature_enabled("fused_mlp") or fused_mlp_refusal(plan, fused_o=fused_o) is not None:
+        return False
+    return mlp_geometry(plan).load_bits >= DEFAULT_MIN_LOAD_BITS

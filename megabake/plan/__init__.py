@@ -237,7 +237,10 @@ EXPERIMENTAL_FEATURES = {"rope_tables": "per-layer rotary tables (Gemma 3: one R
                                      "passed on an H100 in session 42)",
                          "fused_split": "with fused_o, split steps' O projection in attention's interval too (session "
                                         "44: codegen.generate(fused_split=None) turns it on where fused_o is on; "
-                                        "the whole GPU suite passed with it on, on an H100 in session 45)"}
+                                        "the whole GPU suite passed with it on, on an H100 in session 45)",
+                         "fused_mlp": "with fused_o, a layer's gate/up and down projections in one interval (session "
+                                      "43: codegen.fused_mlp.default_fused_mlp turns it on where a CTA's W_down "
+                                      "columns copy at least 64 bits wide)"}
 
 
 def feature_enabled(name: str) -> bool:
