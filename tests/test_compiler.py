@@ -221,10 +221,14 @@ def test_biased_module_compiles_for_sm90a_and_llama_modules_stay_bias_free(tiny)
     from megabake.codegen import KERNEL_ARGUMENTS
     from megabake.runtime.compile import compile_check, load_module
 
+    def fused_buffers(module) -> list[str]:
+        """o_mid / o_part: the fused attention+O steps' workspace (the default since session 36); mlp_acc: the fused
+        MLP's accumulator and o_count: fused_split's per-group counters (the defaults since session 45)."""
+        return ["o_mid", "o_part"] + (["mlp_acc"] if getattr(module, "FUSED_MLP", False) else []) + ["o_count"]
+
     qwen = compile_model(_randomise_biases(_small("Qwen2ForCausalLM")))
     module = load_module(qwen.generated.source)
-    # o_mid / o_part: the fused attention+O steps' workspace (short contexts, the default since session 36)
-    assert module.ARGUMENTS == KERNEL_ARGUMENTS + ["bias_qkv", "attn_part", "attn_count", "o_mid", "o_part"]
+    assert module.ARGUMENTS == KERNEL_ARGUMENTS + ["bias_qkv", "attn_part", "attn_count"] + fused_buffers(module)
     # the default streaming tiling passes the bias to the QKV GEMV (the plain tiling calls gemv_rows_bias)
     qkv_call = body_calls(qwen.generated.source, "gemv_rows_streamed")[0]
     assert (qkv_call["weight"], qkv_call["bias"], qkv_call["out"], qkv_call["has_bias"]) == (
@@ -232,8 +236,9 @@ def test_biased_module_compiles_for_sm90a_and_llama_modules_stay_bias_free(tiny)
     result = compile_check(qwen.plan, module)
     assert result.ok, result.error
     # a model without biases gets exactly the kernel it had before biases existed
-    assert load_module(tiny.generated.source).ARGUMENTS == KERNEL_ARGUMENTS + ["attn_part", "attn_count", "o_mid",
-                                                                            "o_part"]
+    tiny_module = load_module(tiny.generated.source)
+    assert tiny_module.FUSED_MLP is True  # 64-bit W_down copies: the fused MLP (codegen.fused_mlp.default_fused_mlp)
+    assert tiny_module.ARGUMENTS == KERNEL_ARGUMENTS + ["attn_part", "attn_count"] + fused_buffers(tiny_module)
     assert "gemv_rows_bias" not in tiny.generated.source and "bias_qkv" not in tiny.generated.source
 
 
@@ -275,13 +280,16 @@ def test_source_map_points_at_module_lines(tiny):
     entries = tiny.generated.source_map["entries"]
     assert tiny.generated.source_map["plan_hash"] == tiny.plan.hash
     bodies = [e for e in entries if e["kind"] == "body_call"]
-    assert {e["name"].split(".")[-1] for e in bodies} >= {"embed_gather", "rmsnorm_to_smem", "gemv_rows_streamed",
-                                                         "split_kv_attention", "copy_to_smem"}
+    # the default's batch-1 fusions (fused_o, fused_split, fused_mlp) stage the residual from o_mid + the MLP's
+    # accumulator (rmsnorm_from_acc_to_smem) and the O partials, where the plain build copies rows to shared memory
+    assert {e["name"].split(".")[-1] for e in bodies} >= {"embed_gather", "rmsnorm_from_acc_to_smem",
+                                                         "gemv_rows_streamed", "split_kv_attention", "split_o_block",
+                                                         "fused_attention_o", "mlp_down_partial"}
     for entry in entries:
         start, end = entry["lines"]
         assert 1 <= start <= end <= len(lines)
-        if entry["kind"] == "body_call":
-            assert "bodies." + entry["name"].split(".")[-1] in "\n".join(lines[start - 1:end])
+        if entry["kind"] == "body_call":  # a body (bodies.NAME) or a CuTe call (fused_mlp's cute.arch.sync_threads)
+            assert "." + entry["name"].split(".")[-1] + "(" in "\n".join(lines[start - 1:end]), entry
     attention = next(e for e in bodies if e["name"].endswith("split_kv_attention"))
     assert "model.layers.1.self_attn" in attention["hf_modules"]
     assert "scaled_dot_product_attention_1" in attention["fx_nodes"]

@@ -77,7 +77,7 @@ def test_the_module_drops_one_barrier_per_layer_and_reads_the_accumulator(smollm
     reads o_mid + the accumulator row of the layer before; the gate/up GEMV streams only this CTA's row pairs
     (its warps, ``mwarp``) into ``s_act``, then the CTA meets and adds its down partials into row layer + 1."""
     plan = smollm.plan
-    default = generate(plan, fused_split=False).source  # fused_o alone (with fused_split: test_fused_split.py)
+    default = generate(plan, fused_split=False, fused_mlp=False).source  # fused_o alone
     source = generate(plan, fused_mlp=True, fused_split=False).source
     module = load_module(source)
     assert module.ARGUMENTS[-1:] == list(FUSED_MLP_BUFFERS)
@@ -118,31 +118,22 @@ def test_the_module_drops_one_barrier_per_layer_and_reads_the_accumulator(smollm
     assert "bodies.prefetch_rows(\n            weight=w_gate_up" not in loop_body
 
 
-def test_the_default_module_is_unchanged_by_the_option(smollm):
-    assert generate(smollm.plan).source == generate(smollm.plan, fused_mlp=False).source
-    assert "mlp" not in generate(smollm.plan).source.split("# ====")[0]
-
-
 @pytest.mark.parametrize("preset", sorted(FITTING))
-def test_the_experimental_switch_fuses_where_the_w_down_copies_are_64_bits_or_wider(preset, monkeypatch):
-    """``fused_mlp=None`` (``default_fused_mlp``): off until the ``fused_mlp`` feature is enabled; with
-    ``MEGABAKE_EXPERIMENTAL_LAYOUTS=fused_mlp`` on where fused_o is and a CTA's W_down columns copy at least 64
-    bits wide (SmolLM-135M 64, Qwen3-0.6B 128), off where they copy 32 (Qwen2.5-0.5B: slower in session 44)."""
+def test_the_default_fuses_where_the_w_down_copies_are_64_bits_or_wider(preset):
+    """``fused_mlp=None`` (``default_fused_mlp``, GPU-verified since session 45): on where fused_o is and a CTA's
+    W_down columns copy at least 64 bits wide (SmolLM-135M 64, Qwen3-0.6B 128), off where they copy 32
+    (Qwen2.5-0.5B: slower in session 44) and where fused_o is off."""
     from megabake.codegen.fused_mlp import DEFAULT_MIN_LOAD_BITS, default_fused_mlp
-    from megabake.plan import EXPERIMENTAL_LAYOUTS_ENV, GPU_VERIFIED_FEATURES
+    from megabake.plan import GPU_VERIFIED_FEATURES
 
     plan = _plan(preset, CAPACITY[preset])
-    assert "fused_mlp" not in GPU_VERIFIED_FEATURES and not default_fused_mlp(plan, fused_o=True)
     wide = FITTING[preset][1] >= DEFAULT_MIN_LOAD_BITS
-    with monkeypatch.context() as patch:
-        patch.setenv(EXPERIMENTAL_LAYOUTS_ENV, "fused_mlp")
-        assert default_fused_mlp(plan, fused_o=True) is wide
-        assert not default_fused_mlp(plan, fused_o=False)
-        default = generate(plan).source
-        assert ("bodies.mlp_down_load(" in default) is wide
-        if wide:
-            assert default == generate(plan, fused_mlp=True).source
-        assert "bodies.mlp_down_load(" not in generate(plan, fused_o=False).source
+    assert "fused_mlp" in GPU_VERIFIED_FEATURES
+    assert default_fused_mlp(plan, fused_o=True) is wide and not default_fused_mlp(plan, fused_o=False)
+    default = generate(plan).source
+    assert ("bodies.mlp_down_load(" in default) is wide
+    assert default == generate(plan, fused_mlp=wide).source
+    assert "bodies.mlp_down_load(" not in generate(plan, fused_o=False).source
 
 
 @pytest.mark.parametrize("preset,capacity", [("smollm-135m", 2048), ("qwen2.5-0.5b", 4096)])

@@ -40,7 +40,7 @@ def test_fused_o_module_declares_its_buffers_and_keeps_the_split_path(smollm):
     check), runs the default build's attention and O-projection calls where a step is split (fo == 0), and adds
     the down projection's output to o_mid (the residual after attention) instead of accumulating into x."""
     plan = smollm.plan
-    source = generate(plan, fused_o=True, fused_split=False).source  # fused_split's split path: test_fused_split.py
+    source = generate(plan, fused_o=True, fused_split=False, fused_mlp=False).source  # fused_o alone
     module = load_module(source)
     assert module.ARGUMENTS[-2:] == list(FUSED_O_BUFFERS)
     buffers = {b.name: b for b in extra_buffers(module)}
@@ -94,7 +94,7 @@ def test_fused_steps_score_on_the_tensor_cores_unless_fused_mma_is_off(smollm):
     ``fused_mma=False`` puts it on the fp32 lane-group loop, as the default's short-context head slices do. The
     item reads the module constant FUSED_MMA; the header counts the fused steps' barriers."""
     plan = smollm.plan
-    default = generate(plan, fused_o=True, fused_split=False).source
+    default = generate(plan, fused_o=True, fused_split=False, fused_mlp=False).source
     assert "MMA_ATTENTION = True" in default and "FUSED_MMA = True" in default
     assert "mma_attention=FUSED_MMA," in default
     assert "FUSED_MMA = False" in generate(plan, fused_o=True, fused_mma=False).source

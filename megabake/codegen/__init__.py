@@ -192,7 +192,12 @@ def stage_phases(plan: Plan, stage: Stage, options: BuildOptions | None = None) 
         return [f"{body}|fused_attention_o", "split_barrier"]
     if options.fused_split and _fused_layer_stage(options, stage) and stage.name == "o_residual":
         return (["prefetch"] if _prefetch_phase(plan, stage, options) else []) + ["barrier"]
-    names = [body for body, _ in _stage_calls(plan, stage, options)]
+    calls = _stage_calls(plan, stage, options)
+    bodies = [body for body, _ in calls]
+    # a body called twice in one stage (the prologue's zero_rows of mlp_acc and of o_count) is told apart by the
+    # buffer it is given first: every phase keeps its own label
+    names = [f"{body}({call.split('(', 1)[1].split(',')[0].strip()})" if bodies.count(body) > 1 else body
+             for body, call in calls]
     if _ends_at_a_barrier(stage, options):
         names += (["prefetch"] if _prefetch_phase(plan, stage, options) else []) + ["barrier"]
     return names
@@ -457,15 +462,16 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     cores (``bodies._mma_softmax_chunk`` loading each step's K/V at the step; ``mma_attention`` then defaults to
     on); refused where the plan deals no such item; None: :func:`default_mma_wide` (on wherever the plan deals
     such items); False: the lane-group loop. Fused steps keep their groups of 256 on the lane-group loop.
-    ``fused_mlp`` (session 43, a candidate: its GPU tests pass; H100, GPU ms at 16: -2.8% SmolLM-135M, -0.9%
-    Qwen3-0.6B, +7.2% Qwen2.5-0.5B): every layer's gate/up and down projections in one
+    ``fused_mlp`` (session 43; the default since session 45 where its W_down copies are 64 bits or wider, the whole
+    GPU suite having passed with it on, on the H200; H200 GPU ms with fused_split: SmolLM-135M 0.334 -> 0.327 at
+    16, 0.410 -> 0.404 at 2000, Qwen3-0.6B 0.618 -> 0.610 at 16; H100 at 16 in session 43: +7.2% Qwen2.5-0.5B,
+    whose copies are 32 bits): every layer's gate/up and down projections in one
     barrier interval (one grid barrier less per layer at every context): each CTA takes a block of the
     intermediate width, its down-projection partials meet in an int64 fixed-point accumulator (deterministic,
     not the default's fp32 order: close to it, not equal; :mod:`megabake.codegen.fused_mlp`); it needs
     ``fused_o``; refused where :func:`megabake.codegen.fused_mlp.fused_mlp_refusal` names a reason; None:
     :func:`megabake.codegen.fused_mlp.default_fused_mlp` (where the ``fused_mlp`` feature is enabled, the build can,
-    and a CTA's W_down columns copy at least 64 bits wide; ``MEGABAKE_EXPERIMENTAL_LAYOUTS=fused_mlp`` until the
-    GPU suite passes with it on and it joins ``GPU_VERIFIED_FEATURES``).
+    and a CTA's W_down columns copy at least 64 bits wide; in ``GPU_VERIFIED_FEATURES``).
     ``fused_split`` (session 44; the default since session 45, where the whole GPU suite passed with it on, on an
     H100; H100 GPU ms: SmolLM-135M -4% at 1000 and 2000, Qwen2.5-0.5B / Qwen3-0.6B -1% at 4000, same at 16):
     with ``fused_o``, the steps of several splits run
@@ -1033,7 +1039,7 @@ def _fused_split_calls(stage: Stage, calls: list[tuple[str, str]]) -> list[tuple
     """A ``fused_split`` build's body calls beyond fused_o's: the prologue zeroes the per-group arrival counters
     (``o_count``), and the gate/up staging always sums the O partials (every step wrote them)."""
     if stage.scope == "prologue":
-        return calls + [("zero_counts", "bodies.zero_rows(o_count, cta, tidx, LAYERS, N_KV_HEADS, CTAS, THREADS)")]
+        return calls + [("zero_rows", "bodies.zero_rows(o_count, cta, tidx, LAYERS, N_KV_HEADS, CTAS, THREADS)")]
     if stage.name == "norm_gate_up":
         name, call = calls[0]
         assert name == "rmsnorm_partials_to_smem" and ", fo, N_KV_HEADS, " in call, calls

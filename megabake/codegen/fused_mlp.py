@@ -10,6 +10,8 @@ order-free, so deterministic). The next stage's staging reads o_mid + accumulato
 (its ``o_mid`` residual, batch 1, pre-norm, the split barrier); :func:`fused_mlp_refusal` names what is missing.
 Session 43 (H100): its GPU tests pass; GPU ms at 16 -2.8% SmolLM-135M, -0.9% Qwen3-0.6B, +7.2% Qwen2.5-0.5B; the
 atomics move 128 x hidden x 8 bytes per layer, about what the removed barrier cost (docs/PERF.md, "Session 43").
+Session 45: the default where a CTA's W_down columns copy at least 64 bits wide (:func:`default_fused_mlp`), after
+the whole GPU suite passed with it on, on the H200.
 """
 
 from __future__ import annotations
@@ -110,11 +112,12 @@ def fused_mlp_refusal(plan: Plan, *, fused_o: bool) -> str | None:
 
 def default_fused_mlp(plan: Plan, *, fused_o: bool) -> bool:
     """Whether ``generate(plan, fused_mlp=None)`` fuses the MLP: where the ``fused_mlp`` feature is enabled
-    (``plan.feature_enabled``), the build can (:func:`fused_mlp_refusal` finds nothing) and a CTA's W_down columns
+    (``plan.feature_enabled``: GPU-verified since session 45), the build can (:func:`fused_mlp_refusal` finds nothing) and a CTA's W_down columns
     copy in cp.async copies of at least :data:`DEFAULT_MIN_LOAD_BITS` bits. Session 44 (H100, GPU ms with
     fused_split): SmolLM-135M (64-bit copies) 0.353 -> 0.342 at 16, 0.431 -> 0.423 at 2000; Qwen3-0.6B (128-bit)
     0.950 -> 0.948 at 4000; Qwen2.5-0.5B (38 columns a CTA: 32-bit copies) 0.666 -> 0.706 at 4000, so it stays
-    off there."""
+    off there. Session 45 (H200, with fused_split): SmolLM-135M 0.334 -> 0.327 at 16, 0.410 -> 0.404 at 2000,
+    Qwen3-0.6B 0.618 -> 0.610 at 16."""
     if not feature_enabled("fused_mlp") or fused_mlp_refusal(plan, fused_o=fused_o) is not None:
         return False
     return mlp_geometry(plan).load_bits >= DEFAULT_MIN_LOAD_BITS

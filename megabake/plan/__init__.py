@@ -219,10 +219,10 @@ GPU_VERIFIED_LAYOUTS = ("pre_norm", "sandwich", "post_norm")  # layouts whose ke
 
 
 # kernel features (beyond layouts) that passed `pytest -m gpu` on a Hopper GPU (an H200; global_down_input on an
-# H100 in session 41, mma_wide on an H100 in session 42 and fused_split on an H100 in session 45, the H200 not being
-# lent: same sm_90a code and shared memory per CTA)
+# H100 in session 41, mma_wide on an H100 in session 42, the H200 not being lent: same sm_90a code and shared memory
+# per CTA; fused_split on an H100 and with fused_mlp on the H200 in session 45)
 GPU_VERIFIED_FEATURES = ("rope_tables", "whole_qk_norm", "bf16_staging", "mma_gemv", "gated_gemv",
-                         "global_down_input", "mma_wide", "fused_split")
+                         "global_down_input", "mma_wide", "fused_split", "fused_mlp")
 EXPERIMENTAL_FEATURES = {"rope_tables": "per-layer rotary tables (Gemma 3: one RoPE base per layer type)",
                          "whole_qk_norm": "q/k RMSNorm over the whole projection (OLMo-2)",
                          "bf16_staging": "GEMV inputs staged in bf16 shared memory because fp32 rows do not fit",
@@ -237,10 +237,12 @@ EXPERIMENTAL_FEATURES = {"rope_tables": "per-layer rotary tables (Gemma 3: one R
                                      "passed on an H100 in session 42)",
                          "fused_split": "with fused_o, split steps' O projection in attention's interval too (session "
                                         "44: codegen.generate(fused_split=None) turns it on where fused_o is on; "
-                                        "the whole GPU suite passed with it on, on an H100 in session 45)",
+                                        "the whole GPU suite passed with it on, on an H100 in session 45, and "
+                                        "with fused_mlp on the H200)",
                          "fused_mlp": "with fused_o, a layer's gate/up and down projections in one interval (session "
                                       "43: codegen.fused_mlp.default_fused_mlp turns it on where a CTA's W_down "
-                                      "columns copy at least 64 bits wide)"}
+                                      "columns copy at least 64 bits wide; the whole GPU suite passed with it on, "
+                                      "on the H200 in session 45)"}
 
 
 def feature_enabled(name: str) -> bool:
