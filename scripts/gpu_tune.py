@@ -219,17 +219,21 @@ BUILDS = {"default": {}, "atom": {"barrier": "atom"}, "red": {"barrier": "red"},
           # one-split steps run attention (whole KV groups, on the tensor cores where they fit) and the O projection
           # in one interval: one grid barrier less per layer at short contexts (codegen.fused; session 35: -2% to
           # -8% at 16); fused-o-lane: those groups on the fp32 lane-group loop (slower: +8% on Qwen2.5-0.5B);
-          # fused-o-kv: their cached K/V rows from shared memory
-          "fused-o": {"fused_o": True}, "fused-o-lane": {"fused_o": True, "fused_mma": False},
-          "fused-o-kv": {"fused_o": True, "fused_kv_smem": True},
-          # every layer's gate/up and down GEMVs in one interval (session 43, a candidate; H100: -3% to +7%): each CTA
-          # owns a block of the intermediate width, the down partials meet in an int64 fixed-point accumulator
-          "fused-mlp": {"fused_o": True, "fused_mlp": True},
-          # the split steps' O projection in attention's interval too (session 44, a candidate): each CTA waits for its
-          # KV group's items on a counter, merges the group and multiplies its W_O block (one barrier less at long
-          # contexts); fused-split-mlp: with fused-mlp on top
-          "fused-split": {"fused_o": True, "fused_split": True},
+          # fused-o-kv: their cached K/V rows from shared memory. Each names fused_split / fused_mlp off: since session
+          # 45 both are on by default wherever fused_o is (fused_mlp where its W_down copies are 64 bits or wider)
+          "fused-o": {"fused_o": True, "fused_split": False, "fused_mlp": False},
+          "fused-o-lane": {"fused_o": True, "fused_mma": False, "fused_split": False, "fused_mlp": False},
+          "fused-o-kv": {"fused_o": True, "fused_kv_smem": True, "fused_mlp": False},
+          # every layer's gate/up and down GEMVs in one interval (session 43; session 45's default where its W_down
+          # copies are 64 bits or wider): each CTA owns a block of the intermediate width, the down partials meet in
+          # an int64 fixed-point accumulator
+          "fused-mlp": {"fused_o": True, "fused_mlp": True, "fused_split": False},
+          # the split steps' O projection in attention's interval too (session 44; session 45's default): each CTA
+          # waits for its KV group's items on a counter, merges the group and multiplies its W_O block (one barrier
+          # less at long contexts); fused-split-mlp: with fused-mlp on top; no-fused-mlp: the default without it
+          "fused-split": {"fused_o": True, "fused_split": True, "fused_mlp": False},
           "fused-split-mlp": {"fused_o": True, "fused_split": True, "fused_mlp": True},
+          "no-fused-mlp": {"fused_mlp": False}, "no-fused-split": {"fused_split": False},
           # the L2 prefetch of the next GEMV's first tiles before each barrier at one budget for every stage (the
           # default since session 26: none before a ring-prefilled GEMV, 16 MB elsewhere; pf16mb: the old default)
           "pf0": {"prefetch_bytes": 0}, "pf8mb": {"prefetch_bytes": 8 << 20}, "pf16mb": {"prefetch_bytes": 16 << 20},

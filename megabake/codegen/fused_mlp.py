@@ -112,8 +112,9 @@ def fused_mlp_refusal(plan: Plan, *, fused_o: bool) -> str | None:
 
 def default_fused_mlp(plan: Plan, *, fused_o: bool) -> bool:
     """Whether ``generate(plan, fused_mlp=None)`` fuses the MLP: where the ``fused_mlp`` feature is enabled
-    (``plan.feature_enabled``: GPU-verified since session 45), the build can (:func:`fused_mlp_refusal` finds nothing) and a CTA's W_down columns
-    copy in cp.async copies of at least :data:`DEFAULT_MIN_LOAD_BITS` bits. Session 44 (H100, GPU ms with
+    (``plan.feature_enabled``: GPU-verified since session 45), the build can (:func:`fused_mlp_refusal` finds
+    nothing) and a CTA's W_down columns copy in cp.async copies of at least :data:`DEFAULT_MIN_LOAD_BITS` bits.
+    Session 44 (H100, GPU ms with
     fused_split): SmolLM-135M (64-bit copies) 0.353 -> 0.342 at 16, 0.431 -> 0.423 at 2000; Qwen3-0.6B (128-bit)
     0.950 -> 0.948 at 4000; Qwen2.5-0.5B (38 columns a CTA: 32-bit copies) 0.666 -> 0.706 at 4000, so it stays
     off there. Session 45 (H200, with fused_split): SmolLM-135M 0.334 -> 0.327 at 16, 0.410 -> 0.404 at 2000,
