@@ -212,6 +212,9 @@ BUILDS = {"default": {}, "atom": {"barrier": "atom"}, "red": {"barrier": "red"},
           "mma-attention": {"mma_attention": True}, "lane-attention": {"mma_attention": False},
           # ... and every split-KV dealing weighs those items by their chunk alone (whole groups, shorter chunks)
           "mma-schedule": {"mma_attention": True, "mma_schedule": True},
+          # ... with fused_o (and so fused_split / fused_mlp) kept on, which the default turns off under it (session
+          # 45 candidate: whole groups over shorter chunks at long contexts, one barrier less per layer)
+          "fused-mma-schedule": {"mma_attention": True, "mma_schedule": True, "fused_o": True},
           # ... and items of 2-8 query heads of 256 dims there too (session 41, a candidate: Gemma's heads)
           "mma-wide": {"mma_wide": True},
           # ... with the dealing made for them (batch 1: whole groups over shorter chunks where slices were dealt)

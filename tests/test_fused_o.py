@@ -132,7 +132,6 @@ def test_fused_mma_refuses_groups_the_tensor_cores_cannot_take(monkeypatch):
     ("olmo-2-1b", {}, "not pre-norm"),
     ("phi-3-mini", {}, "does not fit the cp.async ring"),
     ("smollm-135m", {"watchdog": True}, "split grid barrier"),
-    ("smollm-135m", {"mma_schedule": True}, "mma_schedule"),
 ])
 def test_fused_o_refuses_what_it_cannot_build(preset, build, reason):
     batch = build.pop("batch", 1)

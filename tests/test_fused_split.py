@@ -12,7 +12,7 @@ import pytest
 from megabake.codegen import TIMELINE_PHASES, generate
 from megabake.codegen.fused import FUSED_SPLIT_BUFFERS, fused_split_refusal
 from megabake.runtime.compile import argument_buffers, compile_check, extra_buffers, load_module
-from tests.compiler_fixtures import compile_preset
+from tests.compiler_fixtures import body_calls, compile_preset
 
 
 @pytest.fixture(scope="module")
@@ -96,3 +96,49 @@ def test_it_is_on_wherever_fused_o_is_and_only_there(smollm):
     assert "split_o_block" in kernel(fused_o=True)
     assert "split_o_block" not in kernel(fused_o=False)
     assert "split_o_block" not in kernel(fused_o=True, fused_kv_smem=True)
+
+
+def test_fused_builds_take_the_dealing_made_for_the_tensor_cores(smollm, tmp_path):
+    """``mma_schedule`` (whole KV groups over more, shorter chunks on the tensor cores) with an explicit fused_o
+    (session 45 candidate, ``gpu_tune.py --builds fused-mma-schedule``; the default still leaves fused_o off under
+    it): every body that deals split-KV items, the attention, its K/V prefetch and ``split_o_block`` (whose counter
+    target is the group's item count), deals alike, and the module compiles for sm_90a."""
+    from megabake.plan.attention import mma_slice_mask
+
+    plan = smollm.plan
+    assert "bodies.fused_attention_o(" not in generate(plan, mma_attention=True, mma_schedule=True).source
+    source = generate(plan, mma_attention=True, mma_schedule=True, fused_o=True).source
+    module = load_module(source)
+    assert module.MMA_SLICES == mma_slice_mask(plan) != 0 and module.FUSED_SPLIT is True
+    kernel = source.split("\n# ====")[0]
+    dealing = ("split_kv_attention", "split_kv_prefetch", "split_o_block")
+    for body in dealing:
+        calls = body_calls(kernel, body)
+        assert calls and all(call.get("mma_slices") == "MMA_SLICES" for call in calls), body
+    result = compile_check(plan, module, dump_dir=str(tmp_path))
+    assert result.ok, result.error
+
+
+def test_the_reference_backend_deals_as_an_mma_schedule_build_does(smollm):
+    """A decoder of an ``mma_schedule`` module reads its dealing (``MMA_SLICES``) and its reference executor deals
+    alike: at 1500 positions SmolLM-135M's items are whole 3-head groups on the tensor cores (bf16 probabilities),
+    not one-head slices in fp32, so its logits move within that rounding of the default dealing's."""
+    import torch
+
+    from megabake.plan.attention import mma_slice_mask
+    from megabake.runtime import MegakernelDecoder
+
+    plan = smollm.plan
+    source = generate(plan, mma_attention=True, mma_schedule=True, fused_o=True).source
+    logits = []
+    for module_source in (source, generate(plan).source):
+        decoder = MegakernelDecoder(plan, module_source, smollm.model, device="cpu")
+        generator = torch.Generator().manual_seed(45)
+        for name in ("k_cache", "v_cache"):
+            buffer = decoder.buffers[name]
+            buffer.copy_(torch.randn(buffer.shape, generator=generator).to(buffer.dtype))
+        logits.append((decoder.mma_slices, decoder.step(torch.tensor([17]), 1500).float().clone()))
+    (slices, scheduled), (default_slices, default) = logits
+    assert slices == mma_slice_mask(plan) != 0 and default_slices == 0
+    difference = float((scheduled - default).norm() / default.norm())
+    assert 0 < difference < 2e-2, difference

@@ -42,15 +42,22 @@ def test_fused_split_gives_the_fused_o_logits_to_fp32_order_and_the_same_bits_tw
             assert float((other[i] - fused_o[i]).norm() / fused_o[i].norm()) < 1e-4, position
 
 
-@pytest.mark.parametrize("preset,capacity", [("smollm-135m", 2048), ("qwen3-0.6b", 4096)])
-def test_fused_split_kernel_matches_the_reference_executor(preset, capacity):
+@pytest.mark.parametrize("preset,capacity,build", [
+    ("smollm-135m", 2048, {}), ("qwen3-0.6b", 4096, {}),
+    # session 45 candidate: the dealing made for the tensor cores (whole groups over shorter chunks) under fused_o
+    ("smollm-135m", 2048, {"mma_attention": True, "mma_schedule": True, "fused_o": True}),
+    ("qwen2.5-0.5b", 4096, {"mma_attention": True, "mma_schedule": True, "fused_o": True}),
+])
+def test_fused_split_kernel_matches_the_reference_executor(preset, capacity, build):
     """The fused_split build on the default's other choices (split items and fused groups on the tensor cores,
-    mirrored by the reference executor) against the CPU reference at the usual tolerance."""
+    mirrored by the reference executor) against the CPU reference at the usual tolerance; also with
+    ``mma_schedule``, whose split steps deal whole KV groups (``split_o_block`` then waits for fewer, longer
+    items)."""
     from megabake.codegen import generate
 
     compiled = _compiled(preset, capacity)
     fused, split = _fused_and_split_positions(compiled, capacity)
-    source = generate(compiled.plan, fused_split=True).source
+    source = generate(compiled.plan, fused_split=True, **build).source
     assert "\nFUSED_SPLIT = True\n" in source
     _assert_random_cache_steps_match(compiled, compiled.model, seed=44, positions=fused + split, source=source)
 

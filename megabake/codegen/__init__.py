@@ -538,9 +538,6 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
         if why:
             raise ValueError(f"fused_o runs attention and the O projection in one interval, but {why}: build "
                              "without it")
-        if mma_schedule:
-            raise ValueError("fused_o deals whole KV groups at one split; mma_schedule changes that dealing: build "
-                             "with one of them")
     if fused_mma is None:
         fused_mma = bool(fused_o and mma_attention and fused_mma_fits(plan))
     if fused_mma:
@@ -1067,7 +1064,8 @@ def _fused_split_stages(w: _Writer, plan: Plan, attention: Stage, indent: int, l
     counted = call[:-1] + ", group_counts=o_count[layer, None], count_groups=True)"
     o_block = (f"bodies.split_o_block(attn, {ATTN_PART}, o_count[layer, None], s_ring, s_att, o_part, pos, "
                f"{_first_key(plan)}, cta, tidx, N_HEADS, N_KV_HEADS, HEAD_DIM, HIDDEN, THREADS, KV_SPLITS, MIN_CHUNK, "
-               f"CHUNK_QUANTUM, HEAD_SLICES, LONG_SLICES, {options.fold_splits}, FUSED_O_BLOCKS, FUSED_O_BLOCK_ROWS)")
+               f"CHUNK_QUANTUM, HEAD_SLICES, LONG_SLICES, {options.fold_splits}, FUSED_O_BLOCKS, FUSED_O_BLOCK_ROWS"
+               f"{_mma_slices_argument(options.mma_schedule)})")
     w("if fo == 1:", indent)
     w.begin(_entry(plan, attention, layer_var, "body_call", "layer[*].attention.fused_attention_o"))
     w(_fused_attention_call(plan), indent + 1)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -128,6 +129,10 @@ class MegakernelDecoder:
         self.mma_attention = "\nMMA_ATTENTION = True\n" in module_source
         self.fused_mma = "\nFUSED_MMA = True\n" in module_source  # fused steps' groups on the tensor cores
         self.mma_wide = "\nMMA_WIDE = True\n" in module_source  # heads of 256 on the tensor cores too
+        # an mma_schedule build deals whole KV groups over shorter chunks (module.py's MMA_SLICES, the slice counts
+        # whose items run on the tensor cores); 0: the default dealing
+        slices = re.search(r"^MMA_SLICES = (\d+)$", module_source, re.MULTILINE)
+        self.mma_slices = int(slices.group(1)) if slices else 0
         self.package_dir = Path(package_dir) if package_dir else None
         self.report = report or {}
         device = torch.device(device) if device is not None else torch.device(
@@ -156,7 +161,8 @@ class MegakernelDecoder:
             weights = pack_weights(plan, model.get_parameter, dtype=dtype)
             cos, sin = rotary_tables(plan, self.inv_freq_fp32)
             self._reference = ReferenceExecutor(plan, weights, cos, sin, mma_attention=self.mma_attention,
-                                                fused_mma=self.fused_mma, mma_wide=self.mma_wide)
+                                                fused_mma=self.fused_mma, mma_wide=self.mma_wide,
+                                                mma_slices=self.mma_slices)
             self.buffers = self._reference.buffers
         else:
             raise InputError(f"unknown backend {backend!r}: use 'cuda' or 'reference'")
@@ -352,12 +358,13 @@ class MegakernelDecoder:
 
     def reference_executor(self):
         """The plan's CPU reference executor on this (cuda) decoder's own packed weights and rotary tables, mirroring
-        the module's tensor-core roundings (``mma_attention``, ``fused_mma``, ``mma_wide``): what a GPU check
-        compares with."""
+        the module's split-KV dealing (``mma_slices``) and tensor-core roundings (``mma_attention``, ``fused_mma``,
+        ``mma_wide``): what a GPU check compares with."""
         from ..plan.reference import reference_executor_from_buffers
 
         return reference_executor_from_buffers(self.plan, self.buffers, mma_attention=self.mma_attention,
-                                               fused_mma=self.fused_mma, mma_wide=self.mma_wide)
+                                               fused_mma=self.fused_mma, mma_wide=self.mma_wide,
+                                               mma_slices=self.mma_slices)
 
     def stage_timeline(self) -> list[tuple[str, float]]:
         """(stage, microseconds as seen by CTA 0) of the last step; needs a ``generate(timeline=True)`` module
