@@ -26,7 +26,7 @@ def test_fused_mlp_gives_the_fused_o_logits_to_fp32_order_and_the_same_bits_twic
     compiled = _compiled(preset, capacity)
     fused, split = _fused_and_split_positions(compiled, capacity)
     positions = split + fused
-    base = {"fused_o": True, "fused_mlp": False}  # the fused_o build without it (where the switch makes it a default)
+    base = {"fused_o": True, "fused_mlp": False}  # the fused_o build without it (a default where it copies >= 64 bits)
     fused_o, fused_mlp, again = _logits_over_random_cache(
         compiled, positions, 1, [base, {**base, "fused_mlp": True}, {**base, "fused_mlp": True}])
     assert torch.isfinite(fused_mlp).all()
