@@ -89,6 +89,10 @@
 #          (FUSED_SPLIT_SPECS="preset capacity position;...", default SmolLM-135M at 2000, Qwen2.5-0.5B at 4000)
 #          -> OUT/pytest-gpu-fused-split.log, OUT/tune-*-fused-split-p*.log; fused-split-times: the timings alone
 #          (once the tests passed: tests-parallel runs them too)
+#   fused-mma-schedule: the GPU test of the fused builds dealt for the tensor cores (generate(plan, fused_o=True,
+#          mma_schedule=True), session 45's candidate), then the default against gpu_tune's fused-mma-schedule build
+#          (FUSED_MMA_SPECS="preset capacity position;...", default SmolLM-135M at 16/2000, Qwen2.5-0.5B at 16/4000)
+#          -> OUT/pytest-gpu-fused-mma-schedule.log, OUT/tune-*-fused-mma-schedule-p*.log; -times: timings alone
 #   tests-parallel: the same tests as tests1-3, the fused_o build's (tests/test_fused_o_gpu.py),
 #          tests/test_global_down_gpu.py, tests/test_mma_wide_gpu.py, tests/test_fused_mlp_gpu.py and
 #          tests/test_fused_split_gpu.py at once, as
@@ -209,6 +213,25 @@ if [[ " $PARTS " == *" fused-mlp "* || " $PARTS " == *" fused-mlp-times "* ]]; t
       timeout 180 python3 scripts/gpu_tune.py "$preset" --variants bake --builds default fused-o fused-mlp --no-composite \
         --capacity "$capacity" --position "$position" --out "$OUT/fused-mlp-p$position" >"$log" 2>&1
       summary+=("fused-mlp tune ($preset at $position): rc=$?" "$(grep -E '^(==|\|)' "$log")")
+    done
+  fi
+fi
+if [[ " $PARTS " == *" fused-mma-schedule "* || " $PARTS " == *" fused-mma-schedule-times "* ]]; then
+  mma_rc=0
+  if [[ " $PARTS " == *" fused-mma-schedule "* ]]; then
+    # the fused builds dealt for the tensor cores (session 45's candidate): kernel vs reference executor first
+    TEST_LIMIT=${TEST_LIMIT:-240} run_tests fused-mma-schedule "reference_executor" tests/test_fused_split_gpu.py
+    mma_rc=$(sed -n 's/.*rc=\([0-9]*\).*/\1/p' "$OUT/.summary-fused-mma-schedule")
+    collect_tests fused-mma-schedule
+  fi
+  if [[ "$mma_rc" == 0 ]]; then  # timings only of a build whose GPU tests passed
+    IFS=';' read -ra mma_specs <<<"${FUSED_MMA_SPECS:-smollm-135m 2048 16;smollm-135m 2048 2000;qwen2.5-0.5b 4096 16;qwen2.5-0.5b 4096 4000}"
+    for spec in "${mma_specs[@]}"; do
+      read -r preset capacity position <<<"$spec"
+      log="$OUT/tune-$preset-fused-mma-schedule-p$position.log"
+      timeout 180 python3 scripts/gpu_tune.py "$preset" --variants bake --builds default fused-mma-schedule \
+        --no-composite --capacity "$capacity" --position "$position" --out "$OUT/fused-mma-p$position" >"$log" 2>&1
+      summary+=("fused-mma-schedule tune ($preset at $position): rc=$?" "$(grep -E '^(==|\|)' "$log")")
     done
   fi
 fi
