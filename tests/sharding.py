@@ -14,6 +14,15 @@ from dataclasses import dataclass
 
 DEFAULT_SECONDS = 8.0
 SECONDS = {  # node-id fragment -> seconds (first match wins); from `pytest --durations` of the H200 logs
+    # session 46, 8 shards at once on an H100 (setup + call; these outgrew the older entries below, and the shard
+    # holding gemma-2b's numerics, its head-slices case and fused_split's Llama-3.2-1B case ran past 480 s)
+    "advancing_steps[gemma-2-2b]": 137.0, "advancing_steps[gemma-3-270m]": 102.0,
+    "advancing_steps[llama-3.2-1b]": 80.0, "many_splits[gemma-2b": 77.0,
+    "tilings_give_bit_identical_logits[llama-3.2-1b]": 92.0, "test_cold_load_script": 87.0,
+    "kv_prefetch_gives_bit_identical_logits_at_split_boundaries_and_capacity[smollm-135m": 45.0,
+    "mma_wide_matches_the_lane_group_loop_to_bf16_rounding[gemma-2b": 58.0,
+    "mma_attention_matches_the_lane_group_loop_to_bf16_rounding[llama-3.2-1b": 42.0,
+    "fused_split_gives_the_fused_o_logits_to_fp32_order_and_the_same_bits_twice[qwen2.5": 44.0,
     "advancing_steps[gemma-2-2b]": 90.0, "advancing_steps[gemma-3-270m]": 80.0, "advancing_steps[gemma-2b]": 75.0,
     "advancing_steps[smollm-135m]": 42.0, "advancing_steps[llama-3.2-1b]": 40.0,
     # session 31: the tilings test also builds the rebalanced bake tiling (75 s alone on SmolLM-135M)
