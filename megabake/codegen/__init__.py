@@ -384,7 +384,11 @@ def default_fused_o(plan: Plan, *, spread_merge: bool = False, barrier: str = DE
     (graph replay; default -> fused on the tensor cores, and the fp32 lane-group loop's fused build): SmolLM-135M
     0.365 -> 0.335 (lane 0.360), Llama-3.2-1B 0.764 -> 0.737 (0.754), Qwen3-0.6B 0.625 -> 0.607 (0.613),
     Qwen2.5-0.5B 0.509 -> 0.499 (0.551: a 7-head group on the lane loop is slower than seven 1-head items); Qwen3
-    at 1000, where steps are split, 0.728 -> 0.725 (benchmarks/results/2026-12-05-h200-session35)."""
+    at 1000, where steps are split, 0.728 -> 0.725 (benchmarks/results/2026-12-05-h200-session35). An explicit
+    ``fused_o=True, mma_schedule=True`` builds (GPU tests pass, session 46) but is slower where it differs, so
+    mma_schedule stays out of the default: H100, GPU ms, default -> fused with mma_schedule, SmolLM-135M @2000
+    0.423 -> 0.451, Qwen2.5-0.5B @4000 0.673 -> 0.681, the same at 16
+    (benchmarks/results/2026-12-06-h100-session46)."""
     return (FUSED_O_DEFAULT and not mma_schedule and mma_attention and fused_mma_fits(plan)
             and fused_o_refusal(plan, spread_merge=spread_merge, split_barrier=barrier == "split") is None)
 
