@@ -15,11 +15,13 @@ shared memory, all at once, as the pre-barrier copies do, by one of:
   copies: Qwen3-0.6B's W_down columns copy 16 bytes at a time, SmolLM-135M's 8, Qwen2.5-0.5B's 4);
 * ``bulk``: the lanes of warp 0 issue ``cp.async.bulk`` of 4 KB each onto one mbarrier.
 
-Thread 0 reads ``%globaltimer`` after a CTA barrier at the start, after every thread has issued its copies
-(``issue``), and after the copies landed (``landed``: cp.async wait_group 0, or the mbarrier's phase). The table
-gives, per kind and size, the median over CTAs and launches of issue and landed (us from the CTA's start), and
-the median launch's span (first start to last landing over the grid). What to read: ``issue`` near ``landed``
-means the copies hold the warps (they delay the barrier arrival); ``issue`` near 0 means they do not.
+Thread 0 reads ``%globaltimer`` and ``%clock64`` after a CTA barrier at the start, after every thread has issued
+its copies (``issue``), after it arrived as the grid barrier arrives (``arrive``: ``atom.release.gpu.add`` on a
+global counter, whose release may wait for the CTA's copies in flight) and after the copies landed (``landed``:
+cp.async wait_group 0, or the mbarrier's phase). The table gives, per kind and size, the medians over CTAs and
+launches (us and SM cycles from the CTA's start), and the median launch's span (first start to last landing over
+the grid). What to read: ``issue`` or ``arrive`` near ``landed`` means the copies hold the CTA (they delay its
+barrier arrival); near 0 means they land during the wait, as intended.
 
     source .cute/activate.sh && python3 scripts/gpu_copy_probe.py [--kb 16 48 68 128] [--out DIR]
 
@@ -37,13 +39,15 @@ KINDS = ("cp16", "cp8", "cp4", "bulk")
 BULK_BYTES = 4096  # bytes per cp.async.bulk (one per lane of warp 0 and round)
 DEFAULT_CTAS = 132
 DEFAULT_THREADS = 256
-STAMPS = 6  # %globaltimer at start, issue, landed; then %clock64 at the same three points
+POINTS = ("start", "issue", "arrive", "landed")  # where thread 0 reads its clocks
+STAMPS = 2 * len(POINTS) + 1  # %globaltimer at each point, then %clock64 at each, then the arrival counter
 
 
 def build(kind: str, elems: int, ctas: int = DEFAULT_CTAS, threads: int = DEFAULT_THREADS):
     """The ``@cute.jit`` launch(src, times, stream) of one probe: src bf16 [ctas, elems], times int64
-    [ctas, STAMPS] (thread 0's ``%globaltimer`` at start, issue, landed, then its ``%clock64`` at the same
-    points: the SM's cycles resolve what the nanosecond timer's update interval may not)."""
+    [ctas, STAMPS] (thread 0's ``%globaltimer`` at each of ``POINTS``, then its ``%clock64`` at the same points:
+    the SM's cycles resolve what the nanosecond timer's update interval may not; the last column is the CTA's
+    arrival counter)."""
     if kind not in KINDS:
         raise ValueError(f"unknown copy kind {kind!r}: pick one of {', '.join(KINDS)}")
     if elems * 2 % BULK_BYTES:
@@ -75,7 +79,7 @@ def build(kind: str, elems: int, ctas: int = DEFAULT_CTAS, threads: int = DEFAUL
         cute.arch.sync_threads()
         if tidx == 0:
             times[cta, 0] = cute.arch.globaltimer()
-            times[cta, 3] = cute.arch.clock64()
+            times[cta, 4] = cute.arch.clock64()
         if cutlass.const_expr(kind == "bulk"):
             atom = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), src.element_type, num_bits_per_copy=bits)
             if tidx == 0:
@@ -94,15 +98,20 @@ def build(kind: str, elems: int, ctas: int = DEFAULT_CTAS, threads: int = DEFAUL
         cute.arch.sync_threads()
         if tidx == 0:
             times[cta, 1] = cute.arch.globaltimer()
-            times[cta, 4] = cute.arch.clock64()
+            times[cta, 5] = cute.arch.clock64()
+            # the grid barrier's arrival (bodies.sync): a release add, which orders the CTA's memory operations
+            cute.arch.atomic_add((times.iterator + cta * STAMPS + 2 * len(POINTS)).llvm_ptr, Int64(1),
+                                 sem="release", scope="gpu")
+            times[cta, 2] = cute.arch.globaltimer()
+            times[cta, 6] = cute.arch.clock64()
         if cutlass.const_expr(kind == "bulk"):
             cute.arch.mbarrier_wait(s_bar.iterator, Int32(0))
         else:
             cute.arch.cp_async_wait_group(0)
         cute.arch.sync_threads()
         if tidx == 0:
-            times[cta, 2] = cute.arch.globaltimer()
-            times[cta, 5] = cute.arch.clock64()
+            times[cta, 3] = cute.arch.globaltimer()
+            times[cta, 7] = cute.arch.clock64()
 
     @cute.jit
     def launch(src: cute.Tensor, times: cute.Tensor, stream: cuda.CUstream):
@@ -132,7 +141,8 @@ def _measure(kind: str, kb: int, ctas: int, threads: int, launches: int) -> dict
     args = [from_dlpack(src, assumed_align=16), from_dlpack(times, assumed_align=16)]
     stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
     compiled = cute.compile(build(kind, elems, ctas, threads), *args, stream)
-    issue, landed, spans, issue_cycles, landed_cycles = [], [], [], [], []
+    samples: dict[str, list[float]] = {f"{p}_{unit}": [] for p in POINTS[1:] for unit in ("us", "cycles")}
+    spans = []
     for n in range(launches + 3):
         torch.cuda.synchronize()
         compiled(*args, stream)
@@ -140,16 +150,13 @@ def _measure(kind: str, kb: int, ctas: int, threads: int, launches: int) -> dict
         if n < 3:  # warm-up launches
             continue
         stamps = times.cpu()
-        start = stamps[:, 0]
-        issue += ((stamps[:, 1] - start) / 1e3).tolist()
-        landed += ((stamps[:, 2] - start) / 1e3).tolist()
-        spans.append(float((stamps[:, 2].max() - start.min()) / 1e3))
-        issue_cycles += (stamps[:, 4] - stamps[:, 3]).tolist()
-        landed_cycles += (stamps[:, 5] - stamps[:, 3]).tolist()
-    return {"kind": kind, "kb_per_cta": kb, "ctas": ctas, "grid_mb": ctas * kb / 1024,
-            "issue_us": statistics.median(issue), "landed_us": statistics.median(landed),
-            "span_us": statistics.median(spans), "issue_cycles": statistics.median(issue_cycles),
-            "landed_cycles": statistics.median(landed_cycles), "launches": launches}
+        for i, point in enumerate(POINTS[1:], start=1):
+            samples[f"{point}_us"] += ((stamps[:, i] - stamps[:, 0]) / 1e3).tolist()
+            cycles = len(POINTS)
+            samples[f"{point}_cycles"] += (stamps[:, cycles + i] - stamps[:, cycles]).tolist()
+        spans.append(float((stamps[:, 3].max() - stamps[:, 0].min()) / 1e3))
+    return {"kind": kind, "kb_per_cta": kb, "ctas": ctas, "grid_mb": ctas * kb / 1024, "launches": launches,
+            "span_us": statistics.median(spans), **{key: statistics.median(v) for key, v in samples.items()}}
 
 
 def main() -> None:
@@ -170,15 +177,17 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("gpu_copy_probe.py times copies on a GPU: none is visible (run it through the device tool)")
     print(f"{torch.cuda.get_device_name()}: {args.ctas} CTAs x {args.threads} threads, {args.launches} launches")
-    print("| kind | KB per CTA | MB over the grid | issue us | landed us | grid span us | issue cycles | landed cycles |")
+    print("| kind | KB per CTA | MB over the grid | issue us | arrive us | landed us | grid span us | issue / arrive / "
+          "landed cycles |")
     print("|---|---|---|---|---|---|---|---|")
     rows = []
     for kb in args.kb:
         for kind in args.kinds:
             row = _measure(kind, kb, args.ctas, args.threads, args.launches)
             rows.append(row)
-            print(f"| {kind} | {kb} | {row['grid_mb']:.1f} | {row['issue_us']:.2f} | {row['landed_us']:.2f} | "
-                  f"{row['span_us']:.2f} | {row['issue_cycles']:.0f} | {row['landed_cycles']:.0f} |", flush=True)
+            print(f"| {kind} | {kb} | {row['grid_mb']:.1f} | {row['issue_us']:.2f} | {row['arrive_us']:.2f} | "
+                  f"{row['landed_us']:.2f} | {row['span_us']:.2f} | {row['issue_cycles']:.0f} / "
+                  f"{row['arrive_cycles']:.0f} / {row['landed_cycles']:.0f} |", flush=True)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "copy-probe.json").write_text(json.dumps({"device": torch.cuda.get_device_name(),

@@ -32,6 +32,7 @@ def test_each_copy_kind_compiles_to_its_instruction(kind, tmp_path):
                  options=f"--gpu-arch sm_90a --keep-ptx --dump-dir {tmp_path}")
     ptx = max(tmp_path.glob("*.ptx"), key=lambda p: p.stat().st_mtime).read_text()
     assert ".target sm_90a" in ptx and "globaltimer" in ptx and "clock64" in ptx
+    assert re.search(r"atom\.global\.release(\.gpu)?\.add\.u64", ptx)  # the barrier's arrival, as bodies.sync
     copies = [line for line in ptx.splitlines() if "cp.async" in line and "shared" in line and "global" in line]
     assert copies, "no global -> shared copy in the PTX"
     if kind == "bulk":
