@@ -56,3 +56,16 @@ def test_a_bad_shard_is_a_usage_error():
                            "--shard", "4/4", "tests/test_sharding.py"], cwd=REPO, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 4 and "--shard '4/4'" in proc.stderr
+
+
+def test_the_cost_table_names_each_fragment_once():
+    """A fragment written twice in the SECONDS literal silently keeps the later value (session 46 nearly lost its
+    measured durations that way): every key appears once."""
+    import ast
+    from pathlib import Path
+
+    source = (Path(__file__).parent / "sharding.py").read_text()
+    table = next(node.value for node in ast.walk(ast.parse(source))
+                 if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "SECONDS" for t in node.targets))
+    keys = [key.value for key in table.keys]
+    assert keys and len(keys) == len(set(keys)), sorted({k for k in keys if keys.count(k) > 1})
