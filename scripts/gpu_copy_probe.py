@@ -9,7 +9,8 @@ reach the barrier early; a bulk copy (``cp.async.bulk``, issued by a few lanes a
 copy engine) would not hold the warps. This probe measures that, outside the megakernel.
 
 Every CTA of the grid (132 by default: the megakernel's) copies its own ``KB`` kilobytes of a bf16 buffer into
-shared memory, all at once, as the pre-barrier copies do, by one of:
+shared memory, all at once, as the pre-barrier copies do (from DRAM: a 256 MB write evicts the L2 before every
+launch), by one of:
 
 * ``cp16`` / ``cp8`` / ``cp4``: each thread issues ``cp.async`` of 16 / 8 / 4 bytes (``bodies.mlp_down_load``'s
   copies: Qwen3-0.6B's W_down columns copy 16 bytes at a time, SmolLM-135M's 8, Qwen2.5-0.5B's 4);
@@ -41,6 +42,7 @@ DEFAULT_CTAS = 132
 DEFAULT_THREADS = 256
 POINTS = ("start", "issue", "arrive", "landed")  # where thread 0 reads its clocks
 STAMPS = 2 * len(POINTS) + 1  # %globaltimer at each point, then %clock64 at each, then the arrival counter
+FLUSH_BYTES = 256 << 20  # written before every launch: over 5x the L2 of an H100 / H200 (50 MB)
 
 
 def build(kind: str, elems: int, ctas: int = DEFAULT_CTAS, threads: int = DEFAULT_THREADS):
@@ -143,7 +145,11 @@ def _measure(kind: str, kb: int, ctas: int, threads: int, launches: int) -> dict
     compiled = cute.compile(build(kind, elems, ctas, threads), *args, stream)
     samples: dict[str, list[float]] = {f"{p}_{unit}": [] for p in POINTS[1:] for unit in ("us", "cycles")}
     spans = []
+    # the megakernel's weights come from DRAM (the step streams far more than L2 holds): evict src before each launch
+    flush = torch.empty(FLUSH_BYTES // 4, dtype=torch.float32, device="cuda")
+    cycles = len(POINTS)  # the %clock64 columns follow the %globaltimer ones
     for n in range(launches + 3):
+        flush.zero_()
         torch.cuda.synchronize()
         compiled(*args, stream)
         torch.cuda.synchronize()
@@ -152,7 +158,6 @@ def _measure(kind: str, kb: int, ctas: int, threads: int, launches: int) -> dict
         stamps = times.cpu()
         for i, point in enumerate(POINTS[1:], start=1):
             samples[f"{point}_us"] += ((stamps[:, i] - stamps[:, 0]) / 1e3).tolist()
-            cycles = len(POINTS)
             samples[f"{point}_cycles"] += (stamps[:, cycles + i] - stamps[:, cycles]).tolist()
         spans.append(float((stamps[:, 3].max() - stamps[:, 0].min()) / 1e3))
     return {"kind": kind, "kb_per_cta": kb, "ctas": ctas, "grid_mb": ctas * kb / 1024, "launches": launches,
