@@ -118,7 +118,9 @@ def default_fused_mlp(plan: Plan, *, fused_o: bool) -> bool:
     fused_split): SmolLM-135M (64-bit copies) 0.353 -> 0.342 at 16, 0.431 -> 0.423 at 2000; Qwen3-0.6B (128-bit)
     0.950 -> 0.948 at 4000; Qwen2.5-0.5B (38 columns a CTA: 32-bit copies) 0.666 -> 0.706 at 4000, so it stays
     off there. Session 45 (H200, with fused_split): SmolLM-135M 0.334 -> 0.327 at 16, 0.410 -> 0.404 at 2000,
-    Qwen3-0.6B 0.618 -> 0.610 at 16."""
+    Qwen3-0.6B 0.618 -> 0.610 at 16. Session 46 (docs/PERF.md): the copy width is a proxy that happens to pick
+    these presets; what costs is the bytes copied before the barrier (~0.38 us per MB over the grid, at every
+    width), and Qwen2.5-0.5B copies the most while its MLP saves the least."""
     if not feature_enabled("fused_mlp") or fused_mlp_refusal(plan, fused_o=fused_o) is not None:
         return False
     return mlp_geometry(plan).load_bits >= DEFAULT_MIN_LOAD_BITS
