@@ -93,9 +93,10 @@
 #          mma_schedule=True), session 45's candidate), then the default against gpu_tune's fused-mma-schedule build
 #          (FUSED_MMA_SPECS="preset capacity position;...", default SmolLM-135M at 16/2000, Qwen2.5-0.5B at 16/4000)
 #          -> OUT/pytest-gpu-fused-mma-schedule.log, OUT/tune-*-fused-mma-schedule-p*.log; -times: timings alone
-#   copy-probe: scripts/gpu_copy_probe.py (each CTA copies 16-128 KB into shared memory as the pre-barrier copies
-#          do; cp.async 16/8/4 B against cp.async.bulk: issue, barrier arrival and landing times) -> OUT/copy-probe.log,
-#          OUT/copy-probe.json (~1 min?, not run yet)
+#   copy-probe: scripts/gpu_copy_probe.py (each CTA copies 48 / 128 KB into shared memory as the pre-barrier copies
+#          do; cp.async 16/4 B against cp.async.bulk; the grid barrier's arrival after or before them, warp 0 copying
+#          or not: issue, arrival, release and landing times; PROBE_ARGS replaces the sizes and kinds, e.g.
+#          "--kb 48 --kinds none cp16row bulkrow --modes chase split") -> OUT/copy-probe.log, OUT/copy-probe.json
 #   tests-parallel: the same tests as tests1-3, the fused_o build's (tests/test_fused_o_gpu.py),
 #          tests/test_global_down_gpu.py, tests/test_mma_wide_gpu.py, tests/test_fused_mlp_gpu.py and
 #          tests/test_fused_split_gpu.py at once, as
@@ -240,7 +241,8 @@ if [[ " $PARTS " == *" fused-mma-schedule "* || " $PARTS " == *" fused-mma-sched
 fi
 if [[ " $PARTS " == *" copy-probe "* ]]; then
   # what pre-barrier copies into shared memory cost a CTA: cp.async 16/8/4 B against cp.async.bulk (session 46)
-  timeout 240 python3 scripts/gpu_copy_probe.py --out "$OUT" >"$OUT/copy-probe.log" 2>&1
+  timeout 240 python3 scripts/gpu_copy_probe.py ${PROBE_ARGS:---kb 48 128 --kinds cp16 cp4 bulk} --out "$OUT" \
+    >"$OUT/copy-probe.log" 2>&1
   summary+=("copy-probe: rc=$?" "$(grep -E '^(\||NVIDIA)' "$OUT/copy-probe.log")")
 fi
 if [[ " $PARTS " == *" tests1 "* ]]; then
