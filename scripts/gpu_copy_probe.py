@@ -38,8 +38,8 @@ are in); near the barrier's own latency (~1 us) means they land during the wait,
 
     source .cute/activate.sh && python3 scripts/gpu_copy_probe.py [--kb 16 48 68 128] [--kinds ...] [--modes ...] [--out DIR]
 
-``build(kind, elems, ctas, threads)`` returns the ``@cute.jit`` launch; ``tests/test_copy_probe.py`` compiles
-every kind for sm_90a on the CPU.
+``build(kind, elems, ctas, threads, mode)`` returns the ``@cute.jit`` launch; ``tests/test_copy_probe.py`` compiles
+each kind and each mode for sm_90a on the CPU.
 """
 
 
@@ -49,8 +49,8 @@ import statistics
 from pathlib import Path
 
 KINDS = ("cp16", "cp8", "cp4", "bulk", "cp16row", "bulkrow", "none")
-# the row kinds copy a CTA's columns of a row-major matrix as bodies.mlp_down_load does Qwen3-0.6B's W_down: ROW_BYTES
-# of every row, the CTAs' slices side by side (cp16row: cp.async of 16 bytes; bulkrow: one cp.async.bulk per row)
+# the row kinds copy a CTA's columns of a row-major matrix as bodies.mlp_down_load does Qwen3-0.6B's W_down: ROW_ELEMS
+# bf16 of every row, the CTAs' slices side by side (cp16row: cp.async of 16 bytes; bulkrow: one cp.async.bulk per row)
 ROW_ELEMS = 24  # bf16 elements of a CTA's slice of a row (Qwen3-0.6B: 24 W_down columns a CTA, 48 bytes)
 ROW_KINDS = ("cp16row", "bulkrow")
 BULK_KINDS = ("bulk", "bulkrow")

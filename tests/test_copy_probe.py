@@ -34,7 +34,7 @@ def _ptx(probe, kind, mode, tmp_path) -> str:
 @pytest.mark.parametrize("kind,mode", [("cp16", "after"), ("cp8", "after"), ("cp4", "after"), ("bulk", "after"),
                                        ("cp16", "split"), ("cp16", "spare"), ("bulk", "spare"),
                                        ("cp4", "spare-after"), ("cp16", "relaxed"), ("cp16row", "chase"),
-                                       ("bulkrow", "chase"), ("bulkrow", "split")])
+                                       ("bulkrow", "chase"), ("bulkrow", "split"), ("none", "chase")])
 def test_each_copy_kind_compiles_to_its_instruction(kind, mode, tmp_path):
     pytest.importorskip("cutlass")
     probe = _probe()
@@ -49,6 +49,9 @@ def test_each_copy_kind_compiles_to_its_instruction(kind, mode, tmp_path):
     else:
         assert len(arrivals) == 1 and re.search(r"ld\.acquire\.gpu\.global\.b64", ptx)
     copies = [line for line in ptx.splitlines() if "cp.async" in line and "shared" in line and "global" in line]
+    if kind == "none":  # the chase's baseline copies nothing
+        assert not copies and "cp.async" not in ptx and "mbarrier" not in ptx
+        return
     assert copies, "no global -> shared copy in the PTX"
     if kind in ("bulk", "bulkrow"):
         assert all(BULK in line for line in copies), copies[:3]
