@@ -240,7 +240,7 @@ if [[ " $PARTS " == *" fused-mma-schedule "* || " $PARTS " == *" fused-mma-sched
   fi
 fi
 if [[ " $PARTS " == *" copy-probe "* ]]; then
-  # what pre-barrier copies into shared memory cost a CTA: cp.async 16/8/4 B against cp.async.bulk (session 46)
+  # what pre-barrier copies into shared memory cost a grid barrier and the loads beside them (sessions 46-47)
   timeout 240 python3 scripts/gpu_copy_probe.py ${PROBE_ARGS:---kb 48 128 --kinds cp16 cp4 bulk} --out "$OUT" \
     >"$OUT/copy-probe.log" 2>&1
   summary+=("copy-probe: rc=$?" "$(grep -E '^(\||NVIDIA)' "$OUT/copy-probe.log")")

@@ -41,10 +41,10 @@ def test_each_copy_kind_compiles_to_its_instruction(kind, mode, tmp_path):
     ptx = _ptx(probe, kind, mode, tmp_path)
     assert ".target sm_90a" in ptx and "globaltimer" in ptx and "clock64" in ptx
     arrivals = re.findall(r"red\.release\.gpu\.global\.add\.u64", ptx)  # as bodies.grid_arrive
+    # the grid barrier as bodies.grid_arrive / grid_wait: one release arrival, then acquire polls of the counter
     if mode == "chase":  # no grid barrier: thread 0 walks the chain, one relaxed load after another
         assert not arrivals and len(re.findall(r"ld\.relaxed\.gpu\.global\.b32", ptx)) == probe.CHASE
-    # the grid barrier as bodies.sync: one release arrival, then acquire polls of the same counter
-    elif mode == "relaxed":
+    elif mode == "relaxed":  # relaxed polls, then one fence
         assert len(arrivals) == 1 and "fence.acq_rel.gpu" in ptx and "ld.acquire" not in ptx
     else:
         assert len(arrivals) == 1 and re.search(r"ld\.acquire\.gpu\.global\.b64", ptx)
