@@ -413,6 +413,9 @@ def rebench_lines(best: dict, growths: list[Growth], config_of=preset_config) ->
 
 
 def expected_presets() -> list[str]:
+    root = str(Path(__file__).resolve().parents[1])  # the repository, so the script runs without installing it
+    if root not in sys.path:
+        sys.path.insert(0, root)
     from megabake.presets import PRESETS
 
     return [name for name, preset in PRESETS.items() if not name.startswith("tiny-") and not preset.experimental]

@@ -213,3 +213,16 @@ def test_buckets_no_plan_holds_are_named_apart_from_the_missing_cells(status):
     refused = lines[lines.index("Buckets no plan holds (the bake refuses them; nothing to measure):") + 2:]
     assert len(refused) == 1 and refused[0].startswith("- huge batch 8: bucket batch=8")
     assert "16384-wide bf16 GEMV input" in refused[0] and "--batch 4 or less" in refused[0]
+
+
+def test_the_script_runs_from_any_folder_without_the_package_on_the_path(tmp_path):
+    """``python3 benchmarks/status.py`` from another folder, with no PYTHONPATH: it finds megabake in its own
+    repository (session 47: it failed with ModuleNotFoundError unless the package was installed)."""
+    import os
+    import subprocess
+
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "status.py")], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.startswith("# Issue 12 scorecard") and "## Short-context GPU time" in run.stdout
