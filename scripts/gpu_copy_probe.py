@@ -36,7 +36,8 @@ table gives, per kind, mode and size, the medians over CTAs and launches (us fro
 read: ``released`` near ``landed`` means the copies hold the grid barrier (a CTA leaves it only when its own copies
 are in); near the barrier's own latency (~1 us) means they land during the wait, as intended.
 
-    source .cute/activate.sh && python3 scripts/gpu_copy_probe.py [--kb 16 48 68 128] [--kinds ...] [--modes ...] [--out DIR]
+    source .cute/activate.sh && python3 scripts/gpu_copy_probe.py [--kb 16 48 68 128] [--kinds ...] [--modes ...] \\
+        [--out DIR]
 
 ``build(kind, elems, ctas, threads, mode)`` returns the ``@cute.jit`` launch; ``tests/test_copy_probe.py`` compiles
 each kind and each mode for sm_90a on the CPU.
@@ -171,7 +172,8 @@ def build(kind: str, elems: int, ctas: int = DEFAULT_CTAS, threads: int = DEFAUL
                 for i in range(tidx - first_copier, copies, copiers):
                     if cutlass.const_expr(kind == "cp16row"):
                         r = i // row_copies
-                        part = cute.zipped_divide(src[r, None], (per_copy,))[(None, cta * row_copies + i - r * row_copies)]
+                        column = cta * row_copies + i - r * row_copies  # in copies of per_copy elements
+                        part = cute.zipped_divide(src[r, None], (per_copy,))[(None, column)]
                     else:
                         part = cute.zipped_divide(src[cta, None], (per_copy,))[(None, i)]
                     cute.copy(atom, part, cute.zipped_divide(s_buf, (per_copy,))[(None, i)])
@@ -284,8 +286,8 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("gpu_copy_probe.py times copies on a GPU: none is visible (run it through the device tool)")
     print(f"{torch.cuda.get_device_name()}: {args.ctas} CTAs x {args.threads} threads, {args.launches} launches")
-    print("| kind | mode | KB per CTA | MB over the grid | issue us | arrive us | released us | landed us | grid span us "
-          "| released / landed cycles |")
+    print("| kind | mode | KB per CTA | MB over the grid | issue us | arrive us | released us | landed us "
+          "| grid span us | released / landed cycles |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     rows = []
     for kb in args.kb:

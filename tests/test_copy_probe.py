@@ -69,11 +69,13 @@ def test_each_copy_kind_compiles_to_its_instruction(kind, mode, tmp_path):
 def test_bad_sizes_and_kinds_are_refused_with_the_fix():
     pytest.importorskip("cutlass")
     probe = _probe()
-    with pytest.raises(ValueError, match="unknown copy kind 'tma': pick one of cp16, cp8, cp4, bulk, cp16row, bulkrow, none"):
+    kinds = "cp16, cp8, cp4, bulk, cp16row, bulkrow, none"
+    with pytest.raises(ValueError, match=f"unknown copy kind 'tma': pick one of {kinds}"):
         probe.build("tma", 8192)
     with pytest.raises(ValueError, match="not whole 4096-byte bulk copies: pick a multiple of 2048"):
         probe.build("bulk", 1000)
-    with pytest.raises(ValueError, match="unknown arrival mode 'early': pick one of after, split, spare, spare-after, relaxed, chase"):
+    modes = "after, split, spare, spare-after, relaxed, chase"
+    with pytest.raises(ValueError, match=f"unknown arrival mode 'early': pick one of {modes}"):
         probe.build("cp16", 8192, mode="early")
 
 
@@ -91,5 +93,6 @@ def test_the_spare_modes_keep_warp_0_out_of_the_copies(tmp_path):
         orders[mode] = (arrival < min(copies), arrival > max(copies))
     assert orders == {"after": (False, True), "split": (True, False)}
     spare = _ptx(probe, "cp16", "spare", tmp_path / "spare")
-    assert re.search(r"setp\.(ge|lt|gt|le)\.(s|u)32\s+%p\d+, %r\d+, (32|31);", spare), "no warp-0 guard before the copies"
+    guard = r"setp\.(ge|lt|gt|le)\.(s|u)32\s+%p\d+, %r\d+, (32|31);"
+    assert re.search(guard, spare), "no warp-0 guard before the copies"
 
