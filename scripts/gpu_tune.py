@@ -237,6 +237,11 @@ BUILDS = {"default": {}, "atom": {"barrier": "atom"}, "red": {"barrier": "red"},
           "fused-split": {"fused_o": True, "fused_split": True, "fused_mlp": False},
           "fused-split-mlp": {"fused_o": True, "fused_split": True, "fused_mlp": True},
           "no-fused-mlp": {"fused_mlp": False}, "no-fused-split": {"fused_split": False},
+          # warp 0 (thread 0 polls each grid barrier) without copies in flight while it polls (session 48 candidates):
+          # a fused build's W_O / W_down copies by threads 32.. (spare-loads), warp 0's ring prefills after the wait
+          # (spare-ring), or both (spare-all)
+          "spare-loads": {"spare_loads": True}, "spare-ring": {"spare_ring": True},
+          "spare-all": {"spare_loads": True, "spare_ring": True},
           # the L2 prefetch of the next GEMV's first tiles before each barrier at one budget for every stage (the
           # default since session 26: none before a ring-prefilled GEMV, 16 MB elsewhere; pf16mb: the old default)
           "pf0": {"prefetch_bytes": 0}, "pf8mb": {"prefetch_bytes": 8 << 20}, "pf16mb": {"prefetch_bytes": 16 << 20},

@@ -242,6 +242,7 @@ BARRIER_ARRIVALS = {"atom": "bodies.grid_barrier(barrier, tidx, CTAS)",
 # (Phi-3-mini at 4000). GPU ms per step, atom -> split: Llama-3.2-1B at 16 0.767 -> 0.748, SmolLM-135M at 16
 # 0.388 -> 0.369, OLMo-2-1B at 4000 1.008 -> 0.991, Phi-3-mini at 4000 2.470 -> 2.460, the same logits.
 SPLIT_ARRIVAL = "bodies.grid_arrive(barrier, bar_next, tidx, CTAS)"
+WARP_SIZE = 32  # threads of a warp: warp 0 holds thread 0, which arrives at and polls every grid barrier
 DEFAULT_BARRIER = "split"
 # before-barrier calls that read global memory the next stage writes: they stay ahead of a split barrier's arrival
 _BEFORE_ARRIVAL = ("bodies.attention_preload(",)
@@ -286,6 +287,7 @@ class BuildOptions:
     fused_kv_smem: bool = False  # ... scoring their cached K/V rows from shared memory (codegen.fused)
     fused_mlp: bool = False  # a layer's gate/up and down GEMVs in one interval (codegen.fused_mlp)
     fused_split: bool = False  # fused_o: split steps' O projection in attention's interval too (split_o_block)
+    spare_ring: bool = False  # warp 0 fills its ring after a barrier's wait, not ahead of it (_spare_ring_calls)
 
 
 # A KV group's outputs (query heads per KV head x head_dim) from which the spread merge is the default: on the H200
@@ -429,7 +431,8 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
              prefetch_bytes: int | None = None, mma_attention: bool | None = None,
              mma_schedule: bool = False, fused_o: bool | None = None, fused_kv_smem: bool = False,
              fused_mma: bool | None = None, mma_wide: bool | None = None,
-             fused_mlp: bool | None = None, fused_split: bool | None = None) -> GeneratedModule:
+             fused_mlp: bool | None = None, fused_split: bool | None = None, spare_loads: bool = False,
+             spare_ring: bool = False) -> GeneratedModule:
     """module.py of ``plan``. ``merge_preload`` / ``spread_merge``: None picks them per plan
     (:func:`default_merge`); True asks for one (refused where the attention scratch cannot hold it), False
     leaves it out (both False: the plain last-arrival merge of sessions 10-16). ``head_slices=False`` deals
@@ -483,7 +486,13 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     split-KV items on a per-group counter, merges that group's partials and multiplies its W_O block into
     ``o_part``), so every step has one grid barrier less per layer; refused where
     :func:`megabake.codegen.fused.fused_split_refusal` names a reason; None: on where fused_o is, fused_kv_smem is
-    off and the ``fused_split`` feature is enabled (in ``GPU_VERIFIED_FEATURES``)."""
+    off and the ``fused_split`` feature is enabled (in ``GPU_VERIFIED_FEATURES``).
+    ``spare_loads`` / ``spare_ring`` (session 48 candidates, off by default) keep warp 0, whose thread 0 polls the
+    grid barrier, free of copies in flight while it polls (``scripts/gpu_copy_probe.py``: a barrier releases
+    0.5-1.0 us sooner when the polling warp issued none): ``spare_loads`` leaves a fused build's CTA-wide
+    pre-barrier copies (``bodies.fused_o_load``, ``bodies.mlp_down_load``) to threads 32.. (it needs ``fused_o``);
+    ``spare_ring`` moves warp 0's own ring prefills from ahead of each wait to right after it (the other warps'
+    stay ahead: :func:`_spare_ring_calls`)."""
     if watchdog and timeline:
         raise ValueError("a watchdog build has no timeline: build them separately")
     if barrier is not None and barrier not in BARRIER_ARRIVALS:
@@ -564,6 +573,9 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
         if why:
             raise ValueError(f"fused_mlp runs the gate/up and down projections in one interval, but {why}: build "
                              "without it")
+    if spare_loads and not fused_o:
+        raise ValueError("spare_loads keeps warp 0 out of a fused build's W_O / W_down copies, but this build is not "
+                         "fused_o: build without it")
     if fused_split is None:
         fused_split = bool(fused_o) and not fused_kv_smem and feature_enabled("fused_split")
     if fused_split:
@@ -577,7 +589,7 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     w = _Writer(keyword_calls=True)
     _header(w, plan, plan_hash, arguments, self_contained, head_slices, long_slices, pass_chunks,
             kv_pipeline, folded, mma_attention, mma_slices, fused_o, fused_kv_smem, fused_mma, mma_wide,
-            fused_mlp, fused_split)
+            fused_mlp, fused_split, spare_loads)
     prologue = [s for s in plan.stages if s.scope == "prologue"]
     per_layer = [s for s in plan.stages if s.scope == "layer"]
     epilogue = [s for s in plan.stages if s.scope == "epilogue"]
@@ -593,7 +605,7 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
                            fold_splits=folded, prefetch_bytes=prefetch_bytes, clock_every_cta=every_cta,
                            arrival=SPLIT_ARRIVAL if barrier == "split" else None, mma_attention=mma_attention,
                            mma_schedule=mma_schedule, fused_o=fused_o, fused_kv_smem=fused_kv_smem,
-                           mma_wide=mma_wide, fused_mlp=fused_mlp, fused_split=fused_split)
+                           mma_wide=mma_wide, fused_mlp=fused_mlp, fused_split=fused_split, spare_ring=spare_ring)
     labels = timeline_labels(plan, phases, options) if timeline else []
     if every_cta:
         w(f"TIMELINE_STRIDE = {1 + len(labels)}  "
@@ -707,7 +719,8 @@ def _header(w: _Writer, plan: Plan, plan_hash: str, arguments: list[str], self_c
             head_slices: bool = True, long_slices: bool = True, pass_chunks: bool = False,
             kv_pipeline: bool = False, folded: int = 0, mma_attention: bool = False, mma_slices: int = 0,
             fused_o: bool = False, fused_kv_smem: bool = False, fused_mma: bool = False,
-            mma_wide: bool = False, fused_mlp: bool = False, fused_split: bool = False) -> None:
+            mma_wide: bool = False, fused_mlp: bool = False, fused_split: bool = False,
+            spare_loads: bool = False) -> None:
     d = plan.dims
     w(f'"""Generated by MegaBake from plan {plan_hash[:16]}. Do not edit: re-bake instead.')
     w("")
@@ -767,7 +780,8 @@ def _header(w: _Writer, plan: Plan, plan_hash: str, arguments: list[str], self_c
     if fused_o:
         geometry = fused_geometry(plan)
         consts.update({"FUSED_O_BLOCKS": geometry.blocks, "FUSED_O_BLOCK_ROWS": geometry.block_rows,
-                       "FUSED_KV_SMEM": fused_kv_smem, "FUSED_MMA": fused_mma})
+                       "FUSED_KV_SMEM": fused_kv_smem, "FUSED_MMA": fused_mma,
+                       "COPY_SKIP": WARP_SIZE if spare_loads else 0})
     if fused_split:
         consts["FUSED_SPLIT"] = True
     if fused_mlp:
@@ -867,15 +881,17 @@ def _stage(w: _Writer, plan: Plan, stage: Stage, indent: int, layer_var, clocks:
         before = _stage_before_calls(plan, stage, options)
         reads = [call for call in before if call.startswith(_BEFORE_ARRIVAL)]
         loads_fused_o = _loads_fused_o(plan, stage, options)
+        after = []
         if loads_fused_o:
             assert not reads, reads  # split-KV plans have no attention preload (plan.build_plan refuses it)
             _write_fused_o_loads(w, [options.arrival] + before, indent, every_step=options.fused_split)
         else:
-            for call in reads + ([options.arrival] if options.arrival else []) + [c for c in before if c not in reads]:
+            ahead, after = _spare_ring_calls(before, options)
+            for call in reads + ([options.arrival] if options.arrival else []) + [c for c in ahead if c not in reads]:
                 w(call, indent)
         if before or loads_fused_o:  # _prefetch_phase
             clock()
-        w(options.barrier, indent)
+        _write_wait(w, options, indent, after)
         clock()
     w.end()
 
@@ -892,6 +908,40 @@ def _stage_calls(plan: Plan, stage: Stage, options: BuildOptions) -> list[tuple[
     if options.fused_split:
         calls = _fused_split_calls(stage, calls)
     return calls
+
+
+_RING_PREFILL = "bodies.gemv_ring_prefill("
+# a ring prefill call: (up to its `active` argument) (active) (the rest, from its warp count on)
+_RING_PREFILL_ACTIVE = re.compile(r"^(bodies\.gemv_ring_prefill\(.*?, lane, )(.*?)(, (?:TOTAL_)?WARPS, .*)$")
+
+
+def _spare_ring_calls(calls: list[str], options: BuildOptions) -> tuple[list[str], list[str]]:
+    """(ahead, after) of the calls issued between a split barrier's arrival and its wait: without
+    ``options.spare_ring``, all of them ahead. With it, each ring prefill (``bodies.gemv_ring_prefill``) stays ahead
+    for warps 1.. only (warp 0 commits its groups empty, so thread 0 polls with nothing of its own in flight) and
+    comes again in ``after``, for warp 0, right after the wait (:func:`_write_wait`). Warp 0 then has its groups
+    in the same order as before (empty ones first), so the GEMV's ``cp.async.wait_group`` counts still hold."""
+    if not options.spare_ring:
+        return calls, []
+    ahead, after = [], []
+    for call in calls:
+        match = _RING_PREFILL_ACTIVE.match(call) if call.startswith(_RING_PREFILL) else None
+        if match is None:
+            ahead.append(call)
+            continue
+        head, active, tail = match.groups()
+        ahead.append(f"{head}cutlass.min(tidx // {WARP_SIZE}, 1) * ({active}){tail}")
+        after.append(call)
+    return ahead, after
+
+
+def _write_wait(w: _Writer, options: BuildOptions, indent: int, after: list[str]) -> None:
+    """The grid barrier's wait (``options.barrier``), then warp 0's deferred ring prefills (:func:`_spare_ring_calls`)."""
+    w(options.barrier, indent)
+    if after:
+        w(f"if tidx < {WARP_SIZE}:  # spare_ring: warp 0 fills its ring once it has polled", indent)
+        for call in after:
+            w(call, indent + 1)
 
 
 def _ends_at_a_barrier(stage: Stage, options: BuildOptions) -> bool:
@@ -933,7 +983,7 @@ def _write_fused_o_loads(w: _Writer, calls: list[str], indent: int, every_step: 
     step copies its block."""
     load = ("bodies.fused_o_load(w_o[layer, None, None], k_cache[layer, None, None, None, None], "
             "v_cache[layer, None, None, None, None], s_ring, pos, cta, tidx, N_HEADS, N_KV_HEADS, HEAD_DIM, HIDDEN, "
-            "FUSED_O_BLOCKS, FUSED_O_BLOCK_ROWS, MIN_CHUNK, FUSED_KV_SMEM, THREADS)")
+            "FUSED_O_BLOCKS, FUSED_O_BLOCK_ROWS, MIN_CHUNK, FUSED_KV_SMEM, THREADS, COPY_SKIP)")
     prefill = [call for call in calls if call.startswith(_O_RING_PREFILL)]
     for call in calls:
         if call.startswith(_O_RING_PREFILL):
@@ -1002,10 +1052,12 @@ def _fused_attention_stages(w: _Writer, plan: Plan, attention: Stage, indent: in
     clock(reopen=False)
     w(options.arrival, indent)
     w("if fo == 0:", indent)
-    for call in _before_barrier_calls(plan, attention, options.kv_prefetch, options.kv_prefetch_l1,
-                                      options.prefetch_bytes, options.kv_prefetch_rows, options.mma_schedule):
+    ahead, after = _spare_ring_calls(_before_barrier_calls(plan, attention, options.kv_prefetch, options.kv_prefetch_l1,
+                                                           options.prefetch_bytes, options.kv_prefetch_rows,
+                                                           options.mma_schedule), options)
+    for call in ahead:
         w(call, indent + 1)
-    w(options.barrier, indent + 1)
+    _write_wait(w, options, indent + 1, after)
     clock(reopen=True)
     w.end()
     w.begin(_entry(plan, o_stage, layer_var, "barrier_interval", f"layer[*].{o_stage.name}"))
@@ -1017,11 +1069,12 @@ def _fused_attention_stages(w: _Writer, plan: Plan, attention: Stage, indent: in
         clock(reopen=True)
     w(options.arrival, indent + 1)
     before = _stage_before_calls(plan, o_stage, options)
-    for call in before:
+    ahead, after = _spare_ring_calls(before, options)
+    for call in ahead:
         w(call, indent)
     if before:
         clock(reopen=False)
-    w(options.barrier, indent)
+    _write_wait(w, options, indent, after)
     clock(reopen=False)
     w.end()
 
@@ -1087,11 +1140,12 @@ def _fused_split_stages(w: _Writer, plan: Plan, attention: Stage, indent: int, l
     w(f"# ---- stage {o_stage.index}: {o_stage.name} ({o_stage.scope}): in attention's interval ----", indent)
     w(options.arrival, indent)
     before = _stage_before_calls(plan, o_stage, options)
-    for call in before:
+    ahead, after = _spare_ring_calls(before, options)
+    for call in ahead:
         w(call, indent)
     if before:
         clock()
-    w(options.barrier, indent)
+    _write_wait(w, options, indent, after)
     clock()
     w.end()
 
@@ -1123,7 +1177,7 @@ def _fused_mlp_before(calls: list[str]) -> list[str]:
             out.append(f"bodies.gemv_ring_prefill({_MLP_UP_ROWS}, {_RING}, mwarp, lane, 1, WARPS, 2 * MLP_PER_CTA, "
                        f"HIDDEN, {tail}")
             out.append("bodies.mlp_down_load(w_down[layer, None, None], s_down, cta, tidx, MLP_CHUNKS, MLP_PER_CTA, "
-                       "HIDDEN, MLP_LOAD_BITS, THREADS)")
+                       "HIDDEN, MLP_LOAD_BITS, THREADS, COPY_SKIP)")
             continue
         out.append(call)
     return out

@@ -36,17 +36,18 @@ MLP_MAX_PARTIALS = 256  # partials one accumulator row may sum (codegen.fused_ml
 @cute.jit
 def mlp_down_load(w_down: cute.Tensor, s_down: cute.Tensor, cta: Int32, tidx: Int32,
                   chunks: cutlass.Constexpr[int], per_cta: cutlass.Constexpr[int], hidden: cutlass.Constexpr[int],
-                  bits: cutlass.Constexpr[int], threads: cutlass.Constexpr[int]):
+                  bits: cutlass.Constexpr[int], threads: cutlass.Constexpr[int], skip: cutlass.Constexpr[int]):
     """cp.async this CTA's columns of the layer's down projection, W_down[:, cta * per_cta + (0..per_cta)], into
     ``s_down`` [hidden, per_cta] bf16, ``bits`` per copy (the widest that divides a row's slice); one committed
     group, empty on CTAs past ``chunks``. Weights do not depend on the stages before: issued before the grid
-    barrier that precedes the MLP, the copies land during the wait."""
-    if cta < chunks:
+    barrier that precedes the MLP, the copies land during the wait. Threads ``skip..`` copy (``skip`` 32: warp 0,
+    whose thread 0 polls the grid barrier, has nothing in flight); every thread commits the group."""
+    if cta < chunks and tidx >= skip:
         elems = bits // 16
         vecs = per_cta // elems
         mode = cpasync.LoadCacheMode.GLOBAL if bits == 128 else cpasync.LoadCacheMode.ALWAYS
         atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=mode), w_down.element_type, num_bits_per_copy=bits)
-        for i in range(tidx, hidden * vecs, threads):
+        for i in range(tidx - skip, hidden * vecs, threads - skip):
             r = i // vecs
             v = i - r * vecs
             cute.copy(atom, cute.zipped_divide(w_down[r, None], (elems,))[(None, cta * vecs + v)],

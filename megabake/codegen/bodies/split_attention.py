@@ -984,14 +984,15 @@ def fused_o_load(w_o: cute.Tensor, k_cache: cute.Tensor, v_cache: cute.Tensor, s
                  cta: Int32, tidx: Int32, n_heads: cutlass.Constexpr[int], n_kv_heads: cutlass.Constexpr[int],
                  head_dim: cutlass.Constexpr[int], hidden: cutlass.Constexpr[int], blocks: cutlass.Constexpr[int],
                  block_rows: cutlass.Constexpr[int], kv_rows: cutlass.Constexpr[int],
-                 kv_smem: cutlass.Constexpr[bool], threads: cutlass.Constexpr[int]):
+                 kv_smem: cutlass.Constexpr[bool], threads: cutlass.Constexpr[int], skip: cutlass.Constexpr[int]):
     """Issued before the grid barrier that precedes a fused step's attention: cp.async this CTA's block of the
     layer's O projection (rows ``block x block_rows`` on, its KV group's columns) into the shared memory of the
     cp.async ring (idle until the gate/up GEMV's fill), as [block_rows, group x head_dim] bf16, and with
     ``kv_smem`` its group's cached K and V rows [0, pos) after it (:func:`_fused_kv_views`; this step's row is
     appended by the attention itself); with ``kv_smem`` the K/V rows then the W_O block as two committed cp.async
     groups, else the block as one: :func:`fused_attention_o` waits for the rows before scoring, for the block
-    before its O rows."""
+    before its O rows. Threads ``skip..`` copy (``skip`` 32: warp 0, whose thread 0 polls the grid barrier, has
+    nothing in flight; every thread still commits the groups)."""
     cols = (n_heads // n_kv_heads) * head_dim
     vecs = cols // VEC
     group = cta % n_kv_heads
@@ -1003,20 +1004,22 @@ def fused_o_load(w_o: cute.Tensor, k_cache: cute.Tensor, v_cache: cute.Tensor, s
         if cutlass.const_expr(kv_smem):
             s_keys, s_values = _fused_kv_views(s_ring, block_rows * cols, kv_rows, head_dim)
             kv_vecs = head_dim // VEC
-            for i in range(tidx, pos * kv_vecs, threads):
-                r = i // kv_vecs
-                v = i - r * kv_vecs
-                cute.copy(atom, cute.zipped_divide(k_cache[0, group, r, None], (VEC,))[(None, v)],
-                          cute.zipped_divide(s_keys[r, None], (VEC,))[(None, v)])
-                cute.copy(atom, cute.zipped_divide(v_cache[0, group, r, None], (VEC,))[(None, v)],
-                          cute.zipped_divide(s_values[r, None], (VEC,))[(None, v)])
+            if tidx >= skip:
+                for i in range(tidx - skip, pos * kv_vecs, threads - skip):
+                    r = i // kv_vecs
+                    v = i - r * kv_vecs
+                    cute.copy(atom, cute.zipped_divide(k_cache[0, group, r, None], (VEC,))[(None, v)],
+                              cute.zipped_divide(s_keys[r, None], (VEC,))[(None, v)])
+                    cute.copy(atom, cute.zipped_divide(v_cache[0, group, r, None], (VEC,))[(None, v)],
+                              cute.zipped_divide(s_values[r, None], (VEC,))[(None, v)])
             cute.arch.cp_async_commit_group()
-        for i in range(tidx, block_rows * vecs, threads):
-            r = i // vecs
-            v = i - r * vecs
-            row = cutlass.min(block * block_rows + r, hidden - 1)
-            cute.copy(atom, cute.zipped_divide(w_o[row, None], (VEC,))[(None, group * vecs + v)],
-                      cute.zipped_divide(s_wo[r, None], (VEC,))[(None, v)])
+        if tidx >= skip:
+            for i in range(tidx - skip, block_rows * vecs, threads - skip):
+                r = i // vecs
+                v = i - r * vecs
+                row = cutlass.min(block * block_rows + r, hidden - 1)
+                cute.copy(atom, cute.zipped_divide(w_o[row, None], (VEC,))[(None, group * vecs + v)],
+                          cute.zipped_divide(s_wo[r, None], (VEC,))[(None, v)])
     cute.arch.cp_async_commit_group()
 
 
