@@ -242,6 +242,12 @@ BUILDS = {"default": {}, "atom": {"barrier": "atom"}, "red": {"barrier": "red"},
           # (spare-ring), or both (spare-all)
           "spare-loads": {"spare_loads": True}, "spare-ring": {"spare_ring": True},
           "spare-all": {"spare_loads": True, "spare_ring": True},
+          # fused_mlp's W_down columns by cp.async.bulk from a packed copy (session 48 candidate): where fused_mlp is on
+          # by default (bulk-down), with it forced on (fused-mlp-bulk: Qwen2.5-0.5B), and with spare-all on top
+          "bulk-down": {"bulk_down": True}, "bulk-spare": {"bulk_down": True, "spare_loads": True, "spare_ring": True},
+          "fused-mlp-bulk": {"fused_o": True, "fused_mlp": True, "bulk_down": True},
+          "fused-mlp-bulk-spare": {"fused_o": True, "fused_mlp": True, "bulk_down": True, "spare_loads": True,
+                                   "spare_ring": True},
           # the L2 prefetch of the next GEMV's first tiles before each barrier at one budget for every stage (the
           # default since session 26: none before a ring-prefilled GEMV, 16 MB elsewhere; pf16mb: the old default)
           "pf0": {"prefetch_bytes": 0}, "pf8mb": {"prefetch_bytes": 8 << 20}, "pf16mb": {"prefetch_bytes": 16 << 20},

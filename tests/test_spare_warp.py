@@ -88,3 +88,62 @@ def test_a_spare_build_compiles_for_sm90a(preset, capacity, tmp_path):
     assert result.ok, result.error
     ptx = max(tmp_path.glob("*.ptx"), key=lambda p: p.stat().st_mtime).read_text()
     assert re.search(r"cp\.async\.(ca|cg)\.shared\.global", ptx)
+
+
+# ------------------------------------------------------------------------------------------------------ bulk_down
+def test_bulk_down_copies_packed_columns_by_bulk_copies_onto_an_mbarrier(qwen3):
+    from megabake.codegen.fused_mlp import bulk_copy_bytes, mlp_geometry
+
+    source = generate(qwen3, bulk_down=True).source
+    kernel = _kernel(source)
+    geometry = mlp_geometry(qwen3)
+    assert "bodies.mlp_down_load(" not in kernel and kernel.count("bodies.mlp_down_bulk(") == 1
+    assert "w_cta=w_down_cta[layer, mchunk, None], s_down=s_down, s_bar=s_down_bar" in kernel
+    assert "s_bar=s_down_bar, phase=layer % 2, bulk=MLP_BULK)" in kernel
+    assert "\nMLP_BULK = True\n" in source and f"\nMLP_BULK_BYTES = {bulk_copy_bytes(geometry)}\n" in source
+    assert f"'w_down_cta': (2, {geometry.chunks}, {qwen3.dims.hidden * geometry.per_cta})" in source
+    assert "DERIVED_BUFFERS = {'w_down_cta': ('w_down', MLP_PER_CTA)}" in source
+    assert "cute.arch.mbarrier_init(s_down_bar.iterator, 1)" in kernel
+    default = generate(qwen3).source
+    assert "\nMLP_BULK = False\n" in default and "s_bar=s_down, phase=layer % 2, bulk=MLP_BULK)" in default
+    with pytest.raises(ValueError, match=r"bulk_down copies a fused_mlp build's W_down columns by cp.async.bulk, but "
+                                         r"this build is not fused_mlp: build without it"):
+        generate(qwen3, fused_mlp=False, bulk_down=True)
+
+
+@pytest.mark.parametrize("preset,capacity,copy_bytes", [("smollm-135m", 2048, 3456), ("qwen2.5-0.5b", 4096, 3584),
+                                                         ("qwen3-0.6b", 4096, 4096)])
+def test_bulk_copies_tile_each_ctas_columns_in_16_byte_multiples(preset, capacity, copy_bytes):
+    from megabake.codegen.fused_mlp import BULK_MAX_COPY_BYTES, bulk_copy_bytes, mlp_geometry
+
+    geometry = mlp_geometry(compile_preset(preset, layers=1, vocab=512, capacity=capacity).plan)
+    size = bulk_copy_bytes(geometry)
+    assert size == copy_bytes and size % 16 == 0 and size <= BULK_MAX_COPY_BYTES
+    assert geometry.down_bytes % size == 0 and geometry.down_bytes // size <= 32  # one round of warp 0's lanes
+
+
+def test_block_columns_puts_each_ctas_columns_in_one_contiguous_run():
+    import torch
+
+    from megabake.runtime.compile import block_columns
+
+    weight = torch.arange(2 * 3 * 8).reshape(2, 3, 8)
+    packed = block_columns(weight, 2)
+    assert packed.shape == (2, 4, 6)
+    for layer in range(2):
+        for block in range(4):
+            assert torch.equal(packed[layer, block].reshape(3, 2), weight[layer, :, 2 * block:2 * block + 2])
+    with pytest.raises(ValueError, match="8 columns are not whole blocks of 3: re-bake the package"):
+        block_columns(weight, 3)
+
+
+@pytest.mark.parametrize("preset,capacity", [("qwen3-0.6b", 4096), ("qwen2.5-0.5b", 4096)])
+def test_a_bulk_down_build_compiles_for_sm90a(preset, capacity, tmp_path):
+    """Qwen2.5-0.5B's columns are 76 bytes a row (cp.async of 4 bytes); packed, they are bulk copies too."""
+    plan = compile_preset(preset, layers=1, vocab=512, capacity=capacity).plan
+    result = compile_check(plan, load_module(generate(plan, fused_mlp=True, bulk_down=True).source),
+                           dump_dir=str(tmp_path))
+    assert result.ok, result.error
+    ptx = max(tmp_path.glob("*.ptx"), key=lambda p: p.stat().st_mtime).read_text()
+    assert "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in ptx
+    assert "mbarrier.try_wait.parity" in ptx and "mbarrier.arrive.expect_tx" in ptx

@@ -50,7 +50,8 @@ from ..plan.stages import (ACTIVATIONS, DIMENSION_CONSTANTS, GATED_ACT_CODES, St
                            spec_of)
 from .fused import (FUSED_O_BUFFERS, FUSED_SPLIT_BUFFERS, fused_geometry, fused_kv_refusal, fused_o_refusal,
                     fused_split_refusal)
-from .fused_mlp import ACC_PAD, FUSED_MLP_BUFFERS, default_fused_mlp, fused_mlp_refusal, mlp_geometry, mlp_smem_bytes
+from .fused_mlp import (ACC_PAD, BULK_DOWN_BUFFERS, FUSED_MLP_BUFFERS, bulk_copy_bytes, default_fused_mlp,
+                        fused_mlp_refusal, mlp_geometry, mlp_smem_bytes)
 
 KERNEL_ARGUMENTS = [
     "embed", "w_qkv", "w_o", "w_gate_up", "w_down", "norms", "final_norm", "lm_head", "rope_cos", "rope_sin",
@@ -288,6 +289,7 @@ class BuildOptions:
     fused_mlp: bool = False  # a layer's gate/up and down GEMVs in one interval (codegen.fused_mlp)
     fused_split: bool = False  # fused_o: split steps' O projection in attention's interval too (split_o_block)
     spare_ring: bool = False  # warp 0 fills its ring after a barrier's wait, not ahead of it (_spare_ring_calls)
+    bulk_down: bool = False  # fused_mlp: W_down columns by cp.async.bulk from the packed w_down_cta
 
 
 # A KV group's outputs (query heads per KV head x head_dim) from which the spread merge is the default: on the H200
@@ -432,7 +434,7 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
              mma_schedule: bool = False, fused_o: bool | None = None, fused_kv_smem: bool = False,
              fused_mma: bool | None = None, mma_wide: bool | None = None,
              fused_mlp: bool | None = None, fused_split: bool | None = None, spare_loads: bool = False,
-             spare_ring: bool = False) -> GeneratedModule:
+             spare_ring: bool = False, bulk_down: bool = False) -> GeneratedModule:
     """module.py of ``plan``. ``merge_preload`` / ``spread_merge``: None picks them per plan
     (:func:`default_merge`); True asks for one (refused where the attention scratch cannot hold it), False
     leaves it out (both False: the plain last-arrival merge of sessions 10-16). ``head_slices=False`` deals
@@ -492,7 +494,11 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     0.5-1.0 us sooner when the polling warp issued none): ``spare_loads`` leaves a fused build's CTA-wide
     pre-barrier copies (``bodies.fused_o_load``, ``bodies.mlp_down_load``) to threads 32.. (it needs ``fused_o``);
     ``spare_ring`` moves warp 0's own ring prefills from ahead of each wait to right after it (the other warps'
-    stay ahead: :func:`_spare_ring_calls`)."""
+    stay ahead: :func:`_spare_ring_calls`). ``bulk_down`` (session 48 candidate, off by default; it needs
+    ``fused_mlp``) copies each CTA's W_down columns from a packed copy of W_down (``w_down_cta``, each CTA's
+    columns contiguous, which the runtime derives from ``w_down``: ``DERIVED_BUFFERS``) by a few ``cp.async.bulk``
+    of warp 0 completing on an mbarrier (``bodies.mlp_down_bulk``), instead of ``bodies.mlp_down_load``'s cp.async
+    of every row's slice: the same bytes in shared memory, so the same logits bit for bit."""
     if watchdog and timeline:
         raise ValueError("a watchdog build has no timeline: build them separately")
     if barrier is not None and barrier not in BARRIER_ARRIVALS:
@@ -576,6 +582,9 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     if spare_loads and not fused_o:
         raise ValueError("spare_loads keeps warp 0 out of a fused build's W_O / W_down copies, but this build is not "
                          "fused_o: build without it")
+    if bulk_down and not fused_mlp:
+        raise ValueError("bulk_down copies a fused_mlp build's W_down columns by cp.async.bulk, but this build is not "
+                         "fused_mlp: build without it")
     if fused_split is None:
         fused_split = bool(fused_o) and not fused_kv_smem and feature_enabled("fused_split")
     if fused_split:
@@ -584,12 +593,13 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
             raise ValueError(f"fused_split runs every step's O projection in attention's interval, but {why}: build "
                              "without it")
     arguments = (kernel_arguments(plan) + (list(FUSED_O_BUFFERS) if fused_o else [])
-                 + (list(FUSED_MLP_BUFFERS) if fused_mlp else []) + (list(FUSED_SPLIT_BUFFERS) if fused_split else []))
+                 + (list(FUSED_MLP_BUFFERS) if fused_mlp else []) + (list(FUSED_SPLIT_BUFFERS) if fused_split else [])
+                 + (list(BULK_DOWN_BUFFERS) if bulk_down else []))
     plan_hash = plan_hash or plan.hash
     w = _Writer(keyword_calls=True)
     _header(w, plan, plan_hash, arguments, self_contained, head_slices, long_slices, pass_chunks,
             kv_pipeline, folded, mma_attention, mma_slices, fused_o, fused_kv_smem, fused_mma, mma_wide,
-            fused_mlp, fused_split, spare_loads)
+            fused_mlp, fused_split, spare_loads, bulk_down)
     prologue = [s for s in plan.stages if s.scope == "prologue"]
     per_layer = [s for s in plan.stages if s.scope == "layer"]
     epilogue = [s for s in plan.stages if s.scope == "epilogue"]
@@ -605,7 +615,8 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
                            fold_splits=folded, prefetch_bytes=prefetch_bytes, clock_every_cta=every_cta,
                            arrival=SPLIT_ARRIVAL if barrier == "split" else None, mma_attention=mma_attention,
                            mma_schedule=mma_schedule, fused_o=fused_o, fused_kv_smem=fused_kv_smem,
-                           mma_wide=mma_wide, fused_mlp=fused_mlp, fused_split=fused_split, spare_ring=spare_ring)
+                           mma_wide=mma_wide, fused_mlp=fused_mlp, fused_split=fused_split, spare_ring=spare_ring,
+                           bulk_down=bulk_down)
     labels = timeline_labels(plan, phases, options) if timeline else []
     if every_cta:
         w(f"TIMELINE_STRIDE = {1 + len(labels)}  "
@@ -657,7 +668,7 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
         w("stride=(RING_STAGES * RING_VECTORS * 256, RING_VECTORS * 256, 256, 8, 1)),", 3)
         w("byte_alignment=16)", 2)
     if fused_mlp:
-        for line in _FUSED_MLP_DECLARATIONS:
+        for line in _FUSED_MLP_DECLARATIONS + (_BULK_DOWN_DECLARATIONS if bulk_down else []):
             w(line, 1)
     for line in _preload_registers(plan):
         w(line, 1)
@@ -687,9 +698,10 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
         for e, stage in enumerate(epilogue):
             _stage(w, plan, stage, 1, layer_var=None, options=options)
             _timeline_store(w, 1, timeline, str(2 + len(prologue) + len(clocked) * plan.dims.layers + e))
-    if fused_mlp and w.text.count("bodies.mlp_down_load(") != 1:
+    copies = w.text.count("bodies.mlp_down_bulk(" if bulk_down else "bodies.mlp_down_load(")
+    if fused_mlp and copies != 1:
         raise AssertionError("a fused_mlp build must copy its W_down columns once per layer, before the MLP's barrier; "
-                             f"it emitted {w.text.count('bodies.mlp_down_load(')} copies (codegen._fused_mlp_before)")
+                             f"it emitted {copies} copies (codegen._fused_mlp_before)")
     w("")
     _launcher(w, arguments)
     if self_contained:
@@ -720,7 +732,7 @@ def _header(w: _Writer, plan: Plan, plan_hash: str, arguments: list[str], self_c
             kv_pipeline: bool = False, folded: int = 0, mma_attention: bool = False, mma_slices: int = 0,
             fused_o: bool = False, fused_kv_smem: bool = False, fused_mma: bool = False,
             mma_wide: bool = False, fused_mlp: bool = False, fused_split: bool = False,
-            spare_loads: bool = False) -> None:
+            spare_loads: bool = False, bulk_down: bool = False) -> None:
     d = plan.dims
     w(f'"""Generated by MegaBake from plan {plan_hash[:16]}. Do not edit: re-bake instead.')
     w("")
@@ -788,7 +800,10 @@ def _header(w: _Writer, plan: Plan, plan_hash: str, arguments: list[str], self_c
         mlp = mlp_geometry(plan)
         up = next(s for s in plan.stages if s.scope == "layer" and s.name == "norm_gate_up")
         consts.update({"FUSED_MLP": True, "MLP_PER_CTA": mlp.per_cta, "MLP_CHUNKS": mlp.chunks,
-                       "MLP_LOAD_BITS": mlp.load_bits, "MLP_TILES": mlp.tiles(up.tiling.per_tile)})
+                       "MLP_LOAD_BITS": mlp.load_bits, "MLP_TILES": mlp.tiles(up.tiling.per_tile),
+                       "MLP_BULK": bulk_down})
+        if bulk_down:
+            consts["MLP_BULK_BYTES"] = bulk_copy_bytes(mlp)
     for name, value in consts.items():
         w(f"{name} = {value}")
     if fused_o:
@@ -798,10 +813,17 @@ def _header(w: _Writer, plan: Plan, plan_hash: str, arguments: list[str], self_c
             extra += f", 'mlp_acc': ({d.layers + 1}, {d.hidden + ACC_PAD})"
         if fused_split:
             extra += f", 'o_count': ({d.layers}, {d.n_kv_heads})"
+        if bulk_down:
+            extra += f", 'w_down_cta': ({d.layers}, {mlp.chunks}, {d.hidden * mlp.per_cta})"
         w(f"EXTRA_BUFFERS = {{{extra}}}")
         dtypes = ([] if not fused_mlp else ["'mlp_acc': 'int64'"]) + ([] if not fused_split else ["'o_count': 'int64'"])
+        dtypes += ["'w_down_cta': 'bfloat16'"] if bulk_down else []
         if dtypes:
             w(f"EXTRA_BUFFER_DTYPES = {{{', '.join(dtypes)}}}  # the others are fp32")
+        if bulk_down:
+            w("# buffers the runtime derives from a weight after packing it: name -> (weight, its columns per block);")
+            w("# w_down_cta[layer, c] holds w_down[layer, :, c * MLP_PER_CTA:(c + 1) * MLP_PER_CTA], row-major")
+            w("DERIVED_BUFFERS = {'w_down_cta': ('w_down', MLP_PER_CTA)}")
     w(f"EPS = {d.eps!r}")
     w(f"ATTN_SCALE = {d.attn_scale!r}")
     if d.embed_scale != 1.0:
@@ -821,8 +843,8 @@ def _header(w: _Writer, plan: Plan, plan_hash: str, arguments: list[str], self_c
     w("GRID = (CTAS, 1, 1)")
     w("BLOCK = (THREADS, 1, 1)")
     if fused_mlp:
-        w(f"SMEM_BYTES = {mlp_smem_bytes(plan)}  # the plan's {plan.smem_bytes}, VEC_WIDTH without the intermediate "
-          "width, + 2 * HIDDEN * MLP_PER_CTA (W_down columns) + alignment")
+        w(f"SMEM_BYTES = {mlp_smem_bytes(plan, bulk_down)}  # the plan's {plan.smem_bytes}, VEC_WIDTH without the "
+          "intermediate width, + 2 * HIDDEN * MLP_PER_CTA (W_down columns) + alignment" + bulk_down * " + mbarrier")
     elif plan.staging_dtype == "float32":
         w(f"SMEM_BYTES = {plan.smem_bytes}  # 4 * (BATCH * VEC_WIDTH + RED_SCRATCH + ATT_SCRATCH) + alignment")
     else:
@@ -904,7 +926,7 @@ def _stage_calls(plan: Plan, stage: Stage, options: BuildOptions) -> list[tuple[
     if _fused_layer_stage(options, stage):
         calls = _fused_o_calls(plan, stage, calls)
     if options.fused_mlp:
-        calls = _fused_mlp_calls(plan, stage, calls)
+        calls = _fused_mlp_calls(plan, stage, calls, options.bulk_down)
     if options.fused_split:
         calls = _fused_split_calls(stage, calls)
     return calls
@@ -952,7 +974,7 @@ def _ends_at_a_barrier(stage: Stage, options: BuildOptions) -> bool:
 def _stage_before_calls(plan: Plan, stage: Stage, options: BuildOptions) -> list[str]:
     before = _before_barrier_calls(plan, stage, options.kv_prefetch, options.kv_prefetch_l1, options.prefetch_bytes,
                                    options.kv_prefetch_rows, options.mma_schedule)
-    return _fused_mlp_before(before) if options.fused_mlp else before
+    return _fused_mlp_before(before, options.bulk_down) if options.fused_mlp else before
 
 
 def _loads_fused_o(plan: Plan, stage: Stage, options: BuildOptions) -> bool:
@@ -1160,14 +1182,22 @@ _FUSED_MLP_DECLARATIONS = [
     "mchunk = cutlass.min(cta, MLP_CHUNKS - 1)",
     "mwarp = tidx // 32 + cta // MLP_CHUNKS * MLP_TILES",
 ]
+# bulk_down: the mbarrier the W_down bulk copies complete on, one phase per layer (initialised once per launch)
+_BULK_DOWN_DECLARATIONS = [
+    "s_down_bar = smem.allocate_tensor(cutlass.Int64, cute.make_layout(1), byte_alignment=8)",
+    "if tidx == 0:",
+    "    cute.arch.mbarrier_init(s_down_bar.iterator, 1)",
+    "cute.arch.mbarrier_init_fence()",
+]
 # this CTA's (gate, up) row pairs of the layer's packed gate/up weight
 _MLP_UP_ROWS = "cute.local_tile(w_gate_up[layer, None, None], (2 * MLP_PER_CTA, HIDDEN), (mchunk, 0))"
 
 
-def _fused_mlp_before(calls: list[str]) -> list[str]:
+def _fused_mlp_before(calls: list[str], bulk_down: bool = False) -> list[str]:
     """The calls before the barrier that precedes a ``fused_mlp`` layer's MLP: the gate/up ring is filled with this
-    CTA's own row pairs, and its W_down columns are copied into ``s_down`` (the L2 prefetch of the grid-wide
-    dealing, which asks for nothing at the default budget, is left out)."""
+    CTA's own row pairs, and its W_down columns are copied into ``s_down`` (``bulk_down``: from the packed
+    ``w_down_cta`` by cp.async.bulk; the L2 prefetch of the grid-wide dealing, which asks for nothing at the default
+    budget, is left out)."""
     out = []
     for call in calls:
         if call.startswith("bodies.prefetch_rows(w_gate_up["):
@@ -1176,14 +1206,17 @@ def _fused_mlp_before(calls: list[str]) -> list[str]:
             tail = call.split("TOTAL_WARPS, ", 1)[1].split(", ", 2)[2]  # per_tile, unroll, stages)
             out.append(f"bodies.gemv_ring_prefill({_MLP_UP_ROWS}, {_RING}, mwarp, lane, 1, WARPS, 2 * MLP_PER_CTA, "
                        f"HIDDEN, {tail}")
-            out.append("bodies.mlp_down_load(w_down[layer, None, None], s_down, cta, tidx, MLP_CHUNKS, MLP_PER_CTA, "
+            out.append("bodies.mlp_down_bulk(w_down_cta[layer, mchunk, None], s_down, s_down_bar, cta, tidx, "
+                       "MLP_CHUNKS, MLP_PER_CTA, HIDDEN, MLP_BULK_BYTES)" if bulk_down else
+                       "bodies.mlp_down_load(w_down[layer, None, None], s_down, cta, tidx, MLP_CHUNKS, MLP_PER_CTA, "
                        "HIDDEN, MLP_LOAD_BITS, THREADS, COPY_SKIP)")
             continue
         out.append(call)
     return out
 
 
-def _fused_mlp_calls(plan: Plan, stage: Stage, calls: list[tuple[str, str]]) -> list[tuple[str, str]]:
+def _fused_mlp_calls(plan: Plan, stage: Stage, calls: list[tuple[str, str]],
+                     bulk_down: bool = False) -> list[tuple[str, str]]:
     """A ``fused_mlp`` build's body calls: the embedding goes to ``o_mid`` (the accumulator's row 0 stays zero) and
     the accumulator is zeroed; the staging of every GEMV whose input is the residual x reads o_mid + the
     accumulator row of the layer before (and stores x); the gate/up stage computes this CTA's activations into
@@ -1205,7 +1238,7 @@ def _fused_mlp_calls(plan: Plan, stage: Stage, calls: list[tuple[str, str]]) -> 
               "2 * MLP_PER_CTA, HIDDEN, BATCH, ROWS_PER_TILE['norm_gate_up'], False, GEMV_UNROLL['norm_gate_up'], "
               f"False, {stage.tiling.stages}, True, {GATED_ACT_CODES[plan.dims.act]})")
         down = ("bodies.mlp_down_partial(s_down, s_act, mlp_acc[layer + 1, None], cta, tidx, MLP_CHUNKS, MLP_PER_CTA, "
-                "HIDDEN, THREADS)")
+                f"HIDDEN, THREADS, {'s_down_bar' if bulk_down else 's_down'}, layer % 2, MLP_BULK)")
         return [calls[0], ("gemv_rows_streamed", up),
                 ("sync_threads", "cute.arch.sync_threads()  # s_act and s_down complete in the whole CTA"),
                 ("mlp_down_partial", down)] + calls[2:]

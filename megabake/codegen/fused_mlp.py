@@ -24,6 +24,10 @@ from ..plan.stages import spec_of
 from ..plan.tuning import HOPPER_SMEM_PER_BLOCK
 
 FUSED_MLP_BUFFERS = ("mlp_acc",)  # int64 [layers + 1, hidden + 4]: fixed-point sums of the MLPs' outputs
+# bulk_down: each CTA's W_down columns packed contiguous, [layers, chunks, hidden x per_cta] bf16, derived from w_down
+# by the runtime (DERIVED_BUFFERS in module.py, runtime.derive_cta_columns)
+BULK_DOWN_BUFFERS = ("w_down_cta",)
+BULK_MAX_COPY_BYTES = 4096  # the largest cp.async.bulk a lane issues (scripts/gpu_copy_probe.py's size)
 ACC_PAD = 4  # columns past ``hidden`` in an accumulator row: the flag word, then padding to whole 4-vectors
 MAX_PARTIALS = 256  # = bodies.mlp.MLP_MAX_PARTIALS: the int64 sum of this many limited partials cannot wrap
 DEFAULT_MIN_LOAD_BITS = 64  # the default fuses where a CTA's W_down columns copy at least this wide (session 45)
@@ -57,14 +61,23 @@ def mlp_geometry(plan: Plan) -> MlpGeometry | None:
     return MlpGeometry(per_cta, inter // per_cta, bits, hidden * per_cta * 2)
 
 
-def mlp_smem_bytes(plan: Plan) -> int:
+def bulk_copy_bytes(geometry: MlpGeometry) -> int:
+    """bulk_down: the bytes of each ``cp.async.bulk`` of a CTA's packed W_down columns: the largest multiple of 16
+    that divides ``down_bytes`` and is at most :data:`BULK_MAX_COPY_BYTES` (16 always divides it: ``per_cta`` is
+    even and hidden a multiple of 8, which plan.build_plan checks)."""
+    return max(b for b in range(16, BULK_MAX_COPY_BYTES + 1, 16) if geometry.down_bytes % b == 0)
+
+
+def mlp_smem_bytes(plan: Plan, bulk_down: bool = False) -> int:
     """The shared memory of a fused-MLP build: the plan's, less the intermediate width of the staged input rows
     (no stage stages the down projection's input: ``smem_bytes(..., global_down=True)``, as ``VEC_WIDTH`` then
-    says), plus the CTA's W_down columns (16-byte aligned)."""
+    says), plus the CTA's W_down columns (16-byte aligned), plus with ``bulk_down`` the mbarrier its bulk copies
+    complete on."""
     geometry = mlp_geometry(plan)
     args = (plan.dims, plan.batch, plan.capacity, plan.threads, True, plan.staging_dtype)
     staged = smem_bytes(*args, global_down=plan.down_input == "global")
-    return plan.smem_bytes - staged + smem_bytes(*args, global_down=True) + (geometry.down_bytes + 15) // 16 * 16 + 16
+    return (plan.smem_bytes - staged + smem_bytes(*args, global_down=True) + (geometry.down_bytes + 15) // 16 * 16 + 16
+            + (16 if bulk_down else 0))
 
 
 def _layer_stage(plan: Plan, name: str):

@@ -191,7 +191,7 @@ class MegakernelDecoder:
         self._next_row = 0
         self._greedy_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._greedy_ids: torch.Tensor | None = None
-        from .compile import extra_buffers, load_module
+        from .compile import block_columns, extra_buffers, load_module
 
         self.module = load_module(self.module_source)
         for buf in plan.buffers + extra_buffers(self.module):
@@ -200,6 +200,8 @@ class MegakernelDecoder:
                 if buf.name == "barrier":  # timeline / watchdog builds store clocks or arrivals after the counter
                     shape[0] += getattr(self.module, "TIMELINE_SLOTS", 0) + getattr(self.module, "WATCH_SLOTS", 0)
                 self.buffers[buf.name] = torch.zeros(shape, dtype=torch_dtype(buf.dtype), device=device)
+        for name, (source, per_block) in getattr(self.module, "DERIVED_BUFFERS", {}).items():
+            self.buffers[name].copy_(block_columns(self.buffers[source], per_block))  # e.g. bulk_down's w_down_cta
         self.weight_bytes = plan.weight_bytes()
         self._compile()
 

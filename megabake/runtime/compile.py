@@ -94,6 +94,17 @@ def extra_buffers(module) -> list:
             for name, shape in getattr(module, "EXTRA_BUFFERS", {}).items()]
 
 
+def block_columns(weight, per_block: int):
+    """A module's ``DERIVED_BUFFERS`` entry (a ``bulk_down`` build's ``w_down_cta``): ``weight`` [layers, rows,
+    blocks x per_block] as [layers, blocks, rows x per_block], block b holding columns [b x per_block, (b + 1) x
+    per_block) of every row, row-major, so each CTA's columns are one contiguous run."""
+    layers, rows, cols = weight.shape
+    if cols % per_block:
+        raise ValueError(f"{cols} columns are not whole blocks of {per_block}: re-bake the package")
+    blocks = cols // per_block
+    return weight.reshape(layers, rows, blocks, per_block).permute(0, 2, 1, 3).reshape(layers, blocks, rows * per_block)
+
+
 def argument_buffers(plan: Plan, module) -> list:
     """Plan buffers in kernel-parameter order (an untied LM head falls back to the embedding)."""
     names = {b.name: b for b in plan.buffers + extra_buffers(module)}

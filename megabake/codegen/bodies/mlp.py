@@ -56,16 +56,41 @@ def mlp_down_load(w_down: cute.Tensor, s_down: cute.Tensor, cta: Int32, tidx: In
 
 
 @cute.jit
+def mlp_down_bulk(w_cta: cute.Tensor, s_down: cute.Tensor, s_bar: cute.Tensor, cta: Int32, tidx: Int32,
+                  chunks: cutlass.Constexpr[int], per_cta: cutlass.Constexpr[int], hidden: cutlass.Constexpr[int],
+                  copy_bytes: cutlass.Constexpr[int]):
+    """:func:`mlp_down_load` from this CTA's packed columns ``w_cta`` (hidden x per_cta bf16, contiguous: the
+    runtime's ``w_down_cta``) by ``cp.async.bulk`` copies of ``copy_bytes``, issued by warp 0 (thread 0 has just
+    arrived at the grid barrier; bulk copies go through the copy engine, not its load path, so its polls do not
+    queue behind them: ``scripts/gpu_copy_probe.py``) and completed on the mbarrier ``s_bar`` (one arrival, by
+    thread 0, expecting every byte): :func:`mlp_down_partial` waits on it. Nothing on CTAs past ``chunks``."""
+    if cta < chunks and tidx < 32:
+        elems = copy_bytes // 2
+        if tidx == 0:
+            cute.arch.mbarrier_arrive_and_expect_tx(s_bar.iterator, hidden * per_cta * 2)
+        atom = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), w_cta.element_type, num_bits_per_copy=copy_bytes * 8)
+        flat = cute.make_tensor(s_down.iterator, cute.make_layout(hidden * per_cta))
+        for i in range(tidx, hidden * per_cta // elems, 32):
+            cute.copy(atom, cute.zipped_divide(w_cta, (elems,))[(None, i)], cute.zipped_divide(flat, (elems,))[(None, i)],
+                      mbar_ptr=s_bar.iterator)
+
+
+@cute.jit
 def mlp_down_partial(s_down: cute.Tensor, s_act: cute.Tensor, acc: cute.Tensor, cta: Int32, tidx: Int32,
                      chunks: cutlass.Constexpr[int], per_cta: cutlass.Constexpr[int],
-                     hidden: cutlass.Constexpr[int], threads: cutlass.Constexpr[int]):
+                     hidden: cutlass.Constexpr[int], threads: cutlass.Constexpr[int], s_bar: cute.Tensor,
+                     phase: Int32, bulk: cutlass.Constexpr[bool]):
     """This CTA's share of the down projection, added into one accumulator row ``acc`` [hidden + 4]: for each
     output row h (thread-strided) p = sum_j s_down[h, j] * s_act[0, j] in fp32, j ascending, then
     ``red.add.u64`` of p in fixed point (:data:`MLP_FIXED_ONE`); a p that is NaN, infinite or at least
     :data:`MLP_FIXED_LIMIT` in magnitude adds 1 to the flag word ``acc[hidden]`` instead (so the int64 sum of at
     most :data:`MLP_MAX_PARTIALS` partials cannot wrap). Needs the CTA's
-    activations in ``s_act`` and its ``s_down`` copies landed (wait_group(0) and a CTA barrier before)."""
+    activations in ``s_act`` and its ``s_down`` copies landed (wait_group(0) and a CTA barrier before); with
+    ``bulk`` (:func:`mlp_down_bulk`) every thread first waits for the mbarrier ``s_bar``'s phase ``phase`` (the
+    layer's parity: one phase per layer) to complete."""
     if cta < chunks:
+        if cutlass.const_expr(bulk):
+            cute.arch.mbarrier_wait(s_bar.iterator, phase)
         for h in range(tidx, hidden, threads):
             p = Float32(0.0)
             for j in cutlass.range_constexpr(per_cta):
