@@ -246,6 +246,8 @@ BUILDS = {"default": {}, "atom": {"barrier": "atom"}, "red": {"barrier": "red"},
           # by default (bulk-down), with it forced on (fused-mlp-bulk: Qwen2.5-0.5B), and with spare-all on top
           "bulk-down": {"bulk_down": True}, "bulk-spare": {"bulk_down": True, "spare_loads": True, "spare_ring": True},
           "fused-mlp-bulk": {"fused_o": True, "fused_mlp": True, "bulk_down": True},
+          # ... and both off where MEGABAKE_EXPERIMENTAL_LAYOUTS=spare_warp,bulk_down turned them on by default
+          "no-spare": {"spare_loads": False, "spare_ring": False}, "no-bulk": {"bulk_down": False},
           "fused-mlp-bulk-spare": {"fused_o": True, "fused_mlp": True, "bulk_down": True, "spare_loads": True,
                                    "spare_ring": True},
           # the L2 prefetch of the next GEMV's first tiles before each barrier at one budget for every stage (the

@@ -147,3 +147,23 @@ def test_a_bulk_down_build_compiles_for_sm90a(preset, capacity, tmp_path):
     ptx = max(tmp_path.glob("*.ptx"), key=lambda p: p.stat().st_mtime).read_text()
     assert "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in ptx
     assert "mbarrier.try_wait.parity" in ptx and "mbarrier.arrive.expect_tx" in ptx
+
+
+def test_the_features_turn_the_options_on_by_default_only_when_enabled(qwen3, monkeypatch):
+    """Candidates until the whole GPU suite passes with them on (``plan.EXPERIMENTAL_FEATURES``): off by default;
+    ``MEGABAKE_EXPERIMENTAL_LAYOUTS=spare_warp,bulk_down`` makes the default build them where they apply."""
+    from megabake.plan import EXPERIMENTAL_FEATURES, EXPERIMENTAL_LAYOUTS_ENV, GPU_VERIFIED_FEATURES
+
+    assert {"spare_warp", "bulk_down"} <= set(EXPERIMENTAL_FEATURES)
+    assert not {"spare_warp", "bulk_down"} & set(GPU_VERIFIED_FEATURES)
+    with monkeypatch.context() as patch:
+        patch.delenv(EXPERIMENTAL_LAYOUTS_ENV, raising=False)
+        off = generate(qwen3).source
+        assert off == generate(qwen3, spare_loads=False, spare_ring=False, bulk_down=False).source
+    with monkeypatch.context() as patch:
+        patch.setenv(EXPERIMENTAL_LAYOUTS_ENV, "spare_warp,bulk_down")
+        on = generate(qwen3).source
+        assert on == generate(qwen3, spare_loads=True, spare_ring=True, bulk_down=True).source != off
+        assert generate(qwen3, fused_mlp=False).source == generate(qwen3, fused_mlp=False, bulk_down=False).source
+        batched = compile_preset("qwen3-0.6b", layers=1, vocab=512, capacity=4096, batch=4).plan
+        assert "COPY_SKIP" not in generate(batched).source  # not fused: nothing to spare, nothing refused

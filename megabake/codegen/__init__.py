@@ -433,8 +433,8 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
              prefetch_bytes: int | None = None, mma_attention: bool | None = None,
              mma_schedule: bool = False, fused_o: bool | None = None, fused_kv_smem: bool = False,
              fused_mma: bool | None = None, mma_wide: bool | None = None,
-             fused_mlp: bool | None = None, fused_split: bool | None = None, spare_loads: bool = False,
-             spare_ring: bool = False, bulk_down: bool = False) -> GeneratedModule:
+             fused_mlp: bool | None = None, fused_split: bool | None = None, spare_loads: bool | None = None,
+             spare_ring: bool | None = None, bulk_down: bool | None = None) -> GeneratedModule:
     """module.py of ``plan``. ``merge_preload`` / ``spread_merge``: None picks them per plan
     (:func:`default_merge`); True asks for one (refused where the attention scratch cannot hold it), False
     leaves it out (both False: the plain last-arrival merge of sessions 10-16). ``head_slices=False`` deals
@@ -489,13 +489,15 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     ``o_part``), so every step has one grid barrier less per layer; refused where
     :func:`megabake.codegen.fused.fused_split_refusal` names a reason; None: on where fused_o is, fused_kv_smem is
     off and the ``fused_split`` feature is enabled (in ``GPU_VERIFIED_FEATURES``).
-    ``spare_loads`` / ``spare_ring`` (session 48 candidates, off by default) keep warp 0, whose thread 0 polls the
+    ``spare_loads`` / ``spare_ring`` (session 48 candidates; None: on where they apply when the ``spare_warp``
+    feature is enabled, ``MEGABAKE_EXPERIMENTAL_LAYOUTS=spare_warp`` until the whole GPU suite passes with it;
+    bit-identical logits, H100 GPU ms -1% to -3%: docs/PERF.md "Session 48") keep warp 0, whose thread 0 polls the
     grid barrier, free of copies in flight while it polls (``scripts/gpu_copy_probe.py``: a barrier releases
     0.5-1.0 us sooner when the polling warp issued none): ``spare_loads`` leaves a fused build's CTA-wide
     pre-barrier copies (``bodies.fused_o_load``, ``bodies.mlp_down_load``) to threads 32.. (it needs ``fused_o``);
     ``spare_ring`` moves warp 0's own ring prefills from ahead of each wait to right after it (the other warps'
-    stay ahead: :func:`_spare_ring_calls`). ``bulk_down`` (session 48 candidate, off by default; it needs
-    ``fused_mlp``) copies each CTA's W_down columns from a packed copy of W_down (``w_down_cta``, each CTA's
+    stay ahead: :func:`_spare_ring_calls`). ``bulk_down`` (session 48 candidate; it needs ``fused_mlp``; None: on
+    where fused_mlp is when the ``bulk_down`` feature is enabled, as ``spare_warp``) copies each CTA's W_down columns from a packed copy of W_down (``w_down_cta``, each CTA's
     columns contiguous, which the runtime derives from ``w_down``: ``DERIVED_BUFFERS``) by a few ``cp.async.bulk``
     of warp 0 completing on an mbarrier (``bodies.mlp_down_bulk``), instead of ``bodies.mlp_down_load``'s cp.async
     of every row's slice: the same bytes in shared memory, so the same logits bit for bit."""
@@ -579,6 +581,12 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
         if why:
             raise ValueError(f"fused_mlp runs the gate/up and down projections in one interval, but {why}: build "
                              "without it")
+    if spare_loads is None:
+        spare_loads = bool(fused_o) and feature_enabled("spare_warp")
+    if spare_ring is None:
+        spare_ring = feature_enabled("spare_warp")
+    if bulk_down is None:
+        bulk_down = bool(fused_mlp) and feature_enabled("bulk_down")
     if spare_loads and not fused_o:
         raise ValueError("spare_loads keeps warp 0 out of a fused build's W_O / W_down copies, but this build is not "
                          "fused_o: build without it")

@@ -242,7 +242,15 @@ EXPERIMENTAL_FEATURES = {"rope_tables": "per-layer rotary tables (Gemma 3: one R
                          "fused_mlp": "with fused_o, a layer's gate/up and down projections in one interval (session "
                                       "43: codegen.fused_mlp.default_fused_mlp turns it on where a CTA's W_down "
                                       "columns copy at least 64 bits wide; the whole GPU suite passed with it on, "
-                                      "on the H200 in session 45)"}
+                                      "on the H200 in session 45)",
+                         "spare_warp": "warp 0, whose thread 0 polls each grid barrier, issues no copies between the "
+                                       "arrival and the wait (session 48: codegen.generate(spare_loads=None, "
+                                       "spare_ring=None) turns both on where they apply; the same bits, -1% to -3% "
+                                       "GPU ms on an H100; its GPU tests passed, the whole suite not yet run with it)",
+                         "bulk_down": "with fused_mlp, a CTA's W_down columns by cp.async.bulk from a packed copy the "
+                                      "runtime derives (session 48: codegen.generate(bulk_down=None) turns it on where "
+                                      "fused_mlp is; the same bits; its GPU tests passed, the whole suite not yet "
+                                      "run with it)"}
 
 
 def feature_enabled(name: str) -> bool:

@@ -50,12 +50,14 @@ FUSED_O_BLOCKS = 64
 FUSED_O_BLOCK_ROWS = 4
 FUSED_KV_SMEM = False
 FUSED_MMA = True
+COPY_SKIP = 0
 FUSED_SPLIT = True
 FUSED_MLP = True
 MLP_PER_CTA = 4
 MLP_CHUNKS = 128
 MLP_LOAD_BITS = 64
 MLP_TILES = 4
+MLP_BULK = False
 # fp32 buffers of a fused_o build beyond the plan's (the runtime allocates them): name -> shape
 EXTRA_BUFFERS = {'o_mid': (1, 256), 'o_part': (2, 256), 'mlp_acc': (3, 260), 'o_count': (2, 2)}
 EXTRA_BUFFER_DTYPES = {'mlp_acc': 'int64', 'o_count': 'int64'}  # the others are fp32
@@ -142,7 +144,7 @@ def megakernel(
             w_o=w_o[layer, None, None], k_cache=k_cache[layer, None, None, None, None],
             v_cache=v_cache[layer, None, None, None, None], s_ring=s_ring, pos=pos, cta=cta, tidx=tidx, n_heads=N_HEADS,
             n_kv_heads=N_KV_HEADS, head_dim=HEAD_DIM, hidden=HIDDEN, blocks=FUSED_O_BLOCKS,
-            block_rows=FUSED_O_BLOCK_ROWS, kv_rows=MIN_CHUNK, kv_smem=FUSED_KV_SMEM, threads=THREADS)
+            block_rows=FUSED_O_BLOCK_ROWS, kv_rows=MIN_CHUNK, kv_smem=FUSED_KV_SMEM, threads=THREADS, skip=COPY_SKIP)
         bodies.grid_wait(barrier=barrier, next_target=bar_next, tidx=tidx, ctas=CTAS)
         # ---- stage 2: attention (layer) with o_residual (fused_split) ----
         if fo == 1:
@@ -178,7 +180,7 @@ def megakernel(
             rows=2 * MLP_PER_CTA, cols=HIDDEN, per_tile=2, unroll=4, stages=4)
         bodies.mlp_down_load(
             w_down=w_down[layer, None, None], s_down=s_down, cta=cta, tidx=tidx, chunks=MLP_CHUNKS, per_cta=MLP_PER_CTA,
-            hidden=HIDDEN, bits=MLP_LOAD_BITS, threads=THREADS)
+            hidden=HIDDEN, bits=MLP_LOAD_BITS, threads=THREADS, skip=COPY_SKIP)
         bodies.grid_wait(barrier=barrier, next_target=bar_next, tidx=tidx, ctas=CTAS)
         # ---- stage 4: norm_gate_up (layer) ----
         bodies.rmsnorm_partials_to_smem(
@@ -192,7 +194,7 @@ def megakernel(
         cute.arch.sync_threads()  # s_act and s_down complete in the whole CTA
         bodies.mlp_down_partial(
             s_down=s_down, s_act=s_act, acc=mlp_acc[layer + 1, None], cta=cta, tidx=tidx, chunks=MLP_CHUNKS,
-            per_cta=MLP_PER_CTA, hidden=HIDDEN, threads=THREADS)
+            per_cta=MLP_PER_CTA, hidden=HIDDEN, threads=THREADS, s_bar=s_down, phase=layer % 2, bulk=MLP_BULK)
         # ---- stage 5: down_residual (layer) ----
         bodies.grid_arrive(barrier=barrier, next_target=bar_next, tidx=tidx, ctas=CTAS)
         bodies.prefetch_rows(
@@ -1500,14 +1502,15 @@ def fused_o_load(w_o: cute.Tensor, k_cache: cute.Tensor, v_cache: cute.Tensor, s
                  cta: Int32, tidx: Int32, n_heads: cutlass.Constexpr[int], n_kv_heads: cutlass.Constexpr[int],
                  head_dim: cutlass.Constexpr[int], hidden: cutlass.Constexpr[int], blocks: cutlass.Constexpr[int],
                  block_rows: cutlass.Constexpr[int], kv_rows: cutlass.Constexpr[int],
-                 kv_smem: cutlass.Constexpr[bool], threads: cutlass.Constexpr[int]):
+                 kv_smem: cutlass.Constexpr[bool], threads: cutlass.Constexpr[int], skip: cutlass.Constexpr[int]):
     """Issued before the grid barrier that precedes a fused step's attention: cp.async this CTA's block of the
     layer's O projection (rows ``block x block_rows`` on, its KV group's columns) into the shared memory of the
     cp.async ring (idle until the gate/up GEMV's fill), as [block_rows, group x head_dim] bf16, and with
     ``kv_smem`` its group's cached K and V rows [0, pos) after it (:func:`_fused_kv_views`; this step's row is
     appended by the attention itself); with ``kv_smem`` the K/V rows then the W_O block as two committed cp.async
     groups, else the block as one: :func:`fused_attention_o` waits for the rows before scoring, for the block
-    before its O rows."""
+    before its O rows. Threads ``skip..`` copy (``skip`` 32: warp 0, whose thread 0 polls the grid barrier, has
+    nothing in flight; every thread still commits the groups)."""
     cols = (n_heads // n_kv_heads) * head_dim
     vecs = cols // VEC
     group = cta % n_kv_heads
@@ -1519,20 +1522,22 @@ def fused_o_load(w_o: cute.Tensor, k_cache: cute.Tensor, v_cache: cute.Tensor, s
         if cutlass.const_expr(kv_smem):
             s_keys, s_values = _fused_kv_views(s_ring, block_rows * cols, kv_rows, head_dim)
             kv_vecs = head_dim // VEC
-            for i in range(tidx, pos * kv_vecs, threads):
-                r = i // kv_vecs
-                v = i - r * kv_vecs
-                cute.copy(atom, cute.zipped_divide(k_cache[0, group, r, None], (VEC,))[(None, v)],
-                          cute.zipped_divide(s_keys[r, None], (VEC,))[(None, v)])
-                cute.copy(atom, cute.zipped_divide(v_cache[0, group, r, None], (VEC,))[(None, v)],
-                          cute.zipped_divide(s_values[r, None], (VEC,))[(None, v)])
+            if tidx >= skip:
+                for i in range(tidx - skip, pos * kv_vecs, threads - skip):
+                    r = i // kv_vecs
+                    v = i - r * kv_vecs
+                    cute.copy(atom, cute.zipped_divide(k_cache[0, group, r, None], (VEC,))[(None, v)],
+                              cute.zipped_divide(s_keys[r, None], (VEC,))[(None, v)])
+                    cute.copy(atom, cute.zipped_divide(v_cache[0, group, r, None], (VEC,))[(None, v)],
+                              cute.zipped_divide(s_values[r, None], (VEC,))[(None, v)])
             cute.arch.cp_async_commit_group()
-        for i in range(tidx, block_rows * vecs, threads):
-            r = i // vecs
-            v = i - r * vecs
-            row = cutlass.min(block * block_rows + r, hidden - 1)
-            cute.copy(atom, cute.zipped_divide(w_o[row, None], (VEC,))[(None, group * vecs + v)],
-                      cute.zipped_divide(s_wo[r, None], (VEC,))[(None, v)])
+        if tidx >= skip:
+            for i in range(tidx - skip, block_rows * vecs, threads - skip):
+                r = i // vecs
+                v = i - r * vecs
+                row = cutlass.min(block * block_rows + r, hidden - 1)
+                cute.copy(atom, cute.zipped_divide(w_o[row, None], (VEC,))[(None, group * vecs + v)],
+                          cute.zipped_divide(s_wo[r, None], (VEC,))[(None, v)])
     cute.arch.cp_async_commit_group()
 
 
@@ -1733,17 +1738,18 @@ MLP_FIXED_LIMIT = 8388608.0  # 2^23: partials at or over this magnitude are flag
 @cute.jit
 def mlp_down_load(w_down: cute.Tensor, s_down: cute.Tensor, cta: Int32, tidx: Int32,
                   chunks: cutlass.Constexpr[int], per_cta: cutlass.Constexpr[int], hidden: cutlass.Constexpr[int],
-                  bits: cutlass.Constexpr[int], threads: cutlass.Constexpr[int]):
+                  bits: cutlass.Constexpr[int], threads: cutlass.Constexpr[int], skip: cutlass.Constexpr[int]):
     """cp.async this CTA's columns of the layer's down projection, W_down[:, cta * per_cta + (0..per_cta)], into
     ``s_down`` [hidden, per_cta] bf16, ``bits`` per copy (the widest that divides a row's slice); one committed
     group, empty on CTAs past ``chunks``. Weights do not depend on the stages before: issued before the grid
-    barrier that precedes the MLP, the copies land during the wait."""
-    if cta < chunks:
+    barrier that precedes the MLP, the copies land during the wait. Threads ``skip..`` copy (``skip`` 32: warp 0,
+    whose thread 0 polls the grid barrier, has nothing in flight); every thread commits the group."""
+    if cta < chunks and tidx >= skip:
         elems = bits // 16
         vecs = per_cta // elems
         mode = cpasync.LoadCacheMode.GLOBAL if bits == 128 else cpasync.LoadCacheMode.ALWAYS
         atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=mode), w_down.element_type, num_bits_per_copy=bits)
-        for i in range(tidx, hidden * vecs, threads):
+        for i in range(tidx - skip, hidden * vecs, threads - skip):
             r = i // vecs
             v = i - r * vecs
             cute.copy(atom, cute.zipped_divide(w_down[r, None], (elems,))[(None, cta * vecs + v)],
@@ -1754,14 +1760,19 @@ def mlp_down_load(w_down: cute.Tensor, s_down: cute.Tensor, cta: Int32, tidx: In
 @cute.jit
 def mlp_down_partial(s_down: cute.Tensor, s_act: cute.Tensor, acc: cute.Tensor, cta: Int32, tidx: Int32,
                      chunks: cutlass.Constexpr[int], per_cta: cutlass.Constexpr[int],
-                     hidden: cutlass.Constexpr[int], threads: cutlass.Constexpr[int]):
+                     hidden: cutlass.Constexpr[int], threads: cutlass.Constexpr[int], s_bar: cute.Tensor,
+                     phase: Int32, bulk: cutlass.Constexpr[bool]):
     """This CTA's share of the down projection, added into one accumulator row ``acc`` [hidden + 4]: for each
     output row h (thread-strided) p = sum_j s_down[h, j] * s_act[0, j] in fp32, j ascending, then
     ``red.add.u64`` of p in fixed point (:data:`MLP_FIXED_ONE`); a p that is NaN, infinite or at least
     :data:`MLP_FIXED_LIMIT` in magnitude adds 1 to the flag word ``acc[hidden]`` instead (so the int64 sum of at
     most :data:`MLP_MAX_PARTIALS` partials cannot wrap). Needs the CTA's
-    activations in ``s_act`` and its ``s_down`` copies landed (wait_group(0) and a CTA barrier before)."""
+    activations in ``s_act`` and its ``s_down`` copies landed (wait_group(0) and a CTA barrier before); with
+    ``bulk`` (:func:`mlp_down_bulk`) every thread first waits for the mbarrier ``s_bar``'s phase ``phase`` (the
+    layer's parity: one phase per layer) to complete."""
     if cta < chunks:
+        if cutlass.const_expr(bulk):
+            cute.arch.mbarrier_wait(s_bar.iterator, phase)
         for h in range(tidx, hidden, threads):
             p = Float32(0.0)
             for j in cutlass.range_constexpr(per_cta):
