@@ -497,8 +497,9 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     pre-barrier copies (``bodies.fused_o_load``, ``bodies.mlp_down_load``) to threads 32.. (it needs ``fused_o``);
     ``spare_ring`` moves warp 0's own ring prefills from ahead of each wait to right after it (the other warps'
     stay ahead: :func:`_spare_ring_calls`). ``bulk_down`` (session 48 candidate; it needs ``fused_mlp``; None: on
-    where fused_mlp is when the ``bulk_down`` feature is enabled, as ``spare_warp``) copies each CTA's W_down columns from a packed copy of W_down (``w_down_cta``, each CTA's
-    columns contiguous, which the runtime derives from ``w_down``: ``DERIVED_BUFFERS``) by a few ``cp.async.bulk``
+    where fused_mlp is when the ``bulk_down`` feature is enabled, as ``spare_warp``) copies each CTA's W_down
+    columns from a packed copy of W_down (``w_down_cta``, each CTA's columns contiguous, which the runtime derives
+    from ``w_down``: ``DERIVED_BUFFERS``) by a few ``cp.async.bulk``
     of warp 0 completing on an mbarrier (``bodies.mlp_down_bulk``), instead of ``bodies.mlp_down_load``'s cp.async
     of every row's slice: the same bytes in shared memory, so the same logits bit for bit."""
     if watchdog and timeline:
@@ -966,7 +967,8 @@ def _spare_ring_calls(calls: list[str], options: BuildOptions) -> tuple[list[str
 
 
 def _write_wait(w: _Writer, options: BuildOptions, indent: int, after: list[str]) -> None:
-    """The grid barrier's wait (``options.barrier``), then warp 0's deferred ring prefills (:func:`_spare_ring_calls`)."""
+    """The grid barrier's wait (``options.barrier``), then warp 0's deferred ring prefills
+    (:func:`_spare_ring_calls`)."""
     w(options.barrier, indent)
     if after:
         w(f"if tidx < {WARP_SIZE}:  # spare_ring: warp 0 fills its ring once it has polled", indent)
@@ -1082,9 +1084,9 @@ def _fused_attention_stages(w: _Writer, plan: Plan, attention: Stage, indent: in
     clock(reopen=False)
     w(options.arrival, indent)
     w("if fo == 0:", indent)
-    ahead, after = _spare_ring_calls(_before_barrier_calls(plan, attention, options.kv_prefetch, options.kv_prefetch_l1,
-                                                           options.prefetch_bytes, options.kv_prefetch_rows,
-                                                           options.mma_schedule), options)
+    before = _before_barrier_calls(plan, attention, options.kv_prefetch, options.kv_prefetch_l1,
+                                   options.prefetch_bytes, options.kv_prefetch_rows, options.mma_schedule)
+    ahead, after = _spare_ring_calls(before, options)
     for call in ahead:
         w(call, indent + 1)
     _write_wait(w, options, indent + 1, after)

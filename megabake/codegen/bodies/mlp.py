@@ -71,8 +71,8 @@ def mlp_down_bulk(w_cta: cute.Tensor, s_down: cute.Tensor, s_bar: cute.Tensor, c
         atom = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), w_cta.element_type, num_bits_per_copy=copy_bytes * 8)
         flat = cute.make_tensor(s_down.iterator, cute.make_layout(hidden * per_cta))
         for i in range(tidx, hidden * per_cta // elems, 32):
-            cute.copy(atom, cute.zipped_divide(w_cta, (elems,))[(None, i)], cute.zipped_divide(flat, (elems,))[(None, i)],
-                      mbar_ptr=s_bar.iterator)
+            cute.copy(atom, cute.zipped_divide(w_cta, (elems,))[(None, i)],
+                      cute.zipped_divide(flat, (elems,))[(None, i)], mbar_ptr=s_bar.iterator)
 
 
 @cute.jit
