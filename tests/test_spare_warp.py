@@ -23,6 +23,14 @@ def _kernel(source: str) -> str:
     return source.split("def megakernel(", 1)[1]
 
 
+def _compiled_ptx(preset: str, capacity: int, tmp_path, **options) -> str:
+    """The PTX of a one-layer ``preset`` build with ``options``, compiled for sm_90a (the compile must succeed)."""
+    plan = compile_preset(preset, layers=1, vocab=512, capacity=capacity).plan
+    result = compile_check(plan, load_module(generate(plan, **options).source), dump_dir=str(tmp_path))
+    assert result.ok, result.error
+    return max(tmp_path.glob("*.ptx"), key=lambda p: p.stat().st_mtime).read_text()
+
+
 def test_spare_loads_leaves_the_w_o_and_w_down_copies_to_threads_32_on(qwen3):
     default = generate(qwen3).source
     spare = generate(qwen3, spare_loads=True).source
@@ -82,11 +90,7 @@ def test_spare_loads_needs_a_fused_build():
 @pytest.mark.parametrize("preset,capacity", [("qwen3-0.6b", 4096), ("smollm-135m", 2048)])
 def test_a_spare_build_compiles_for_sm90a(preset, capacity, tmp_path):
     """Both options on: the kernel compiles, and warp 0's guard in the loads is a branch on the thread index."""
-    plan = compile_preset(preset, layers=1, vocab=512, capacity=capacity).plan
-    result = compile_check(plan, load_module(generate(plan, spare_loads=True, spare_ring=True).source),
-                           dump_dir=str(tmp_path))
-    assert result.ok, result.error
-    ptx = max(tmp_path.glob("*.ptx"), key=lambda p: p.stat().st_mtime).read_text()
+    ptx = _compiled_ptx(preset, capacity, tmp_path, spare_loads=True, spare_ring=True)
     assert re.search(r"cp\.async\.(ca|cg)\.shared\.global", ptx)
 
 
@@ -140,11 +144,7 @@ def test_block_columns_puts_each_ctas_columns_in_one_contiguous_run():
 @pytest.mark.parametrize("preset,capacity", [("qwen3-0.6b", 4096), ("qwen2.5-0.5b", 4096)])
 def test_a_bulk_down_build_compiles_for_sm90a(preset, capacity, tmp_path):
     """Qwen2.5-0.5B's columns are 76 bytes a row (cp.async of 4 bytes); packed, they are bulk copies too."""
-    plan = compile_preset(preset, layers=1, vocab=512, capacity=capacity).plan
-    result = compile_check(plan, load_module(generate(plan, fused_mlp=True, bulk_down=True).source),
-                           dump_dir=str(tmp_path))
-    assert result.ok, result.error
-    ptx = max(tmp_path.glob("*.ptx"), key=lambda p: p.stat().st_mtime).read_text()
+    ptx = _compiled_ptx(preset, capacity, tmp_path, fused_mlp=True, bulk_down=True)
     assert "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in ptx
     assert "mbarrier.try_wait.parity" in ptx and "mbarrier.arrive.expect_tx" in ptx
 
