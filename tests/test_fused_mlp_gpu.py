@@ -64,8 +64,10 @@ def test_a_non_finite_or_huge_down_projection_reaches_the_logits():
     token = torch.tensor([11])
     for poison in (float("inf"), float("nan"), 3.0e38):
         w_down[0, 5, 7] = poison
+        decoder.refresh_derived_buffers()  # a bulk_down build reads its packed copy of W_down
         assert not torch.isfinite(decoder.step(token, 3).float()).all(), poison
         w_down[0, 5, 7] = kept
+        decoder.refresh_derived_buffers()
         assert torch.isfinite(decoder.step(token, 3).float()).all(), poison
 
 

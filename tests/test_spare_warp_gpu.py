@@ -1,5 +1,5 @@
-"""The ``spare_loads`` / ``spare_ring`` builds on the GPU (session 48 candidates; tests/test_spare_warp.py has what
-they emit): warp 0 copies nothing ahead of a grid barrier's wait, so they only move which thread issues which copy
+"""The ``spare_loads`` / ``spare_ring`` builds on the GPU (session 48; the default since session 49;
+tests/test_spare_warp.py has what they emit): warp 0 copies nothing ahead of a grid barrier's wait, so they only move which thread issues which copy
 and when. Every step must give the default build's logits bit for bit, from one random KV cache, at fused and split
 steps (positions near 0, at split boundaries, at capacity - 1); a moving result would be a race (a copy read before
 it landed)."""
@@ -23,7 +23,8 @@ def test_spare_builds_give_the_default_bits(preset, capacity):
     compiled = _compiled(preset, capacity)
     fused, split = _fused_and_split_positions(compiled, capacity)
     positions = split + fused
-    default = {"mma_attention": None}  # the default's choices (the helper turns the tensor-core items off otherwise)
+    # the default's other choices (the helper turns the tensor-core items off otherwise), without the spare options
+    default = {"mma_attention": None, "spare_loads": False, "spare_ring": False}
     builds = [default, {**default, "spare_loads": True, "spare_ring": True}]
     logits = _logits_over_random_cache(compiled, positions, 1, builds)
     assert torch.isfinite(logits[0]).all()
@@ -41,7 +42,7 @@ def test_bulk_down_gives_the_fused_mlp_bits(preset, capacity):
     compiled = _compiled(preset, capacity)
     fused, split = _fused_and_split_positions(compiled, capacity)
     positions = split + fused
-    base = {"mma_attention": None, "fused_mlp": True}
+    base = {"mma_attention": None, "fused_mlp": True, "bulk_down": False, "spare_loads": False, "spare_ring": False}
     builds = [base, {**base, "bulk_down": True}, {**base, "bulk_down": True, "spare_loads": True, "spare_ring": True}]
     logits = _logits_over_random_cache(compiled, positions, 1, builds)
     assert torch.isfinite(logits[0]).all()

@@ -25,7 +25,8 @@ from ..plan.tuning import HOPPER_SMEM_PER_BLOCK
 
 FUSED_MLP_BUFFERS = ("mlp_acc",)  # int64 [layers + 1, hidden + 4]: fixed-point sums of the MLPs' outputs
 # bulk_down: each CTA's W_down columns packed contiguous, [layers, chunks, hidden x per_cta] bf16, derived from w_down
-# by the runtime (DERIVED_BUFFERS in module.py, runtime.derive_cta_columns)
+# by the runtime (DERIVED_BUFFERS in module.py, runtime.compile.block_columns,
+# MegakernelDecoder.refresh_derived_buffers)
 BULK_DOWN_BUFFERS = ("w_down_cta",)
 BULK_MAX_COPY_BYTES = 4096  # the largest cp.async.bulk a lane issues (scripts/gpu_copy_probe.py's size)
 ACC_PAD = 4  # columns past ``hidden`` in an accumulator row: the flag word, then padding to whole 4-vectors

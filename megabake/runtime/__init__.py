@@ -191,7 +191,7 @@ class MegakernelDecoder:
         self._next_row = 0
         self._greedy_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._greedy_ids: torch.Tensor | None = None
-        from .compile import block_columns, extra_buffers, load_module
+        from .compile import extra_buffers, load_module
 
         self.module = load_module(self.module_source)
         for buf in plan.buffers + extra_buffers(self.module):
@@ -200,10 +200,18 @@ class MegakernelDecoder:
                 if buf.name == "barrier":  # timeline / watchdog builds store clocks or arrivals after the counter
                     shape[0] += getattr(self.module, "TIMELINE_SLOTS", 0) + getattr(self.module, "WATCH_SLOTS", 0)
                 self.buffers[buf.name] = torch.zeros(shape, dtype=torch_dtype(buf.dtype), device=device)
-        for name, (source, per_block) in getattr(self.module, "DERIVED_BUFFERS", {}).items():
-            self.buffers[name].copy_(block_columns(self.buffers[source], per_block))  # e.g. bulk_down's w_down_cta
+        self.refresh_derived_buffers()
         self.weight_bytes = plan.weight_bytes()
         self._compile()
+
+    def refresh_derived_buffers(self) -> None:
+        """Rebuild the buffers the module derives from weights (``DERIVED_BUFFERS``: a ``bulk_down`` build reads
+        W_down from ``w_down_cta``, a per-CTA packing of ``w_down``). Call it after writing a weight buffer in place,
+        or the kernel keeps reading the packed copy made at construction."""
+        from .compile import block_columns
+
+        for name, (source, per_block) in getattr(self.module, "DERIVED_BUFFERS", {}).items():
+            self.buffers[name].copy_(block_columns(self.buffers[source], per_block))
 
     def _kernel_tensors(self) -> list[torch.Tensor]:
         return [self.buffers.get(name, self.buffers["embed"]) for name in self.module.ARGUMENTS]

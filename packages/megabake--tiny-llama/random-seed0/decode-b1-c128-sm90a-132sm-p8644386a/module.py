@@ -15,7 +15,7 @@ PLAN_HASH = "8644386af6b074643b72f55c92755934f6c6f3538a858e4ccdc1774097233c07"
 ARGUMENTS = [
     'embed', 'w_qkv', 'w_o', 'w_gate_up', 'w_down', 'norms', 'final_norm', 'lm_head', 'rope_cos', 'rope_sin',
     'k_cache', 'v_cache', 'tokens', 'position', 'x', 'qkv', 'attn', 'gate_up', 'logits', 'barrier', 'attn_part',
-    'attn_count', 'o_mid', 'o_part', 'mlp_acc', 'o_count',
+    'attn_count', 'o_mid', 'o_part', 'mlp_acc', 'o_count', 'w_down_cta',
 ]
 BATCH = 1
 CAPACITY = 128
@@ -50,17 +50,21 @@ FUSED_O_BLOCKS = 64
 FUSED_O_BLOCK_ROWS = 4
 FUSED_KV_SMEM = False
 FUSED_MMA = True
-COPY_SKIP = 0
+COPY_SKIP = 32
 FUSED_SPLIT = True
 FUSED_MLP = True
 MLP_PER_CTA = 4
 MLP_CHUNKS = 128
 MLP_LOAD_BITS = 64
 MLP_TILES = 4
-MLP_BULK = False
+MLP_BULK = True
+MLP_BULK_BYTES = 2048
 # fp32 buffers of a fused_o build beyond the plan's (the runtime allocates them): name -> shape
-EXTRA_BUFFERS = {'o_mid': (1, 256), 'o_part': (2, 256), 'mlp_acc': (3, 260), 'o_count': (2, 2)}
-EXTRA_BUFFER_DTYPES = {'mlp_acc': 'int64', 'o_count': 'int64'}  # the others are fp32
+EXTRA_BUFFERS = {'o_mid': (1, 256), 'o_part': (2, 256), 'mlp_acc': (3, 260), 'o_count': (2, 2), 'w_down_cta': (2, 128, 1024)}
+EXTRA_BUFFER_DTYPES = {'mlp_acc': 'int64', 'o_count': 'int64', 'w_down_cta': 'bfloat16'}  # the others are fp32
+# buffers the runtime derives from a weight after packing it: name -> (weight, its columns per block);
+# w_down_cta[layer, c] holds w_down[layer, :, c * MLP_PER_CTA:(c + 1) * MLP_PER_CTA], row-major
+DERIVED_BUFFERS = {'w_down_cta': ('w_down', MLP_PER_CTA)}
 EPS = 1e-05
 ATTN_SCALE = 0.125
 ROWS_PER_TILE = {'norm_qkv': 2, 'o_residual': 2, 'norm_gate_up': 2, 'down_residual': 2, 'norm_lm_head': 2}
@@ -68,7 +72,7 @@ ROWS_PER_TILE = {'norm_qkv': 2, 'o_residual': 2, 'norm_gate_up': 2, 'down_residu
 GEMV_UNROLL = {'norm_qkv': 4, 'o_residual': 4, 'norm_gate_up': 4, 'down_residual': 4, 'norm_lm_head': 4}
 GRID = (CTAS, 1, 1)
 BLOCK = (THREADS, 1, 1)
-SMEM_BYTES = 139056  # the plan's 138016, VEC_WIDTH without the intermediate width, + 2 * HIDDEN * MLP_PER_CTA (W_down columns) + alignment
+SMEM_BYTES = 139072  # the plan's 138016, VEC_WIDTH without the intermediate width, + 2 * HIDDEN * MLP_PER_CTA (W_down columns) + alignment + mbarrier
 
 
 @cute.kernel
@@ -78,7 +82,7 @@ def megakernel(
     k_cache: cute.Tensor, v_cache: cute.Tensor, tokens: cute.Tensor, position: cute.Tensor, x: cute.Tensor,
     qkv: cute.Tensor, attn: cute.Tensor, gate_up: cute.Tensor, logits: cute.Tensor, barrier: cute.Tensor,
     attn_part: cute.Tensor, attn_count: cute.Tensor, o_mid: cute.Tensor, o_part: cute.Tensor, mlp_acc: cute.Tensor,
-    o_count: cute.Tensor,
+    o_count: cute.Tensor, w_down_cta: cute.Tensor,
 ):
     """One decode step: embedding, every layer, final norm, LM head, in-place KV append."""
     tidx, _, _ = cute.arch.thread_idx()
@@ -104,6 +108,10 @@ def megakernel(
     s_act = cute.make_tensor(s_att.iterator, cute.make_layout((1, MLP_PER_CTA), stride=(MLP_PER_CTA, 1)))
     mchunk = cutlass.min(cta, MLP_CHUNKS - 1)
     mwarp = tidx // 32 + cta // MLP_CHUNKS * MLP_TILES
+    s_down_bar = smem.allocate_tensor(cutlass.Int64, cute.make_layout(1), byte_alignment=8)
+    if tidx == 0:
+        cute.arch.mbarrier_init(s_down_bar.iterator, 1)
+    cute.arch.mbarrier_init_fence()
     bar_next = cute.make_rmem_tensor(cute.make_layout(1), cutlass.Int64)  # next grid-barrier target
     bar_next[0] = cutlass.Int64(0)  # 0: the launch's first barrier asks the counter
     pos = position[0]
@@ -117,9 +125,14 @@ def megakernel(
         weight=w_qkv[0, None, None], gwarp=swarp, lane=lane, total_warps=TOTAL_WARPS, rows=512, cols=256, per_tile=2,
         max_tiles=0)
     bodies.gemv_ring_prefill(
-        weight=w_qkv[0, None, None], ring=s_ring[tidx // 32, None, None, None, None], gwarp=swarp, lane=lane, active=1,
-        total_warps=TOTAL_WARPS, rows=512, cols=256, per_tile=2, unroll=4, stages=4)
+        weight=w_qkv[0, None, None], ring=s_ring[tidx // 32, None, None, None, None], gwarp=swarp, lane=lane,
+        active=cutlass.min(tidx // 32, 1) * 1, total_warps=TOTAL_WARPS, rows=512, cols=256, per_tile=2, unroll=4,
+        stages=4)
     bodies.grid_wait(barrier=barrier, next_target=bar_next, tidx=tidx, ctas=CTAS)
+    if tidx < 32:  # spare_ring: warp 0 fills its ring once it has polled
+        bodies.gemv_ring_prefill(
+            weight=w_qkv[0, None, None], ring=s_ring[tidx // 32, None, None, None, None], gwarp=swarp, lane=lane,
+            active=1, total_warps=TOTAL_WARPS, rows=512, cols=256, per_tile=2, unroll=4, stages=4)
     for layer in range(LAYERS):
         fo = bodies.fused_o_step(pos, 0, MIN_CHUNK)  # 1: the context fits one chunk; the O projection runs in attention's interval
         # ---- stage 1: norm_qkv (layer) ----
@@ -176,12 +189,18 @@ def megakernel(
         bodies.grid_arrive(barrier=barrier, next_target=bar_next, tidx=tidx, ctas=CTAS)
         bodies.gemv_ring_prefill(
             weight=cute.local_tile(w_gate_up[layer, None, None], (2 * MLP_PER_CTA, HIDDEN), (mchunk, 0)),
-            ring=s_ring[tidx // 32, None, None, None, None], gwarp=mwarp, lane=lane, active=1, total_warps=WARPS,
-            rows=2 * MLP_PER_CTA, cols=HIDDEN, per_tile=2, unroll=4, stages=4)
-        bodies.mlp_down_load(
-            w_down=w_down[layer, None, None], s_down=s_down, cta=cta, tidx=tidx, chunks=MLP_CHUNKS, per_cta=MLP_PER_CTA,
-            hidden=HIDDEN, bits=MLP_LOAD_BITS, threads=THREADS, skip=COPY_SKIP)
+            ring=s_ring[tidx // 32, None, None, None, None], gwarp=mwarp, lane=lane,
+            active=cutlass.min(tidx // 32, 1) * 1, total_warps=WARPS, rows=2 * MLP_PER_CTA, cols=HIDDEN, per_tile=2,
+            unroll=4, stages=4)
+        bodies.mlp_down_bulk(
+            w_cta=w_down_cta[layer, mchunk, None], s_down=s_down, s_bar=s_down_bar, cta=cta, tidx=tidx,
+            chunks=MLP_CHUNKS, per_cta=MLP_PER_CTA, hidden=HIDDEN, copy_bytes=MLP_BULK_BYTES)
         bodies.grid_wait(barrier=barrier, next_target=bar_next, tidx=tidx, ctas=CTAS)
+        if tidx < 32:  # spare_ring: warp 0 fills its ring once it has polled
+            bodies.gemv_ring_prefill(
+                weight=cute.local_tile(w_gate_up[layer, None, None], (2 * MLP_PER_CTA, HIDDEN), (mchunk, 0)),
+                ring=s_ring[tidx // 32, None, None, None, None], gwarp=mwarp, lane=lane, active=1, total_warps=WARPS,
+                rows=2 * MLP_PER_CTA, cols=HIDDEN, per_tile=2, unroll=4, stages=4)
         # ---- stage 4: norm_gate_up (layer) ----
         bodies.rmsnorm_partials_to_smem(
             x=x, o_mid=o_mid, o_part=o_part, weight=norms[layer, 1, None], s_vec=s_vec, s_red=s_red, cta=cta, tidx=tidx,
@@ -194,7 +213,7 @@ def megakernel(
         cute.arch.sync_threads()  # s_act and s_down complete in the whole CTA
         bodies.mlp_down_partial(
             s_down=s_down, s_act=s_act, acc=mlp_acc[layer + 1, None], cta=cta, tidx=tidx, chunks=MLP_CHUNKS,
-            per_cta=MLP_PER_CTA, hidden=HIDDEN, threads=THREADS, s_bar=s_down, phase=layer % 2, bulk=MLP_BULK)
+            per_cta=MLP_PER_CTA, hidden=HIDDEN, threads=THREADS, s_bar=s_down_bar, phase=layer % 2, bulk=MLP_BULK)
         # ---- stage 5: down_residual (layer) ----
         bodies.grid_arrive(barrier=barrier, next_target=bar_next, tidx=tidx, ctas=CTAS)
         bodies.prefetch_rows(
@@ -203,9 +222,15 @@ def megakernel(
         bodies.gemv_ring_prefill(
             weight=w_qkv[cutlass.min(layer + 1, LAYERS - 1), None, None],
             ring=s_ring[tidx // 32, None, None, None, None], gwarp=swarp, lane=lane,
-            active=cutlass.min(LAYERS - 1 - layer, 1), total_warps=TOTAL_WARPS, rows=512, cols=256, per_tile=2,
-            unroll=4, stages=4)
+            active=cutlass.min(tidx // 32, 1) * cutlass.min(LAYERS - 1 - layer, 1), total_warps=TOTAL_WARPS, rows=512,
+            cols=256, per_tile=2, unroll=4, stages=4)
         bodies.grid_wait(barrier=barrier, next_target=bar_next, tidx=tidx, ctas=CTAS)
+        if tidx < 32:  # spare_ring: warp 0 fills its ring once it has polled
+            bodies.gemv_ring_prefill(
+                weight=w_qkv[cutlass.min(layer + 1, LAYERS - 1), None, None],
+                ring=s_ring[tidx // 32, None, None, None, None], gwarp=swarp, lane=lane,
+                active=cutlass.min(LAYERS - 1 - layer, 1), total_warps=TOTAL_WARPS, rows=512, cols=256, per_tile=2,
+                unroll=4, stages=4)
     # ---- stage 6: norm_lm_head (epilogue) ----
     bodies.rmsnorm_from_acc_to_smem(
         o_mid=o_mid, acc=mlp_acc[LAYERS, None], x=x, weight=final_norm, s_vec=s_vec, s_red=s_red, cta=cta, tidx=tidx,
@@ -223,12 +248,13 @@ def launch(
     k_cache: cute.Tensor, v_cache: cute.Tensor, tokens: cute.Tensor, position: cute.Tensor, x: cute.Tensor,
     qkv: cute.Tensor, attn: cute.Tensor, gate_up: cute.Tensor, logits: cute.Tensor, barrier: cute.Tensor,
     attn_part: cute.Tensor, attn_count: cute.Tensor, o_mid: cute.Tensor, o_part: cute.Tensor, mlp_acc: cute.Tensor,
-    o_count: cute.Tensor, stream: cuda.CUstream,
+    o_count: cute.Tensor, w_down_cta: cute.Tensor, stream: cuda.CUstream,
 ):
     """Host side: one cooperative launch of the persistent megakernel."""
     megakernel(
         embed, w_qkv, w_o, w_gate_up, w_down, norms, final_norm, lm_head, rope_cos, rope_sin, k_cache, v_cache, tokens,
         position, x, qkv, attn, gate_up, logits, barrier, attn_part, attn_count, o_mid, o_part, mlp_acc, o_count,
+        w_down_cta,
     ).launch(grid=GRID, block=BLOCK, smem=SMEM_BYTES, stream=stream, cooperative=True)
 
 
@@ -1736,25 +1762,23 @@ MLP_FIXED_LIMIT = 8388608.0  # 2^23: partials at or over this magnitude are flag
 
 
 @cute.jit
-def mlp_down_load(w_down: cute.Tensor, s_down: cute.Tensor, cta: Int32, tidx: Int32,
+def mlp_down_bulk(w_cta: cute.Tensor, s_down: cute.Tensor, s_bar: cute.Tensor, cta: Int32, tidx: Int32,
                   chunks: cutlass.Constexpr[int], per_cta: cutlass.Constexpr[int], hidden: cutlass.Constexpr[int],
-                  bits: cutlass.Constexpr[int], threads: cutlass.Constexpr[int], skip: cutlass.Constexpr[int]):
-    """cp.async this CTA's columns of the layer's down projection, W_down[:, cta * per_cta + (0..per_cta)], into
-    ``s_down`` [hidden, per_cta] bf16, ``bits`` per copy (the widest that divides a row's slice); one committed
-    group, empty on CTAs past ``chunks``. Weights do not depend on the stages before: issued before the grid
-    barrier that precedes the MLP, the copies land during the wait. Threads ``skip..`` copy (``skip`` 32: warp 0,
-    whose thread 0 polls the grid barrier, has nothing in flight); every thread commits the group."""
-    if cta < chunks and tidx >= skip:
-        elems = bits // 16
-        vecs = per_cta // elems
-        mode = cpasync.LoadCacheMode.GLOBAL if bits == 128 else cpasync.LoadCacheMode.ALWAYS
-        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=mode), w_down.element_type, num_bits_per_copy=bits)
-        for i in range(tidx - skip, hidden * vecs, threads - skip):
-            r = i // vecs
-            v = i - r * vecs
-            cute.copy(atom, cute.zipped_divide(w_down[r, None], (elems,))[(None, cta * vecs + v)],
-                      cute.zipped_divide(s_down[r, None], (elems,))[(None, v)])
-    cute.arch.cp_async_commit_group()
+                  copy_bytes: cutlass.Constexpr[int]):
+    """:func:`mlp_down_load` from this CTA's packed columns ``w_cta`` (hidden x per_cta bf16, contiguous: the
+    runtime's ``w_down_cta``) by ``cp.async.bulk`` copies of ``copy_bytes``, issued by warp 0 (thread 0 has just
+    arrived at the grid barrier; bulk copies go through the copy engine, not its load path, so its polls do not
+    queue behind them: ``scripts/gpu_copy_probe.py``) and completed on the mbarrier ``s_bar`` (one arrival, by
+    thread 0, expecting every byte): :func:`mlp_down_partial` waits on it. Nothing on CTAs past ``chunks``."""
+    if cta < chunks and tidx < 32:
+        elems = copy_bytes // 2
+        if tidx == 0:
+            cute.arch.mbarrier_arrive_and_expect_tx(s_bar.iterator, hidden * per_cta * 2)
+        atom = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), w_cta.element_type, num_bits_per_copy=copy_bytes * 8)
+        flat = cute.make_tensor(s_down.iterator, cute.make_layout(hidden * per_cta))
+        for i in range(tidx, hidden * per_cta // elems, 32):
+            cute.copy(atom, cute.zipped_divide(w_cta, (elems,))[(None, i)],
+                      cute.zipped_divide(flat, (elems,))[(None, i)], mbar_ptr=s_bar.iterator)
 
 
 @cute.jit
@@ -1823,7 +1847,7 @@ class bodies:
     gemv_rows_streamed = staticmethod(gemv_rows_streamed)
     grid_arrive = staticmethod(grid_arrive)
     grid_wait = staticmethod(grid_wait)
-    mlp_down_load = staticmethod(mlp_down_load)
+    mlp_down_bulk = staticmethod(mlp_down_bulk)
     mlp_down_partial = staticmethod(mlp_down_partial)
     prefetch_rows = staticmethod(prefetch_rows)
     rmsnorm_from_acc_to_smem = staticmethod(rmsnorm_from_acc_to_smem)
