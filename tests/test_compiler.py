@@ -223,8 +223,11 @@ def test_biased_module_compiles_for_sm90a_and_llama_modules_stay_bias_free(tiny)
 
     def fused_buffers(module) -> list[str]:
         """o_mid / o_part: the fused attention+O steps' workspace (the default since session 36); mlp_acc: the fused
-        MLP's accumulator and o_count: fused_split's per-group counters (the defaults since session 45)."""
-        return ["o_mid", "o_part"] + (["mlp_acc"] if getattr(module, "FUSED_MLP", False) else []) + ["o_count"]
+        MLP's accumulator and o_count: fused_split's per-group counters (the defaults since session 45); w_down_cta:
+        bulk_down's packed W_down (the default with fused_mlp since session 49)."""
+        fused_mlp = getattr(module, "FUSED_MLP", False)
+        return (["o_mid", "o_part"] + (["mlp_acc"] if fused_mlp else []) + ["o_count"]
+                + (["w_down_cta"] if getattr(module, "MLP_BULK", False) else []))
 
     qwen = compile_model(_randomise_biases(_small("Qwen2ForCausalLM")))
     module = load_module(qwen.generated.source)

@@ -738,7 +738,7 @@ def test_streamed_gemv_plans_its_ring_generates_and_compiles(tiny):
     ring = ring_bytes(tuning.values(), plan.threads)
     assert ring == 8 * 4 * 8 * 512  # 8 warps x 4 stages x 8 vectors per lane x 32 lanes x 16 bytes
     assert plan.smem_bytes == tiny.plan.smem_bytes + ring + 16
-    source = generate(plan, fused_split=False).source  # fused_split has no O-stage GEMV
+    source = generate(plan, fused_split=False, spare_ring=False).source  # no O-stage GEMV; spare_ring: test_spare_warp
     assert "RING_STAGES = 4" in source and "RING_VECTORS = 8" in source and "s_ring = smem.allocate_tensor(" in source
     calls = [line.strip() for line in source.splitlines() if "bodies.gemv_rows" in line]
     assert len(calls) == 5 and all(c.startswith("bodies.gemv_rows_streamed(") for c in calls), calls
@@ -807,7 +807,7 @@ def test_streamed_gemv_with_preload_fills_its_ring_before_the_barrier(tiny):
     tuning = {name: GemvTuning(2, 1, spread=True, preload=True, stages=3) for name in GEMV_STAGES}
     tuning["norm_lm_head"] = GemvTuning(2, 1, stages=3)  # the LM head never preloads
     plan = _plan(tiny, tuning)
-    source = generate(plan, fused_split=False).source  # fused_split has no O-stage GEMV
+    source = generate(plan, fused_split=False, spare_ring=False).source  # no O-stage GEMV; spare_ring: test_spare_warp
     lines = source.splitlines()
     prefills = [i for i, line in enumerate(lines) if "bodies.gemv_ring_prefill(" in line]
     barriers = [i for i, line in enumerate(lines) if _waits(line)]
@@ -941,8 +941,8 @@ def test_split_barrier_arrives_before_the_ring_fill_and_waits_after_it(tiny, tmp
     with pytest.raises(ValueError, match="barrier='fence'"):
         generate(tiny.plan, barrier="fence")
     ring = compile_preset("tiny-llama")  # the bake default: streamed GEMVs fill their rings before a barrier
-    ring_kernel = generate(ring.plan, barrier="split", fused_split=False,
-                           fused_mlp=False).source.split("\n# ====")[0].splitlines()
+    ring_kernel = generate(ring.plan, barrier="split", fused_split=False, fused_mlp=False,
+                           spare_ring=False).source.split("\n# ====")[0].splitlines()
     fills = [i for i, line in enumerate(ring_kernel) if line.strip().startswith("bodies.gemv_ring_prefill(")]
     halves = [(i, "arrive" if "grid_arrive(" in line else "wait") for i, line in enumerate(ring_kernel)
               if "grid_arrive(" in line or "grid_wait(" in line]
