@@ -237,19 +237,26 @@ BUILDS = {"default": {}, "atom": {"barrier": "atom"}, "red": {"barrier": "red"},
           "fused-split": {"fused_o": True, "fused_split": True, "fused_mlp": False},
           "fused-split-mlp": {"fused_o": True, "fused_split": True, "fused_mlp": True},
           "no-fused-mlp": {"fused_mlp": False}, "no-fused-split": {"fused_split": False},
-          # warp 0 (thread 0 polls each grid barrier) without copies in flight while it polls (session 48 candidates):
+          # warp 0 (thread 0 polls each grid barrier) without copies in flight while it polls (session 48; the
+          # default since 49):
           # a fused build's W_O / W_down copies by threads 32.. (spare-loads), warp 0's ring prefills after the wait
           # (spare-ring), or both (spare-all)
           "spare-loads": {"spare_loads": True}, "spare-ring": {"spare_ring": True},
           "spare-all": {"spare_loads": True, "spare_ring": True},
-          # fused_mlp's W_down columns by cp.async.bulk from a packed copy (session 48 candidate): where fused_mlp is on
+          # fused_mlp's W_down columns by cp.async.bulk from a packed copy (session 48; default since 49): fused_mlp on
           # by default (bulk-down), with it forced on (fused-mlp-bulk: Qwen2.5-0.5B), and with spare-all on top
           "bulk-down": {"bulk_down": True}, "bulk-spare": {"bulk_down": True, "spare_loads": True, "spare_ring": True},
           "fused-mlp-bulk": {"fused_o": True, "fused_mlp": True, "bulk_down": True},
-          # ... and both off where MEGABAKE_EXPERIMENTAL_LAYOUTS=spare_warp,bulk_down turned them on by default
+          # ... and both off (the default before session 49)
           "no-spare": {"spare_loads": False, "spare_ring": False}, "no-bulk": {"bulk_down": False},
           "fused-mlp-bulk-spare": {"fused_o": True, "fused_mlp": True, "bulk_down": True, "spare_loads": True,
                                    "spare_ring": True},
+          # the W_down bulk copies issued at attention's barrier (after its arrival / its wait) instead of the MLP's
+          # (session 49 candidates): on the
+          # default (bulk_down wherever fused_mlp is), and with fused_mlp forced on (Qwen2.5-0.5B)
+          "early-down": {"early_down": "arrival"}, "early-down-wait": {"early_down": "wait"},
+          "fused-mlp-early": {"fused_o": True, "fused_mlp": True, "bulk_down": True, "early_down": "arrival"},
+          "fused-mlp-early-wait": {"fused_o": True, "fused_mlp": True, "bulk_down": True, "early_down": "wait"},
           # the L2 prefetch of the next GEMV's first tiles before each barrier at one budget for every stage (the
           # default since session 26: none before a ring-prefilled GEMV, 16 MB elsewhere; pf16mb: the old default)
           "pf0": {"prefetch_bytes": 0}, "pf8mb": {"prefetch_bytes": 8 << 20}, "pf16mb": {"prefetch_bytes": 16 << 20},

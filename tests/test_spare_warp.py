@@ -1,6 +1,6 @@
-"""The ``spare_loads`` / ``spare_ring`` builds (session 48 candidates, ``codegen.generate``): warp 0, whose thread 0
-polls each grid barrier, issues no copies between a split barrier's arrival and its wait. What they emit, what they
-refuse, and a CuTe DSL compile for sm_90a (no GPU). Their logits (the default's bits) run on the GPU:
+"""The ``spare_loads`` / ``spare_ring`` builds (session 48, the default since 49, ``codegen.generate``): warp 0,
+whose thread 0 polls each grid barrier, issues no copies between a split barrier's arrival and its wait. What they
+emit, what they refuse, and a CuTe DSL compile for sm_90a (no GPU). Their logits (the default's bits) run on the GPU:
 tests/test_spare_warp_gpu.py."""
 
 from __future__ import annotations
@@ -115,6 +115,32 @@ def test_bulk_down_copies_packed_columns_by_bulk_copies_onto_an_mbarrier(qwen3):
         generate(qwen3, fused_mlp=False, bulk_down=True)
 
 
+def test_early_down_issues_the_bulk_copies_at_attentions_barrier(qwen3):
+    """The same call, once per layer, at the barrier after the QKV projection and no longer before the MLP's:
+    ``arrival`` right after the arrival (ahead of the K/V prefetch and the W_O block), ``wait`` right after the
+    wait (before attention's calls); everything else as bulk_down."""
+    bulk = _kernel(generate(qwen3, bulk_down=True).source)
+    early = _kernel(generate(qwen3, bulk_down=True, early_down="arrival").source)
+    call = "bodies.mlp_down_bulk(\n"
+    assert bulk.count(call) == early.count(call) == 1
+    attention = early.split("# ---- stage 2: attention", 1)[0].rsplit("bodies.grid_arrive(", 1)[1]
+    assert attention.split("\n", 1)[1].lstrip().startswith(call.strip())
+    assert attention.index(call) < attention.index("bodies.fused_o_load(") < attention.index("bodies.grid_wait(")
+    mlp = early.split("# ---- stage 3: o_residual", 1)[1].split("# ---- stage 4", 1)[0]
+    assert call not in mlp and call in bulk.split("# ---- stage 3: o_residual", 1)[1].split("# ---- stage 4", 1)[0]
+    moved = bulk.split(call, 1)[1].split(")\n", 1)[0]
+    assert early.split(call, 1)[1].split(")\n", 1)[0] == moved  # the same copies of the same layer
+    with pytest.raises(ValueError, match=r"early_down issues a bulk_down build's W_down copies at attention's "
+                                         r"barrier, but this build is not bulk_down: build without it"):
+        generate(qwen3, bulk_down=False, early_down="arrival")
+    with pytest.raises(ValueError, match=r"early_down=True: use one of \(None, 'arrival', 'wait'\)"):
+        generate(qwen3, early_down=True)
+    waits = _kernel(generate(qwen3, early_down="wait").source)
+    assert waits.count(call) == 1 and call not in waits.split("# ---- stage 3: o_residual", 1)[1]
+    after_wait = waits.split("# ---- stage 2: attention", 1)[0].rsplit("bodies.grid_wait(", 1)[1]
+    assert after_wait.split("\n", 1)[1].lstrip().startswith(call.strip())
+
+
 @pytest.mark.parametrize("preset,capacity,copy_bytes", [("smollm-135m", 2048, 3456), ("qwen2.5-0.5b", 4096, 3584),
                                                          ("qwen3-0.6b", 4096, 4096)])
 def test_bulk_copies_tile_each_ctas_columns_in_16_byte_multiples(preset, capacity, copy_bytes):
@@ -143,8 +169,10 @@ def test_block_columns_puts_each_ctas_columns_in_one_contiguous_run():
 
 @pytest.mark.parametrize("preset,capacity", [("qwen3-0.6b", 4096), ("qwen2.5-0.5b", 4096)])
 def test_a_bulk_down_build_compiles_for_sm90a(preset, capacity, tmp_path):
-    """Qwen2.5-0.5B's columns are 76 bytes a row (cp.async of 4 bytes); packed, they are bulk copies too."""
-    ptx = _compiled_ptx(preset, capacity, tmp_path, fused_mlp=True, bulk_down=True)
+    """Qwen2.5-0.5B's columns are 76 bytes a row (cp.async of 4 bytes); packed, they are bulk copies too. Qwen3-0.6B
+    with early_down="wait"."""
+    early = "wait" if preset == "qwen3-0.6b" else None
+    ptx = _compiled_ptx(preset, capacity, tmp_path, fused_mlp=True, bulk_down=True, early_down=early)
     assert "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in ptx
     assert "mbarrier.try_wait.parity" in ptx and "mbarrier.arrive.expect_tx" in ptx
 

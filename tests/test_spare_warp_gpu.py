@@ -37,13 +37,17 @@ def test_spare_builds_give_the_default_bits(preset, capacity):
 def test_bulk_down_gives_the_fused_mlp_bits(preset, capacity):
     """``bulk_down`` puts the same W_down bytes in shared memory as ``bodies.mlp_down_load`` (from the runtime's
     packed ``w_down_cta``), so the fused_mlp build's logits come out bit for bit (Qwen2.5-0.5B: fused_mlp forced on,
-    its columns are 76 bytes a row); with the spare options on top too. A copy read before its mbarrier phase
+    its columns are 76 bytes a row); with the spare options on top too, and issued at attention's barrier (early_down,
+session 49), where the copy of layer L overwrites s_down one interval after layer L - 1 read it. A copy read
+before its mbarrier phase
     completed, or a phase parity off by one layer, would move them."""
     compiled = _compiled(preset, capacity)
     fused, split = _fused_and_split_positions(compiled, capacity)
     positions = split + fused
     base = {"mma_attention": None, "fused_mlp": True, "bulk_down": False, "spare_loads": False, "spare_ring": False}
-    builds = [base, {**base, "bulk_down": True}, {**base, "bulk_down": True, "spare_loads": True, "spare_ring": True}]
+    builds = [base, {**base, "bulk_down": True}, {**base, "bulk_down": True, "spare_loads": True, "spare_ring": True},
+              {**base, "bulk_down": True, "early_down": "arrival"},  # early_down: the copies land during attention
+              {**base, "bulk_down": True, "early_down": "wait"}]
     logits = _logits_over_random_cache(compiled, positions, 1, builds)
     assert torch.isfinite(logits[0]).all()
     for build, result in zip(builds[1:], logits[1:]):

@@ -256,6 +256,11 @@ _BEFORE_ARRIVAL = ("bodies.attention_preload(",)
 PREFETCH_BUDGET_BYTES = 16 << 20
 
 
+# where a bulk_down build's W_down copies go instead of the MLP's barrier (codegen.generate's early_down): right after
+# the arrival before attention, or right after that barrier's wait (at the start of attention's interval)
+EARLY_DOWN_MODES = (None, "arrival", "wait")
+
+
 @dataclass(frozen=True)
 class BuildOptions:
     """Code-generation choices that change module.py but not the plan (same buffers, same plan hash): the grid
@@ -290,6 +295,7 @@ class BuildOptions:
     fused_split: bool = False  # fused_o: split steps' O projection in attention's interval too (split_o_block)
     spare_ring: bool = False  # warp 0 fills its ring after a barrier's wait, not ahead of it (_spare_ring_calls)
     bulk_down: bool = False  # fused_mlp: W_down columns by cp.async.bulk from the packed w_down_cta
+    early_down: str | None = None  # bulk_down: those copies at attention's barrier ("arrival" / "wait"), not the MLP's
 
 
 # A KV group's outputs (query heads per KV head x head_dim) from which the spread merge is the default: on the H200
@@ -434,7 +440,8 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
              mma_schedule: bool = False, fused_o: bool | None = None, fused_kv_smem: bool = False,
              fused_mma: bool | None = None, mma_wide: bool | None = None,
              fused_mlp: bool | None = None, fused_split: bool | None = None, spare_loads: bool | None = None,
-             spare_ring: bool | None = None, bulk_down: bool | None = None) -> GeneratedModule:
+             spare_ring: bool | None = None, bulk_down: bool | None = None,
+             early_down: str | None = None) -> GeneratedModule:
     """module.py of ``plan``. ``merge_preload`` / ``spread_merge``: None picks them per plan
     (:func:`default_merge`); True asks for one (refused where the attention scratch cannot hold it), False
     leaves it out (both False: the plain last-arrival merge of sessions 10-16). ``head_slices=False`` deals
@@ -489,19 +496,24 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     ``o_part``), so every step has one grid barrier less per layer; refused where
     :func:`megabake.codegen.fused.fused_split_refusal` names a reason; None: on where fused_o is, fused_kv_smem is
     off and the ``fused_split`` feature is enabled (in ``GPU_VERIFIED_FEATURES``).
-    ``spare_loads`` / ``spare_ring`` (session 48 candidates; None: on where they apply when the ``spare_warp``
-    feature is enabled, ``MEGABAKE_EXPERIMENTAL_LAYOUTS=spare_warp`` until the whole GPU suite passes with it;
+    ``spare_loads`` / ``spare_ring`` (session 48; None: on where they apply, since session 49, when the whole GPU
+    suite passed with them on, on an H100: the ``spare_warp`` feature is in ``GPU_VERIFIED_FEATURES``;
     bit-identical logits, H100 GPU ms -1% to -3%: docs/PERF.md "Session 48") keep warp 0, whose thread 0 polls the
     grid barrier, free of copies in flight while it polls (``scripts/gpu_copy_probe.py``: a barrier releases
     0.5-1.0 us sooner when the polling warp issued none): ``spare_loads`` leaves a fused build's CTA-wide
     pre-barrier copies (``bodies.fused_o_load``, ``bodies.mlp_down_load``) to threads 32.. (it needs ``fused_o``);
     ``spare_ring`` moves warp 0's own ring prefills from ahead of each wait to right after it (the other warps'
-    stay ahead: :func:`_spare_ring_calls`). ``bulk_down`` (session 48 candidate; it needs ``fused_mlp``; None: on
-    where fused_mlp is when the ``bulk_down`` feature is enabled, as ``spare_warp``) copies each CTA's W_down
+    stay ahead: :func:`_spare_ring_calls`). ``bulk_down`` (session 48; it needs ``fused_mlp``; None: on where
+    fused_mlp is, since session 49, as ``spare_warp``) copies each CTA's W_down
     columns from a packed copy of W_down (``w_down_cta``, each CTA's columns contiguous, which the runtime derives
     from ``w_down``: ``DERIVED_BUFFERS``) by a few ``cp.async.bulk``
     of warp 0 completing on an mbarrier (``bodies.mlp_down_bulk``), instead of ``bodies.mlp_down_load``'s cp.async
-    of every row's slice: the same bytes in shared memory, so the same logits bit for bit."""
+    of every row's slice: the same bytes in shared memory, so the same logits bit for bit. ``early_down`` (session
+    49 candidate, off by default; it needs ``bulk_down``; one of ``EARLY_DOWN_MODES``) issues those bulk copies at
+    the barrier before attention instead of the one before the MLP (``s_down`` is free once the layer before has
+    run its down projection), right after its arrival (``"arrival"``) or its wait (``"wait"``), so they land while
+    attention, which leaves DRAM mostly idle at short contexts, runs: the same bytes, the same bits (H100 GPU ms
+    within about 1% on SmolLM-135M and Qwen3-0.6B: docs/PERF.md "Session 49")."""
     if watchdog and timeline:
         raise ValueError("a watchdog build has no timeline: build them separately")
     if barrier is not None and barrier not in BARRIER_ARRIVALS:
@@ -594,6 +606,11 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     if bulk_down and not fused_mlp:
         raise ValueError("bulk_down copies a fused_mlp build's W_down columns by cp.async.bulk, but this build is not "
                          "fused_mlp: build without it")
+    if early_down not in EARLY_DOWN_MODES:
+        raise ValueError(f"early_down={early_down!r}: use one of {EARLY_DOWN_MODES}")
+    if early_down and not bulk_down:
+        raise ValueError("early_down issues a bulk_down build's W_down copies at attention's barrier, but this build "
+                         "is not bulk_down: build without it")
     if fused_split is None:
         fused_split = bool(fused_o) and not fused_kv_smem and feature_enabled("fused_split")
     if fused_split:
@@ -625,7 +642,7 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
                            arrival=SPLIT_ARRIVAL if barrier == "split" else None, mma_attention=mma_attention,
                            mma_schedule=mma_schedule, fused_o=fused_o, fused_kv_smem=fused_kv_smem,
                            mma_wide=mma_wide, fused_mlp=fused_mlp, fused_split=fused_split, spare_ring=spare_ring,
-                           bulk_down=bulk_down)
+                           bulk_down=bulk_down, early_down=early_down)
     labels = timeline_labels(plan, phases, options) if timeline else []
     if every_cta:
         w(f"TIMELINE_STRIDE = {1 + len(labels)}  "
@@ -923,6 +940,8 @@ def _stage(w: _Writer, plan: Plan, stage: Stage, indent: int, layer_var, clocks:
         if before or loads_fused_o:  # _prefetch_phase
             clock()
         _write_wait(w, options, indent, after)
+        if loads_fused_o and options.early_down == "wait":
+            w(_MLP_DOWN_BULK + "  # early_down: the copies land during attention", indent)
         clock()
     w.end()
 
@@ -984,7 +1003,12 @@ def _ends_at_a_barrier(stage: Stage, options: BuildOptions) -> bool:
 def _stage_before_calls(plan: Plan, stage: Stage, options: BuildOptions) -> list[str]:
     before = _before_barrier_calls(plan, stage, options.kv_prefetch, options.kv_prefetch_l1, options.prefetch_bytes,
                                    options.kv_prefetch_rows, options.mma_schedule)
-    return _fused_mlp_before(before, options.bulk_down) if options.fused_mlp else before
+    if not options.fused_mlp:
+        return before
+    before = _fused_mlp_before(before, options.bulk_down, options.early_down)
+    if options.early_down == "arrival" and _loads_fused_o(plan, stage, options):
+        return [_MLP_DOWN_BULK] + before  # first after the arrival: the copies have all of attention to land
+    return before
 
 
 def _loads_fused_o(plan: Plan, stage: Stage, options: BuildOptions) -> bool:
@@ -1203,11 +1227,15 @@ _BULK_DOWN_DECLARATIONS = [
 _MLP_UP_ROWS = "cute.local_tile(w_gate_up[layer, None, None], (2 * MLP_PER_CTA, HIDDEN), (mchunk, 0))"
 
 
-def _fused_mlp_before(calls: list[str], bulk_down: bool = False) -> list[str]:
+_MLP_DOWN_BULK = ("bodies.mlp_down_bulk(w_down_cta[layer, mchunk, None], s_down, s_down_bar, cta, tidx, MLP_CHUNKS, "
+                  "MLP_PER_CTA, HIDDEN, MLP_BULK_BYTES)")
+
+
+def _fused_mlp_before(calls: list[str], bulk_down: bool = False, early_down: bool = False) -> list[str]:
     """The calls before the barrier that precedes a ``fused_mlp`` layer's MLP: the gate/up ring is filled with this
     CTA's own row pairs, and its W_down columns are copied into ``s_down`` (``bulk_down``: from the packed
-    ``w_down_cta`` by cp.async.bulk; the L2 prefetch of the grid-wide dealing, which asks for nothing at the default
-    budget, is left out)."""
+    ``w_down_cta`` by cp.async.bulk; ``early_down``: not here, at attention's barrier, :func:`_stage_before_calls`;
+    the L2 prefetch of the grid-wide dealing, which asks for nothing at the default budget, is left out)."""
     out = []
     for call in calls:
         if call.startswith("bodies.prefetch_rows(w_gate_up["):
@@ -1216,10 +1244,10 @@ def _fused_mlp_before(calls: list[str], bulk_down: bool = False) -> list[str]:
             tail = call.split("TOTAL_WARPS, ", 1)[1].split(", ", 2)[2]  # per_tile, unroll, stages)
             out.append(f"bodies.gemv_ring_prefill({_MLP_UP_ROWS}, {_RING}, mwarp, lane, 1, WARPS, 2 * MLP_PER_CTA, "
                        f"HIDDEN, {tail}")
-            out.append("bodies.mlp_down_bulk(w_down_cta[layer, mchunk, None], s_down, s_down_bar, cta, tidx, "
-                       "MLP_CHUNKS, MLP_PER_CTA, HIDDEN, MLP_BULK_BYTES)" if bulk_down else
-                       "bodies.mlp_down_load(w_down[layer, None, None], s_down, cta, tidx, MLP_CHUNKS, MLP_PER_CTA, "
-                       "HIDDEN, MLP_LOAD_BITS, THREADS, COPY_SKIP)")
+            if not early_down:
+                out.append(_MLP_DOWN_BULK if bulk_down else
+                           "bodies.mlp_down_load(w_down[layer, None, None], s_down, cta, tidx, MLP_CHUNKS, "
+                           "MLP_PER_CTA, HIDDEN, MLP_LOAD_BITS, THREADS, COPY_SKIP)")
             continue
         out.append(call)
     return out
