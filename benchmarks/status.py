@@ -61,9 +61,10 @@ SCORED_GPU = "h200"  # issue 12's criteria are H200 numbers
 # docs/PERF.md): 33 put split-KV items of 2-8 query heads of 64 / 128 dims on the tensor cores (GQA presets), 36
 # fused attention and the O projection at batch 1's short contexts (those presets, ~16 only), 42 the same
 # tensor-core items for heads of 256 dims (Gemma, mma_wide), 45 fused_split and fused_mlp at batch 1 (those
-# presets, every context); a failing row measured before the change that applies to it is stale, and "Re-bench
-# first" lists it (:func:`default_since`)
-KV_PREFETCH_CAPPED, MMA_ATTENTION, MMA_WIDE, FUSED_SPLIT = 29, 33, 42, 45
+# presets, every context), 49 spare_warp and bulk_down (warp 0's ring fills after each wait: every preset's batch-1
+# build fills rings, batch 4 / 8 builds do not); a failing row measured before the change that applies to it is
+# stale, and "Re-bench first" lists it (:func:`default_since`)
+KV_PREFETCH_CAPPED, MMA_ATTENTION, MMA_WIDE, SPARE_WARP = 29, 33, 42, 49
 
 
 @dataclass(frozen=True)
@@ -354,20 +355,21 @@ def host_line(best: dict) -> str:
 
 
 def default_since(config, batch: int, cls: str | None) -> int:
-    """The session since which a (preset, batch, position class) cell runs the default kernel of today: 45 at batch
-    1 (fused_split at every context, fused_mlp where it applies) and 33 at other batches where the model's KV groups
-    are 2-8 query heads of 64 or 128 dims (what the tensor-core attention and the fused steps take,
-    ``plan.attention.mma_attention_fits``; the fused steps have other conditions too, so this can call a row stale
-    that session 45 did not change), 42 where they are 2-8 query heads of 256
-    dims (Gemma: ``mma_wide``; every position class, though short contexts may deal one-head slices that it does
-    not change, so this too can call a row stale that did not change), else 29."""
+    """The session since which a (preset, batch, position class) cell runs the default kernel of today: 49 at batch
+    1 (spare_warp on every preset's ring fills, bulk_down where fused_mlp applies); at batches 4 / 8, 33 where the
+    model's KV groups are 2-8 query heads of 64 or 128 dims (the tensor-core attention,
+    ``plan.attention.mma_attention_fits``), 42 where they are 2-8 query heads of 256 dims (Gemma: ``mma_wide``;
+    every position class, though short contexts may deal one-head slices that it does not change, so this can
+    call a row stale that did not change), else 29."""
     head_dim = _head_dim(config)
     group = config.num_attention_heads // config.num_key_value_heads
+    if batch == 1:
+        return SPARE_WARP
     if 2 <= group <= 8 and head_dim == 256:
         return MMA_WIDE
     if not (2 <= group <= 8 and head_dim in (64, 128)):
         return KV_PREFETCH_CAPPED
-    return FUSED_SPLIT if batch == 1 else MMA_ATTENTION
+    return MMA_ATTENTION
 
 
 def _stale(cells: list[Cell], config) -> bool:
@@ -503,7 +505,7 @@ def render(cells: list[Cell], presets: list[str], config_of=preset_config) -> st
              "same run; K/V bytes count sliding windows.", "", *growth_table(growths),
              "", "## Short-context GPU time", "", *short_target_table(best), "", batch8_line(cells, best), "",
              host_line(best), "", "## Re-bench first", "",
-             f"Rows that fail a criterion on cells measured before today's default kernel (session {FUSED_SPLIT} at "
+             f"Rows that fail a criterion on cells measured before today's default kernel (session {SPARE_WARP} at "
              f"batch 1, {MMA_ATTENTION} at other batches for KV groups of 2-8 heads of 64 / 128 dims, {MMA_WIDE} for "
              f"groups of 2-8 heads of 256, else {KV_PREFETCH_CAPPED}):", ""]
     parts.extend(rebench_lines(best, growths, config_of)

@@ -191,11 +191,12 @@ def test_rebench_first_lists_failing_rows_measured_before_todays_default(status,
     assert "- old batch 8: growth (s30), before session 33's default" in rebench
     assert '--positions 16 1000 4000 --batches 8' in rebench and '"$OUT" old`' in rebench
     assert "- new batch" not in rebench
-    assert status.default_since(GQA, 1, "~16") == 45 and status.default_since(GQA, 1, "~4000") == 45  # fused_split
+    assert status.default_since(GQA, 1, "~16") == 49 and status.default_since(GQA, 1, "~4000") == 49  # spare_warp
     assert status.default_since(GQA, 4, "~16") == 33
     assert status.default_since(TINY, 8, "~4000") == 29  # 2 query heads of 4 dims: no tensor-core attention
     gemma = status.preset_config("gemma-2b")  # 8 query heads of 256 per KV head: mma_wide since session 42
-    assert [status.default_since(gemma, 1, cls) for cls in ("~16", "~1000", "~4000")] == [42, 42, 42]
+    assert [status.default_since(gemma, 1, cls) for cls in ("~16", "~1000", "~4000")] == [49, 49, 49]  # spare_ring
+    assert [status.default_since(gemma, 8, cls) for cls in ("~16", "~1000", "~4000")] == [42, 42, 42]
 
 
 # a 16384-wide residual stream: eight bf16 rows of it (256 KiB) never fit a CTA's shared memory, four do
