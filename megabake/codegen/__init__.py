@@ -941,7 +941,7 @@ def _stage(w: _Writer, plan: Plan, stage: Stage, indent: int, layer_var, clocks:
             clock()
         _write_wait(w, options, indent, after)
         if loads_fused_o and options.early_down == "wait":
-            w(_MLP_DOWN_BULK + "  # early_down: the copies land during attention", indent)
+            w(_MLP_DOWN_BULK, indent)  # early_down: the copies land during attention
         clock()
     w.end()
 
@@ -1231,7 +1231,7 @@ _MLP_DOWN_BULK = ("bodies.mlp_down_bulk(w_down_cta[layer, mchunk, None], s_down,
                   "MLP_PER_CTA, HIDDEN, MLP_BULK_BYTES)")
 
 
-def _fused_mlp_before(calls: list[str], bulk_down: bool = False, early_down: bool = False) -> list[str]:
+def _fused_mlp_before(calls: list[str], bulk_down: bool = False, early_down: str | None = None) -> list[str]:
     """The calls before the barrier that precedes a ``fused_mlp`` layer's MLP: the gate/up ring is filled with this
     CTA's own row pairs, and its W_down columns are copied into ``s_down`` (``bulk_down``: from the packed
     ``w_down_cta`` by cp.async.bulk; ``early_down``: not here, at attention's barrier, :func:`_stage_before_calls`;
