@@ -97,6 +97,10 @@
 #          do; cp.async 16/4 B against cp.async.bulk; the grid barrier's arrival after or before them, warp 0 copying
 #          or not: issue, arrival, release and landing times; PROBE_ARGS replaces the sizes and kinds, e.g.
 #          "--kb 48 --kinds none cp16row bulkrow --modes chase split") -> OUT/copy-probe.log, OUT/copy-probe.json
+#   stream-probe: scripts/gpu_stream_probe.py (a model's short-context schedule with a loader warp per SM streaming
+#          the weights across grid barriers; session 50) on Qwen3-0.6B, Qwen2.5-0.5B, Llama-3.2-1B and SmolLM-135M:
+#          today's fill after each barrier (interval) against streaming ahead with 1 / 2 tiles in flight; STREAM_ARGS
+#          replaces presets and options -> OUT/stream-probe*.log, OUT/stream-probe*.json (~2 min)
 #   tests-parallel: the same tests as tests1-3, the fused_o build's (tests/test_fused_o_gpu.py),
 #          tests/test_global_down_gpu.py, tests/test_mma_wide_gpu.py, tests/test_fused_mlp_gpu.py and
 #          tests/test_fused_split_gpu.py at once, as
@@ -244,6 +248,18 @@ if [[ " $PARTS " == *" copy-probe "* ]]; then
   timeout 240 python3 scripts/gpu_copy_probe.py ${PROBE_ARGS:---kb 48 128 --kinds cp16 cp4 bulk} --out "$OUT" \
     >"$OUT/copy-probe.log" 2>&1
   summary+=("copy-probe: rc=$?" "$(grep -E '^(\||NVIDIA)' "$OUT/copy-probe.log")")
+fi
+if [[ " $PARTS " == *" stream-probe "* ]]; then
+  # the loader-warp design measured outside the megakernel (session 50): what streaming weights across barriers buys
+  probe_args=(${STREAM_ARGS:-qwen3-0.6b qwen2.5-0.5b llama-3.2-1b smollm-135m --spin-ns 2000 --slots 12})
+  for inflight in 0 1 2; do
+    modes=(stream)
+    [[ $inflight == 0 ]] && modes=(interval stream relaxed copy)
+    timeout 150 python3 scripts/gpu_stream_probe.py "${probe_args[@]}" --modes "${modes[@]}" --inflight "$inflight" \
+      --out "$OUT/stream-probe-inflight$inflight" >"$OUT/stream-probe-inflight$inflight.log" 2>&1
+    summary+=("stream-probe (in flight: $inflight, 0 = unbounded): rc=$?"
+              "$(grep -E '^\| [a-z]' "$OUT/stream-probe-inflight$inflight.log" | grep -v ' / .* / .* / .* |')")
+  done
 fi
 if [[ " $PARTS " == *" tests1 "* ]]; then
   run_tests "${TESTS1[@]}"
