@@ -37,6 +37,13 @@ barrier of the consumer warps, thread 0's ``red.release`` arrival and acquire po
 * ``bulk-l2``: ``l2ahead`` with one ``cp.async.bulk.prefetch.L2`` of the whole tile by lane 0 (inline PTX: the DSL
   has no op for it) instead of a ``prefetch.global.L2`` per line.
 
+``--inflight D`` bounds the loader (any mode): it waits for tile t - D to land before it asks for tile t.
+
+What it found (session 50, H100; benchmarks/results/2026-12-06-h100-session50): thread 0's ``red.release.gpu`` waits
+for the SM's own copies in flight (0.4 us with none, 1.3-2.8 us streaming ahead, 0.02 us relaxed), so unbounded
+run-ahead gives most of its overlap back; with two tiles in flight the Qwen3-0.6B / Qwen2.5-0.5B schedules run
+11-14% under ``interval`` (today's kernel), Llama-3.2-1B 6%, SmolLM-135M not at all (its step is its barriers).
+
 Thread 0 of CTA 0 reads ``%globaltimer`` after every grid barrier and, in each interval, once the vector is staged,
 once the tiles are reduced and once it has arrived at the grid barrier (``PHASES``), so the table also gives the
 mean interval by kind and where it goes. GPU ms per step are CUDA-event medians of ``--launches`` launches (each
