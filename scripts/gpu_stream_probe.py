@@ -34,8 +34,8 @@ barrier of the consumer warps, thread 0's ``red.release`` arrival and acquire po
 * ``l2ahead``: ``interval`` (nothing copied into shared memory in flight when thread 0 arrives), while the loader
   warp's lanes also prefetch the tile ``ahead`` tiles past the one they copy into the L2 (``prefetch.global.L2``,
   ungated: DRAM streams during the waits, the copies after the barrier read the L2).
-* ``bulk-l2``: ``l2ahead`` with one ``cp.async.bulk.prefetch.L2`` of the whole tile by lane 0 (inline PTX: the DSL
-  has no op for it) instead of a ``prefetch.global.L2`` per line.
+* ``bulk-l2``: ``stream`` (not gated: this is how session 50 measured it) while lane 0 also prefetches the tile
+  ``ahead`` tiles on into the L2 with one ``cp.async.bulk.prefetch.L2`` (inline PTX: the DSL has no op for it).
 
 ``--inflight D`` bounds the loader (any mode): it waits for tile t - D to land before it asks for tile t.
 
@@ -173,7 +173,7 @@ def build(intervals: int, total_tiles: int, slots: int = 12, mode: str = "stream
         n_intervals = intervals
         if warp == CONSUMER_WARPS and streams:
             # the loader: lane 0 streams the CTA's tiles into the ring, interval after interval (l2ahead: every
-            # lane also prefetches the tile ``ahead`` tiles on into the L2, past the gate)
+            # lane also prefetches the tile ``ahead`` tiles on into the L2, past the gate; bulk-l2: lane 0, ungated)
             atom = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), src.element_type, num_bits_per_copy=COPY_BYTES * 8)
             flat = cute.make_tensor(s_ring.iterator, cute.make_layout(slots * SLOT_BYTES // 2))
             if cutlass.const_expr(l2_ahead):
