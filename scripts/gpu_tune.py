@@ -260,7 +260,15 @@ BUILDS = {"default": {}, "atom": {"barrier": "atom"}, "red": {"barrier": "red"},
           # the L2 prefetch of the next GEMV's first tiles before each barrier at one budget for every stage (the
           # default since session 26: none before a ring-prefilled GEMV, 16 MB elsewhere; pf16mb: the old default)
           "pf0": {"prefetch_bytes": 0}, "pf8mb": {"prefetch_bytes": 8 << 20}, "pf16mb": {"prefetch_bytes": 16 << 20},
-          "pf32mb": {"prefetch_bytes": 32 << 20}, "pf48mb": {"prefetch_bytes": 48 << 20}}
+          "pf32mb": {"prefetch_bytes": 32 << 20}, "pf48mb": {"prefetch_bytes": 48 << 20},
+          # a ninth warp per CTA streams every weight in consumption order across grid barriers (session 51
+          # candidate, codegen.loader; on the fused default, with fused_mlp forced on): at most 2 units of 16 KB in
+          # flight per CTA (loader-warp), 1, or as many as the ring holds (loader-warp-ring)
+          "loader-warp": {"fused_o": True, "fused_mlp": True, "bulk_down": True, "loader_warp": True},
+          "loader-warp-1": {"fused_o": True, "fused_mlp": True, "bulk_down": True, "loader_warp": True,
+                            "loader_inflight": 1},
+          "loader-warp-ring": {"fused_o": True, "fused_mlp": True, "bulk_down": True, "loader_warp": True,
+                               "loader_inflight": 0}}
 
 
 def stepped_timeline_decoder(plan, model, tokens, timeline, build: str = "default", position: int | None = None):

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import ast
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..plan import (ATTN_COUNT, ATTN_PART, ATTN_WINDOW, DOWN_INPUT, HEAD_NORMS, ROPE_TABLE, STAGE_BIAS, Plan,
@@ -50,6 +50,7 @@ from ..plan.stages import (ACTIVATIONS, DIMENSION_CONSTANTS, GATED_ACT_CODES, St
                            spec_of)
 from .fused import (FUSED_O_BUFFERS, FUSED_SPLIT_BUFFERS, fused_geometry, fused_kv_refusal, fused_o_refusal,
                     fused_split_refusal)
+from .loader import DEFAULT_INFLIGHT, LoaderGeometry, loader_geometry, loader_refusal
 from .fused_mlp import (ACC_PAD, BULK_DOWN_BUFFERS, FUSED_MLP_BUFFERS, bulk_copy_bytes, default_fused_mlp,
                         fused_mlp_refusal, mlp_geometry, mlp_smem_bytes)
 
@@ -93,8 +94,10 @@ class _Writer:
         self.entries: list[dict] = []
         self._open: list[tuple[int, dict]] = []
         self._parameters = body_parameters() if keyword_calls else None
+        self.base = 0  # levels added to every indent (a loader_warp build's consumer program: under an if)
 
     def __call__(self, text: str = "", indent: int = 0):
+        indent += self.base
         for line in text.splitlines() or [""]:
             line = ("    " * indent + line) if line else ""
             if self._parameters is not None and line.lstrip().startswith("bodies."):
@@ -293,6 +296,7 @@ class BuildOptions:
     fused_kv_smem: bool = False  # ... scoring their cached K/V rows from shared memory (codegen.fused)
     fused_mlp: bool = False  # a layer's gate/up and down GEMVs in one interval (codegen.fused_mlp)
     fused_split: bool = False  # fused_o: split steps' O projection in attention's interval too (split_o_block)
+    loader: LoaderGeometry | None = None  # loader_warp: warp WARPS streams the weights (codegen.loader)
     spare_ring: bool = False  # warp 0 fills its ring after a barrier's wait, not ahead of it (_spare_ring_calls)
     bulk_down: bool = False  # fused_mlp: W_down columns by cp.async.bulk from the packed w_down_cta
     early_down: str | None = None  # bulk_down: those copies at attention's barrier ("arrival" / "wait"), not the MLP's
@@ -441,7 +445,8 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
              fused_mma: bool | None = None, mma_wide: bool | None = None,
              fused_mlp: bool | None = None, fused_split: bool | None = None, spare_loads: bool | None = None,
              spare_ring: bool | None = None, bulk_down: bool | None = None,
-             early_down: str | None = None) -> GeneratedModule:
+             early_down: str | None = None, loader_warp: bool = False,
+             loader_inflight: int = DEFAULT_INFLIGHT) -> GeneratedModule:
     """module.py of ``plan``. ``merge_preload`` / ``spread_merge``: None picks them per plan
     (:func:`default_merge`); True asks for one (refused where the attention scratch cannot hold it), False
     leaves it out (both False: the plain last-arrival merge of sessions 10-16). ``head_slices=False`` deals
@@ -513,7 +518,13 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     the barrier before attention instead of the one before the MLP (``s_down`` is free once the layer before has
     run its down projection), right after its arrival (``"arrival"``) or its wait (``"wait"``), so they land while
     attention, which leaves DRAM mostly idle at short contexts, runs: the same bytes, the same bits (H100 GPU ms
-    within about 1% on SmolLM-135M and Qwen3-0.6B: docs/PERF.md "Session 49")."""
+    within about 1% on SmolLM-135M and Qwen3-0.6B: docs/PERF.md "Session 49"). ``loader_warp`` (session 51
+    candidate, off by default; :mod:`megabake.codegen.loader`) adds a ninth warp per CTA that streams the weights of
+    the QKV, gate/up and LM head GEMVs through a ring of 16 KB slots, and the W_O block and W_down columns into
+    buffers of their own, in consumption order and across grid barriers, with at most ``loader_inflight`` units of
+    the layers' streams in flight (``bodies/loader.py``); the consumer warps meet at named barrier 1. It needs the
+    fused default (fused_o, fused_split, fused_mlp, bulk_down) and a self-contained module; the same bits as that
+    build; refused where :func:`megabake.codegen.loader.loader_refusal` names a reason."""
     if watchdog and timeline:
         raise ValueError("a watchdog build has no timeline: build them separately")
     if barrier is not None and barrier not in BARRIER_ARRIVALS:
@@ -594,10 +605,13 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
         if why:
             raise ValueError(f"fused_mlp runs the gate/up and down projections in one interval, but {why}: build "
                              "without it")
+    if loader_warp and (spare_loads or spare_ring):
+        raise ValueError("spare_loads / spare_ring move the consumers' copies, and a loader_warp build has none: "
+                         "build without them")
     if spare_loads is None:
-        spare_loads = bool(fused_o) and feature_enabled("spare_warp")
+        spare_loads = bool(fused_o) and feature_enabled("spare_warp") and not loader_warp
     if spare_ring is None:
-        spare_ring = feature_enabled("spare_warp")
+        spare_ring = feature_enabled("spare_warp") and not loader_warp
     if bulk_down is None:
         bulk_down = bool(fused_mlp) and feature_enabled("bulk_down")
     if spare_loads and not fused_o:
@@ -618,6 +632,10 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
         if why:
             raise ValueError(f"fused_split runs every step's O projection in attention's interval, but {why}: build "
                              "without it")
+    loader = _checked_loader(plan, loader_warp, loader_inflight, self_contained, bool(timeline), watchdog,
+                             fused_o=bool(fused_o), fused_split=bool(fused_split), fused_mlp=bool(fused_mlp),
+                             bulk_down=bool(bulk_down), fused_kv_smem=fused_kv_smem, early_down=early_down,
+                             barrier=barrier)
     arguments = (kernel_arguments(plan) + (list(FUSED_O_BUFFERS) if fused_o else [])
                  + (list(FUSED_MLP_BUFFERS) if fused_mlp else []) + (list(FUSED_SPLIT_BUFFERS) if fused_split else [])
                  + (list(BULK_DOWN_BUFFERS) if bulk_down else []))
@@ -625,7 +643,7 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     w = _Writer(keyword_calls=True)
     _header(w, plan, plan_hash, arguments, self_contained, head_slices, long_slices, pass_chunks,
             kv_pipeline, folded, mma_attention, mma_slices, fused_o, fused_kv_smem, fused_mma, mma_wide,
-            fused_mlp, fused_split, spare_loads, bulk_down)
+            fused_mlp, fused_split, spare_loads, bulk_down, loader)
     prologue = [s for s in plan.stages if s.scope == "prologue"]
     per_layer = [s for s in plan.stages if s.scope == "layer"]
     epilogue = [s for s in plan.stages if s.scope == "epilogue"]
@@ -642,7 +660,7 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
                            arrival=SPLIT_ARRIVAL if barrier == "split" else None, mma_attention=mma_attention,
                            mma_schedule=mma_schedule, fused_o=fused_o, fused_kv_smem=fused_kv_smem,
                            mma_wide=mma_wide, fused_mlp=fused_mlp, fused_split=fused_split, spare_ring=spare_ring,
-                           bulk_down=bulk_down, early_down=early_down)
+                           bulk_down=bulk_down, early_down=early_down, loader=loader)
     labels = timeline_labels(plan, phases, options) if timeline else []
     if every_cta:
         w(f"TIMELINE_STRIDE = {1 + len(labels)}  "
@@ -686,7 +704,7 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
         w("# where the split tensor-core GEMV's partial sums meet: [warp, sequence, row of the 8-row tile]", 1)
         w("s_part = smem.allocate_tensor(Float32, cute.make_layout((WARPS, 8, 8), stride=(64, 8, 1)), "
           "byte_alignment=16)", 1)
-    if _ring_stages(plan)[0]:
+    if _ring_stages(plan)[0] and not loader:
         w("# per-warp cp.async rings of the streamed GEMV stages", 1)
         w("s_ring = smem.allocate_tensor(", 1)
         w("w_qkv.element_type,", 2)
@@ -695,6 +713,9 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
         w("byte_alignment=16)", 2)
     if fused_mlp:
         for line in _FUSED_MLP_DECLARATIONS + (_BULK_DOWN_DECLARATIONS if bulk_down else []):
+            w(line, 1)
+    if loader:
+        for line in _LOADER_DECLARATIONS:
             w(line, 1)
     for line in _preload_registers(plan):
         w(line, 1)
@@ -705,6 +726,9 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
         w("bar_next = cute.make_rmem_tensor(cute.make_layout(1), cutlass.Int64)  # next grid-barrier target", 1)
         w("bar_next[0] = cutlass.Int64(0)  # 0: the launch's first barrier asks the counter", 1)
     w("pos = position[0]", 1)
+    if loader:
+        w("if tidx < THREADS:  # the consumer warps (warp WARPS is the loader: the else branch at the end)", 1)
+        w.base = 1
     _timeline_store(w, 1, bool(timeline), "1", every_cta)
     if phases:
         _phase_timed_stages(w, plan, prologue, per_layer, epilogue, options)
@@ -724,7 +748,11 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
         for e, stage in enumerate(epilogue):
             _stage(w, plan, stage, 1, layer_var=None, options=options)
             _timeline_store(w, 1, timeline, str(2 + len(prologue) + len(clocked) * plan.dims.layers + e))
-    copies = w.text.count("bodies.mlp_down_bulk(" if bulk_down else "bodies.mlp_down_load(")
+    if loader:
+        w.base = 0
+        _write_loader_program(w, plan, loader)
+    copies = w.text.count("bodies.loader_down(" if loader else
+                          "bodies.mlp_down_bulk(" if bulk_down else "bodies.mlp_down_load(")
     if fused_mlp and copies != 1:
         raise AssertionError("a fused_mlp build must copy its W_down columns once per layer, before the MLP's barrier; "
                              f"it emitted {copies} copies (codegen._fused_mlp_before)")
@@ -733,6 +761,8 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     if self_contained:
         _append_bodies(w, called_bodies(w.text))
         check_top_level_names(w.text)
+    if loader:
+        _consumer_barriers(w)
     source_map = {
         "schema_version": 1,
         "module": "module.py",
@@ -758,7 +788,7 @@ def _header(w: _Writer, plan: Plan, plan_hash: str, arguments: list[str], self_c
             kv_pipeline: bool = False, folded: int = 0, mma_attention: bool = False, mma_slices: int = 0,
             fused_o: bool = False, fused_kv_smem: bool = False, fused_mma: bool = False,
             mma_wide: bool = False, fused_mlp: bool = False, fused_split: bool = False,
-            spare_loads: bool = False, bulk_down: bool = False) -> None:
+            spare_loads: bool = False, bulk_down: bool = False, loader: LoaderGeometry | None = None) -> None:
     d = plan.dims
     w(f'"""Generated by MegaBake from plan {plan_hash[:16]}. Do not edit: re-bake instead.')
     w("")
@@ -813,7 +843,7 @@ def _header(w: _Writer, plan: Plan, plan_hash: str, arguments: list[str], self_c
         if mma_wide:
             consts["MMA_WIDE"] = True
     ring_stages, ring_vectors = _ring_stages(plan)
-    if ring_stages:
+    if ring_stages and not loader:
         consts.update({"RING_STAGES": ring_stages, "RING_VECTORS": ring_vectors})
     if fused_o:
         geometry = fused_geometry(plan)
@@ -867,8 +897,14 @@ def _header(w: _Writer, plan: Plan, plan_hash: str, arguments: list[str], self_c
         w("# tensor-core GEMV stages: warps of a CTA that share one 8-row tile (each reduces a slice of K)")
         w(f"MMA_SPLIT = {{{splits_mma}}}")
     w("GRID = (CTAS, 1, 1)")
-    w("BLOCK = (THREADS, 1, 1)")
-    if fused_mlp:
+    if loader:
+        _loader_constants(w, loader)
+    else:
+        w("BLOCK = (THREADS, 1, 1)")
+    if loader:
+        w(f"SMEM_BYTES = {loader.smem_bytes}  # the staged rows and scratch, the W_O block, the W_down columns, "
+          "LOADER_SLOTS ring slots, their mbarriers + alignment")
+    elif fused_mlp:
         w(f"SMEM_BYTES = {mlp_smem_bytes(plan, bulk_down)}  # the plan's {plan.smem_bytes}, VEC_WIDTH without the "
           "intermediate width, + 2 * HIDDEN * MLP_PER_CTA (W_down columns) + alignment" + bulk_down * " + mbarrier")
     elif plan.staging_dtype == "float32":
@@ -930,7 +966,10 @@ def _stage(w: _Writer, plan: Plan, stage: Stage, indent: int, layer_var, clocks:
         reads = [call for call in before if call.startswith(_BEFORE_ARRIVAL)]
         loads_fused_o = _loads_fused_o(plan, stage, options)
         after = []
-        if loads_fused_o:
+        if loads_fused_o and options.loader:  # the loader warp copies the W_O block
+            for call in [options.arrival] + before:
+                w(call, indent)
+        elif loads_fused_o:
             assert not reads, reads  # split-KV plans have no attention preload (plan.build_plan refuses it)
             _write_fused_o_loads(w, [options.arrival] + before, indent, every_step=options.fused_split)
         else:
@@ -957,6 +996,8 @@ def _stage_calls(plan: Plan, stage: Stage, options: BuildOptions) -> list[tuple[
         calls = _fused_mlp_calls(plan, stage, calls, options.bulk_down)
     if options.fused_split:
         calls = _fused_split_calls(stage, calls)
+    if options.loader:
+        calls = _loader_stage_calls(stage, calls)
     return calls
 
 
@@ -1001,6 +1042,9 @@ def _ends_at_a_barrier(stage: Stage, options: BuildOptions) -> bool:
 
 
 def _stage_before_calls(plan: Plan, stage: Stage, options: BuildOptions) -> list[str]:
+    if options.loader:  # the loader warp streams every weight: only the K/V prefetch stays
+        before = _stage_before_calls(plan, stage, replace(options, loader=None))
+        return [call for call in before if not call.startswith(_LOADER_DROPPED)]
     before = _before_barrier_calls(plan, stage, options.kv_prefetch, options.kv_prefetch_l1, options.prefetch_bytes,
                                    options.kv_prefetch_rows, options.mma_schedule)
     if not options.fused_mlp:
@@ -1179,9 +1223,13 @@ def _fused_split_stages(w: _Writer, plan: Plan, attention: Stage, indent: int, l
                f"{_first_key(plan)}, cta, tidx, N_HEADS, N_KV_HEADS, HEAD_DIM, HIDDEN, THREADS, KV_SPLITS, MIN_CHUNK, "
                f"CHUNK_QUANTUM, HEAD_SLICES, LONG_SLICES, {options.fold_splits}, FUSED_O_BLOCKS, FUSED_O_BLOCK_ROWS"
                f"{_mma_slices_argument(options.mma_schedule)})")
+    fused_call = _fused_attention_call(plan)
+    if options.loader:  # the W_O block is the loader's: wait for the layer's phase, read s_wo, release it
+        o_block, fused_call = o_block.replace(", s_ring, ", ", s_wo, "), fused_call.replace(", s_ring, ", ", s_wo, ")
+        w(f"bodies.wait_block(s_wo_full, {layer_var} % 2, o_block)", indent)
     w("if fo == 1:", indent)
     w.begin(_entry(plan, attention, layer_var, "body_call", "layer[*].attention.fused_attention_o"))
-    w(_fused_attention_call(plan), indent + 1)
+    w(fused_call, indent + 1)
     w.end()
     w("else:", indent)
     w.begin(_entry(plan, attention, layer_var, "body_call", f"layer[*].attention.{body}"))
@@ -1190,6 +1238,8 @@ def _fused_split_stages(w: _Writer, plan: Plan, attention: Stage, indent: int, l
     w.begin(_entry(plan, o_stage, layer_var, "body_call", f"layer[*].{o_stage.name}.split_o_block"))
     w(o_block, indent + 1)
     w.end()
+    if options.loader:
+        w("bodies.release_block(s_wo_empty, tidx, o_block, False)  # after _o_block_rows' CTA barrier", indent)
     clock()
     w.end()
     w.begin(_entry(plan, o_stage, layer_var, "barrier_interval", f"layer[*].{o_stage.name}"))
@@ -1204,6 +1254,160 @@ def _fused_split_stages(w: _Writer, plan: Plan, attention: Stage, indent: int, l
     _write_wait(w, options, indent, after)
     clock()
     w.end()
+
+
+# ------------------------------------------------------------------------------ loader_warp builds (codegen.loader)
+def _checked_loader(plan: Plan, loader_warp: bool, inflight: int, self_contained: bool, timeline: bool,
+                    watchdog: bool, **choices) -> LoaderGeometry | None:
+    """A loader_warp build's geometry (None without it), or the reason it cannot build (ValueError)."""
+    if not loader_warp:
+        return None
+    if isinstance(inflight, bool) or not isinstance(inflight, int) or inflight < 0:
+        raise ValueError(f"loader_inflight={inflight!r}: give the units the loader keeps in flight, an int >= 0 "
+                         "(0: as many as the ring holds)")
+    why = loader_refusal(plan, **choices)
+    if why is None and not self_contained:
+        why = "its module rewrites the CTA barriers of the bodies it copies: it must be self-contained"
+    if why is None and (timeline or watchdog):
+        why = "timeline and watchdog builds are not written for it"
+    if why:
+        raise ValueError(f"loader_warp streams the weights from a ninth warp, but {why}: build without it")
+    geometry = loader_geometry(plan, inflight)
+    if inflight >= geometry.slots:
+        raise ValueError(f"loader_inflight={inflight}: the ring has {geometry.slots} slots; keep it below that "
+                         "(0: as many as the ring holds)")
+    return geometry
+
+
+def _loader_constants(w: _Writer, loader: LoaderGeometry) -> None:
+    """The module constants of a loader_warp build (the streams in consumption order: codegen.loader.Stream)."""
+    def table(field: str) -> str:
+        return ", ".join(f"{s.stage!r}: {getattr(s, field)}" for s in loader.streams)
+
+    w(f"LOADER_SLOTS = {loader.slots}  # ring slots of 16 KB (bodies.SLOT_BYTES) the loader warp streams through")
+    w("# per streamed stage: rows a CTA owns, rows per unit (one slot), units, units in flight at most (0: the ring)")
+    w(f"LOADER_PER_CTA = {{{table('per_cta')}}}")
+    w(f"LOADER_UNIT_ROWS = {{{table('unit_rows')}}}")
+    w(f"LOADER_UNITS = {{{table('units')}}}")
+    w(f"LOADER_INFLIGHT = {{{table('inflight')}}}")
+    w(f"LAYER_UNITS = {loader.layer_units}  # units a layer streams (its QKV, then its gate/up rows)")
+    w("BLOCK = (THREADS + 32, 1, 1)  # the consumer warps + the loader warp (warp WARPS)")
+
+
+_LOADER_DECLARATIONS = [
+    "# loader_warp: the ring the loader warp streams the QKV, gate/up and LM head rows through (a slot's full",
+    "# mbarrier: its bytes landed; empty: every consumer warp read it), the W_O block's buffer and the mbarriers of",
+    "# it and of s_down (one phase per layer); o_block / mlp_block: 1 where this CTA has a W_O block / W_down block",
+    "s_slots = smem.allocate_tensor(",
+    "    w_qkv.element_type, cute.make_layout(LOADER_SLOTS * SLOT_BYTES // 2), byte_alignment=128)",
+    "s_wo = smem.allocate_tensor(",
+    "    w_o.element_type, cute.make_layout(FUSED_O_BLOCK_ROWS * N_HEADS // N_KV_HEADS * HEAD_DIM), byte_alignment=128)",
+    "s_full = smem.allocate_tensor(cutlass.Int64, cute.make_layout(LOADER_SLOTS), byte_alignment=8)",
+    "s_empty = smem.allocate_tensor(cutlass.Int64, cute.make_layout(LOADER_SLOTS), byte_alignment=8)",
+    "s_wo_full = smem.allocate_tensor(cutlass.Int64, cute.make_layout(1), byte_alignment=8)",
+    "s_wo_empty = smem.allocate_tensor(cutlass.Int64, cute.make_layout(1), byte_alignment=8)",
+    "s_down_empty = smem.allocate_tensor(cutlass.Int64, cute.make_layout(1), byte_alignment=8)",
+    "if tidx == 0:",
+    "    for slot in cutlass.range_constexpr(LOADER_SLOTS):",
+    "        cute.arch.mbarrier_init(s_full.iterator + slot, 1)",
+    "        cute.arch.mbarrier_init(s_empty.iterator + slot, WARPS)",
+    "    cute.arch.mbarrier_init(s_wo_full.iterator, 1)",
+    "    cute.arch.mbarrier_init(s_wo_empty.iterator, 1)",
+    "    cute.arch.mbarrier_init(s_down_empty.iterator, WARPS)",
+    "cute.arch.mbarrier_init_fence()",
+    "cute.arch.barrier(barrier_id=0, number_of_threads=THREADS + 32)  # every warp sees the mbarriers initialised",
+    "o_block = cutlass.max(cutlass.min(FUSED_O_BLOCKS - cta // N_KV_HEADS, 1), 0)",
+    "mlp_block = cutlass.max(cutlass.min(MLP_CHUNKS - cta, 1), 0)",
+]
+_LOADER_SEQ = {"norm_qkv": "layer * LAYER_UNITS", "norm_gate_up": "layer * LAYER_UNITS + LOADER_UNITS['norm_qkv']",
+               "norm_lm_head": "LAYERS * LAYER_UNITS"}
+_LOADER_DROPPED = ("bodies.gemv_ring_prefill(", "bodies.prefetch_rows(", "bodies.mlp_down_bulk(",
+                   "bodies.mlp_down_load(", "bodies.fused_o_load(")
+_LOADER_O_BLOCK = ("bodies.loader_o_block(w_o[layer, None, None], s_wo, s_wo_full, s_wo_empty, layer, cta, lane, "
+                   "N_HEADS, N_KV_HEADS, HEAD_DIM, HIDDEN, FUSED_O_BLOCKS, FUSED_O_BLOCK_ROWS)")
+_LOADER_DOWN = ("bodies.loader_down(w_down_cta[layer, mchunk, None], s_down, s_down_bar, s_down_empty, layer, cta, "
+                "lane, MLP_CHUNKS, MLP_PER_CTA, HIDDEN, MLP_BULK_BYTES)")
+
+
+def _call_arguments(call: str) -> list[str]:
+    """The positional arguments of a ``bodies.f(...)`` call, as source text."""
+    node = ast.parse(call.strip()).body[0].value
+    return [ast.get_source_segment(call.strip(), arg) for arg in node.args]
+
+
+def _loader_calls(stage: Stage, streamed: str) -> tuple[str, str]:
+    """(the consumers' ``bodies.gemv_slots`` call, the loader's ``bodies.loader_rows`` call) of a streamed GEMV
+    stage, from its ``bodies.gemv_rows_streamed`` call (the same weight view, output, bias and gated write)."""
+    (weight, _ring, bias, source, out, _warp, _lane, _warps, rows, cols, batch, _per_tile, accumulate, _unroll,
+     has_bias, _stages, _prefilled, act) = _call_arguments(streamed)
+    name = stage.name
+    group = 2 if act != "0" else 1
+    row0 = "cutlass.min(cta // MLP_CHUNKS, 1) * 2 * MLP_PER_CTA" if name == "norm_gate_up" else \
+        f"cta * LOADER_PER_CTA[{name!r}]"
+    tail = f"LOADER_PER_CTA[{name!r}], LOADER_UNIT_ROWS[{name!r}], LOADER_UNITS[{name!r}], LOADER_SLOTS"
+    consume = (f"bodies.gemv_slots(s_slots, s_full, s_empty, {_LOADER_SEQ[name]}, {source}, {out}, {bias}, {row0}, "
+               f"tidx // 32, lane, {rows}, {cols}, {batch}, {group}, {tail}, WARPS, {accumulate}, {has_bias}, {act})")
+    load = (f"bodies.loader_rows({weight}, s_slots, s_full, s_empty, {_LOADER_SEQ[name]}, {row0}, lane, {rows}, "
+            f"{cols}, {tail}, LOADER_INFLIGHT[{name!r}], WARPS)")
+    return consume, load
+
+
+def _loader_stage_calls(stage: Stage, calls: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """A loader_warp build's body calls: each streamed GEMV reads the ring (``bodies.gemv_slots``), and the fused
+    MLP's consumers release ``s_down`` after their down partials."""
+    out = []
+    for name, call in calls:
+        if name == "gemv_rows_streamed":
+            out.append(("gemv_slots", _loader_calls(stage, call)[0]))
+            continue
+        out.append((name, call))
+        if name == "mlp_down_partial":
+            out.append(("release_block", "bodies.release_block(s_down_empty, tidx, mlp_block, True)"))
+    return out
+
+
+def _write_loader_program(w: _Writer, plan: Plan, loader: LoaderGeometry) -> None:
+    """The loader warp's program (the else branch of the kernel's consumer test): every stream's copies in the order
+    the consumers read them: per layer the QKV rows, the W_O block, the gate/up rows and the W_down columns, then the
+    LM head's rows."""
+    plain = BuildOptions(fused_o=True, fused_mlp=True, fused_split=True, bulk_down=True)
+
+    def stage_loads(stage: Stage) -> list[str]:
+        loads = []
+        if stage.name in _LOADER_SEQ:
+            streamed = [call for name, call in _stage_calls(plan, stage, plain) if name == "gemv_rows_streamed"]
+            assert len(streamed) == 1, (stage.name, streamed)
+            loads.append(_loader_calls(stage, streamed[0])[1])
+        if stage.scope == "layer" and stage.kind == "attention":
+            loads.append(_LOADER_O_BLOCK)
+        if stage.scope == "layer" and stage.name == "norm_gate_up":
+            loads.append(_LOADER_DOWN)
+        return loads
+
+    w("else:  # warp WARPS, the loader: the weights in consumption order, never at a grid barrier", 1)
+    for stage in plan.stages:
+        if stage.scope == "prologue":
+            for call in stage_loads(stage):
+                w(call, 2)
+    w("for layer in range(LAYERS):", 2)
+    for stage in plan.stages:
+        if stage.scope == "layer":
+            for call in stage_loads(stage):
+                w(call, 3)
+    for stage in plan.stages:
+        if stage.scope == "epilogue":
+            for call in stage_loads(stage):
+                w(call, 2)
+
+
+_CTA_BARRIER = "cute.arch.sync_threads()"
+_CONSUMER_BARRIER = "cute.arch.barrier(barrier_id=1, number_of_threads=THREADS)"
+
+
+def _consumer_barriers(w: _Writer) -> None:
+    """A loader_warp module's CTA barriers, in the kernel and in the bodies it copied, meet the ``THREADS`` consumer
+    threads only (named barrier 1): the loader warp never waits at them."""
+    w.lines = [line.replace(_CTA_BARRIER, _CONSUMER_BARRIER) for line in w.lines]
 
 
 # ------------------------------------------------------------------------------ fused_mlp builds (codegen.fused_mlp)
@@ -1660,7 +1864,7 @@ def _launcher(w: _Writer, arguments: list[str]) -> None:
 # ------------------------------------------------------------------------------ self-contained module.py
 BODIES_DIR = Path(__file__).resolve().parent / "bodies"
 BODY_FILES = ("common.py", "sync.py", "staging.py", "gemv.py", "attention.py", "split_attention.py",
-              "mlp.py")  # = bodies'
+              "mlp.py", "loader.py")  # = bodies'
 
 
 def bodies_source() -> str:

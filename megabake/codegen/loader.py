@@ -1,0 +1,132 @@
+"""Where a ``generate(plan, loader_warp=True)`` build applies, and its geometry (a candidate since session 51).
+
+Contract: pure functions of a :class:`~megabake.plan.Plan`; no code is written here. A loader build adds a ninth
+warp per CTA that streams the weights of the streamed GEMV stages (the QKV projection, the fused MLP's gate/up rows,
+the LM head) through a ring of ``SLOT_BYTES`` slots in the order the consumer warps read them, and copies the W_O
+block and the W_down columns into buffers of their own, across grid barriers (``bodies/loader.py``). It builds on
+the fused default (``fused_o``, ``fused_split``, ``fused_mlp`` with ``bulk_down``; batch 1): every weight byte a
+step reads is then in one of those five streams. :func:`loader_refusal` names what is missing otherwise.
+
+Session 50's probe (``scripts/gpu_stream_probe.py``, H100) ran this schedule 11-16% faster than the fill after
+each arrival on Qwen3-0.6B and Qwen2.5-0.5B, with at most one or two 16 KB tiles in flight per SM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..plan import Plan
+from ..plan.memory import smem_bytes
+from ..plan.tuning import HOPPER_SMEM_PER_BLOCK
+from .fused import fused_geometry
+from .fused_mlp import mlp_geometry
+
+SLOT_BYTES = 16384  # = bodies.loader.SLOT_BYTES
+MAX_SLOTS = 8  # ring slots at most (3 streamed as fast as 12 in the probe, session 50 call 5)
+MIN_SLOTS = 3  # the W_O block and W_down have buffers of their own, so a unit never waits on a later one
+DEFAULT_INFLIGHT = 2  # units requested and not landed, per CTA, in the layers' streams (probe: 2 saturates DRAM)
+LOADER_BARRIER_BYTES = 8  # one mbarrier
+STREAMED_STAGES = ("norm_qkv", "norm_gate_up", "norm_lm_head")
+
+
+@dataclass(frozen=True)
+class Stream:
+    """One streamed GEMV stage: each CTA owns ``per_cta`` consecutive rows (from ``row0``, a module expression) of
+    its ``rows`` x ``cols`` weight view, streamed as ``units`` units of ``unit_rows`` rows, dealt to the warps in
+    groups of ``group`` rows; ``inflight`` units at most requested and not landed (0: the ring bounds it)."""
+
+    stage: str
+    rows: int
+    cols: int
+    group: int
+    per_cta: int
+    unit_rows: int
+    units: int
+    row0: str
+    inflight: int
+
+
+@dataclass(frozen=True)
+class LoaderGeometry:
+    """The streams in consumption order (per layer: QKV, gate/up; then the LM head), the ring's ``slots`` and the
+    bytes of shared memory a loader build needs (``smem_bytes``)."""
+
+    streams: tuple[Stream, ...]
+    slots: int
+    smem_bytes: int
+
+    def stream(self, stage: str) -> Stream:
+        return next(s for s in self.streams if s.stage == stage)
+
+    @property
+    def layer_units(self) -> int:
+        return self.stream("norm_qkv").units + self.stream("norm_gate_up").units
+
+
+def _stream(stage: str, rows: int, cols: int, group: int, per_cta: int, row0: str, inflight: int) -> Stream | None:
+    unit_rows = SLOT_BYTES // (cols * 2) // group * group
+    if unit_rows < group:
+        return None
+    return Stream(stage, rows, cols, group, per_cta, unit_rows, -(-per_cta // unit_rows), row0, inflight)
+
+
+def _spread(stage: str, rows: int, cols: int, ctas: int, inflight: int) -> Stream | None:
+    """A stage whose rows are dealt over the whole grid: CTA ``c`` owns rows ``c * per_cta ..``."""
+    per_cta = -(-rows // ctas)
+    return _stream(stage, rows, cols, 1, per_cta, f"cta * {per_cta}", inflight)
+
+
+def loader_geometry(plan: Plan, inflight: int = DEFAULT_INFLIGHT) -> LoaderGeometry | None:
+    """The loader build's streams and ring, or None where a row does not fit a slot or the ring does not fit."""
+    d = plan.dims
+    mlp = mlp_geometry(plan)
+    if mlp is None:
+        return None
+    up_rows = 2 * mlp.per_cta
+    streams = (_spread("norm_qkv", d.qkv_rows, d.hidden, plan.ctas, inflight),
+               _stream("norm_gate_up", up_rows, d.hidden, 2, up_rows, f"cutlass.min(cta // MLP_CHUNKS, 1) * {up_rows}",
+                       inflight),
+               _spread("norm_lm_head", d.vocab, d.hidden, plan.ctas, 0))
+    if any(s is None for s in streams):
+        return None
+    fused = fused_geometry(plan)
+    staged = smem_bytes(plan.dims, plan.batch, plan.capacity, plan.threads, True, plan.staging_dtype,
+                        global_down=True)
+    fixed = (staged + _aligned(fused.block_bytes, 128) + _aligned(mlp.down_bytes, 128) + 128  # slot alignment
+             + LOADER_BARRIER_BYTES * (2 * MAX_SLOTS + 4) + 64)
+    slots = min(MAX_SLOTS, (HOPPER_SMEM_PER_BLOCK - fixed) // SLOT_BYTES)
+    if slots < MIN_SLOTS:
+        return None
+    return LoaderGeometry(streams, slots, fixed + slots * SLOT_BYTES)
+
+
+def _aligned(nbytes: int, to: int) -> int:
+    return (nbytes + to - 1) // to * to
+
+
+def loader_refusal(plan: Plan, *, fused_o: bool, fused_split: bool, fused_mlp: bool, bulk_down: bool,
+                   fused_kv_smem: bool, early_down: str | None, barrier: str) -> str | None:
+    """Why ``loader_warp`` cannot build this plan with these choices, or None where it can."""
+    if not (fused_o and fused_split and fused_mlp and bulk_down):
+        return ("it streams the fused default's weights: it needs fused_o, fused_split, fused_mlp and bulk_down "
+                "(batch 1; fused_mlp=True, bulk_down=True where the plan's default leaves them off)")
+    if fused_kv_smem:
+        return "fused_kv_smem keeps K/V rows after the W_O block in the ring's shared memory"
+    if early_down:
+        return "the loader warp issues the W_down copies itself (early_down moves the consumers' copies)"
+    if barrier != "split":
+        return f"it needs the split grid barrier (barrier={barrier!r})"
+    tilings = {s.name: s.tiling for s in plan.stages if s.name in STREAMED_STAGES}
+    odd = [name for name in STREAMED_STAGES if name not in tilings or tilings[name].kind != "rows"
+           or not tilings[name].stages or tilings[name].mma]
+    if odd:
+        return (f"stage(s) {', '.join(odd)} are not streamed through the cp.async ring tiling, which the loader's "
+                "streams replace")
+    if plan.bias_of("norm_gate_up"):
+        return "the gate/up projection has a bias"
+    if plan.dims.hidden * 2 > SLOT_BYTES:
+        return f"a weight row of {plan.dims.hidden} bf16 does not fit a {SLOT_BYTES}-byte ring slot"
+    if loader_geometry(plan) is None:
+        return (f"at least {MIN_SLOTS} ring slots of {SLOT_BYTES} bytes, the W_O block and the W_down columns do not "
+                f"fit the {HOPPER_SMEM_PER_BLOCK} bytes of shared memory of a Hopper CTA")
+    return None

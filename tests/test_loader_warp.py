@@ -1,0 +1,106 @@
+"""The ``loader_warp`` build (session 51 candidate, ``codegen.generate(plan, loader_warp=True)``, ``codegen.loader``,
+``bodies/loader.py``): what it emits, how it deals the rows, what it refuses, and a CuTe DSL compile for sm_90a (no
+GPU). Its logits (the fused default's bits) run on the GPU: tests/test_loader_warp_gpu.py."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from megabake.codegen import generate
+from megabake.codegen.bodies.loader import SLOT_BYTES as BODY_SLOT_BYTES
+from megabake.codegen.bodies.loader import first_group
+from megabake.codegen.loader import SLOT_BYTES, loader_geometry
+from megabake.plan.tuning import HOPPER_SMEM_PER_BLOCK
+from megabake.runtime.compile import compile_check, load_module
+from tests.compiler_fixtures import compile_preset
+
+FORCED = {"fused_mlp": True, "bulk_down": True}  # Qwen2.5-0.5B's default leaves the fused MLP off
+
+
+@pytest.fixture(scope="module")
+def qwen3():
+    return compile_preset("qwen3-0.6b", layers=2, vocab=512, capacity=4096).plan
+
+
+def _kernel(source: str) -> str:
+    return source.split("def megakernel(", 1)[1].split("\ndef launch(", 1)[0]
+
+
+def test_the_loader_streams_every_weight_and_the_consumers_copy_none(qwen3):
+    source = generate(qwen3, loader_warp=True).source
+    kernel = _kernel(source)
+    consumers, loader = kernel.split("\n    else:  # warp WARPS, the loader", 1)
+    assert "\nBLOCK = (THREADS + 32, 1, 1)" in source and "\nBLOCK = (THREADS, 1, 1)" not in source
+    for copy in ("gemv_ring_prefill(", "prefetch_rows(", "fused_o_load(", "mlp_down_bulk(", "gemv_rows_streamed("):
+        assert "bodies." + copy not in kernel, copy
+    assert consumers.count("bodies.gemv_slots(") == 3  # QKV, gate/up, LM head
+    # the loader's copies in the consumers' order: per layer QKV, the W_O block, gate/up, W_down; then the LM head
+    order = re.findall(r"bodies\.(loader_\w+)\(\s*(?:weight|w_o|w_cta)=([a-z_]+)", loader)
+    assert order == [("loader_rows", "w_qkv"), ("loader_o_block", "w_o"), ("loader_rows", "cute"),
+                     ("loader_down", "w_down_cta"), ("loader_rows", "lm_head")], order
+    # every unit index the consumers wait for is one the loader fills: the same expressions on both sides
+    assert sorted(re.findall(r"seq0=([^,]+),", consumers)) == sorted(re.findall(r"seq0=([^,]+),", loader))
+    # no CTA barrier waits for the loader warp: the kernel's and the copied bodies' meet THREADS threads only
+    assert "cute.arch.sync_threads()" not in source
+    assert source.count("cute.arch.barrier(barrier_id=1, number_of_threads=THREADS)") >= 10
+    assert "wait_block(bar=s_wo_full" in consumers and "release_block(bar=s_wo_empty" in consumers
+    assert "release_block(bar=s_down_empty" in consumers
+    # off by default: the default build is unchanged
+    assert "loader_rows" not in generate(qwen3).source
+
+
+@pytest.mark.parametrize("preset,capacity", [("qwen3-0.6b", 4096), ("qwen2.5-0.5b", 4096), ("smollm-135m", 2048)])
+def test_every_row_of_every_stream_is_copied_and_reduced_once(preset, capacity):
+    """Full-size plans: each CTA's run of rows, its units of whole rows in one slot, and the groups dealt over the
+    warps by ``bodies.loader.first_group`` cover every row of each streamed weight exactly once; and the ring, the
+    W_O block and the W_down columns fit a Hopper CTA's shared memory."""
+    plan = compile_preset(preset, capacity=capacity).plan
+    geometry = loader_geometry(plan)
+    assert SLOT_BYTES == BODY_SLOT_BYTES and 3 <= geometry.slots and geometry.smem_bytes <= HOPPER_SMEM_PER_BLOCK
+    warps = plan.warps
+    for stream in geometry.streams:
+        assert stream.unit_rows * stream.cols * 2 <= SLOT_BYTES and stream.unit_rows % stream.group == 0
+        ctas = plan.ctas if stream.stage != "norm_gate_up" else 1  # gate/up: each CTA's own block
+        seen = [0] * stream.rows
+        for cta in range(ctas):
+            row0 = cta * stream.per_cta
+            owned = max(min(stream.rows - row0, stream.per_cta), 0)
+            per_unit = stream.unit_rows // stream.group
+            for unit in range(stream.units):
+                present = max(min(owned - unit * stream.unit_rows, stream.unit_rows), 0)
+                for warp in range(warps):
+                    for g in range(first_group(warp, unit, per_unit, warps), per_unit, warps):
+                        assert (unit * per_unit + g) % warps == warp
+                        if g * stream.group < present:
+                            for r in range(stream.group):
+                                seen[row0 + unit * stream.unit_rows + g * stream.group + r] += 1
+        assert seen == [1] * stream.rows, stream.stage
+
+
+def test_the_loader_refuses_what_it_cannot_build(qwen3):
+    qwen25 = compile_preset("qwen2.5-0.5b", layers=1, vocab=512, capacity=4096).plan
+    with pytest.raises(ValueError, match="fused_mlp=True, bulk_down=True"):
+        generate(qwen25, loader_warp=True)  # its default leaves the fused MLP off
+    generate(qwen25, loader_warp=True, **FORCED)
+    for options, why in [({"self_contained": False}, "self-contained"), ({"timeline": True}, "timeline"),
+                         ({"spare_loads": True}, "spare_loads"), ({"early_down": "wait"}, "early_down"),
+                         ({"loader_inflight": -1}, "loader_inflight=-1"),
+                         ({"loader_inflight": 99}, "the ring has"), ({"fused_split": False}, "fused_split")]:
+        with pytest.raises(ValueError, match=why):
+            generate(qwen3, loader_warp=True, **options)
+    llama = compile_preset("llama-3.2-1b", layers=1, vocab=512, capacity=1024).plan
+    with pytest.raises(ValueError, match="loader_warp|fused_mlp"):
+        generate(llama, loader_warp=True, **FORCED)  # its W_down block does not fit shared memory
+
+
+def test_the_loader_build_compiles_for_sm90a(tmp_path):
+    plan = compile_preset("qwen2.5-0.5b", layers=1, vocab=512, capacity=4096).plan
+    result = compile_check(plan, load_module(generate(plan, loader_warp=True, **FORCED).source),
+                           dump_dir=str(tmp_path))
+    assert result.ok, result.error
+    ptx = max(tmp_path.glob("*.ptx"), key=lambda p: p.stat().st_mtime).read_text()
+    assert ".reqntid 288, 1, 1" in ptx and "cp.async.bulk.shared" in ptx and "mbarrier.try_wait" in ptx
+    barriers = set(re.findall(r"bar\.sync\s+(\d+),?\s*(\d*);", ptx))
+    assert barriers == {("0", "288"), ("1", "256")}, barriers  # nothing waits for all 288 threads after the start

@@ -1,0 +1,33 @@
+"""The ``loader_warp`` build on the GPU (session 51 candidate; tests/test_loader_warp.py has what it emits): a ninth
+warp streams every weight the step reads into shared memory, in consumption order and across grid barriers, and the
+consumer warps read the ring. Each row's sum is the default's, so every step must give the fused default's logits
+bit for bit, from one random KV cache, at fused and split steps (positions near 0, at split boundaries, at capacity -
+1), with 2 units in flight, 1, and as many as the ring holds, twice; a moving result would be a race (a slot read
+before it landed, or refilled before every warp read it)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.test_fused_o_gpu import _compiled, _fused_and_split_positions
+from tests.test_gpu_decode import _logits_over_random_cache
+
+pytestmark = pytest.mark.gpu
+
+PRESETS = [("smollm-135m", 2048), ("qwen2.5-0.5b", 4096), ("qwen3-0.6b", 4096)]
+
+
+@pytest.mark.parametrize("preset,capacity", PRESETS)
+def test_loader_warp_gives_the_fused_default_bits(preset, capacity):
+    compiled = _compiled(preset, capacity)
+    fused, split = _fused_and_split_positions(compiled, capacity)
+    positions = split + fused
+    base = {"mma_attention": None, "fused_mlp": True, "bulk_down": True, "spare_loads": False, "spare_ring": False}
+    loader = {**base, "spare_loads": None, "spare_ring": None, "loader_warp": True}
+    builds = [base, loader, {**loader, "loader_inflight": 1}, {**loader, "loader_inflight": 0}, loader]
+    logits = _logits_over_random_cache(compiled, positions, 1, builds)
+    assert torch.isfinite(logits[0]).all()
+    for build, result in zip(builds[1:], logits[1:]):
+        for i, position in enumerate(positions):
+            assert torch.equal(result[i], logits[0][i]), (build, position)
