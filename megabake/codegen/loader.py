@@ -124,6 +124,8 @@ def loader_refusal(plan: Plan, *, fused_o: bool, fused_split: bool, fused_mlp: b
                 "streams replace")
     if plan.bias_of("norm_gate_up"):
         return "the gate/up projection has a bias"
+    if plan.dims.final_softcap:
+        return "the final soft-capping rewrites the LM head's rows in the register tiling's warp order"
     if plan.dims.hidden * 2 > SLOT_BYTES:
         return f"a weight row of {plan.dims.hidden} bf16 does not fit a {SLOT_BYTES}-byte ring slot"
     if loader_geometry(plan) is None:
