@@ -263,12 +263,15 @@ BUILDS = {"default": {}, "atom": {"barrier": "atom"}, "red": {"barrier": "red"},
           "pf32mb": {"prefetch_bytes": 32 << 20}, "pf48mb": {"prefetch_bytes": 48 << 20},
           # a ninth warp per CTA streams every weight in consumption order across grid barriers (session 51
           # candidate, codegen.loader; on the fused default, with fused_mlp forced on): at most 2 units of 16 KB in
-          # flight per CTA (loader-warp), 1, or as many as the ring holds (loader-warp-ring)
+          # flight per CTA (loader-warp), 1, or as many as the ring holds (loader-warp-ring); loader-warp-288: without
+          # the loader's own warpgroup (288 threads of 168 registers, not 384 with setmaxnreg: consumers 232)
           "loader-warp": {"fused_o": True, "fused_mlp": True, "bulk_down": True, "loader_warp": True},
           "loader-warp-1": {"fused_o": True, "fused_mlp": True, "bulk_down": True, "loader_warp": True,
                             "loader_inflight": 1},
           "loader-warp-ring": {"fused_o": True, "fused_mlp": True, "bulk_down": True, "loader_warp": True,
-                               "loader_inflight": 0}}
+                               "loader_inflight": 0},
+          "loader-warp-288": {"fused_o": True, "fused_mlp": True, "bulk_down": True, "loader_warp": True,
+                              "loader_warpgroup": False}}
 
 
 def stepped_timeline_decoder(plan, model, tokens, timeline, build: str = "default", position: int | None = None):

@@ -32,7 +32,10 @@ def test_the_loader_streams_every_weight_and_the_consumers_copy_none(qwen3):
     source = generate(qwen3, loader_warp=True).source
     kernel = _kernel(source)
     consumers, loader = kernel.split("\n    else:  # warp WARPS, the loader", 1)
-    assert "\nBLOCK = (THREADS + 32, 1, 1)" in source and "\nBLOCK = (THREADS, 1, 1)" not in source
+    assert "\nBLOCK = (THREADS + LOADER_THREADS, 1, 1)" in source and "\nLOADER_THREADS = 128 " in source
+    assert "cute.arch.setmaxregister_increase(REGISTERS[0])" in consumers
+    assert "cute.arch.setmaxregister_decrease(REGISTERS[1])" in loader and "if tidx < THREADS + 32:" in loader
+    assert "\nLOADER_THREADS = 32 " in generate(qwen3, loader_warp=True, loader_warpgroup=False).source
     for copy in ("gemv_ring_prefill(", "prefetch_rows(", "fused_o_load(", "mlp_down_bulk(", "gemv_rows_streamed("):
         assert "bodies." + copy not in kernel, copy
     assert consumers.count("bodies.gemv_slots(") == 3  # QKV, gate/up, LM head
@@ -95,12 +98,17 @@ def test_the_loader_refuses_what_it_cannot_build(qwen3):
         generate(llama, loader_warp=True, **FORCED)  # its W_down block does not fit shared memory
 
 
-def test_the_loader_build_compiles_for_sm90a(tmp_path):
+@pytest.mark.parametrize("warpgroup,threads", [(True, 384), (False, 288)])
+def test_the_loader_build_compiles_for_sm90a(tmp_path, warpgroup, threads):
+    """With its own warpgroup the loader lowers its registers and the consumers raise theirs (setmaxnreg); either
+    way no barrier after the start waits for the loader's threads."""
     plan = compile_preset("qwen2.5-0.5b", layers=1, vocab=512, capacity=4096).plan
-    result = compile_check(plan, load_module(generate(plan, loader_warp=True, **FORCED).source),
-                           dump_dir=str(tmp_path))
+    source = generate(plan, loader_warp=True, loader_warpgroup=warpgroup, **FORCED).source
+    result = compile_check(plan, load_module(source), dump_dir=str(tmp_path))
     assert result.ok, result.error
     ptx = max(tmp_path.glob("*.ptx"), key=lambda p: p.stat().st_mtime).read_text()
-    assert ".reqntid 288, 1, 1" in ptx and "cp.async.bulk.shared" in ptx and "mbarrier.try_wait" in ptx
+    assert f".reqntid {threads}, 1, 1" in ptx and "cp.async.bulk.shared" in ptx and "mbarrier.try_wait" in ptx
+    counts = re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+);", ptx)
+    assert sorted(set(counts)) == ([("dec", "40"), ("inc", "232")] if warpgroup else []), counts
     barriers = set(re.findall(r"bar\.sync\s+(\d+),?\s*(\d*);", ptx))
-    assert barriers == {("0", "288"), ("1", "256")}, barriers  # nothing waits for all 288 threads after the start
+    assert barriers == {("0", str(threads)), ("1", "256")}, barriers

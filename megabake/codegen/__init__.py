@@ -50,7 +50,8 @@ from ..plan.stages import (ACTIVATIONS, DIMENSION_CONSTANTS, GATED_ACT_CODES, St
                            spec_of)
 from .fused import (FUSED_O_BUFFERS, FUSED_SPLIT_BUFFERS, fused_geometry, fused_kv_refusal, fused_o_refusal,
                     fused_split_refusal)
-from .loader import DEFAULT_INFLIGHT, LoaderGeometry, loader_geometry, loader_refusal
+from .loader import (CONSUMER_REGISTERS, DEFAULT_INFLIGHT, PRODUCER_REGISTERS, WARPGROUP, LoaderGeometry,
+                     loader_geometry, loader_refusal)
 from .fused_mlp import (ACC_PAD, BULK_DOWN_BUFFERS, FUSED_MLP_BUFFERS, bulk_copy_bytes, default_fused_mlp,
                         fused_mlp_refusal, mlp_geometry, mlp_smem_bytes)
 
@@ -446,7 +447,7 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
              fused_mlp: bool | None = None, fused_split: bool | None = None, spare_loads: bool | None = None,
              spare_ring: bool | None = None, bulk_down: bool | None = None,
              early_down: str | None = None, loader_warp: bool = False,
-             loader_inflight: int = DEFAULT_INFLIGHT) -> GeneratedModule:
+             loader_inflight: int = DEFAULT_INFLIGHT, loader_warpgroup: bool = True) -> GeneratedModule:
     """module.py of ``plan``. ``merge_preload`` / ``spread_merge``: None picks them per plan
     (:func:`default_merge`); True asks for one (refused where the attention scratch cannot hold it), False
     leaves it out (both False: the plain last-arrival merge of sessions 10-16). ``head_slices=False`` deals
@@ -522,7 +523,10 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     candidate, off by default; :mod:`megabake.codegen.loader`) adds a ninth warp per CTA that streams the weights of
     the QKV, gate/up and LM head GEMVs through a ring of 16 KB slots, and the W_O block and W_down columns into
     buffers of their own, in consumption order and across grid barriers, with at most ``loader_inflight`` units of
-    the layers' streams in flight (``bodies/loader.py``); the consumer warps meet at named barrier 1. It needs the
+    the layers' streams in flight (``bodies/loader.py``); the consumer warps meet at named barrier 1; with
+    ``loader_warpgroup`` (on by default) the loader warp has a warpgroup of its own (384 threads, 3 warps of it idle),
+    which lowers its registers with setmaxnreg so the consumers can raise theirs to 232 (288 threads leave 168). It
+    needs the
     fused default (fused_o, fused_split, fused_mlp, bulk_down) and a self-contained module; the same bits as that
     build; refused where :func:`megabake.codegen.loader.loader_refusal` names a reason."""
     if watchdog and timeline:
@@ -632,7 +636,8 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
         if why:
             raise ValueError(f"fused_split runs every step's O projection in attention's interval, but {why}: build "
                              "without it")
-    loader = _checked_loader(plan, loader_warp, loader_inflight, self_contained, bool(timeline), watchdog,
+    loader = _checked_loader(plan, loader_warp, loader_inflight, loader_warpgroup, self_contained, bool(timeline),
+                             watchdog,
                              fused_o=bool(fused_o), fused_split=bool(fused_split), fused_mlp=bool(fused_mlp),
                              bulk_down=bool(bulk_down), fused_kv_smem=fused_kv_smem, early_down=early_down,
                              barrier=barrier)
@@ -729,6 +734,8 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     if loader:
         w("if tidx < THREADS:  # the consumer warps (warp WARPS is the loader: the else branch at the end)", 1)
         w.base = 1
+        if loader.warpgroup:
+            w("cute.arch.setmaxregister_increase(REGISTERS[0])", 1)
     _timeline_store(w, 1, bool(timeline), "1", every_cta)
     if phases:
         _phase_timed_stages(w, plan, prologue, per_layer, epilogue, options)
@@ -1257,8 +1264,8 @@ def _fused_split_stages(w: _Writer, plan: Plan, attention: Stage, indent: int, l
 
 
 # ------------------------------------------------------------------------------ loader_warp builds (codegen.loader)
-def _checked_loader(plan: Plan, loader_warp: bool, inflight: int, self_contained: bool, timeline: bool,
-                    watchdog: bool, **choices) -> LoaderGeometry | None:
+def _checked_loader(plan: Plan, loader_warp: bool, inflight: int, warpgroup: bool, self_contained: bool,
+                    timeline: bool, watchdog: bool, **choices) -> LoaderGeometry | None:
     """A loader_warp build's geometry (None without it), or the reason it cannot build (ValueError)."""
     if not loader_warp:
         return None
@@ -1272,7 +1279,10 @@ def _checked_loader(plan: Plan, loader_warp: bool, inflight: int, self_contained
         why = "timeline and watchdog builds are not written for it"
     if why:
         raise ValueError(f"loader_warp streams the weights from a ninth warp, but {why}: build without it")
-    geometry = loader_geometry(plan, inflight)
+    if warpgroup and plan.threads % WARPGROUP:
+        raise ValueError(f"loader_warpgroup gives the consumers whole warpgroups of {WARPGROUP} threads; this plan runs "
+                         f"{plan.threads}: build with loader_warpgroup=False")
+    geometry = replace(loader_geometry(plan, inflight), warpgroup=warpgroup)
     if inflight >= geometry.slots:
         raise ValueError(f"loader_inflight={inflight}: the ring has {geometry.slots} slots; keep it below that "
                          "(0: as many as the ring holds)")
@@ -1291,7 +1301,12 @@ def _loader_constants(w: _Writer, loader: LoaderGeometry) -> None:
     w(f"LOADER_UNITS = {{{table('units')}}}")
     w(f"LOADER_INFLIGHT = {{{table('inflight')}}}")
     w(f"LAYER_UNITS = {loader.layer_units}  # units a layer streams (its QKV, then its gate/up rows)")
-    w("BLOCK = (THREADS + 32, 1, 1)  # the consumer warps + the loader warp (warp WARPS)")
+    if loader.warpgroup:
+        w(f"LOADER_THREADS = {loader.extra_threads}  # the loader warp (warp WARPS) and the idle rest of its warpgroup")
+        w(f"REGISTERS = ({CONSUMER_REGISTERS}, {PRODUCER_REGISTERS})  # setmaxnreg: consumer warpgroups, the loader's")
+    else:
+        w(f"LOADER_THREADS = {loader.extra_threads}  # the loader warp (warp WARPS)")
+    w("BLOCK = (THREADS + LOADER_THREADS, 1, 1)")
 
 
 _LOADER_DECLARATIONS = [
@@ -1315,7 +1330,7 @@ _LOADER_DECLARATIONS = [
     "    cute.arch.mbarrier_init(s_wo_empty.iterator, 1)",
     "    cute.arch.mbarrier_init(s_down_empty.iterator, WARPS)",
     "cute.arch.mbarrier_init_fence()",
-    "cute.arch.barrier(barrier_id=0, number_of_threads=THREADS + 32)  # every warp sees the mbarriers initialised",
+    "cute.arch.barrier(barrier_id=0, number_of_threads=THREADS + LOADER_THREADS)  # all see the mbarriers initialised",
     "o_block = cutlass.max(cutlass.min(FUSED_O_BLOCKS - cta // N_KV_HEADS, 1), 0)",
     "mlp_block = cutlass.max(cutlass.min(MLP_CHUNKS - cta, 1), 0)",
 ]
@@ -1385,6 +1400,10 @@ def _write_loader_program(w: _Writer, plan: Plan, loader: LoaderGeometry) -> Non
         return loads
 
     w("else:  # warp WARPS, the loader: the weights in consumption order, never at a grid barrier", 1)
+    if loader.warpgroup:
+        w("cute.arch.setmaxregister_decrease(REGISTERS[1])", 2)
+        w("if tidx < THREADS + 32:  # the rest of the loader's warpgroup has nothing to do", 2)
+        w.base = 1
     for stage in plan.stages:
         if stage.scope == "prologue":
             for call in stage_loads(stage):
@@ -1398,6 +1417,7 @@ def _write_loader_program(w: _Writer, plan: Plan, loader: LoaderGeometry) -> Non
         if stage.scope == "epilogue":
             for call in stage_loads(stage):
                 w(call, 2)
+    w.base = 0
 
 
 _CTA_BARRIER = "cute.arch.sync_threads()"

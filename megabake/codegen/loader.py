@@ -25,6 +25,12 @@ SLOT_BYTES = 16384  # = bodies.loader.SLOT_BYTES
 MAX_SLOTS = 8  # ring slots at most (3 streamed as fast as 12 in the probe, session 50 call 5)
 MIN_SLOTS = 3  # the W_O block and W_down have buffers of their own, so a unit never waits on a later one
 DEFAULT_INFLIGHT = 2  # units requested and not landed, per CTA, in the layers' streams (probe: 2 saturates DRAM)
+# loader_warpgroup: the loader warp in a warpgroup of its own (384 threads), which lowers its register budget with
+# setmaxnreg so the consumer warpgroups can raise theirs (without it, ptxas gives 288 threads 168 registers each:
+# 65536 over three whole warpgroups; the default build's 256 threads get 255). 2 x 128 x 232 + 128 x 40 <= 65536.
+WARPGROUP = 128
+PRODUCER_REGISTERS = 40
+CONSUMER_REGISTERS = 232
 LOADER_BARRIER_BYTES = 8  # one mbarrier
 STREAMED_STAGES = ("norm_qkv", "norm_gate_up", "norm_lm_head")
 
@@ -54,6 +60,12 @@ class LoaderGeometry:
     streams: tuple[Stream, ...]
     slots: int
     smem_bytes: int
+    warpgroup: bool = False  # the loader warp's warpgroup of its own, with setmaxnreg (generate's loader_warpgroup)
+
+    @property
+    def extra_threads(self) -> int:
+        """Threads beyond the consumers': the loader warp, or its whole warpgroup."""
+        return WARPGROUP if self.warpgroup else 32
 
     def stream(self, stage: str) -> Stream:
         return next(s for s in self.streams if s.stage == stage)
