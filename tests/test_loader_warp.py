@@ -87,7 +87,7 @@ def test_the_loader_refuses_what_it_cannot_build(qwen3):
     with pytest.raises(ValueError, match="fused_mlp=True, bulk_down=True"):
         generate(qwen25, loader_warp=True)  # its default leaves the fused MLP off
     generate(qwen25, loader_warp=True, **FORCED)
-    for options, why in [({"self_contained": False}, "self-contained"), ({"timeline": True}, "timeline"),
+    for options, why in [({"self_contained": False}, "self-contained"), ({"watchdog": True}, "watchdog"),
                          ({"spare_loads": True}, "spare_loads"), ({"early_down": "wait"}, "early_down"),
                          ({"loader_inflight": -1}, "loader_inflight=-1"),
                          ({"loader_inflight": 99}, "the ring has"), ({"fused_split": False}, "fused_split")]:

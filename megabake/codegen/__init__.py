@@ -1275,8 +1275,8 @@ def _checked_loader(plan: Plan, loader_warp: bool, inflight: int, warpgroup: boo
     why = loader_refusal(plan, **choices)
     if why is None and not self_contained:
         why = "its module rewrites the CTA barriers of the bodies it copies: it must be self-contained"
-    if why is None and (timeline or watchdog):
-        why = "timeline and watchdog builds are not written for it"
+    if why is None and watchdog:
+        why = "a watchdog build's barrier is not written for it"
     if why:
         raise ValueError(f"loader_warp streams the weights from a ninth warp, but {why}: build without it")
     if warpgroup and plan.threads % WARPGROUP:
