@@ -271,7 +271,10 @@ BUILDS = {"default": {}, "atom": {"barrier": "atom"}, "red": {"barrier": "red"},
           "loader-warp-ring": {"fused_o": True, "fused_mlp": True, "bulk_down": True, "loader_warp": True,
                                "loader_inflight": 0},
           "loader-warp-288": {"fused_o": True, "fused_mlp": True, "bulk_down": True, "loader_warp": True,
-                              "loader_warpgroup": False}}
+                              "loader_warpgroup": False},
+          # ... the QKV stream unbounded (its units wait for the gate/up slots of the layer before), the rest at 2
+          "loader-warp-qkv0": {"fused_o": True, "fused_mlp": True, "bulk_down": True, "loader_warp": True,
+                               "loader_qkv_inflight": 0}}
 
 
 def stepped_timeline_decoder(plan, model, tokens, timeline, build: str = "default", position: int | None = None):

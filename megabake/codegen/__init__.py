@@ -447,7 +447,8 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
              fused_mlp: bool | None = None, fused_split: bool | None = None, spare_loads: bool | None = None,
              spare_ring: bool | None = None, bulk_down: bool | None = None,
              early_down: str | None = None, loader_warp: bool = False,
-             loader_inflight: int = DEFAULT_INFLIGHT, loader_warpgroup: bool = True) -> GeneratedModule:
+             loader_inflight: int = DEFAULT_INFLIGHT, loader_warpgroup: bool = True,
+             loader_qkv_inflight: int | None = None) -> GeneratedModule:
     """module.py of ``plan``. ``merge_preload`` / ``spread_merge``: None picks them per plan
     (:func:`default_merge`); True asks for one (refused where the attention scratch cannot hold it), False
     leaves it out (both False: the plain last-arrival merge of sessions 10-16). ``head_slices=False`` deals
@@ -525,7 +526,8 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     buffers of their own, in consumption order and across grid barriers, with at most ``loader_inflight`` units of
     the layers' streams in flight (``bodies/loader.py``); the consumer warps meet at named barrier 1; with
     ``loader_warpgroup`` (on by default) the loader warp has a warpgroup of its own (384 threads, 3 warps of it idle),
-    which lowers its registers with setmaxnreg so the consumers can raise theirs to 232 (288 threads leave 168). It
+    which lowers its registers with setmaxnreg so the consumers can raise theirs to 232 (288 threads leave 168);
+    ``loader_qkv_inflight`` bounds the QKV stream's units in flight apart (None: ``loader_inflight``). It
     needs the
     fused default (fused_o, fused_split, fused_mlp, bulk_down) and a self-contained module; the same bits as that
     build; refused where :func:`megabake.codegen.loader.loader_refusal` names a reason."""
@@ -636,7 +638,8 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
         if why:
             raise ValueError(f"fused_split runs every step's O projection in attention's interval, but {why}: build "
                              "without it")
-    loader = _checked_loader(plan, loader_warp, loader_inflight, loader_warpgroup, self_contained, bool(timeline),
+    loader = _checked_loader(plan, loader_warp, loader_inflight, loader_qkv_inflight, loader_warpgroup,
+                             self_contained, bool(timeline),
                              watchdog,
                              fused_o=bool(fused_o), fused_split=bool(fused_split), fused_mlp=bool(fused_mlp),
                              bulk_down=bool(bulk_down), fused_kv_smem=fused_kv_smem, early_down=early_down,
@@ -1264,14 +1267,15 @@ def _fused_split_stages(w: _Writer, plan: Plan, attention: Stage, indent: int, l
 
 
 # ------------------------------------------------------------------------------ loader_warp builds (codegen.loader)
-def _checked_loader(plan: Plan, loader_warp: bool, inflight: int, warpgroup: bool, self_contained: bool,
-                    timeline: bool, watchdog: bool, **choices) -> LoaderGeometry | None:
+def _checked_loader(plan: Plan, loader_warp: bool, inflight: int, qkv_inflight: int | None, warpgroup: bool,
+                    self_contained: bool, timeline: bool, watchdog: bool, **choices) -> LoaderGeometry | None:
     """A loader_warp build's geometry (None without it), or the reason it cannot build (ValueError)."""
     if not loader_warp:
         return None
-    if isinstance(inflight, bool) or not isinstance(inflight, int) or inflight < 0:
-        raise ValueError(f"loader_inflight={inflight!r}: give the units the loader keeps in flight, an int >= 0 "
-                         "(0: as many as the ring holds)")
+    for name, value in (("loader_inflight", inflight), ("loader_qkv_inflight", qkv_inflight)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise ValueError(f"{name}={value!r}: give the units the loader keeps in flight, an int >= 0 "
+                             "(0: as many as the ring holds)")
     why = loader_refusal(plan, **choices)
     if why is None and not self_contained:
         why = "its module rewrites the CTA barriers of the bodies it copies: it must be self-contained"
@@ -1283,9 +1287,13 @@ def _checked_loader(plan: Plan, loader_warp: bool, inflight: int, warpgroup: boo
         raise ValueError(f"loader_warpgroup gives the consumers whole warpgroups of {WARPGROUP} threads; this plan runs "
                          f"{plan.threads}: build with loader_warpgroup=False")
     geometry = replace(loader_geometry(plan, inflight), warpgroup=warpgroup)
-    if inflight >= geometry.slots:
-        raise ValueError(f"loader_inflight={inflight}: the ring has {geometry.slots} slots; keep it below that "
-                         "(0: as many as the ring holds)")
+    if qkv_inflight is not None:
+        streams = tuple(replace(s, inflight=qkv_inflight) if s.stage == "norm_qkv" else s for s in geometry.streams)
+        geometry = replace(geometry, streams=streams)
+    for name, value in (("loader_inflight", inflight), ("loader_qkv_inflight", qkv_inflight)):
+        if value is not None and value >= geometry.slots:
+            raise ValueError(f"{name}={value}: the ring has {geometry.slots} slots; keep it below that "
+                             "(0: as many as the ring holds)")
     return geometry
 
 
