@@ -263,7 +263,9 @@ BUILDS = {"default": {}, "atom": {"barrier": "atom"}, "red": {"barrier": "red"},
           "pf32mb": {"prefetch_bytes": 32 << 20}, "pf48mb": {"prefetch_bytes": 48 << 20},
           # a ninth warp per CTA streams every weight in consumption order across grid barriers (session 51
           # candidate, codegen.loader; on the fused default, with fused_mlp forced on): at most 2 units of 16 KB in
-          # flight per CTA (loader-warp), 1, or as many as the ring holds (loader-warp-ring); loader-warp-288: without
+          # flight per CTA (loader-warp), 1, or as many as the ring holds (loader-warp-ring); the QKV rows in a ring of
+          # their own, loaded during attention (the default since session 51's second build; loader-warp-shared: one
+          # ring for all, as first measured: Qwen3-0.6B 0.700 vs 0.669 on an H100); loader-warp-288: without
           # the loader's own warpgroup (288 threads of 168 registers, not 384 with setmaxnreg: consumers 232)
           "loader-warp": {"fused_o": True, "fused_mlp": True, "bulk_down": True, "loader_warp": True},
           "loader-warp-1": {"fused_o": True, "fused_mlp": True, "bulk_down": True, "loader_warp": True,
@@ -274,7 +276,9 @@ BUILDS = {"default": {}, "atom": {"barrier": "atom"}, "red": {"barrier": "red"},
                               "loader_warpgroup": False},
           # ... the QKV stream unbounded (its units wait for the gate/up slots of the layer before), the rest at 2
           "loader-warp-qkv0": {"fused_o": True, "fused_mlp": True, "bulk_down": True, "loader_warp": True,
-                               "loader_qkv_inflight": 0}}
+                               "loader_qkv_inflight": 0},
+          "loader-warp-shared": {"fused_o": True, "fused_mlp": True, "bulk_down": True, "loader_warp": True,
+                                 "loader_qkv_ring": False}}
 
 
 def stepped_timeline_decoder(plan, model, tokens, timeline, build: str = "default", position: int | None = None):

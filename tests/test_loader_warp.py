@@ -39,12 +39,24 @@ def test_the_loader_streams_every_weight_and_the_consumers_copy_none(qwen3):
     for copy in ("gemv_ring_prefill(", "prefetch_rows(", "fused_o_load(", "mlp_down_bulk(", "gemv_rows_streamed("):
         assert "bodies." + copy not in kernel, copy
     assert consumers.count("bodies.gemv_slots(") == 3  # QKV, gate/up, LM head
-    # the loader's copies in the consumers' order: per layer QKV, the W_O block, gate/up, W_down; then the LM head
-    order = re.findall(r"bodies\.(loader_\w+)\(\s*(?:weight|w_o|w_cta)=([a-z_]+)", loader)
+    # the loader's copies in the consumers' order: the first layer's QKV rows; per layer the W_O block, the next
+    # layer's QKV rows (a ring of their own), W_down, gate/up; then the LM head
+    order = re.findall(r"bodies\.(loader_\w+)\(\s*(?:weight|w_o|w_cta)=([a-z_]+\[?[^,]*)", loader)
+    assert order == [("loader_rows", "w_qkv[0"), ("loader_o_block", "w_o[layer"), ("loader_rows", "w_qkv[layer + 1"),
+                     ("loader_down", "w_down_cta[layer"), ("loader_rows", "cute.local_tile(w_gate_up[layer"),
+                     ("loader_rows", "lm_head")], order
+    assert "if layer + 1 < LAYERS:" in loader and "s_qslots, s_qfull, s_qempty" not in consumers.replace("\n", " ")
+    assert consumers.count("ring=s_qslots, full=s_qfull, empty=s_qempty") == 1  # the QKV GEMV reads its own ring
+    # one ring for all (as session 51 first measured): per layer QKV, the W_O block, gate/up, W_down; the LM head
+    shared = _kernel(generate(qwen3, loader_warp=True, loader_qkv_ring=False).source).split("\n    else:  # warp", 1)[1]
+    order = re.findall(r"bodies\.(loader_\w+)\(\s*(?:weight|w_o|w_cta)=([a-z_]+)", shared)
     assert order == [("loader_rows", "w_qkv"), ("loader_o_block", "w_o"), ("loader_rows", "cute"),
                      ("loader_down", "w_down_cta"), ("loader_rows", "lm_head")], order
+    assert "s_qslots" not in shared
     # every unit index the consumers wait for is one the loader fills: the same expressions on both sides
-    assert sorted(re.findall(r"seq0=([^,]+),", consumers)) == sorted(re.findall(r"seq0=([^,]+),", loader))
+    # (the loader fills the first layer's QKV units before its loop and the next layer's inside it)
+    loads = {re.sub(r"^(0|\(layer \+ 1\)) \*", "layer *", seq) for seq in re.findall(r"seq0=([^,]+),", loader)}
+    assert sorted(re.findall(r"seq0=([^,]+),", consumers)) == sorted(loads)
     # no CTA barrier waits for the loader warp: the kernel's and the copied bodies' meet THREADS threads only
     assert "cute.arch.sync_threads()" not in source
     assert source.count("cute.arch.barrier(barrier_id=1, number_of_threads=THREADS)") >= 10
@@ -87,7 +99,7 @@ def test_the_loader_refuses_what_it_cannot_build(qwen3):
     with pytest.raises(ValueError, match="fused_mlp=True, bulk_down=True"):
         generate(qwen25, loader_warp=True)  # its default leaves the fused MLP off
     generate(qwen25, loader_warp=True, **FORCED)
-    for options, why in [({"self_contained": False}, "self-contained"), ({"watchdog": True}, "watchdog"),
+    for options, why in [({"self_contained": False}, "self-contained"), ({"watchdog": True}, "loader_warp"),
                          ({"spare_loads": True}, "spare_loads"), ({"early_down": "wait"}, "early_down"),
                          ({"loader_inflight": -1}, "loader_inflight=-1"),
                          ({"loader_inflight": 99}, "the ring has"), ({"fused_split": False}, "fused_split")]:

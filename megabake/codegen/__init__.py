@@ -448,7 +448,7 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
              spare_ring: bool | None = None, bulk_down: bool | None = None,
              early_down: str | None = None, loader_warp: bool = False,
              loader_inflight: int = DEFAULT_INFLIGHT, loader_warpgroup: bool = True,
-             loader_qkv_inflight: int | None = None) -> GeneratedModule:
+             loader_qkv_inflight: int | None = None, loader_qkv_ring: bool = True) -> GeneratedModule:
     """module.py of ``plan``. ``merge_preload`` / ``spread_merge``: None picks them per plan
     (:func:`default_merge`); True asks for one (refused where the attention scratch cannot hold it), False
     leaves it out (both False: the plain last-arrival merge of sessions 10-16). ``head_slices=False`` deals
@@ -527,7 +527,9 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     the layers' streams in flight (``bodies/loader.py``); the consumer warps meet at named barrier 1; with
     ``loader_warpgroup`` (on by default) the loader warp has a warpgroup of its own (384 threads, 3 warps of it idle),
     which lowers its registers with setmaxnreg so the consumers can raise theirs to 232 (288 threads leave 168);
-    ``loader_qkv_inflight`` bounds the QKV stream's units in flight apart (None: ``loader_inflight``). It
+    ``loader_qkv_inflight`` bounds the QKV stream's units in flight apart (None: ``loader_inflight``);
+    ``loader_qkv_ring`` (on by default) gives the QKV rows a ring of their own, which the loader fills with the next
+    layer's rows right after this layer's O block, during attention (False: one ring for all, as first measured). It
     needs the
     fused default (fused_o, fused_split, fused_mlp, bulk_down) and a self-contained module; the same bits as that
     build; refused where :func:`megabake.codegen.loader.loader_refusal` names a reason."""
@@ -638,8 +640,8 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
         if why:
             raise ValueError(f"fused_split runs every step's O projection in attention's interval, but {why}: build "
                              "without it")
-    loader = _checked_loader(plan, loader_warp, loader_inflight, loader_qkv_inflight, loader_warpgroup,
-                             self_contained, bool(timeline),
+    loader = _checked_loader(plan, loader_warp, loader_inflight, loader_qkv_inflight, loader_qkv_ring,
+                             loader_warpgroup, self_contained, bool(timeline),
                              watchdog,
                              fused_o=bool(fused_o), fused_split=bool(fused_split), fused_mlp=bool(fused_mlp),
                              bulk_down=bool(bulk_down), fused_kv_smem=fused_kv_smem, early_down=early_down,
@@ -723,7 +725,7 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
         for line in _FUSED_MLP_DECLARATIONS + (_BULK_DOWN_DECLARATIONS if bulk_down else []):
             w(line, 1)
     if loader:
-        for line in _LOADER_DECLARATIONS:
+        for line in _LOADER_DECLARATIONS + (_LOADER_QKV_DECLARATIONS if loader.qkv_slots else []):
             w(line, 1)
     for line in _preload_registers(plan):
         w(line, 1)
@@ -1007,7 +1009,7 @@ def _stage_calls(plan: Plan, stage: Stage, options: BuildOptions) -> list[tuple[
     if options.fused_split:
         calls = _fused_split_calls(stage, calls)
     if options.loader:
-        calls = _loader_stage_calls(stage, calls)
+        calls = _loader_stage_calls(stage, calls, options.loader)
     return calls
 
 
@@ -1267,8 +1269,9 @@ def _fused_split_stages(w: _Writer, plan: Plan, attention: Stage, indent: int, l
 
 
 # ------------------------------------------------------------------------------ loader_warp builds (codegen.loader)
-def _checked_loader(plan: Plan, loader_warp: bool, inflight: int, qkv_inflight: int | None, warpgroup: bool,
-                    self_contained: bool, timeline: bool, watchdog: bool, **choices) -> LoaderGeometry | None:
+def _checked_loader(plan: Plan, loader_warp: bool, inflight: int, qkv_inflight: int | None, qkv_ring: bool,
+                    warpgroup: bool, self_contained: bool, timeline: bool, watchdog: bool,
+                    **choices) -> LoaderGeometry | None:
     """A loader_warp build's geometry (None without it), or the reason it cannot build (ValueError)."""
     if not loader_warp:
         return None
@@ -1276,7 +1279,7 @@ def _checked_loader(plan: Plan, loader_warp: bool, inflight: int, qkv_inflight: 
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
             raise ValueError(f"{name}={value!r}: give the units the loader keeps in flight, an int >= 0 "
                              "(0: as many as the ring holds)")
-    why = loader_refusal(plan, **choices)
+    why = loader_refusal(plan, qkv_ring=qkv_ring, **choices)
     if why is None and not self_contained:
         why = "its module rewrites the CTA barriers of the bodies it copies: it must be self-contained"
     if why is None and watchdog:
@@ -1286,13 +1289,15 @@ def _checked_loader(plan: Plan, loader_warp: bool, inflight: int, qkv_inflight: 
     if warpgroup and plan.threads % WARPGROUP:
         raise ValueError(f"loader_warpgroup gives the consumers whole warpgroups of {WARPGROUP} threads; this plan runs "
                          f"{plan.threads}: build with loader_warpgroup=False")
-    geometry = replace(loader_geometry(plan, inflight), warpgroup=warpgroup)
+    geometry = replace(loader_geometry(plan, inflight, qkv_ring), warpgroup=warpgroup)
     if qkv_inflight is not None:
         streams = tuple(replace(s, inflight=qkv_inflight) if s.stage == "norm_qkv" else s for s in geometry.streams)
         geometry = replace(geometry, streams=streams)
-    for name, value in (("loader_inflight", inflight), ("loader_qkv_inflight", qkv_inflight)):
-        if value is not None and value >= geometry.slots:
-            raise ValueError(f"{name}={value}: the ring has {geometry.slots} slots; keep it below that "
+    qkv_slots = geometry.qkv_slots or geometry.slots
+    for name, value, slots in (("loader_inflight", inflight, geometry.slots),
+                               ("loader_qkv_inflight", qkv_inflight, qkv_slots)):
+        if value and value >= slots:
+            raise ValueError(f"{name}={value}: the ring has {slots} slots; keep it below that "
                              "(0: as many as the ring holds)")
     return geometry
 
@@ -1308,7 +1313,11 @@ def _loader_constants(w: _Writer, loader: LoaderGeometry) -> None:
     w(f"LOADER_UNIT_ROWS = {{{table('unit_rows')}}}")
     w(f"LOADER_UNITS = {{{table('units')}}}")
     w(f"LOADER_INFLIGHT = {{{table('inflight')}}}")
-    w(f"LAYER_UNITS = {loader.layer_units}  # units a layer streams (its QKV, then its gate/up rows)")
+    if loader.qkv_slots:
+        w(f"LOADER_QKV_SLOTS = {loader.qkv_slots}  # the QKV rows' ring of their own, one slot per unit")
+        w(f"LAYER_UNITS = {loader.layer_units}  # units a layer streams through the shared ring (its gate/up rows)")
+    else:
+        w(f"LAYER_UNITS = {loader.layer_units}  # units a layer streams (its QKV, then its gate/up rows)")
     if loader.warpgroup:
         w(f"LOADER_THREADS = {loader.extra_threads}  # the loader warp (warp WARPS) and the idle rest of its warpgroup")
         w(f"REGISTERS = ({CONSUMER_REGISTERS}, {PRODUCER_REGISTERS})  # setmaxnreg: consumer warpgroups, the loader's")
@@ -1342,8 +1351,23 @@ _LOADER_DECLARATIONS = [
     "o_block = cutlass.max(cutlass.min(FUSED_O_BLOCKS - cta // N_KV_HEADS, 1), 0)",
     "mlp_block = cutlass.max(cutlass.min(MLP_CHUNKS - cta, 1), 0)",
 ]
+_LOADER_QKV_DECLARATIONS = [
+    "# loader_qkv_ring: the QKV rows' ring of their own (unit u of every layer in slot u)",
+    "s_qslots = smem.allocate_tensor(",
+    "    w_qkv.element_type, cute.make_layout(LOADER_QKV_SLOTS * SLOT_BYTES // 2), byte_alignment=128)",
+    "s_qfull = smem.allocate_tensor(cutlass.Int64, cute.make_layout(LOADER_QKV_SLOTS), byte_alignment=8)",
+    "s_qempty = smem.allocate_tensor(cutlass.Int64, cute.make_layout(LOADER_QKV_SLOTS), byte_alignment=8)",
+    "if tidx == 0:",
+    "    for slot in cutlass.range_constexpr(LOADER_QKV_SLOTS):",
+    "        cute.arch.mbarrier_init(s_qfull.iterator + slot, 1)",
+    "        cute.arch.mbarrier_init(s_qempty.iterator + slot, WARPS)",
+    "cute.arch.mbarrier_init_fence()",
+]
 _LOADER_SEQ = {"norm_qkv": "layer * LAYER_UNITS", "norm_gate_up": "layer * LAYER_UNITS + LOADER_UNITS['norm_qkv']",
                "norm_lm_head": "LAYERS * LAYER_UNITS"}
+# loader_qkv_ring: the QKV rows count units in a sequence of their own, the shared ring only the gate/up and LM head's
+_LOADER_QKV_RING_SEQ = {"norm_qkv": "layer * LOADER_UNITS['norm_qkv']", "norm_gate_up": "layer * LAYER_UNITS",
+                        "norm_lm_head": "LAYERS * LAYER_UNITS"}
 _LOADER_DROPPED = ("bodies.gemv_ring_prefill(", "bodies.prefetch_rows(", "bodies.mlp_down_bulk(",
                    "bodies.mlp_down_load(", "bodies.fused_o_load(")
 _LOADER_O_BLOCK = ("bodies.loader_o_block(w_o[layer, None, None], s_wo, s_wo_full, s_wo_empty, layer, cta, lane, "
@@ -1358,7 +1382,7 @@ def _call_arguments(call: str) -> list[str]:
     return [ast.get_source_segment(call.strip(), arg) for arg in node.args]
 
 
-def _loader_calls(stage: Stage, streamed: str) -> tuple[str, str]:
+def _loader_calls(stage: Stage, streamed: str, loader: LoaderGeometry) -> tuple[str, str]:
     """(the consumers' ``bodies.gemv_slots`` call, the loader's ``bodies.loader_rows`` call) of a streamed GEMV
     stage, from its ``bodies.gemv_rows_streamed`` call (the same weight view, output, bias and gated write)."""
     (weight, _ring, bias, source, out, _warp, _lane, _warps, rows, cols, batch, _per_tile, accumulate, _unroll,
@@ -1367,21 +1391,25 @@ def _loader_calls(stage: Stage, streamed: str) -> tuple[str, str]:
     group = 2 if act != "0" else 1
     row0 = "cutlass.min(cta // MLP_CHUNKS, 1) * 2 * MLP_PER_CTA" if name == "norm_gate_up" else \
         f"cta * LOADER_PER_CTA[{name!r}]"
-    tail = f"LOADER_PER_CTA[{name!r}], LOADER_UNIT_ROWS[{name!r}], LOADER_UNITS[{name!r}], LOADER_SLOTS"
-    consume = (f"bodies.gemv_slots(s_slots, s_full, s_empty, {_LOADER_SEQ[name]}, {source}, {out}, {bias}, {row0}, "
-               f"tidx // 32, lane, {rows}, {cols}, {batch}, {group}, {tail}, WARPS, {accumulate}, {has_bias}, {act})")
-    load = (f"bodies.loader_rows({weight}, s_slots, s_full, s_empty, {_LOADER_SEQ[name]}, {row0}, lane, {rows}, "
-            f"{cols}, {tail}, LOADER_INFLIGHT[{name!r}], WARPS)")
+    own = bool(loader.qkv_slots) and name == "norm_qkv"
+    ring, slots = (("s_qslots, s_qfull, s_qempty", "LOADER_QKV_SLOTS") if own else
+                   ("s_slots, s_full, s_empty", "LOADER_SLOTS"))
+    seq = (_LOADER_QKV_RING_SEQ if loader.qkv_slots else _LOADER_SEQ)[name]
+    tail = f"LOADER_PER_CTA[{name!r}], LOADER_UNIT_ROWS[{name!r}], LOADER_UNITS[{name!r}], {slots}"
+    consume = (f"bodies.gemv_slots({ring}, {seq}, {source}, {out}, {bias}, {row0}, tidx // 32, lane, {rows}, {cols}, "
+               f"{batch}, {group}, {tail}, WARPS, {accumulate}, {has_bias}, {act})")
+    load = (f"bodies.loader_rows({weight}, {ring}, {seq}, {row0}, lane, {rows}, {cols}, {tail}, "
+            f"LOADER_INFLIGHT[{name!r}], WARPS)")
     return consume, load
 
 
-def _loader_stage_calls(stage: Stage, calls: list[tuple[str, str]]) -> list[tuple[str, str]]:
+def _loader_stage_calls(stage: Stage, calls: list[tuple[str, str]], loader: LoaderGeometry) -> list[tuple[str, str]]:
     """A loader_warp build's body calls: each streamed GEMV reads the ring (``bodies.gemv_slots``), and the fused
     MLP's consumers release ``s_down`` after their down partials."""
     out = []
     for name, call in calls:
         if name == "gemv_rows_streamed":
-            out.append(("gemv_slots", _loader_calls(stage, call)[0]))
+            out.append(("gemv_slots", _loader_calls(stage, call, loader)[0]))
             continue
         out.append((name, call))
         if name == "mlp_down_partial":
@@ -1392,39 +1420,38 @@ def _loader_stage_calls(stage: Stage, calls: list[tuple[str, str]]) -> list[tupl
 def _write_loader_program(w: _Writer, plan: Plan, loader: LoaderGeometry) -> None:
     """The loader warp's program (the else branch of the kernel's consumer test): every stream's copies in the order
     the consumers read them: per layer the QKV rows, the W_O block, the gate/up rows and the W_down columns, then the
-    LM head's rows."""
+    LM head's rows. With a QKV ring of its own (``loader.qkv_slots``) the next layer's QKV rows come right after the
+    layer's W_O block (their slots free once this layer's QKV GEMV read them: during attention), then the W_down
+    columns, then the gate/up rows."""
     plain = BuildOptions(fused_o=True, fused_mlp=True, fused_split=True, bulk_down=True)
 
-    def stage_loads(stage: Stage) -> list[str]:
-        loads = []
-        if stage.name in _LOADER_SEQ:
-            streamed = [call for name, call in _stage_calls(plan, stage, plain) if name == "gemv_rows_streamed"]
-            assert len(streamed) == 1, (stage.name, streamed)
-            loads.append(_loader_calls(stage, streamed[0])[1])
-        if stage.scope == "layer" and stage.kind == "attention":
-            loads.append(_LOADER_O_BLOCK)
-        if stage.scope == "layer" and stage.name == "norm_gate_up":
-            loads.append(_LOADER_DOWN)
-        return loads
+    def rows(stage_name: str) -> str:
+        stage = next(s for s in plan.stages if s.name == stage_name)
+        streamed = [call for name, call in _stage_calls(plan, stage, plain) if name == "gemv_rows_streamed"]
+        assert len(streamed) == 1, (stage.name, streamed)
+        return _loader_calls(stage, streamed[0], loader)[1]
 
     w("else:  # warp WARPS, the loader: the weights in consumption order, never at a grid barrier", 1)
     if loader.warpgroup:
         w("cute.arch.setmaxregister_decrease(REGISTERS[1])", 2)
         w("if tidx < THREADS + 32:  # the rest of the loader's warpgroup has nothing to do", 2)
         w.base = 1
-    for stage in plan.stages:
-        if stage.scope == "prologue":
-            for call in stage_loads(stage):
-                w(call, 2)
+    qkv = rows("norm_qkv")
+    if loader.qkv_slots:
+        w(re.sub(r"\blayer\b", "0", qkv), 2)
     w("for layer in range(LAYERS):", 2)
-    for stage in plan.stages:
-        if stage.scope == "layer":
-            for call in stage_loads(stage):
-                w(call, 3)
-    for stage in plan.stages:
-        if stage.scope == "epilogue":
-            for call in stage_loads(stage):
-                w(call, 2)
+    if not loader.qkv_slots:
+        w(qkv, 3)
+    w(_LOADER_O_BLOCK, 3)
+    if loader.qkv_slots:
+        w("if layer + 1 < LAYERS:  # the next layer's QKV rows, into the slots this layer's QKV GEMV has read", 3)
+        w(re.sub(r"\blayer\b", "(layer + 1)", qkv), 4)
+        w(_LOADER_DOWN, 3)
+        w(rows("norm_gate_up"), 3)
+    else:
+        w(rows("norm_gate_up"), 3)
+        w(_LOADER_DOWN, 3)
+    w(rows("norm_lm_head"), 2)
     w.base = 0
 
 

@@ -61,6 +61,7 @@ class LoaderGeometry:
     slots: int
     smem_bytes: int
     warpgroup: bool = False  # the loader warp's warpgroup of its own, with setmaxnreg (generate's loader_warpgroup)
+    qkv_slots: int = 0  # the QKV rows' ring of their own (one slot per unit), or 0: they share the ring
 
     @property
     def extra_threads(self) -> int:
@@ -72,7 +73,8 @@ class LoaderGeometry:
 
     @property
     def layer_units(self) -> int:
-        return self.stream("norm_qkv").units + self.stream("norm_gate_up").units
+        """Units a layer streams through the shared ring (the QKV rows' too, where they have no ring of their own)."""
+        return self.stream("norm_gate_up").units + (0 if self.qkv_slots else self.stream("norm_qkv").units)
 
 
 def _stream(stage: str, rows: int, cols: int, group: int, per_cta: int, row0: str, inflight: int) -> Stream | None:
@@ -88,8 +90,11 @@ def _spread(stage: str, rows: int, cols: int, ctas: int, inflight: int) -> Strea
     return _stream(stage, rows, cols, 1, per_cta, f"cta * {per_cta}", inflight)
 
 
-def loader_geometry(plan: Plan, inflight: int = DEFAULT_INFLIGHT) -> LoaderGeometry | None:
-    """The loader build's streams and ring, or None where a row does not fit a slot or the ring does not fit."""
+def loader_geometry(plan: Plan, inflight: int = DEFAULT_INFLIGHT, qkv_ring: bool = True) -> LoaderGeometry | None:
+    """The loader build's streams and rings, or None where a row does not fit a slot or the rings do not fit. With
+    ``qkv_ring`` the QKV rows have a ring of their own, a slot per unit: the next layer's rows can land during
+    attention, while the gate/up rows hold the shared ring (session 51: sharing it, Qwen3-0.6B's QKV interval took
+    195 us instead of 108)."""
     d = plan.dims
     mlp = mlp_geometry(plan)
     if mlp is None:
@@ -104,12 +109,13 @@ def loader_geometry(plan: Plan, inflight: int = DEFAULT_INFLIGHT) -> LoaderGeome
     fused = fused_geometry(plan)
     staged = smem_bytes(plan.dims, plan.batch, plan.capacity, plan.threads, True, plan.staging_dtype,
                         global_down=True)
-    fixed = (staged + _aligned(fused.block_bytes, 128) + _aligned(mlp.down_bytes, 128) + 128  # slot alignment
-             + LOADER_BARRIER_BYTES * (2 * MAX_SLOTS + 4) + 64)
+    qkv_slots = streams[0].units if qkv_ring else 0
+    fixed = (staged + _aligned(fused.block_bytes, 128) + _aligned(mlp.down_bytes, 128) + 2 * 128  # slot alignment
+             + LOADER_BARRIER_BYTES * (2 * (MAX_SLOTS + qkv_slots) + 4) + 64 + qkv_slots * SLOT_BYTES)
     slots = min(MAX_SLOTS, (HOPPER_SMEM_PER_BLOCK - fixed) // SLOT_BYTES)
     if slots < MIN_SLOTS:
         return None
-    return LoaderGeometry(streams, slots, fixed + slots * SLOT_BYTES)
+    return LoaderGeometry(streams, slots, fixed + slots * SLOT_BYTES, qkv_slots=qkv_slots)
 
 
 def _aligned(nbytes: int, to: int) -> int:
@@ -117,7 +123,7 @@ def _aligned(nbytes: int, to: int) -> int:
 
 
 def loader_refusal(plan: Plan, *, fused_o: bool, fused_split: bool, fused_mlp: bool, bulk_down: bool,
-                   fused_kv_smem: bool, early_down: str | None, barrier: str) -> str | None:
+                   fused_kv_smem: bool, early_down: str | None, barrier: str, qkv_ring: bool = True) -> str | None:
     """Why ``loader_warp`` cannot build this plan with these choices, or None where it can."""
     if not (fused_o and fused_split and fused_mlp and bulk_down):
         return ("it streams the fused default's weights: it needs fused_o, fused_split, fused_mlp and bulk_down "
@@ -140,7 +146,7 @@ def loader_refusal(plan: Plan, *, fused_o: bool, fused_split: bool, fused_mlp: b
         return "the final soft-capping rewrites the LM head's rows in the register tiling's warp order"
     if plan.dims.hidden * 2 > SLOT_BYTES:
         return f"a weight row of {plan.dims.hidden} bf16 does not fit a {SLOT_BYTES}-byte ring slot"
-    if loader_geometry(plan) is None:
+    if loader_geometry(plan, qkv_ring=qkv_ring) is None:
         return (f"at least {MIN_SLOTS} ring slots of {SLOT_BYTES} bytes, the W_O block and the W_down columns do not "
                 f"fit the {HOPPER_SMEM_PER_BLOCK} bytes of shared memory of a Hopper CTA")
     return None
