@@ -60,6 +60,8 @@ def test_the_loader_streams_every_weight_and_the_consumers_copy_none(qwen3):
     # no CTA barrier waits for the loader warp: the kernel's and the copied bodies' meet THREADS threads only
     assert "cute.arch.sync_threads()" not in source
     assert source.count("cute.arch.barrier(barrier_id=1, number_of_threads=THREADS)") >= 10
+    # every mbarrier (the QKV ring's too) is initialised before the barrier that lets any warp use one
+    assert consumers.rindex("cute.arch.mbarrier_init(") < consumers.index("cute.arch.barrier(barrier_id=0, ")
     assert "wait_block(bar=s_wo_full" in consumers and "release_block(bar=s_wo_empty" in consumers
     assert "release_block(bar=s_down_empty" in consumers
     # off by default: the default build is unchanged

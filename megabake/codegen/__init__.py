@@ -530,9 +530,8 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     ``loader_qkv_inflight`` bounds the QKV stream's units in flight apart (None: ``loader_inflight``);
     ``loader_qkv_ring`` (on by default) gives the QKV rows a ring of their own, which the loader fills with the next
     layer's rows right after this layer's O block, during attention (False: one ring for all, as first measured). It
-    needs the
-    fused default (fused_o, fused_split, fused_mlp, bulk_down) and a self-contained module; the same bits as that
-    build; refused where :func:`megabake.codegen.loader.loader_refusal` names a reason."""
+    needs the fused default (fused_o, fused_split, fused_mlp, bulk_down) and a self-contained module; the same bits
+    as that build; refused where :func:`megabake.codegen.loader.loader_refusal` names a reason."""
     if watchdog and timeline:
         raise ValueError("a watchdog build has no timeline: build them separately")
     if barrier is not None and barrier not in BARRIER_ARRIVALS:
@@ -641,9 +640,7 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
             raise ValueError(f"fused_split runs every step's O projection in attention's interval, but {why}: build "
                              "without it")
     loader = _checked_loader(plan, loader_warp, loader_inflight, loader_qkv_inflight, loader_qkv_ring,
-                             loader_warpgroup, self_contained, bool(timeline),
-                             watchdog,
-                             fused_o=bool(fused_o), fused_split=bool(fused_split), fused_mlp=bool(fused_mlp),
+                             loader_warpgroup, self_contained, watchdog, fused_o=bool(fused_o), fused_split=bool(fused_split), fused_mlp=bool(fused_mlp),
                              bulk_down=bool(bulk_down), fused_kv_smem=fused_kv_smem, early_down=early_down,
                              barrier=barrier)
     arguments = (kernel_arguments(plan) + (list(FUSED_O_BUFFERS) if fused_o else [])
@@ -725,7 +722,7 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
         for line in _FUSED_MLP_DECLARATIONS + (_BULK_DOWN_DECLARATIONS if bulk_down else []):
             w(line, 1)
     if loader:
-        for line in _LOADER_DECLARATIONS + (_LOADER_QKV_DECLARATIONS if loader.qkv_slots else []):
+        for line in _LOADER_DECLARATIONS + (_LOADER_QKV_DECLARATIONS if loader.qkv_slots else []) + _LOADER_START:
             w(line, 1)
     for line in _preload_registers(plan):
         w(line, 1)
@@ -1270,8 +1267,7 @@ def _fused_split_stages(w: _Writer, plan: Plan, attention: Stage, indent: int, l
 
 # ------------------------------------------------------------------------------ loader_warp builds (codegen.loader)
 def _checked_loader(plan: Plan, loader_warp: bool, inflight: int, qkv_inflight: int | None, qkv_ring: bool,
-                    warpgroup: bool, self_contained: bool, timeline: bool, watchdog: bool,
-                    **choices) -> LoaderGeometry | None:
+                    warpgroup: bool, self_contained: bool, watchdog: bool, **choices) -> LoaderGeometry | None:
     """A loader_warp build's geometry (None without it), or the reason it cannot build (ValueError)."""
     if not loader_warp:
         return None
@@ -1347,6 +1343,9 @@ _LOADER_DECLARATIONS = [
     "    cute.arch.mbarrier_init(s_wo_empty.iterator, 1)",
     "    cute.arch.mbarrier_init(s_down_empty.iterator, WARPS)",
     "cute.arch.mbarrier_init_fence()",
+]
+# after every loader mbarrier is initialised (the QKV ring's too): no warp may touch one before
+_LOADER_START = [
     "cute.arch.barrier(barrier_id=0, number_of_threads=THREADS + LOADER_THREADS)  # all see the mbarriers initialised",
     "o_block = cutlass.max(cutlass.min(FUSED_O_BLOCKS - cta // N_KV_HEADS, 1), 0)",
     "mlp_block = cutlass.max(cutlass.min(MLP_CHUNKS - cta, 1), 0)",
