@@ -78,6 +78,9 @@ def test_every_row_of_every_stream_is_copied_and_reduced_once(preset, capacity):
     assert SLOT_BYTES == BODY_SLOT_BYTES and 3 <= geometry.slots and geometry.smem_bytes <= HOPPER_SMEM_PER_BLOCK
     warps = plan.warps
     for stream in geometry.streams:
+        # a bound of a lap or more would wait for a phase the loader has not armed: it must stay below the ring
+        assert stream.inflight < geometry.ring_slots(stream.stage), stream
+        assert stream.stage != "norm_qkv" or geometry.qkv_slots == stream.units  # one slot per QKV unit
         assert stream.unit_rows * stream.cols * 2 <= SLOT_BYTES and stream.unit_rows % stream.group == 0
         ctas = plan.ctas if stream.stage != "norm_gate_up" else 1  # gate/up: each CTA's own block
         seen = [0] * stream.rows

@@ -1289,12 +1289,12 @@ def _checked_loader(plan: Plan, loader_warp: bool, inflight: int, qkv_inflight: 
     if qkv_inflight is not None:
         streams = tuple(replace(s, inflight=qkv_inflight) if s.stage == "norm_qkv" else s for s in geometry.streams)
         geometry = replace(geometry, streams=streams)
-    qkv_slots = geometry.qkv_slots or geometry.slots
     for name, value, slots in (("loader_inflight", inflight, geometry.slots),
-                               ("loader_qkv_inflight", qkv_inflight, qkv_slots)):
+                               ("loader_qkv_inflight", qkv_inflight, geometry.ring_slots("norm_qkv"))):
         if value and value >= slots:
             raise ValueError(f"{name}={value}: the ring has {slots} slots; keep it below that "
                              "(0: as many as the ring holds)")
+    assert all(s.inflight < geometry.ring_slots(s.stage) for s in geometry.streams), geometry
     return geometry
 
 

@@ -13,7 +13,7 @@ each arrival on Qwen3-0.6B and Qwen2.5-0.5B, with at most one or two 16 KB tiles
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..plan import Plan
 from ..plan.memory import smem_bytes
@@ -71,6 +71,11 @@ class LoaderGeometry:
     def stream(self, stage: str) -> Stream:
         return next(s for s in self.streams if s.stage == stage)
 
+    def ring_slots(self, stage: str) -> int:
+        """The slots of the ring ``stage``'s rows go through (a stream's ``inflight`` must stay below them: a loader
+        waiting for a unit more than a lap back would wait for a phase it has not armed yet)."""
+        return self.qkv_slots if stage == "norm_qkv" and self.qkv_slots else self.slots
+
     @property
     def layer_units(self) -> int:
         """Units a layer streams through the shared ring (the QKV rows' too, where they have no ring of their own)."""
@@ -110,6 +115,8 @@ def loader_geometry(plan: Plan, inflight: int = DEFAULT_INFLIGHT, qkv_ring: bool
     staged = smem_bytes(plan.dims, plan.batch, plan.capacity, plan.threads, True, plan.staging_dtype,
                         global_down=True)
     qkv_slots = streams[0].units if qkv_ring else 0
+    if qkv_slots and streams[0].inflight >= qkv_slots:  # a ring this small bounds its units in flight itself
+        streams = (replace(streams[0], inflight=0),) + streams[1:]
     fixed = (staged + _aligned(fused.block_bytes, 128) + _aligned(mlp.down_bytes, 128) + 2 * 128  # slot alignment
              + LOADER_BARRIER_BYTES * (2 * (MAX_SLOTS + qkv_slots) + 4) + 64 + qkv_slots * SLOT_BYTES)
     slots = min(MAX_SLOTS, (HOPPER_SMEM_PER_BLOCK - fixed) // SLOT_BYTES)
