@@ -2,8 +2,9 @@
 
 Contract: pure functions of a :class:`~megabake.plan.Plan`; no code is written here. A loader build adds a ninth
 warp per CTA that streams the weights of the streamed GEMV stages (the QKV projection, the fused MLP's gate/up rows,
-the LM head) through a ring of ``SLOT_BYTES`` slots in the order the consumer warps read them, and copies the W_O
-block and the W_down columns into buffers of their own, across grid barriers (``bodies/loader.py``). It builds on
+the LM head) through rings of ``SLOT_BYTES`` slots in the order the consumer warps read them (by default the QKV rows
+in a ring of their own, so the next layer's land during attention), and copies the W_O block and the W_down columns
+into buffers of their own, across grid barriers (``bodies/loader.py``). It builds on
 the fused default (``fused_o``, ``fused_split``, ``fused_mlp`` with ``bulk_down``; batch 1): every weight byte a
 step reads is then in one of those five streams. :func:`loader_refusal` names what is missing otherwise.
 
