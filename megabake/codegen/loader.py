@@ -9,7 +9,10 @@ the fused default (``fused_o``, ``fused_split``, ``fused_mlp`` with ``bulk_down`
 step reads is then in one of those five streams. :func:`loader_refusal` names what is missing otherwise.
 
 Session 50's probe (``scripts/gpu_stream_probe.py``, H100) ran this schedule 11-16% faster than the fill after
-each arrival on Qwen3-0.6B and Qwen2.5-0.5B, with at most one or two 16 KB tiles in flight per SM.
+each arrival on Qwen3-0.6B and Qwen2.5-0.5B, with at most one or two 16 KB tiles in flight per SM. Session 51
+(H100, one shared ring, ``loader_qkv_ring=False``): the fused default's bits; GPU ms at 16 Qwen3-0.6B 0.669 -> 0.700,
+Qwen2.5-0.5B 0.549 -> 0.548, SmolLM-135M 0.345 -> 0.363, the next layer's QKV rows waiting for ring slots (docs/PERF.md,
+"Session 51"). The QKV-ring layout has not run on a GPU yet.
 """
 
 from __future__ import annotations
