@@ -63,7 +63,8 @@ def loader_rows(weight: cute.Tensor, ring: cute.Tensor, full: cute.Tensor, empty
     """The loader's side of one streamed GEMV stage: units ``seq0 .. seq0 + units - 1``, each of up to ``unit_rows``
     rows ``row0 + u * unit_rows ..`` of ``weight``, one ``cp.async.bulk`` per row, completing on the slot's full
     mbarrier (lane 0 arms it with the unit's bytes; an empty unit completes at once). A slot is refilled once its
-    ``warps`` consumers released it; at most ``inflight`` units (0: no bound) are requested and not landed."""
+    ``warps`` consumers released it; at most ``inflight`` units (0: no bound) are requested and not landed, which must
+    stay below ``slots`` (a wait a lap back would be for a phase not armed yet: ``codegen.loader``'s ring_slots)."""
     view = _slot_rows(ring, slots, unit_rows, cols)
     atom = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), weight.element_type, num_bits_per_copy=cols * 16)
     for u in range(units):
