@@ -1398,7 +1398,7 @@ def _loader_calls(stage: Stage, streamed: str, loader: LoaderGeometry) -> tuple[
     consume = (f"bodies.gemv_slots({ring}, {seq}, {source}, {out}, {bias}, {row0}, tidx // 32, lane, {rows}, {cols}, "
                f"{batch}, {group}, {tail}, WARPS, {accumulate}, {has_bias}, {act})")
     load = (f"bodies.loader_rows({weight}, {ring}, {seq}, {row0}, lane, {rows}, {cols}, {tail}, "
-            f"LOADER_INFLIGHT[{name!r}], WARPS)")
+            f"LOADER_INFLIGHT[{name!r}])")
     return consume, load
 
 

@@ -41,7 +41,7 @@ STREAMED_STAGES = ("norm_qkv", "norm_gate_up", "norm_lm_head")
 
 @dataclass(frozen=True)
 class Stream:
-    """One streamed GEMV stage: each CTA owns ``per_cta`` consecutive rows (from ``row0``, a module expression) of
+    """One streamed GEMV stage: each CTA owns ``per_cta`` consecutive rows of
     its ``rows`` x ``cols`` weight view, streamed as ``units`` units of ``unit_rows`` rows, dealt to the warps in
     groups of ``group`` rows; ``inflight`` units at most requested and not landed (0: the ring bounds it)."""
 
@@ -52,7 +52,6 @@ class Stream:
     per_cta: int
     unit_rows: int
     units: int
-    row0: str
     inflight: int
 
 
@@ -86,17 +85,17 @@ class LoaderGeometry:
         return self.stream("norm_gate_up").units + (0 if self.qkv_slots else self.stream("norm_qkv").units)
 
 
-def _stream(stage: str, rows: int, cols: int, group: int, per_cta: int, row0: str, inflight: int) -> Stream | None:
+def _stream(stage: str, rows: int, cols: int, group: int, per_cta: int, inflight: int) -> Stream | None:
     unit_rows = SLOT_BYTES // (cols * 2) // group * group
     if unit_rows < group:
         return None
-    return Stream(stage, rows, cols, group, per_cta, unit_rows, -(-per_cta // unit_rows), row0, inflight)
+    return Stream(stage, rows, cols, group, per_cta, unit_rows, -(-per_cta // unit_rows), inflight)
 
 
 def _spread(stage: str, rows: int, cols: int, ctas: int, inflight: int) -> Stream | None:
     """A stage whose rows are dealt over the whole grid: CTA ``c`` owns rows ``c * per_cta ..``."""
     per_cta = -(-rows // ctas)
-    return _stream(stage, rows, cols, 1, per_cta, f"cta * {per_cta}", inflight)
+    return _stream(stage, rows, cols, 1, per_cta, inflight)
 
 
 def loader_geometry(plan: Plan, inflight: int = DEFAULT_INFLIGHT, qkv_ring: bool = True) -> LoaderGeometry | None:
@@ -110,8 +109,7 @@ def loader_geometry(plan: Plan, inflight: int = DEFAULT_INFLIGHT, qkv_ring: bool
         return None
     up_rows = 2 * mlp.per_cta
     streams = (_spread("norm_qkv", d.qkv_rows, d.hidden, plan.ctas, inflight),
-               _stream("norm_gate_up", up_rows, d.hidden, 2, up_rows, f"cutlass.min(cta // MLP_CHUNKS, 1) * {up_rows}",
-                       inflight),
+               _stream("norm_gate_up", up_rows, d.hidden, 2, up_rows, inflight),
                _spread("norm_lm_head", d.vocab, d.hidden, plan.ctas, 0))
     if any(s is None for s in streams):
         return None

@@ -29,7 +29,7 @@ import cutlass.cute.nvgpu.cpasync as cpasync
 from cutlass import Float32, Int32
 
 from .common import VEC, WARP
-from .gemv import _gemv_write, _staged_input
+from .gemv import _gemv_chunk, _gemv_write
 
 SLOT_BYTES = 16384  # one ring slot: a unit of whole weight rows (scripts/gpu_stream_probe.py streamed 16 KB tiles)
 
@@ -59,11 +59,11 @@ def _unit_rows_present(row0: Int32, u: Int32, rows: cutlass.Constexpr[int], per_
 def loader_rows(weight: cute.Tensor, ring: cute.Tensor, full: cute.Tensor, empty: cute.Tensor, seq0: Int32,
                 row0: Int32, lane: Int32, rows: cutlass.Constexpr[int], cols: cutlass.Constexpr[int],
                 per_cta: cutlass.Constexpr[int], unit_rows: cutlass.Constexpr[int], units: cutlass.Constexpr[int],
-                slots: cutlass.Constexpr[int], inflight: cutlass.Constexpr[int], warps: cutlass.Constexpr[int]):
+                slots: cutlass.Constexpr[int], inflight: cutlass.Constexpr[int]):
     """The loader's side of one streamed GEMV stage: units ``seq0 .. seq0 + units - 1``, each of up to ``unit_rows``
     rows ``row0 + u * unit_rows ..`` of ``weight``, one ``cp.async.bulk`` per row, completing on the slot's full
-    mbarrier (lane 0 arms it with the unit's bytes; an empty unit completes at once). A slot is refilled once its
-    ``warps`` consumers released it; at most ``inflight`` units (0: no bound) are requested and not landed, which must
+    mbarrier (lane 0 arms it with the unit's bytes; an empty unit completes at once). A slot is refilled once every
+    consumer warp released it; at most ``inflight`` units (0: no bound) are requested and not landed, which must
     stay below ``slots`` (a wait a lap back would be for a phase not armed yet: ``codegen.loader``'s ring_slots)."""
     view = _slot_rows(ring, slots, unit_rows, cols)
     atom = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), weight.element_type, num_bits_per_copy=cols * 16)
@@ -114,26 +114,14 @@ def gemv_slots(ring: cute.Tensor, full: cute.Tensor, empty: cute.Tensor, seq0: I
                 for j in cutlass.range_constexpr((kvecs + WARP - 1) // WARP):
                     kv = j * WARP + lane
                     if cutlass.const_expr((j + 1) * WARP <= kvecs):
-                        _slot_chunk(view, slot, g * group, s_vec, acc, kv, batch, group)
+                        _gemv_chunk(view[slot, None, None], s_vec, acc, g, kv, unit_rows, batch, group)
                     elif kv < kvecs:
-                        _slot_chunk(view, slot, g * group, s_vec, acc, kv, batch, group)
+                        _gemv_chunk(view[slot, None, None], s_vec, acc, g, kv, unit_rows, batch, group)
                 _gemv_write(acc, out, bias, (row0 + u * unit_rows) // group + g, lane, rows, batch, group,
                             accumulate, has_bias, act)
         cute.arch.sync_warp()
         if lane == 0:
             cute.arch.mbarrier_arrive(empty.iterator + slot)
-
-
-@cute.jit
-def _slot_chunk(view: cute.Tensor, slot: Int32, first: Int32, s_vec: cute.Tensor, acc: cute.Tensor, kv: Int32,
-                batch: cutlass.Constexpr[int], group: cutlass.Constexpr[int]):
-    """:func:`_gemv_chunk_ring` on the rows ``first ..`` of a slot (same arithmetic, same order)."""
-    for r in cutlass.range_constexpr(group):
-        w = cute.zipped_divide(view[slot, first + r, None], (VEC,))[(None, kv)].load().to(Float32)
-        for b in cutlass.range_constexpr(batch):
-            xv = _staged_input(s_vec, b, kv)
-            acc[r * batch + b] = acc[r * batch + b] + (w * xv).reduce(
-                cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
 
 
 @cute.jit
