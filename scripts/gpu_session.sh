@@ -102,8 +102,9 @@
 #          today's fill after each barrier (interval) against streaming ahead with 1 / 2 tiles in flight; STREAM_ARGS
 #          replaces presets and options -> OUT/stream-probe*.log, OUT/stream-probe*.json (~2 min)
 #   tests-parallel: the same tests as tests1-3, the fused_o build's (tests/test_fused_o_gpu.py),
-#          tests/test_global_down_gpu.py, tests/test_mma_wide_gpu.py, tests/test_fused_mlp_gpu.py and
-#          tests/test_fused_split_gpu.py at once, as
+#          tests/test_global_down_gpu.py, tests/test_mma_wide_gpu.py, tests/test_fused_mlp_gpu.py,
+#          tests/test_fused_split_gpu.py, tests/test_spare_warp_gpu.py and tests/test_loader_warp_gpu.py (both
+#          missing from it until session 52) at once, as
 #          SHARDS (default 4) pytest processes on the one GPU
 #          (pytest --shard I/N, tests/sharding.py: their CPU-bound setup, random init and CuTe DSL compiles,
 #          overlaps; kernels time-share the GPU) -> OUT/pytest-gpu-shard*.log (3 processes: 6.6 min, session 16)
@@ -159,7 +160,7 @@ if [[ " $PARTS " == *" tests-parallel "* ]]; then
     names+=("shard$i")
     OMP_NUM_THREADS=$threads run_tests "shard$i" "" --shard "$i/$shards" "${TESTS3[@]:2}" tests/test_fused_o_gpu.py \
       tests/test_global_down_gpu.py tests/test_mma_wide_gpu.py tests/test_fused_mlp_gpu.py \
-      tests/test_fused_split_gpu.py &
+      tests/test_fused_split_gpu.py tests/test_spare_warp_gpu.py tests/test_loader_warp_gpu.py &
   done
   wait
   collect_tests "${names[@]}"
