@@ -278,7 +278,18 @@ BUILDS = {"default": {}, "atom": {"barrier": "atom"}, "red": {"barrier": "red"},
           "loader-warp-qkv0": {"fused_o": True, "fused_mlp": True, "bulk_down": True, "loader_warp": True,
                                "loader_qkv_inflight": 0},
           "loader-warp-shared": {"fused_o": True, "fused_mlp": True, "bulk_down": True, "loader_warp": True,
-                                 "loader_qkv_ring": False}}
+                                 "loader_qkv_ring": False},
+          # session 52: the loader paced by the consumers' grid arrivals (loader_gates: the next layer's QKV rows,
+          # W_down and gate/up after the QKV GEMV's arrival; "mlp": the next W_O block after the MLP's) and / or
+          # waiting for the W_O block and W_down to land (loader_drain), so fewer copies are in flight at a release
+          "loader-gate": {"fused_o": True, "fused_mlp": True, "bulk_down": True, "loader_warp": True,
+                          "loader_gates": ("qkv",)},
+          "loader-gate-mlp": {"fused_o": True, "fused_mlp": True, "bulk_down": True, "loader_warp": True,
+                              "loader_gates": ("qkv", "mlp")},
+          "loader-drain": {"fused_o": True, "fused_mlp": True, "bulk_down": True, "loader_warp": True,
+                           "loader_drain": True},
+          "loader-paced": {"fused_o": True, "fused_mlp": True, "bulk_down": True, "loader_warp": True,
+                           "loader_gates": ("qkv", "mlp"), "loader_drain": True}}
 
 
 def stepped_timeline_decoder(plan, model, tokens, timeline, build: str = "default", position: int | None = None):

@@ -1,6 +1,6 @@
 """The ``loader_warp`` build (session 51 candidate, ``codegen.generate(plan, loader_warp=True)``, ``codegen.loader``,
-``bodies/loader.py``): what it emits, how it deals the rows, what it refuses, and a CuTe DSL compile for sm_90a (no
-GPU). Its logits (the fused default's bits) run on the GPU: tests/test_loader_warp_gpu.py."""
+``bodies/loader.py``): what it emits (with session 52's gates and drain too), how it deals the rows, what it
+refuses, and a CuTe DSL compile for sm_90a (no GPU). Its logits (the fused default's bits) run on the GPU: tests/test_loader_warp_gpu.py."""
 
 from __future__ import annotations
 
@@ -99,6 +99,35 @@ def test_every_row_of_every_stream_is_copied_and_reduced_once(preset, capacity):
         assert seen == [1] * stream.rows, stream.stage
 
 
+def test_gates_make_the_loader_wait_for_the_consumers_arrivals(qwen3):
+    """loader_gates (session 52): thread 0 arrives on a CTA mbarrier right after the grid arrival of the gated
+    stage (so the copies the loader issues next are not in flight at that arrival's release), and the loader waits
+    for that layer's phase right before the copies the gate holds back; loader_drain waits for the W_O block and
+    the W_down columns to land."""
+    source = generate(qwen3, loader_warp=True, loader_gates=("mlp", "qkv"), loader_drain=True).source
+    consumers, loader = _kernel(source).split("\n    else:  # warp WARPS, the loader", 1)
+    assert "\nLOADER_GATES = ('qkv', 'mlp')" in source and "\nLOADER_GATE_COUNT = 2" in source
+    arrivals = re.findall(r"bodies\.(grid_arrive|gate_arrive)\((?:gates=s_gate, gate=(\d))?", consumers)
+    # per layer: QKV's arrival then gate 0; the O stage's arrival; the MLP's arrival then gate 1
+    layer = consumers.split("for layer in range(LAYERS):", 1)[1]
+    assert re.findall(r"bodies\.(grid_arrive|gate_arrive)\((?:gates=s_gate, gate=(\d))?", layer) == [
+        ("grid_arrive", ""), ("gate_arrive", "0"), ("grid_arrive", ""), ("grid_arrive", ""), ("gate_arrive", "1")]
+    assert len(arrivals) > 5  # the prologue's arrival, before the loop, has no gate
+    steps = re.findall(r"(mbarrier_wait\(s_gate\.iterator \+ \d, .*?% 2\)|bodies\.loader_\w+\(|"
+                       r"wait_block\(bar=s_\w+)", loader)
+    assert steps == ["bodies.loader_rows(",  # the first layer's QKV rows
+                     "mbarrier_wait(s_gate.iterator + 1, (layer - 1) % 2)", "bodies.loader_o_block(",
+                     "wait_block(bar=s_wo_full", "mbarrier_wait(s_gate.iterator + 0, layer % 2)",
+                     "bodies.loader_rows(", "bodies.loader_down(", "wait_block(bar=s_down_bar", "bodies.loader_rows(",
+                     "mbarrier_wait(s_gate.iterator + 1, (LAYERS - 1) % 2)", "bodies.loader_rows("], steps
+    assert "if layer > 0:  # loader_gates 'mlp'" in loader
+    assert consumers.rindex("cute.arch.mbarrier_init(s_gate") < consumers.index("cute.arch.barrier(barrier_id=0, ")
+    only_qkv = generate(qwen3, loader_warp=True, loader_gates=("qkv",)).source
+    assert "gate=1" not in only_qkv and only_qkv.count("bodies.gate_arrive(gates=s_gate, gate=0, tidx=tidx)") == 1
+    assert "wait_block(bar=s_down_bar" not in _kernel(only_qkv).split("\n    else:  # warp WARPS", 1)[1]
+    assert "s_gate" not in generate(qwen3, loader_warp=True).source
+
+
 def test_the_loader_refuses_what_it_cannot_build(qwen3):
     qwen25 = compile_preset("qwen2.5-0.5b", layers=1, vocab=512, capacity=4096).plan
     with pytest.raises(ValueError, match="fused_mlp=True, bulk_down=True"):
@@ -107,20 +136,28 @@ def test_the_loader_refuses_what_it_cannot_build(qwen3):
     for options, why in [({"self_contained": False}, "self-contained"), ({"watchdog": True}, "loader_warp"),
                          ({"spare_loads": True}, "spare_loads"), ({"early_down": "wait"}, "early_down"),
                          ({"loader_inflight": -1}, "loader_inflight=-1"),
-                         ({"loader_inflight": 99}, "the ring has"), ({"fused_split": False}, "fused_split")]:
+                         ({"loader_inflight": 99}, "the ring has"), ({"fused_split": False}, "fused_split"),
+                         ({"loader_gates": ("attention",)}, "loader_gates=.*distinct names"),
+                         ({"loader_gates": "qkv"}, "loader_gates='qkv'"),
+                         ({"loader_gates": ("qkv", "qkv")}, "distinct"),
+                         ({"loader_gates": ("qkv",), "loader_qkv_ring": False}, "loader_qkv_ring=True")]:
         with pytest.raises(ValueError, match=why):
             generate(qwen3, loader_warp=True, **options)
+    for options in ({"loader_gates": ("qkv",)}, {"loader_drain": True}):
+        with pytest.raises(ValueError, match="loader_warp=True"):
+            generate(qwen3, **options)
     llama = compile_preset("llama-3.2-1b", layers=1, vocab=512, capacity=1024).plan
     with pytest.raises(ValueError, match="loader_warp|fused_mlp"):
         generate(llama, loader_warp=True, **FORCED)  # its W_down block does not fit shared memory
 
 
-@pytest.mark.parametrize("warpgroup,threads", [(True, 384), (False, 288)])
-def test_the_loader_build_compiles_for_sm90a(tmp_path, warpgroup, threads):
+@pytest.mark.parametrize("warpgroup,threads,paced", [(True, 384, False), (False, 288, False), (True, 384, True)])
+def test_the_loader_build_compiles_for_sm90a(tmp_path, warpgroup, threads, paced):
     """With its own warpgroup the loader lowers its registers and the consumers raise theirs (setmaxnreg); either
-    way no barrier after the start waits for the loader's threads."""
+    way no barrier after the start waits for the loader's threads. ``paced``: with both gates and the drain."""
     plan = compile_preset("qwen2.5-0.5b", layers=1, vocab=512, capacity=4096).plan
-    source = generate(plan, loader_warp=True, loader_warpgroup=warpgroup, **FORCED).source
+    pacing = {"loader_gates": ("qkv", "mlp"), "loader_drain": True} if paced else {}
+    source = generate(plan, loader_warp=True, loader_warpgroup=warpgroup, **pacing, **FORCED).source
     result = compile_check(plan, load_module(source), dump_dir=str(tmp_path))
     assert result.ok, result.error
     ptx = max(tmp_path.glob("*.ptx"), key=lambda p: p.stat().st_mtime).read_text()

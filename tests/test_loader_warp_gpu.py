@@ -3,7 +3,7 @@ warp streams every weight the step reads into shared memory, in consumption orde
 consumer warps read the ring. Each row's sum is the default's, so every step must give the fused default's logits
 bit for bit, from one random KV cache, at fused and split steps (positions near 0, at split boundaries, at capacity -
 1), with 2 units in flight, 1, and as many as the ring holds, without the loader's own warpgroup (setmaxnreg), with one
-ring for all streams, and twice; a moving result would be a race (a slot read
+ring for all streams, paced by the consumers' arrivals (session 52's loader_gates, loader_drain), and twice; a moving result would be a race (a slot read
 before it landed, or refilled before every warp read it)."""
 
 from __future__ import annotations
@@ -27,7 +27,9 @@ def test_loader_warp_gives_the_fused_default_bits(preset, capacity):
     base = {"mma_attention": None, "fused_mlp": True, "bulk_down": True, "spare_loads": False, "spare_ring": False}
     loader = {**base, "spare_loads": None, "spare_ring": None, "loader_warp": True}
     builds = [base, loader, {**loader, "loader_inflight": 1}, {**loader, "loader_inflight": 0},
-              {**loader, "loader_warpgroup": False}, {**loader, "loader_qkv_ring": False}, loader]
+              {**loader, "loader_warpgroup": False}, {**loader, "loader_qkv_ring": False},
+              {**loader, "loader_gates": ("qkv",)}, {**loader, "loader_gates": ("qkv", "mlp"), "loader_drain": True},
+              loader]
     logits = _logits_over_random_cache(compiled, positions, 1, builds)
     assert torch.isfinite(logits[0]).all()
     for build, result in zip(builds[1:], logits[1:]):

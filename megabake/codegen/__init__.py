@@ -50,7 +50,7 @@ from ..plan.stages import (ACTIVATIONS, DIMENSION_CONSTANTS, GATED_ACT_CODES, St
                            spec_of)
 from .fused import (FUSED_O_BUFFERS, FUSED_SPLIT_BUFFERS, fused_geometry, fused_kv_refusal, fused_o_refusal,
                     fused_split_refusal)
-from .loader import (CONSUMER_REGISTERS, DEFAULT_INFLIGHT, PRODUCER_REGISTERS, WARPGROUP, LoaderGeometry,
+from .loader import (CONSUMER_REGISTERS, DEFAULT_INFLIGHT, LOADER_GATES, PRODUCER_REGISTERS, WARPGROUP, LoaderGeometry,
                      loader_geometry, loader_refusal)
 from .fused_mlp import (ACC_PAD, BULK_DOWN_BUFFERS, FUSED_MLP_BUFFERS, bulk_copy_bytes, default_fused_mlp,
                         fused_mlp_refusal, mlp_geometry, mlp_smem_bytes)
@@ -448,7 +448,8 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
              spare_ring: bool | None = None, bulk_down: bool | None = None,
              early_down: str | None = None, loader_warp: bool = False,
              loader_inflight: int = DEFAULT_INFLIGHT, loader_warpgroup: bool = True,
-             loader_qkv_inflight: int | None = None, loader_qkv_ring: bool = True) -> GeneratedModule:
+             loader_qkv_inflight: int | None = None, loader_qkv_ring: bool = True,
+             loader_gates: tuple[str, ...] = (), loader_drain: bool = False) -> GeneratedModule:
     """module.py of ``plan``. ``merge_preload`` / ``spread_merge``: None picks them per plan
     (:func:`default_merge`); True asks for one (refused where the attention scratch cannot hold it), False
     leaves it out (both False: the plain last-arrival merge of sessions 10-16). ``head_slices=False`` deals
@@ -529,7 +530,11 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     which lowers its registers with setmaxnreg so the consumers can raise theirs to 232 (288 threads leave 168);
     ``loader_qkv_inflight`` bounds the QKV stream's units in flight apart (None: ``loader_inflight``);
     ``loader_qkv_ring`` (on by default) gives the QKV rows a ring of their own, which the loader fills with the next
-    layer's rows right after this layer's O block, during attention (False: one ring for all, as first measured). It
+    layer's rows right after this layer's O block, during attention (False: one ring for all, as first measured).
+    ``loader_gates`` (session 52, with the QKV ring; a subset of :data:`megabake.codegen.loader.LOADER_GATES`) makes
+    the loader wait for the consumers' grid arrival after the QKV GEMV ("qkv") and / or the MLP ("mlp") before it
+    issues the copies that follow in its order, so fewer are in flight when a barrier's release runs;
+    ``loader_drain`` makes it wait for the W_O block and the W_down columns to land before it goes on. It
     needs the fused default (fused_o, fused_split, fused_mlp, bulk_down) and a self-contained module; the same bits
     as that build; refused where :func:`megabake.codegen.loader.loader_refusal` names a reason."""
     if watchdog and timeline:
@@ -640,7 +645,7 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
             raise ValueError(f"fused_split runs every step's O projection in attention's interval, but {why}: build "
                              "without it")
     loader = _checked_loader(plan, loader_warp, loader_inflight, loader_qkv_inflight, loader_qkv_ring,
-                             loader_warpgroup, self_contained, watchdog, fused_o=bool(fused_o), fused_split=bool(fused_split), fused_mlp=bool(fused_mlp),
+                             loader_warpgroup, self_contained, watchdog, loader_gates, loader_drain, fused_o=bool(fused_o), fused_split=bool(fused_split), fused_mlp=bool(fused_mlp),
                              bulk_down=bool(bulk_down), fused_kv_smem=fused_kv_smem, early_down=early_down,
                              barrier=barrier)
     arguments = (kernel_arguments(plan) + (list(FUSED_O_BUFFERS) if fused_o else [])
@@ -722,7 +727,8 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
         for line in _FUSED_MLP_DECLARATIONS + (_BULK_DOWN_DECLARATIONS if bulk_down else []):
             w(line, 1)
     if loader:
-        for line in _LOADER_DECLARATIONS + (_LOADER_QKV_DECLARATIONS if loader.qkv_slots else []) + _LOADER_START:
+        for line in (_LOADER_DECLARATIONS + (_LOADER_QKV_DECLARATIONS if loader.qkv_slots else [])
+                     + (_LOADER_GATE_DECLARATIONS if loader.gates else []) + _LOADER_START):
             w(line, 1)
     for line in _preload_registers(plan):
         w(line, 1)
@@ -1053,7 +1059,9 @@ def _ends_at_a_barrier(stage: Stage, options: BuildOptions) -> bool:
 def _stage_before_calls(plan: Plan, stage: Stage, options: BuildOptions) -> list[str]:
     if options.loader:  # the loader warp streams every weight: only the K/V prefetch stays
         before = _stage_before_calls(plan, stage, replace(options, loader=None))
-        return [call for call in before if not call.startswith(_LOADER_DROPPED)]
+        gate = options.loader.gate_index(stage.name) if stage.scope == "layer" else None
+        arrive = [] if gate is None else [f"bodies.gate_arrive(s_gate, {gate}, tidx)"]
+        return arrive + [call for call in before if not call.startswith(_LOADER_DROPPED)]
     before = _before_barrier_calls(plan, stage, options.kv_prefetch, options.kv_prefetch_l1, options.prefetch_bytes,
                                    options.kv_prefetch_rows, options.mma_schedule)
     if not options.fused_mlp:
@@ -1267,10 +1275,18 @@ def _fused_split_stages(w: _Writer, plan: Plan, attention: Stage, indent: int, l
 
 # ------------------------------------------------------------------------------ loader_warp builds (codegen.loader)
 def _checked_loader(plan: Plan, loader_warp: bool, inflight: int, qkv_inflight: int | None, qkv_ring: bool,
-                    warpgroup: bool, self_contained: bool, watchdog: bool, **choices) -> LoaderGeometry | None:
+                    warpgroup: bool, self_contained: bool, watchdog: bool, gates: tuple[str, ...], drain: bool,
+                    **choices) -> LoaderGeometry | None:
     """A loader_warp build's geometry (None without it), or the reason it cannot build (ValueError)."""
     if not loader_warp:
+        if gates or drain:
+            raise ValueError("loader_gates / loader_drain pace the loader warp: build with loader_warp=True")
         return None
+    if isinstance(gates, str) or any(g not in LOADER_GATES for g in gates) or len(set(gates)) != len(gates):
+        raise ValueError(f"loader_gates={gates!r}: give a tuple of distinct names from {sorted(LOADER_GATES)}")
+    if gates and not qkv_ring:
+        raise ValueError("loader_gates pace the QKV ring's layout (the next layer's QKV rows after this layer's "
+                         "arrival): build with loader_qkv_ring=True")
     for name, value in (("loader_inflight", inflight), ("loader_qkv_inflight", qkv_inflight)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
             raise ValueError(f"{name}={value!r}: give the units the loader keeps in flight, an int >= 0 "
@@ -1285,7 +1301,8 @@ def _checked_loader(plan: Plan, loader_warp: bool, inflight: int, qkv_inflight: 
     if warpgroup and plan.threads % WARPGROUP:
         raise ValueError(f"loader_warpgroup gives the consumers whole warpgroups of {WARPGROUP} threads; this plan runs "
                          f"{plan.threads}: build with loader_warpgroup=False")
-    geometry = replace(loader_geometry(plan, inflight, qkv_ring), warpgroup=warpgroup)
+    geometry = replace(loader_geometry(plan, inflight, qkv_ring), warpgroup=warpgroup,
+                       gates=tuple(g for g in LOADER_GATES if g in gates), drain=bool(drain))
     if qkv_inflight is not None:
         streams = tuple(replace(s, inflight=qkv_inflight) if s.stage == "norm_qkv" else s for s in geometry.streams)
         geometry = replace(geometry, streams=streams)
@@ -1314,6 +1331,11 @@ def _loader_constants(w: _Writer, loader: LoaderGeometry) -> None:
         w(f"LAYER_UNITS = {loader.layer_units}  # units a layer streams through the shared ring (its gate/up rows)")
     else:
         w(f"LAYER_UNITS = {loader.layer_units}  # units a layer streams (its QKV, then its gate/up rows)")
+    if loader.gates:
+        w(f"LOADER_GATES = {loader.gates!r}  # the arrivals the loader waits for (codegen.loader.LOADER_GATES)")
+        w(f"LOADER_GATE_COUNT = {len(loader.gates)}")
+    if loader.drain:
+        w("LOADER_DRAIN = True  # the loader waits for the W_O block and the W_down columns to land")
     if loader.warpgroup:
         w(f"LOADER_THREADS = {loader.extra_threads}  # the loader warp (warp WARPS) and the idle rest of its warpgroup")
         w(f"REGISTERS = ({CONSUMER_REGISTERS}, {PRODUCER_REGISTERS})  # setmaxnreg: consumer warpgroups, the loader's")
@@ -1362,6 +1384,14 @@ _LOADER_QKV_DECLARATIONS = [
     "        cute.arch.mbarrier_init(s_qempty.iterator + slot, WARPS)",
     "cute.arch.mbarrier_init_fence()",
 ]
+_LOADER_GATE_DECLARATIONS = [
+    "# loader_gates: the mbarriers thread 0 arrives on after the grid arrivals the loader waits for (one a layer)",
+    "s_gate = smem.allocate_tensor(cutlass.Int64, cute.make_layout(LOADER_GATE_COUNT), byte_alignment=8)",
+    "if tidx == 0:",
+    "    for gate in cutlass.range_constexpr(LOADER_GATE_COUNT):",
+    "        cute.arch.mbarrier_init(s_gate.iterator + gate, 1)",
+    "cute.arch.mbarrier_init_fence()",
+]
 _LOADER_SEQ = {"norm_qkv": "layer * LAYER_UNITS", "norm_gate_up": "layer * LAYER_UNITS + LOADER_UNITS['norm_qkv']",
                "norm_lm_head": "LAYERS * LAYER_UNITS"}
 # loader_qkv_ring: the QKV rows count units in a sequence of their own, the shared ring only the gate/up and LM head's
@@ -1371,6 +1401,8 @@ _LOADER_DROPPED = ("bodies.gemv_ring_prefill(", "bodies.prefetch_rows(", "bodies
                    "bodies.mlp_down_load(", "bodies.fused_o_load(")
 _LOADER_O_BLOCK = ("bodies.loader_o_block(w_o[layer, None, None], s_wo, s_wo_full, s_wo_empty, layer, cta, lane, "
                    "N_HEADS, N_KV_HEADS, HEAD_DIM, HIDDEN, FUSED_O_BLOCKS, FUSED_O_BLOCK_ROWS)")
+_LOADER_O_DRAIN = "bodies.wait_block(s_wo_full, layer % 2, o_block)  # loader_drain: the W_O block landed"
+_LOADER_DOWN_DRAIN = "bodies.wait_block(s_down_bar, layer % 2, mlp_block)  # loader_drain: the W_down columns landed"
 _LOADER_DOWN = ("bodies.loader_down(w_down_cta[layer, mchunk, None], s_down, s_down_bar, s_down_empty, layer, cta, "
                 "lane, MLP_CHUNKS, MLP_PER_CTA, HIDDEN, MLP_BULK_BYTES)")
 
@@ -1438,18 +1470,31 @@ def _write_loader_program(w: _Writer, plan: Plan, loader: LoaderGeometry) -> Non
     qkv = rows("norm_qkv")
     if loader.qkv_slots:
         w(re.sub(r"\blayer\b", "0", qkv), 2)
+    qkv_gate, mlp_gate = loader.gate_index("norm_qkv"), loader.gate_index("down_residual")
     w("for layer in range(LAYERS):", 2)
     if not loader.qkv_slots:
         w(qkv, 3)
+    if mlp_gate is not None:
+        w("if layer > 0:  # loader_gates 'mlp': once this CTA arrived after the layer before's MLP", 3)
+        w(f"cute.arch.mbarrier_wait(s_gate.iterator + {mlp_gate}, (layer - 1) % 2)", 4)
     w(_LOADER_O_BLOCK, 3)
+    if loader.drain:
+        w(_LOADER_O_DRAIN, 3)
+    if qkv_gate is not None:
+        w(f"cute.arch.mbarrier_wait(s_gate.iterator + {qkv_gate}, layer % 2)  # loader_gates 'qkv': this CTA arrived "
+          "after the layer's QKV GEMV", 3)
     if loader.qkv_slots:
         w("if layer + 1 < LAYERS:  # the next layer's QKV rows, into the slots this layer's QKV GEMV has read", 3)
         w(re.sub(r"\blayer\b", "(layer + 1)", qkv), 4)
         w(_LOADER_DOWN, 3)
+        if loader.drain:
+            w(_LOADER_DOWN_DRAIN, 3)
         w(rows("norm_gate_up"), 3)
     else:
         w(rows("norm_gate_up"), 3)
         w(_LOADER_DOWN, 3)
+    if mlp_gate is not None:
+        w(f"cute.arch.mbarrier_wait(s_gate.iterator + {mlp_gate}, (LAYERS - 1) % 2)  # after the last layer's MLP", 2)
     w(rows("norm_lm_head"), 2)
     w.base = 0
 

@@ -37,6 +37,12 @@ PRODUCER_REGISTERS = 40
 CONSUMER_REGISTERS = 232
 LOADER_BARRIER_BYTES = 8  # one mbarrier
 STREAMED_STAGES = ("norm_qkv", "norm_gate_up", "norm_lm_head")
+# loader_gates (session 52): the consumers' grid arrivals the loader warp waits for before it issues more copies, so
+# that fewer of them are in flight when a barrier's release fence runs (it waits for the SM's copies in flight:
+# session 50). "qkv": the next layer's QKV rows, the W_down columns and the gate/up rows wait for the arrival after
+# this layer's QKV GEMV (else they stream during that GEMV, as its slots free). "mlp": the next layer's W_O block and
+# the LM head's rows wait for the arrival after this layer's MLP. Value: the stage whose barrier is meant.
+LOADER_GATES = {"qkv": "norm_qkv", "mlp": "down_residual"}
 
 
 @dataclass(frozen=True)
@@ -65,6 +71,13 @@ class LoaderGeometry:
     smem_bytes: int
     warpgroup: bool = False  # the loader warp's warpgroup of its own, with setmaxnreg (generate's loader_warpgroup)
     qkv_slots: int = 0  # the QKV rows' ring of their own (one slot per unit), or 0: they share the ring
+    gates: tuple[str, ...] = ()  # LOADER_GATES the loader waits at (generate's loader_gates)
+    drain: bool = False  # the loader waits for the W_O block and the W_down columns to land before going on
+
+    def gate_index(self, stage: str) -> int | None:
+        """The slot of ``s_gate`` the consumers arrive on after ``stage``'s grid arrival, or None: no gate there."""
+        names = [LOADER_GATES[g] for g in self.gates]
+        return names.index(stage) if stage in names else None
 
     @property
     def extra_threads(self) -> int:

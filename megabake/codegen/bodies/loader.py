@@ -190,3 +190,12 @@ def release_block(bar: cute.Tensor, tidx: Int32, active: Int32, per_warp: cutlas
                 cute.arch.mbarrier_arrive(bar.iterator)
         elif tidx == 0:
             cute.arch.mbarrier_arrive(bar.iterator)
+
+
+@cute.jit
+def gate_arrive(gates: cute.Tensor, gate: cutlass.Constexpr[int], tidx: Int32):
+    """Thread 0 tells the loader warp that its CTA arrived at a grid barrier (``generate(plan, loader_gates=...)``):
+    one phase of the CTA mbarrier ``gates[gate]`` (initialised for one arrival) per layer. Called after the grid
+    arrival, so the copies the loader then issues are not in flight when that arrival's release fence runs."""
+    if tidx == 0:
+        cute.arch.mbarrier_arrive(gates.iterator + gate)
