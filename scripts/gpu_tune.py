@@ -289,7 +289,11 @@ BUILDS = {"default": {}, "atom": {"barrier": "atom"}, "red": {"barrier": "red"},
           "loader-drain": {"fused_o": True, "fused_mlp": True, "bulk_down": True, "loader_warp": True,
                            "loader_drain": True},
           "loader-paced": {"fused_o": True, "fused_mlp": True, "bulk_down": True, "loader_warp": True,
-                           "loader_gates": ("qkv", "mlp"), "loader_drain": True}}
+                           "loader_gates": ("qkv", "mlp"), "loader_drain": True},
+          "loader-gate-1": {"fused_o": True, "fused_mlp": True, "bulk_down": True, "loader_warp": True,
+                            "loader_gates": ("qkv",), "loader_inflight": 1},
+          "loader-gate-drain": {"fused_o": True, "fused_mlp": True, "bulk_down": True, "loader_warp": True,
+                                "loader_gates": ("qkv",), "loader_drain": True}}
 
 
 def stepped_timeline_decoder(plan, model, tokens, timeline, build: str = "default", position: int | None = None):
