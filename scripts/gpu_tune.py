@@ -293,7 +293,11 @@ BUILDS = {"default": {}, "atom": {"barrier": "atom"}, "red": {"barrier": "red"},
           "loader-gate-1": {"fused_o": True, "fused_mlp": True, "bulk_down": True, "loader_warp": True,
                             "loader_gates": ("qkv",), "loader_inflight": 1},
           "loader-gate-drain": {"fused_o": True, "fused_mlp": True, "bulk_down": True, "loader_warp": True,
-                                "loader_gates": ("qkv",), "loader_drain": True}}
+                                "loader_gates": ("qkv",), "loader_drain": True},
+          "loader-gate-1-drain": {"fused_o": True, "fused_mlp": True, "bulk_down": True, "loader_warp": True,
+                                  "loader_gates": ("qkv",), "loader_inflight": 1, "loader_drain": True},
+          "loader-gate-q1": {"fused_o": True, "fused_mlp": True, "bulk_down": True, "loader_warp": True,
+                             "loader_gates": ("qkv",), "loader_qkv_inflight": 1}}
 
 
 def stepped_timeline_decoder(plan, model, tokens, timeline, build: str = "default", position: int | None = None):
