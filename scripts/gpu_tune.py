@@ -296,6 +296,10 @@ BUILDS = {"default": {}, "atom": {"barrier": "atom"}, "red": {"barrier": "red"},
                                 "loader_gates": ("qkv",), "loader_drain": True},
           "loader-gate-1-drain": {"fused_o": True, "fused_mlp": True, "bulk_down": True, "loader_warp": True,
                                   "loader_gates": ("qkv",), "loader_inflight": 1, "loader_drain": True},
+          # ... and in split steps (long contexts) the copies after attention's arrival, as the default ring fill
+          "loader-gate-1-drain-att": {"fused_o": True, "fused_mlp": True, "bulk_down": True, "loader_warp": True,
+                                      "loader_gates": ("qkv", "attention"), "loader_inflight": 1,
+                                      "loader_drain": True},
           "loader-gate-q1": {"fused_o": True, "fused_mlp": True, "bulk_down": True, "loader_warp": True,
                              "loader_gates": ("qkv",), "loader_qkv_inflight": 1}}
 

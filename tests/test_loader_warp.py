@@ -126,6 +126,17 @@ def test_gates_make_the_loader_wait_for_the_consumers_arrivals(qwen3):
     assert "gate=1" not in only_qkv and only_qkv.count("bodies.gate_arrive(gates=s_gate, gate=0, tidx=tidx)") == 1
     assert "wait_block(bar=s_down_bar" not in _kernel(only_qkv).split("\n    else:  # warp WARPS", 1)[1]
     assert "s_gate" not in generate(qwen3, loader_warp=True).source
+    # 'attention': thread 0 arrives after attention's (the O stage's) grid arrival in every step; the loader waits
+    # for it in split steps only, after the 'qkv' gate and before the next layer's QKV rows
+    split = generate(qwen3, loader_warp=True, loader_gates=("attention", "qkv")).source
+    consumers, loader = _kernel(split).split("\n    else:  # warp WARPS, the loader", 1)
+    layer = consumers.split("for layer in range(LAYERS):", 1)[1]
+    assert re.findall(r"bodies\.(grid_arrive|gate_arrive)\((?:gates=s_gate, gate=(\d))?", layer) == [
+        ("grid_arrive", ""), ("gate_arrive", "0"), ("grid_arrive", ""), ("gate_arrive", "1"), ("grid_arrive", "")]
+    waits = loader.index("mbarrier_wait(s_gate.iterator + 0, layer % 2)")
+    gated = loader.index("if bodies.fused_o_step(pos, 0, MIN_CHUNK) == 0:\n")
+    assert waits < gated < loader.index("mbarrier_wait(s_gate.iterator + 1, layer % 2)") < loader.index(
+        "weight=w_qkv[layer + 1")
 
 
 def test_the_loader_refuses_what_it_cannot_build(qwen3):
@@ -137,7 +148,7 @@ def test_the_loader_refuses_what_it_cannot_build(qwen3):
                          ({"spare_loads": True}, "spare_loads"), ({"early_down": "wait"}, "early_down"),
                          ({"loader_inflight": -1}, "loader_inflight=-1"),
                          ({"loader_inflight": 99}, "the ring has"), ({"fused_split": False}, "fused_split"),
-                         ({"loader_gates": ("attention",)}, "loader_gates=.*distinct names"),
+                         ({"loader_gates": ("lm_head",)}, "loader_gates=.*distinct names"),
                          ({"loader_gates": "qkv"}, "loader_gates='qkv'"),
                          ({"loader_gates": ("qkv", "qkv")}, "distinct"),
                          ({"loader_gates": ("qkv",), "loader_qkv_ring": False}, "loader_qkv_ring=True")]:
@@ -156,7 +167,7 @@ def test_the_loader_build_compiles_for_sm90a(tmp_path, warpgroup, threads, paced
     """With its own warpgroup the loader lowers its registers and the consumers raise theirs (setmaxnreg); either
     way no barrier after the start waits for the loader's threads. ``paced``: with both gates and the drain."""
     plan = compile_preset("qwen2.5-0.5b", layers=1, vocab=512, capacity=4096).plan
-    pacing = {"loader_gates": ("qkv", "mlp"), "loader_drain": True} if paced else {}
+    pacing = {"loader_gates": ("qkv", "attention", "mlp"), "loader_drain": True} if paced else {}
     source = generate(plan, loader_warp=True, loader_warpgroup=warpgroup, **pacing, **FORCED).source
     result = compile_check(plan, load_module(source), dump_dir=str(tmp_path))
     assert result.ok, result.error

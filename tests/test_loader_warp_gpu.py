@@ -29,6 +29,7 @@ def test_loader_warp_gives_the_fused_default_bits(preset, capacity):
     builds = [base, loader, {**loader, "loader_inflight": 1}, {**loader, "loader_inflight": 0},
               {**loader, "loader_warpgroup": False}, {**loader, "loader_qkv_ring": False},
               {**loader, "loader_gates": ("qkv",)}, {**loader, "loader_gates": ("qkv", "mlp"), "loader_drain": True},
+              {**loader, "loader_gates": ("qkv", "attention"), "loader_inflight": 1, "loader_drain": True},
               loader]
     logits = _logits_over_random_cache(compiled, positions, 1, builds)
     assert torch.isfinite(logits[0]).all()

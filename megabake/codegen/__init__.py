@@ -532,8 +532,9 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     ``loader_qkv_ring`` (on by default) gives the QKV rows a ring of their own, which the loader fills with the next
     layer's rows right after this layer's O block, during attention (False: one ring for all, as first measured).
     ``loader_gates`` (session 52, with the QKV ring; a subset of :data:`megabake.codegen.loader.LOADER_GATES`) makes
-    the loader wait for the consumers' grid arrival after the QKV GEMV ("qkv") and / or the MLP ("mlp") before it
-    issues the copies that follow in its order, so fewer are in flight when a barrier's release runs;
+    the loader wait for the consumers' grid arrival after the QKV GEMV ("qkv"), a split step's attention
+    ("attention") and / or the MLP ("mlp") before it issues the copies that follow in its order, so fewer are in
+    flight when a barrier's release runs;
     ``loader_drain`` makes it wait for the W_O block and the W_down columns to land before it goes on. It
     needs the fused default (fused_o, fused_split, fused_mlp, bulk_down) and a self-contained module; the same bits
     as that build; refused where :func:`megabake.codegen.loader.loader_refusal` names a reason."""
@@ -1481,8 +1482,13 @@ def _write_loader_program(w: _Writer, plan: Plan, loader: LoaderGeometry) -> Non
     if loader.drain:
         w(_LOADER_O_DRAIN, 3)
     if qkv_gate is not None:
-        w(f"cute.arch.mbarrier_wait(s_gate.iterator + {qkv_gate}, layer % 2)  # loader_gates 'qkv': this CTA arrived "
-          "after the layer's QKV GEMV", 3)
+        w("# loader_gates 'qkv': the copies below wait until this CTA arrived after the layer's QKV GEMV", 3)
+        w(f"cute.arch.mbarrier_wait(s_gate.iterator + {qkv_gate}, layer % 2)", 3)
+    attention_gate = loader.gate_index("o_residual")
+    if attention_gate is not None:
+        w("# loader_gates 'attention': in a split step, until it arrived after attention", 3)
+        w(f"if bodies.fused_o_step(pos, {_first_key(plan)}, MIN_CHUNK) == 0:", 3)
+        w(f"cute.arch.mbarrier_wait(s_gate.iterator + {attention_gate}, layer % 2)", 4)
     if loader.qkv_slots:
         w("if layer + 1 < LAYERS:  # the next layer's QKV rows, into the slots this layer's QKV GEMV has read", 3)
         w(re.sub(r"\blayer\b", "(layer + 1)", qkv), 4)

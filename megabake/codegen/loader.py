@@ -40,9 +40,11 @@ STREAMED_STAGES = ("norm_qkv", "norm_gate_up", "norm_lm_head")
 # loader_gates (session 52): the consumers' grid arrivals the loader warp waits for before it issues more copies, so
 # that fewer of them are in flight when a barrier's release fence runs (it waits for the SM's copies in flight:
 # session 50). "qkv": the next layer's QKV rows, the W_down columns and the gate/up rows wait for the arrival after
-# this layer's QKV GEMV (else they stream during that GEMV, as its slots free). "mlp": the next layer's W_O block and
-# the LM head's rows wait for the arrival after this layer's MLP. Value: the stage whose barrier is meant.
-LOADER_GATES = {"qkv": "norm_qkv", "mlp": "down_residual"}
+# this layer's QKV GEMV (else they stream during that GEMV, as its slots free). "attention": in a split step only
+# (long contexts, where attention streams the K/V cache), those copies wait for attention's arrival instead, as the
+# default build's ring fill does. "mlp": the next layer's W_O block and the LM head's rows wait for the arrival after
+# this layer's MLP. Value: the stage whose barrier is meant.
+LOADER_GATES = {"qkv": "norm_qkv", "attention": "o_residual", "mlp": "down_residual"}
 
 
 @dataclass(frozen=True)
