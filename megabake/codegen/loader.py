@@ -12,7 +12,11 @@ Session 50's probe (``scripts/gpu_stream_probe.py``, H100) ran this schedule 11-
 each arrival on Qwen3-0.6B and Qwen2.5-0.5B, with at most one or two 16 KB tiles in flight per SM. Session 51
 (H100, one shared ring, ``loader_qkv_ring=False``): the fused default's bits; GPU ms at 16 Qwen3-0.6B 0.669 -> 0.700,
 Qwen2.5-0.5B 0.549 -> 0.548, SmolLM-135M 0.345 -> 0.363, the next layer's QKV rows waiting for ring slots (docs/PERF.md,
-"Session 51"). The QKV-ring layout has not run on a GPU yet.
+"Session 51"). Session 52 (H100): the QKV ring gives the same bits and is no faster alone, because the next layer's
+copies are in flight at the QKV barrier's release. Paced by the consumers' arrivals (``LOADER_GATES``), the
+loader beats the default at 16: Qwen3-0.6B 0.681 -> 0.622 ms with ``("qkv",)``, one unit in flight and
+``drain``; Qwen2.5-0.5B 0.556 -> 0.513 with ``("qkv",)``. It is 4% slower on Qwen3-0.6B at 4000. The
+``"attention"`` gate is meant for that and has not run on a GPU (docs/PERF.md, "Session 52").
 """
 
 from __future__ import annotations
