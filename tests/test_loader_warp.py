@@ -125,7 +125,10 @@ def test_gates_make_the_loader_wait_for_the_consumers_arrivals(qwen3):
     only_qkv = generate(qwen3, loader_warp=True, loader_gates=("qkv",)).source
     assert "gate=1" not in only_qkv and only_qkv.count("bodies.gate_arrive(gates=s_gate, gate=0, tidx=tidx)") == 1
     assert "wait_block(bar=s_down_bar" not in _kernel(only_qkv).split("\n    else:  # warp WARPS", 1)[1]
-    assert "s_gate" not in generate(qwen3, loader_warp=True).source
+    plain = generate(qwen3, loader_warp=True).source
+    assert "s_gate" not in plain
+    smem = [int(re.search(r"\nSMEM_BYTES = (\d+)", text).group(1)) for text in (plain, only_qkv, source)]
+    assert smem == [smem[0], smem[0] + 8, smem[0] + 16]  # each gate's mbarrier is counted
     # 'attention': thread 0 arrives after attention's (the O stage's) grid arrival in every step; the loader waits
     # for it in split steps only, after the 'qkv' gate and before the next layer's QKV rows
     split = generate(qwen3, loader_warp=True, loader_gates=("attention", "qkv")).source

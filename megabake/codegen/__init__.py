@@ -646,7 +646,8 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
             raise ValueError(f"fused_split runs every step's O projection in attention's interval, but {why}: build "
                              "without it")
     loader = _checked_loader(plan, loader_warp, loader_inflight, loader_qkv_inflight, loader_qkv_ring,
-                             loader_warpgroup, self_contained, watchdog, loader_gates, loader_drain, fused_o=bool(fused_o), fused_split=bool(fused_split), fused_mlp=bool(fused_mlp),
+                             loader_warpgroup, self_contained, watchdog, loader_gates or (), loader_drain,
+                             fused_o=bool(fused_o), fused_split=bool(fused_split), fused_mlp=bool(fused_mlp),
                              bulk_down=bool(bulk_down), fused_kv_smem=fused_kv_smem, early_down=early_down,
                              barrier=barrier)
     arguments = (kernel_arguments(plan) + (list(FUSED_O_BUFFERS) if fused_o else [])
@@ -1302,7 +1303,7 @@ def _checked_loader(plan: Plan, loader_warp: bool, inflight: int, qkv_inflight: 
     if warpgroup and plan.threads % WARPGROUP:
         raise ValueError(f"loader_warpgroup gives the consumers whole warpgroups of {WARPGROUP} threads; this plan runs "
                          f"{plan.threads}: build with loader_warpgroup=False")
-    geometry = replace(loader_geometry(plan, inflight, qkv_ring), warpgroup=warpgroup,
+    geometry = replace(loader_geometry(plan, inflight, qkv_ring, len(gates)), warpgroup=warpgroup,
                        gates=tuple(g for g in LOADER_GATES if g in gates), drain=bool(drain))
     if qkv_inflight is not None:
         streams = tuple(replace(s, inflight=qkv_inflight) if s.stage == "norm_qkv" else s for s in geometry.streams)

@@ -117,11 +117,12 @@ def _spread(stage: str, rows: int, cols: int, ctas: int, inflight: int) -> Strea
     return _stream(stage, rows, cols, 1, per_cta, inflight)
 
 
-def loader_geometry(plan: Plan, inflight: int = DEFAULT_INFLIGHT, qkv_ring: bool = True) -> LoaderGeometry | None:
+def loader_geometry(plan: Plan, inflight: int = DEFAULT_INFLIGHT, qkv_ring: bool = True,
+                    gates: int = 0) -> LoaderGeometry | None:
     """The loader build's streams and rings, or None where a row does not fit a slot or the rings do not fit. With
     ``qkv_ring`` the QKV rows have a ring of their own, a slot per unit: the next layer's rows can land during
     attention, while the gate/up rows hold the shared ring (session 51: sharing it, Qwen3-0.6B's QKV interval took
-    195 us instead of 108)."""
+    195 us instead of 108). ``gates``: the mbarriers of ``loader_gates`` the build adds."""
     d = plan.dims
     mlp = mlp_geometry(plan)
     if mlp is None:
@@ -139,7 +140,7 @@ def loader_geometry(plan: Plan, inflight: int = DEFAULT_INFLIGHT, qkv_ring: bool
     if qkv_slots and streams[0].inflight >= qkv_slots:  # a ring this small bounds its units in flight itself
         streams = (replace(streams[0], inflight=0),) + streams[1:]
     fixed = (staged + _aligned(fused.block_bytes, 128) + _aligned(mlp.down_bytes, 128) + 2 * 128  # slot alignment
-             + LOADER_BARRIER_BYTES * (2 * (MAX_SLOTS + qkv_slots) + 4) + 64 + qkv_slots * SLOT_BYTES)
+             + LOADER_BARRIER_BYTES * (2 * (MAX_SLOTS + qkv_slots) + 4 + gates) + 64 + qkv_slots * SLOT_BYTES)
     slots = min(MAX_SLOTS, (HOPPER_SMEM_PER_BLOCK - fixed) // SLOT_BYTES)
     if slots < MIN_SLOTS:
         return None
@@ -174,7 +175,7 @@ def loader_refusal(plan: Plan, *, fused_o: bool, fused_split: bool, fused_mlp: b
         return "the final soft-capping rewrites the LM head's rows in the register tiling's warp order"
     if plan.dims.hidden * 2 > SLOT_BYTES:
         return f"a weight row of {plan.dims.hidden} bf16 does not fit a {SLOT_BYTES}-byte ring slot"
-    if loader_geometry(plan, qkv_ring=qkv_ring) is None:
+    if loader_geometry(plan, qkv_ring=qkv_ring, gates=len(LOADER_GATES)) is None:
         return (f"at least {MIN_SLOTS} ring slots of {SLOT_BYTES} bytes, the W_O block and the W_down columns do not "
                 f"fit the {HOPPER_SMEM_PER_BLOCK} bytes of shared memory of a Hopper CTA")
     return None
