@@ -3,8 +3,8 @@ warp streams every weight the step reads into shared memory, in consumption orde
 consumer warps read the ring. Each row's sum is the default's, so every step must give the fused default's logits
 bit for bit, from one random KV cache, at fused and split steps (positions near 0, at split boundaries, at capacity -
 1), with 2 units in flight, 1, and as many as the ring holds, without the loader's own warpgroup (setmaxnreg), with one
-ring for all streams, paced by the consumers' arrivals (session 52's loader_gates, loader_drain), and twice; a moving result would be a race (a slot read
-before it landed, or refilled before every warp read it)."""
+ring for all streams, paced by the consumers' arrivals (session 52's loader_gates, loader_drain), and twice; a moving
+result would be a race (a slot read before it landed, or refilled before every warp read it)."""
 
 from __future__ import annotations
 
