@@ -41,6 +41,19 @@ def _compiled(preset: str, capacity: int):
     return compile_preset(preset, layers=2, vocab=4096, capacity=capacity, ctas=gpu_info().sm_count)
 
 
+def _assert_builds_give_the_first_bits(preset: str, capacity: int, builds: list[dict]) -> None:
+    """Each of ``builds`` (generate options) after the first gives the first's logits bit for bit, from one random
+    KV cache, at fused and split steps (:func:`_fused_and_split_positions`), split steps first."""
+    compiled = _compiled(preset, capacity)
+    fused, split = _fused_and_split_positions(compiled, capacity)
+    positions = split + fused
+    logits = _logits_over_random_cache(compiled, positions, 1, builds)
+    assert torch.isfinite(logits[0]).all()
+    for build, result in zip(builds[1:], logits[1:]):
+        for i, position in enumerate(positions):
+            assert torch.equal(result[i], logits[0][i]), (build, position)
+
+
 @pytest.mark.parametrize("preset,capacity", [("smollm-135m", 2048), ("qwen2.5-0.5b", 4096), ("qwen3-0.6b", 4096),
                                              ("llama-3.2-1b", 1024), ("tiny-mistral", 256), ("tiny-phi3", 256)])
 def test_fused_o_gives_the_default_bits_where_split_and_fp32_order_where_fused(preset, capacity):

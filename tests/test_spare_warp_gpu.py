@@ -7,10 +7,8 @@ it landed)."""
 from __future__ import annotations
 
 import pytest
-import torch
 
-from tests.test_fused_o_gpu import _compiled, _fused_and_split_positions
-from tests.test_gpu_decode import _logits_over_random_cache
+from tests.test_fused_o_gpu import _assert_builds_give_the_first_bits
 
 pytestmark = pytest.mark.gpu
 
@@ -20,17 +18,10 @@ PRESETS = [("smollm-135m", 2048), ("qwen2.5-0.5b", 4096), ("qwen3-0.6b", 4096)]
 
 @pytest.mark.parametrize("preset,capacity", PRESETS)
 def test_spare_builds_give_the_default_bits(preset, capacity):
-    compiled = _compiled(preset, capacity)
-    fused, split = _fused_and_split_positions(compiled, capacity)
-    positions = split + fused
     # the default's other choices (the helper turns the tensor-core items off otherwise), without the spare options
     default = {"mma_attention": None, "spare_loads": False, "spare_ring": False}
     builds = [default, {**default, "spare_loads": True, "spare_ring": True}]
-    logits = _logits_over_random_cache(compiled, positions, 1, builds)
-    assert torch.isfinite(logits[0]).all()
-    for build, result in zip(builds[1:], logits[1:]):
-        for i, position in enumerate(positions):
-            assert torch.equal(result[i], logits[0][i]), (build, position)
+    _assert_builds_give_the_first_bits(preset, capacity, builds)
 
 
 @pytest.mark.parametrize("preset,capacity", PRESETS)
@@ -41,15 +32,8 @@ def test_bulk_down_gives_the_fused_mlp_bits(preset, capacity):
 session 49), where the copy of layer L overwrites s_down one interval after layer L - 1 read it. A copy read
 before its mbarrier phase
     completed, or a phase parity off by one layer, would move them."""
-    compiled = _compiled(preset, capacity)
-    fused, split = _fused_and_split_positions(compiled, capacity)
-    positions = split + fused
     base = {"mma_attention": None, "fused_mlp": True, "bulk_down": False, "spare_loads": False, "spare_ring": False}
     builds = [base, {**base, "bulk_down": True}, {**base, "bulk_down": True, "spare_loads": True, "spare_ring": True},
               {**base, "bulk_down": True, "early_down": "arrival"},  # early_down: the copies land during attention
               {**base, "bulk_down": True, "early_down": "wait"}]
-    logits = _logits_over_random_cache(compiled, positions, 1, builds)
-    assert torch.isfinite(logits[0]).all()
-    for build, result in zip(builds[1:], logits[1:]):
-        for i, position in enumerate(positions):
-            assert torch.equal(result[i], logits[0][i]), (build, position)
+    _assert_builds_give_the_first_bits(preset, capacity, builds)
