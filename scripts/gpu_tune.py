@@ -300,6 +300,8 @@ BUILDS = {"default": {}, "atom": {"barrier": "atom"}, "red": {"barrier": "red"},
           "loader-gate-1-drain-att": {"fused_o": True, "fused_mlp": True, "bulk_down": True, "loader_warp": True,
                                       "loader_gates": ("qkv", "attention"), "loader_inflight": 1,
                                       "loader_drain": True},
+          "loader-gate-att": {"fused_o": True, "fused_mlp": True, "bulk_down": True, "loader_warp": True,
+                              "loader_gates": ("qkv", "attention")},
           "loader-gate-q1": {"fused_o": True, "fused_mlp": True, "bulk_down": True, "loader_warp": True,
                              "loader_gates": ("qkv",), "loader_qkv_inflight": 1}}
 
