@@ -131,16 +131,24 @@ def test_gates_make_the_loader_wait_for_the_consumers_arrivals(qwen3):
     smem = [int(re.search(r"\nSMEM_BYTES = (\d+)", text).group(1)) for text in (plain, only_qkv, source)]
     assert smem == [smem[0], smem[0] + 8, smem[0] + 16]  # each gate's mbarrier is counted
     # 'attention': thread 0 arrives after attention's (the O stage's) grid arrival in every step; the loader waits
-    # for it in split steps only, after the 'qkv' gate and before the next layer's QKV rows
+    # for it in split steps only, after the 'qkv' gate, then issues the gate/up rows, W_down and the next layer's QKV
+    # rows in the order they are read; fused steps keep the QKV rows first
     split = generate(qwen3, loader_warp=True, loader_gates=("attention", "qkv")).source
     consumers, loader = _kernel(split).split("\n    else:  # warp WARPS, the loader", 1)
     layer = consumers.split("for layer in range(LAYERS):", 1)[1]
     assert re.findall(r"bodies\.(grid_arrive|gate_arrive)\((?:gates=s_gate, gate=(\d))?", layer) == [
         ("grid_arrive", ""), ("gate_arrive", "0"), ("grid_arrive", ""), ("gate_arrive", "1"), ("grid_arrive", "")]
     waits = loader.index("mbarrier_wait(s_gate.iterator + 0, layer % 2)")
-    gated = loader.index("if bodies.fused_o_step(pos, 0, MIN_CHUNK) == 0:\n")
-    assert waits < gated < loader.index("mbarrier_wait(s_gate.iterator + 1, layer % 2)") < loader.index(
-        "weight=w_qkv[layer + 1")
+    split_step, fused_step = re.split(r"\n +else:\n", loader.split(
+        "if bodies.fused_o_step(pos, 0, MIN_CHUNK) == 0:\n", 1)[1], maxsplit=1)
+    assert waits < loader.index("if bodies.fused_o_step(pos, 0, MIN_CHUNK) == 0:\n")
+    order = ["mbarrier_wait(s_gate.iterator + 1, layer % 2)", "(w_gate_up[layer", "bodies.loader_down(",
+             "weight=w_qkv[layer + 1"]
+    assert [split_step.index(text) for text in order] == sorted(split_step.index(text) for text in order)
+    fused_step = fused_step.split("weight=lm_head", 1)[0]  # up to the LM head, after the layer loop
+    assert "s_gate" not in fused_step
+    order = ["weight=w_qkv[layer + 1", "bodies.loader_down(", "(w_gate_up[layer"]
+    assert [fused_step.index(text) for text in order] == sorted(fused_step.index(text) for text in order)
 
 
 def test_the_loader_refuses_what_it_cannot_build(qwen3):

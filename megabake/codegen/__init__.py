@@ -770,9 +770,10 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
         _write_loader_program(w, plan, loader)
     copies = w.text.count("bodies.loader_down(" if loader else
                           "bodies.mlp_down_bulk(" if bulk_down else "bodies.mlp_down_load(")
-    if fused_mlp and copies != 1:
+    branches = 2 if loader and loader.gate_index("o_residual") is not None else 1  # split and fused steps' order
+    if fused_mlp and copies != branches:
         raise AssertionError("a fused_mlp build must copy its W_down columns once per layer, before the MLP's barrier; "
-                             f"it emitted {copies} copies (codegen._fused_mlp_before)")
+                             f"it emitted {copies} copies in {branches} branches (codegen._fused_mlp_before)")
     w("")
     _launcher(w, arguments)
     if self_contained:
@@ -1486,17 +1487,21 @@ def _write_loader_program(w: _Writer, plan: Plan, loader: LoaderGeometry) -> Non
         w("# loader_gates 'qkv': the copies below wait until this CTA arrived after the layer's QKV GEMV", 3)
         w(f"cute.arch.mbarrier_wait(s_gate.iterator + {qkv_gate}, layer % 2)", 3)
     attention_gate = loader.gate_index("o_residual")
+    base = 3
     if attention_gate is not None:
-        w("# loader_gates 'attention': in a split step, until it arrived after attention", 3)
+        w("# loader_gates 'attention': a split step waits until this CTA arrived after attention, then issues the", 3)
+        w("# copies in the order they are read: the gate/up rows, the W_down columns, the next layer's QKV rows", 3)
         w(f"if bodies.fused_o_step(pos, {_first_key(plan)}, MIN_CHUNK) == 0:", 3)
         w(f"cute.arch.mbarrier_wait(s_gate.iterator + {attention_gate}, layer % 2)", 4)
+        w(rows("norm_gate_up"), 4)
+        _write_loader_down(w, loader, 4)
+        _write_loader_next_qkv(w, qkv, 4)
+        w("else:", 3)
+        base = 4
     if loader.qkv_slots:
-        w("if layer + 1 < LAYERS:  # the next layer's QKV rows, into the slots this layer's QKV GEMV has read", 3)
-        w(re.sub(r"\blayer\b", "(layer + 1)", qkv), 4)
-        w(_LOADER_DOWN, 3)
-        if loader.drain:
-            w(_LOADER_DOWN_DRAIN, 3)
-        w(rows("norm_gate_up"), 3)
+        _write_loader_next_qkv(w, qkv, base)
+        _write_loader_down(w, loader, base)
+        w(rows("norm_gate_up"), base)
     else:
         w(rows("norm_gate_up"), 3)
         w(_LOADER_DOWN, 3)
@@ -1504,6 +1509,19 @@ def _write_loader_program(w: _Writer, plan: Plan, loader: LoaderGeometry) -> Non
         w(f"cute.arch.mbarrier_wait(s_gate.iterator + {mlp_gate}, (LAYERS - 1) % 2)  # after the last layer's MLP", 2)
     w(rows("norm_lm_head"), 2)
     w.base = 0
+
+
+def _write_loader_next_qkv(w: _Writer, qkv: str, base: int) -> None:
+    """The loader's copies of the next layer's QKV rows, into the slots this layer's QKV GEMV has read."""
+    w("if layer + 1 < LAYERS:  # the next layer's QKV rows, into the slots this layer's QKV GEMV has read", base)
+    w(re.sub(r"\blayer\b", "(layer + 1)", qkv), base + 1)
+
+
+def _write_loader_down(w: _Writer, loader: LoaderGeometry, base: int) -> None:
+    """The loader's copy of the layer's W_down columns (and, with ``loader.drain``, its wait for them to land)."""
+    w(_LOADER_DOWN, base)
+    if loader.drain:
+        w(_LOADER_DOWN_DRAIN, base)
 
 
 _CTA_BARRIER = "cute.arch.sync_threads()"

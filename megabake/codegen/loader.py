@@ -46,7 +46,8 @@ STREAMED_STAGES = ("norm_qkv", "norm_gate_up", "norm_lm_head")
 # session 50). "qkv": the next layer's QKV rows, the W_down columns and the gate/up rows wait for the arrival after
 # this layer's QKV GEMV (else they stream during that GEMV, as its slots free). "attention": in a split step only
 # (long contexts, where attention streams the K/V cache), those copies wait for attention's arrival instead, as the
-# default build's ring fill does. "mlp": the next layer's W_O block and the LM head's rows wait for the arrival after
+# default build's ring fill does, and go in the order they are read: the gate/up rows, W_down, the next layer's QKV
+# rows (session 53: in the fused steps' order, the gate/up rows came last and the MLP waited for them). "mlp": the next layer's W_O block and the LM head's rows wait for the arrival after
 # this layer's MLP. Value: the stage whose barrier is meant.
 LOADER_GATES = {"qkv": "norm_qkv", "attention": "o_residual", "mlp": "down_residual"}
 
