@@ -12,7 +12,9 @@ import pytest
 from megabake.codegen import generate
 from megabake.codegen.bodies.loader import SLOT_BYTES as BODY_SLOT_BYTES
 from megabake.codegen.bodies.loader import first_group
-from megabake.codegen.loader import SLOT_BYTES, loader_geometry
+from megabake.codegen.loader import (DEFAULT_DRAIN, DEFAULT_GATES, DEFAULT_INFLIGHT, DEFAULT_MIN_LAYER_BYTES,
+                                     SLOT_BYTES, layer_weight_bytes, loader_geometry, loader_refusal)
+from megabake.plan import EXPERIMENTAL_LAYOUTS_ENV, feature_enabled
 from megabake.plan.tuning import HOPPER_SMEM_PER_BLOCK
 from megabake.runtime.compile import compile_check, load_module
 from tests.compiler_fixtures import compile_preset
@@ -123,10 +125,10 @@ def test_gates_make_the_loader_wait_for_the_consumers_arrivals(qwen3):
                      "mbarrier_wait(s_gate.iterator + 1, (LAYERS - 1) % 2)", "bodies.loader_rows("], steps
     assert "if layer > 0:  # loader_gates 'mlp'" in loader
     assert consumers.rindex("cute.arch.mbarrier_init(s_gate") < consumers.index("cute.arch.barrier(barrier_id=0, ")
-    only_qkv = generate(qwen3, loader_warp=True, loader_gates=("qkv",)).source
+    only_qkv = generate(qwen3, loader_warp=True, loader_gates=("qkv",), loader_drain=False).source
     assert "gate=1" not in only_qkv and only_qkv.count("bodies.gate_arrive(gates=s_gate, gate=0, tidx=tidx)") == 1
     assert "wait_block(bar=s_down_bar" not in _kernel(only_qkv).split("\n    else:  # warp WARPS", 1)[1]
-    plain = generate(qwen3, loader_warp=True).source
+    plain = generate(qwen3, loader_warp=True, loader_gates=(), loader_drain=False).source
     assert "s_gate" not in plain
     smem = [int(re.search(r"\nSMEM_BYTES = (\d+)", text).group(1)) for text in (plain, only_qkv, source)]
     assert smem == [smem[0], smem[0] + 8, smem[0] + 16]  # each gate's mbarrier is counted
@@ -151,11 +153,40 @@ def test_gates_make_the_loader_wait_for_the_consumers_arrivals(qwen3):
     assert [fused_step.index(text) for text in order] == sorted(fused_step.index(text) for text in order)
 
 
+def test_the_default_builds_the_paced_loader_where_a_layer_streams_16_mb(qwen3, monkeypatch):
+    """generate(plan) picks the loader (paced: DEFAULT_GATES, DEFAULT_INFLIGHT, DEFAULT_DRAIN) only once the
+    ``loader_warp`` feature is enabled, and then only at batch 1 where a layer streams at least 16 MB and nothing
+    the caller asked for rules it out."""
+    plain = generate(qwen3).source
+    assert "LOADER_THREADS" not in plain and not feature_enabled("loader_warp")
+    monkeypatch.setenv(EXPERIMENTAL_LAYOUTS_ENV, "loader_warp")
+    paced = {"loader_warp": True, "loader_gates": DEFAULT_GATES, "loader_inflight": DEFAULT_INFLIGHT,
+             "loader_drain": DEFAULT_DRAIN}
+    assert paced == {"loader_warp": True, "loader_gates": ("qkv",), "loader_inflight": 1, "loader_drain": True}
+    assert generate(qwen3).source == generate(qwen3, **paced, **FORCED).source != plain
+    qwen25 = compile_preset("qwen2.5-0.5b", layers=1, vocab=512, capacity=4096).plan
+    assert layer_weight_bytes(qwen25) >= DEFAULT_MIN_LAYER_BYTES
+    assert generate(qwen25).source == generate(qwen25, **paced, **FORCED).source  # fused_mlp on for the loader
+    for preset, capacity in (("smollm-135m", 2048), ("gemma-3-270m", 2048)):  # 7 MB and 11 MB a layer
+        small = compile_preset(preset, layers=1, vocab=512, capacity=capacity).plan
+        assert layer_weight_bytes(small) < DEFAULT_MIN_LAYER_BYTES and loader_refusal(
+            small, fused_o=True, fused_split=True, fused_mlp=True, bulk_down=True, fused_kv_smem=False,
+            early_down=None, barrier="split") is None
+        assert "LOADER_THREADS" not in generate(small).source, preset
+    batch2 = compile_preset("qwen3-0.6b", layers=1, vocab=512, capacity=4096, batch=2).plan
+    assert "LOADER_THREADS" not in generate(batch2).source
+    for options in ({"spare_loads": True}, {"fused_mlp": False}, {"watchdog": True}, {"early_down": "wait"},
+                    {"loader_warp": False}, {"self_contained": False}):
+        assert "LOADER_THREADS" not in generate(qwen3, **options).source, options
+    assert "LOADER_THREADS" in generate(qwen3, timeline=True).source
+
+
 def test_the_loader_refuses_what_it_cannot_build(qwen3):
     qwen25 = compile_preset("qwen2.5-0.5b", layers=1, vocab=512, capacity=4096).plan
     with pytest.raises(ValueError, match="fused_mlp=True, bulk_down=True"):
-        generate(qwen25, loader_warp=True)  # its default leaves the fused MLP off
-    generate(qwen25, loader_warp=True, **FORCED)
+        generate(qwen25, loader_warp=True, fused_mlp=False)
+    # its plain default leaves the fused MLP off (32-bit W_down copies); the loader turns it on with bulk_down
+    assert generate(qwen25, loader_warp=True).source == generate(qwen25, loader_warp=True, **FORCED).source
     for options, why in [({"self_contained": False}, "self-contained"), ({"watchdog": True}, "loader_warp"),
                          ({"spare_loads": True}, "spare_loads"), ({"early_down": "wait"}, "early_down"),
                          ({"loader_inflight": -1}, "loader_inflight=-1"),

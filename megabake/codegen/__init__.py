@@ -50,8 +50,9 @@ from ..plan.stages import (ACTIVATIONS, DIMENSION_CONSTANTS, GATED_ACT_CODES, St
                            spec_of)
 from .fused import (FUSED_O_BUFFERS, FUSED_SPLIT_BUFFERS, fused_geometry, fused_kv_refusal, fused_o_refusal,
                     fused_split_refusal)
-from .loader import (CONSUMER_REGISTERS, DEFAULT_INFLIGHT, LOADER_GATES, PRODUCER_REGISTERS, WARPGROUP, LoaderGeometry,
-                     loader_geometry, loader_refusal)
+from .loader import (CONSUMER_REGISTERS, DEFAULT_DRAIN, DEFAULT_GATES, DEFAULT_INFLIGHT, LOADER_GATES,
+                     PRODUCER_REGISTERS, WARPGROUP, LoaderGeometry, default_loader_warp, loader_geometry,
+                     loader_refusal)
 from .fused_mlp import (ACC_PAD, BULK_DOWN_BUFFERS, FUSED_MLP_BUFFERS, bulk_copy_bytes, default_fused_mlp,
                         fused_mlp_refusal, mlp_geometry, mlp_smem_bytes)
 
@@ -446,10 +447,10 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
              fused_mma: bool | None = None, mma_wide: bool | None = None,
              fused_mlp: bool | None = None, fused_split: bool | None = None, spare_loads: bool | None = None,
              spare_ring: bool | None = None, bulk_down: bool | None = None,
-             early_down: str | None = None, loader_warp: bool = False,
-             loader_inflight: int = DEFAULT_INFLIGHT, loader_warpgroup: bool = True,
+             early_down: str | None = None, loader_warp: bool | None = None,
+             loader_inflight: int | None = None, loader_warpgroup: bool = True,
              loader_qkv_inflight: int | None = None, loader_qkv_ring: bool = True,
-             loader_gates: tuple[str, ...] = (), loader_drain: bool = False) -> GeneratedModule:
+             loader_gates: tuple[str, ...] | None = None, loader_drain: bool | None = None) -> GeneratedModule:
     """module.py of ``plan``. ``merge_preload`` / ``spread_merge``: None picks them per plan
     (:func:`default_merge`); True asks for one (refused where the attention scratch cannot hold it), False
     leaves it out (both False: the plain last-arrival merge of sessions 10-16). ``head_slices=False`` deals
@@ -611,6 +612,14 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
         if why:
             raise ValueError(f"fused_kv_smem copies a fused step's cached K/V rows into shared memory, but {why}: "
                              "build without it")
+    if loader_warp is None:
+        loader_warp = _default_loader(plan, fused_o=bool(fused_o), fused_mlp=fused_mlp, bulk_down=bulk_down,
+                                      fused_split=fused_split, fused_kv_smem=fused_kv_smem, early_down=early_down,
+                                      spare=bool(spare_loads or spare_ring), barrier=barrier,
+                                      self_contained=self_contained, watchdog=watchdog, warpgroup=loader_warpgroup)
+    if loader_warp and fused_o and fused_mlp is not False:  # it streams the fused MLP, W_down by bulk copies
+        fused_mlp = True
+        bulk_down = True if bulk_down is None else bulk_down
     if fused_mlp is None:
         fused_mlp = default_fused_mlp(plan, fused_o=bool(fused_o))
     if fused_mlp:
@@ -645,8 +654,12 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
         if why:
             raise ValueError(f"fused_split runs every step's O projection in attention's interval, but {why}: build "
                              "without it")
-    loader = _checked_loader(plan, loader_warp, loader_inflight, loader_qkv_inflight, loader_qkv_ring,
-                             loader_warpgroup, self_contained, watchdog, loader_gates or (), loader_drain,
+    if loader_warp:  # the measured pacing (codegen.loader.DEFAULT_GATES ...) where it is not given
+        loader_gates = (DEFAULT_GATES if loader_qkv_ring else ()) if loader_gates is None else loader_gates
+        loader_inflight = DEFAULT_INFLIGHT if loader_inflight is None else loader_inflight
+        loader_drain = DEFAULT_DRAIN if loader_drain is None else loader_drain
+    loader = _checked_loader(plan, bool(loader_warp), loader_inflight, loader_qkv_inflight, loader_qkv_ring,
+                             loader_warpgroup, self_contained, watchdog, loader_gates or (), bool(loader_drain),
                              fused_o=bool(fused_o), fused_split=bool(fused_split), fused_mlp=bool(fused_mlp),
                              bulk_down=bool(bulk_down), fused_kv_smem=fused_kv_smem, early_down=early_down,
                              barrier=barrier)
@@ -1277,7 +1290,23 @@ def _fused_split_stages(w: _Writer, plan: Plan, attention: Stage, indent: int, l
 
 
 # ------------------------------------------------------------------------------ loader_warp builds (codegen.loader)
-def _checked_loader(plan: Plan, loader_warp: bool, inflight: int, qkv_inflight: int | None, qkv_ring: bool,
+def _default_loader(plan: Plan, *, fused_o: bool, fused_mlp: bool | None, bulk_down: bool | None,
+                    fused_split: bool | None, fused_kv_smem: bool, early_down: str | None, spare: bool, barrier: str,
+                    self_contained: bool, watchdog: bool, warpgroup: bool) -> bool:
+    """Whether ``generate(plan, loader_warp=None)`` builds the loader warp: where none of the build's other options
+    rules it out and :func:`megabake.codegen.loader.default_loader_warp` picks it (fused_mlp and bulk_down then
+    default to on)."""
+    if (not fused_o or fused_mlp is False or bulk_down is False or fused_split is False or fused_kv_smem or spare
+            or not self_contained or watchdog or (warpgroup and plan.threads % WARPGROUP)):
+        return False
+    if fused_mlp_refusal(plan, fused_o=True) or fused_split_refusal(plan, fused_o=True):
+        return False
+    split = fused_split if fused_split is not None else feature_enabled("fused_split")
+    return default_loader_warp(plan, fused_o=True, fused_split=split, fused_mlp=True, bulk_down=True,
+                               fused_kv_smem=False, early_down=early_down, barrier=barrier)
+
+
+def _checked_loader(plan: Plan, loader_warp: bool, inflight: int | None, qkv_inflight: int | None, qkv_ring: bool,
                     warpgroup: bool, self_contained: bool, watchdog: bool, gates: tuple[str, ...], drain: bool,
                     **choices) -> LoaderGeometry | None:
     """A loader_warp build's geometry (None without it), or the reason it cannot build (ValueError)."""

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..plan import Plan
+from ..plan import Plan, feature_enabled
 from ..plan.memory import smem_bytes
 from ..plan.tuning import HOPPER_SMEM_PER_BLOCK
 from .fused import fused_geometry
@@ -32,7 +32,17 @@ from .fused_mlp import mlp_geometry
 SLOT_BYTES = 16384  # = bodies.loader.SLOT_BYTES
 MAX_SLOTS = 8  # ring slots at most (3 streamed as fast as 12 in the probe, session 50 call 5)
 MIN_SLOTS = 3  # the W_O block and W_down have buffers of their own, so a unit never waits on a later one
-DEFAULT_INFLIGHT = 2  # units requested and not landed, per CTA, in the layers' streams (probe: 2 saturates DRAM)
+# the loader's pacing unless generate is told otherwise (sessions 52-53, H100, GPU ms; docs/PERF.md "Session 52"):
+# the "qkv" gate, one unit in flight per stream and the drain. Qwen3-0.6B 0.670 -> 0.617 at 16, 0.920 -> 0.933 at
+# 4000; Qwen2.5-0.5B 0.551 -> 0.516 at 16. Session 51's unpaced loader (two units, no gate, no drain) lost there.
+DEFAULT_GATES = ("qkv",)
+DEFAULT_INFLIGHT = 1  # units requested and not landed, per CTA, in the layers' streams (probe: 2 saturates DRAM)
+DEFAULT_DRAIN = True
+# generate(plan) builds the loader where it applies and a layer streams at least this many weight bytes (the loader
+# warp's own costs, named barriers and the consumers' gate arrivals, are per layer): H100 GPU ms at 16, sessions
+# 52-53: SmolLM-135M (7 MB a layer) 0.342 -> 0.359 (slower), Qwen2.5-0.5B (30 MB) 0.551 -> 0.513, Qwen3-0.6B (32 MB)
+# 0.670 -> 0.617
+DEFAULT_MIN_LAYER_BYTES = 16 << 20
 # loader_warpgroup: the loader warp in a warpgroup of its own (384 threads), which lowers its register budget with
 # setmaxnreg so the consumer warpgroups can raise theirs (without it, ptxas gives 288 threads 168 registers each:
 # 65536 over three whole warpgroups; the default build's 256 threads get 255). 2 x 128 x 232 + 128 x 40 <= 65536.
@@ -47,8 +57,9 @@ STREAMED_STAGES = ("norm_qkv", "norm_gate_up", "norm_lm_head")
 # this layer's QKV GEMV (else they stream during that GEMV, as its slots free). "attention": in a split step only
 # (long contexts, where attention streams the K/V cache), those copies wait for attention's arrival instead, as the
 # default build's ring fill does, and go in the order they are read: the gate/up rows, W_down, the next layer's QKV
-# rows (session 53: in the fused steps' order, the gate/up rows came last and the MLP waited for them). "mlp": the next layer's W_O block and the LM head's rows wait for the arrival after
-# this layer's MLP. Value: the stage whose barrier is meant.
+# rows (session 53: in the fused steps' order, the gate/up rows came last and the MLP waited for them). "mlp": the
+# next layer's W_O block and the LM head's rows wait for the arrival after this layer's MLP. Value: the stage whose
+# barrier is meant.
 LOADER_GATES = {"qkv": "norm_qkv", "attention": "o_residual", "mlp": "down_residual"}
 
 
@@ -150,6 +161,21 @@ def loader_geometry(plan: Plan, inflight: int = DEFAULT_INFLIGHT, qkv_ring: bool
 
 def _aligned(nbytes: int, to: int) -> int:
     return (nbytes + to - 1) // to * to
+
+
+def layer_weight_bytes(plan: Plan) -> int:
+    """The bf16 weight bytes one decoder layer's GEMVs read (QKV, O, gate/up, down)."""
+    d = plan.dims
+    return 2 * d.hidden * (d.qkv_rows + d.q_rows + d.gate_up_rows + d.intermediate)
+
+
+def default_loader_warp(plan: Plan, **choices) -> bool:
+    """Whether ``generate(plan, loader_warp=None)`` builds the loader warp: where the ``loader_warp`` feature is
+    enabled (``plan.feature_enabled``), :func:`loader_refusal` finds nothing with ``choices`` (the build's other
+    options, fused_mlp and bulk_down forced on where the plan's default leaves them off) and a layer streams at least
+    :data:`DEFAULT_MIN_LAYER_BYTES`."""
+    return (feature_enabled("loader_warp") and loader_refusal(plan, **choices) is None
+            and layer_weight_bytes(plan) >= DEFAULT_MIN_LAYER_BYTES)
 
 
 def loader_refusal(plan: Plan, *, fused_o: bool, fused_split: bool, fused_mlp: bool, bulk_down: bool,

@@ -248,6 +248,10 @@ EXPERIMENTAL_FEATURES = {"rope_tables": "per-layer rotary tables (Gemma 3: one R
                                        "spare_ring=None) turns both on where they apply; the same bits, -1% to -3% "
                                        "GPU ms on an H100; the whole GPU suite passed with it on, on an H100 in "
                                        "session 49)",
+                         "loader_warp": "a ninth warp per CTA streams the weights in consumption order across grid "
+                                        "barriers, paced by the consumers' arrivals (sessions 51-53: "
+                                        "codegen.loader.default_loader_warp turns it on where a layer streams at "
+                                        "least 16 MB and it applies; the same bits as the fused default)",
                          "bulk_down": "with fused_mlp, a CTA's W_down columns by cp.async.bulk from a packed copy the "
                                       "runtime derives (session 48: codegen.generate(bulk_down=None) turns it on where "
                                       "fused_mlp is; the same bits; the whole GPU suite passed with it on, on an "
