@@ -522,11 +522,14 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     the barrier before attention instead of the one before the MLP (``s_down`` is free once the layer before has
     run its down projection), right after its arrival (``"arrival"``) or its wait (``"wait"``), so they land while
     attention, which leaves DRAM mostly idle at short contexts, runs: the same bytes, the same bits (H100 GPU ms
-    within about 1% on SmolLM-135M and Qwen3-0.6B: docs/PERF.md "Session 49"). ``loader_warp`` (session 51
-    candidate, off by default; :mod:`megabake.codegen.loader`) adds a ninth warp per CTA that streams the weights of
+    within about 1% on SmolLM-135M and Qwen3-0.6B: docs/PERF.md "Session 49"). ``loader_warp`` (session 51;
+    None: :func:`megabake.codegen.loader.default_loader_warp`, on where the ``loader_warp`` feature is enabled, not
+    yet GPU-verified, and a layer streams at least 16 MB; it then turns fused_mlp and bulk_down on where they are not
+    given; :mod:`megabake.codegen.loader`) adds a ninth warp per CTA that streams the weights of
     the QKV, gate/up and LM head GEMVs through a ring of 16 KB slots, and the W_O block and W_down columns into
     buffers of their own, in consumption order and across grid barriers, with at most ``loader_inflight`` units of
-    the layers' streams in flight (``bodies/loader.py``); the consumer warps meet at named barrier 1; with
+    the layers' streams in flight (None: ``DEFAULT_INFLIGHT``, 1) (``bodies/loader.py``); the consumer warps meet at
+    named barrier 1; with
     ``loader_warpgroup`` (on by default) the loader warp has a warpgroup of its own (384 threads, 3 warps of it idle),
     which lowers its registers with setmaxnreg so the consumers can raise theirs to 232 (288 threads leave 168);
     ``loader_qkv_inflight`` bounds the QKV stream's units in flight apart (None: ``loader_inflight``);
@@ -535,8 +538,9 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     ``loader_gates`` (session 52, with the QKV ring; a subset of :data:`megabake.codegen.loader.LOADER_GATES`) makes
     the loader wait for the consumers' grid arrival after the QKV GEMV ("qkv"), a split step's attention
     ("attention") and / or the MLP ("mlp") before it issues the copies that follow in its order, so fewer are in
-    flight when a barrier's release runs;
-    ``loader_drain`` makes it wait for the W_O block and the W_down columns to land before it goes on. It
+    flight when a barrier's release runs (None: ``DEFAULT_GATES``, ("qkv",), or () without the QKV ring);
+    ``loader_drain`` makes it wait for the W_O block and the W_down columns to land before it goes on (None:
+    ``DEFAULT_DRAIN``, on). It
     needs the fused default (fused_o, fused_split, fused_mlp, bulk_down) and a self-contained module; the same bits
     as that build; refused where :func:`megabake.codegen.loader.loader_refusal` names a reason."""
     if watchdog and timeline:

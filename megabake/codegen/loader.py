@@ -16,7 +16,9 @@ Qwen2.5-0.5B 0.549 -> 0.548, SmolLM-135M 0.345 -> 0.363, the next layer's QKV ro
 copies are in flight at the QKV barrier's release. Paced by the consumers' arrivals (``LOADER_GATES``), the
 loader beats the default at 16: Qwen3-0.6B 0.681 -> 0.622 ms with ``("qkv",)``, one unit in flight and
 ``drain``; Qwen2.5-0.5B 0.556 -> 0.513 with ``("qkv",)``. It is 4% slower on Qwen3-0.6B at 4000. The
-``"attention"`` gate is meant for that and has not run on a GPU (docs/PERF.md, "Session 52").
+``"attention"`` gate is meant for that. Session 53 (H100): it lost at 4000 (0.983 ms against 0.920) in that order, so
+a split step's copies now go in the order they are read (not timed yet); :func:`default_loader_warp` builds the paced
+loader by default where the ``loader_warp`` feature is enabled (docs/PERF.md, "Session 53").
 """
 
 from __future__ import annotations
@@ -171,9 +173,11 @@ def layer_weight_bytes(plan: Plan) -> int:
 
 def default_loader_warp(plan: Plan, **choices) -> bool:
     """Whether ``generate(plan, loader_warp=None)`` builds the loader warp: where the ``loader_warp`` feature is
-    enabled (``plan.feature_enabled``), :func:`loader_refusal` finds nothing with ``choices`` (the build's other
-    options, fused_mlp and bulk_down forced on where the plan's default leaves them off) and a layer streams at least
-    :data:`DEFAULT_MIN_LAYER_BYTES`."""
+    enabled (:func:`megabake.plan.feature_enabled`: not in ``GPU_VERIFIED_FEATURES`` yet, so only where
+    ``MEGABAKE_EXPERIMENTAL_LAYOUTS`` names it), :func:`loader_refusal` finds nothing with ``choices`` (the build's
+    other options, fused_mlp and bulk_down on) and a layer streams at least :data:`DEFAULT_MIN_LAYER_BYTES`. Where
+    the plan's own default leaves fused_mlp off (Qwen2.5-0.5B), the loader build's logits are the fused_mlp build's
+    (fp32 order, not the same bits as the plain default)."""
     return (feature_enabled("loader_warp") and loader_refusal(plan, **choices) is None
             and layer_weight_bytes(plan) >= DEFAULT_MIN_LAYER_BYTES)
 
