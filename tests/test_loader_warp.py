@@ -14,7 +14,7 @@ from megabake.codegen.bodies.loader import SLOT_BYTES as BODY_SLOT_BYTES
 from megabake.codegen.bodies.loader import first_group
 from megabake.codegen.loader import (DEFAULT_DRAIN, DEFAULT_GATES, DEFAULT_INFLIGHT, DEFAULT_MIN_LAYER_BYTES,
                                      SLOT_BYTES, layer_weight_bytes, loader_geometry, loader_refusal)
-from megabake.plan import EXPERIMENTAL_LAYOUTS_ENV, feature_enabled
+from megabake.plan import EXPERIMENTAL_LAYOUTS_ENV, GPU_VERIFIED_FEATURES, feature_enabled
 from megabake.plan.tuning import HOPPER_SMEM_PER_BLOCK
 from megabake.runtime.compile import compile_check, load_module
 from tests.compiler_fixtures import compile_preset
@@ -67,8 +67,8 @@ def test_the_loader_streams_every_weight_and_the_consumers_copy_none(qwen3):
     assert consumers.rindex("cute.arch.mbarrier_init(") < consumers.index("cute.arch.barrier(barrier_id=0, ")
     assert "wait_block(bar=s_wo_full" in consumers and "release_block(bar=s_wo_empty" in consumers
     assert "release_block(bar=s_down_empty" in consumers
-    # off by default: the default build is unchanged
-    assert "loader_rows" not in generate(qwen3).source
+    # without it the build streams nothing from a loader (where it is built by default: the next test)
+    assert "loader_rows" not in generate(qwen3, loader_warp=False).source
 
 
 @pytest.mark.parametrize("preset,capacity", [("qwen3-0.6b", 4096), ("qwen2.5-0.5b", 4096), ("smollm-135m", 2048)])
@@ -157,9 +157,11 @@ def test_the_default_builds_the_paced_loader_where_a_layer_streams_16_mb(qwen3, 
     """generate(plan) picks the loader (paced: DEFAULT_GATES, DEFAULT_INFLIGHT, DEFAULT_DRAIN) only once the
     ``loader_warp`` feature is enabled, and then only at batch 1 where a layer streams at least 16 MB and nothing
     the caller asked for rules it out."""
-    plain = generate(qwen3).source
-    assert "LOADER_THREADS" not in plain and not feature_enabled("loader_warp")
+    monkeypatch.delenv(EXPERIMENTAL_LAYOUTS_ENV, raising=False)
+    assert ("LOADER_THREADS" in generate(qwen3).source) is ("loader_warp" in GPU_VERIFIED_FEATURES)
+    plain = generate(qwen3, loader_warp=False).source
     monkeypatch.setenv(EXPERIMENTAL_LAYOUTS_ENV, "loader_warp")
+    assert feature_enabled("loader_warp")
     paced = {"loader_warp": True, "loader_gates": DEFAULT_GATES, "loader_inflight": DEFAULT_INFLIGHT,
              "loader_drain": DEFAULT_DRAIN}
     assert paced == {"loader_warp": True, "loader_gates": ("qkv",), "loader_inflight": 1, "loader_drain": True}
@@ -199,7 +201,7 @@ def test_the_loader_refuses_what_it_cannot_build(qwen3):
             generate(qwen3, loader_warp=True, **options)
     for options in ({"loader_gates": ("qkv",)}, {"loader_drain": True}):
         with pytest.raises(ValueError, match="loader_warp=True"):
-            generate(qwen3, **options)
+            generate(qwen3, loader_warp=False, **options)
     llama = compile_preset("llama-3.2-1b", layers=1, vocab=512, capacity=1024).plan
     with pytest.raises(ValueError, match="loader_warp|fused_mlp"):
         generate(llama, loader_warp=True, **FORCED)  # its W_down block does not fit shared memory

@@ -21,9 +21,13 @@ from tests.compiler_fixtures import compile_preset
 
 def _streams_gemvs_through_the_ring(copies_per_k_step: int) -> Callable[[str], bool]:
     """The five GEMVs of a layer (default tiling: the cp.async ring) issue >= ``copies_per_k_step`` x 2 rows per
-    tile 16-byte weight copies per K step."""
-    return lambda ptx: ptx.count("cp.async.cg.shared.global") >= 5 * 2 * copies_per_k_step \
-        and "cp.async.wait_group" in ptx
+    tile 16-byte weight copies per K step; where the loader warp is built (``codegen.loader.default_loader_warp``,
+    its own warpgroup: setmaxnreg), it streams them by ``cp.async.bulk`` row copies onto mbarriers instead."""
+    def holds(ptx: str) -> bool:
+        if "setmaxnreg" in ptx:
+            return ptx.count("cp.async.bulk.shared::cluster.global") >= 3 and "mbarrier.try_wait" in ptx
+        return ptx.count("cp.async.cg.shared.global") >= 5 * 2 * copies_per_k_step and "cp.async.wait_group" in ptx
+    return holds
 
 
 def _granite_folds(plan: Plan) -> bool:

@@ -32,8 +32,9 @@ def _compiled_ptx(preset: str, capacity: int, tmp_path, **options) -> str:
 
 
 def test_spare_loads_leaves_the_w_o_and_w_down_copies_to_threads_32_on(qwen3):
-    default = generate(qwen3, spare_loads=False, bulk_down=False).source  # bulk_down: no mlp_down_load
-    spare = generate(qwen3, spare_loads=True, bulk_down=False).source
+    # bulk_down off: no mlp_down_load; loader_warp off: it copies for the consumers wherever it is built
+    default = generate(qwen3, loader_warp=False, spare_loads=False, bulk_down=False).source
+    spare = generate(qwen3, loader_warp=False, spare_loads=True, bulk_down=False).source
     assert "\nCOPY_SKIP = 0\n" in default and "\nCOPY_SKIP = 32\n" in spare
     assert default.replace("\nCOPY_SKIP = 0\n", "\nCOPY_SKIP = 32\n") == spare  # nothing else moves
     for load in ("bodies.fused_o_load(", "bodies.mlp_down_load("):
@@ -42,8 +43,8 @@ def test_spare_loads_leaves_the_w_o_and_w_down_copies_to_threads_32_on(qwen3):
 
 
 def test_spare_ring_moves_warp_0s_ring_prefills_after_each_wait(qwen3):
-    default = _kernel(generate(qwen3, spare_ring=False).source)
-    spare = _kernel(generate(qwen3, spare_ring=True).source)
+    default = _kernel(generate(qwen3, loader_warp=False, spare_ring=False).source)
+    spare = _kernel(generate(qwen3, loader_warp=False, spare_ring=True).source)
     prefills = default.count("bodies.gemv_ring_prefill(")
     assert prefills >= 2  # the gate/up ring (fused_mlp) and the next layer's QKV ring
     assert spare.count("bodies.gemv_ring_prefill(") == 2 * prefills
@@ -98,7 +99,7 @@ def test_a_spare_build_compiles_for_sm90a(preset, capacity, tmp_path):
 def test_bulk_down_copies_packed_columns_by_bulk_copies_onto_an_mbarrier(qwen3):
     from megabake.codegen.fused_mlp import bulk_copy_bytes, mlp_geometry
 
-    source = generate(qwen3, bulk_down=True).source
+    source = generate(qwen3, loader_warp=False, bulk_down=True).source
     kernel = _kernel(source)
     geometry = mlp_geometry(qwen3)
     assert "bodies.mlp_down_load(" not in kernel and kernel.count("bodies.mlp_down_bulk(") == 1
@@ -108,19 +109,19 @@ def test_bulk_down_copies_packed_columns_by_bulk_copies_onto_an_mbarrier(qwen3):
     assert f"'w_down_cta': (2, {geometry.chunks}, {qwen3.dims.hidden * geometry.per_cta})" in source
     assert "DERIVED_BUFFERS = {'w_down_cta': ('w_down', MLP_PER_CTA)}" in source
     assert "cute.arch.mbarrier_init(s_down_bar.iterator, 1)" in kernel
-    default = generate(qwen3, bulk_down=False).source
+    default = generate(qwen3, loader_warp=False, bulk_down=False).source
     assert "\nMLP_BULK = False\n" in default and "s_bar=s_down, phase=layer % 2, bulk=MLP_BULK)" in default
     with pytest.raises(ValueError, match=r"bulk_down copies a fused_mlp build's W_down columns by cp.async.bulk, but "
                                          r"this build is not fused_mlp: build without it"):
-        generate(qwen3, fused_mlp=False, bulk_down=True)
+        generate(qwen3, loader_warp=False, fused_mlp=False, bulk_down=True)
 
 
 def test_early_down_issues_the_bulk_copies_at_attentions_barrier(qwen3):
     """The same call, once per layer, at the barrier after the QKV projection and no longer before the MLP's:
     ``arrival`` right after the arrival (ahead of the K/V prefetch and the W_O block), ``wait`` right after the
     wait (before attention's calls); everything else as bulk_down."""
-    bulk = _kernel(generate(qwen3, bulk_down=True).source)
-    early = _kernel(generate(qwen3, bulk_down=True, early_down="arrival").source)
+    bulk = _kernel(generate(qwen3, loader_warp=False, bulk_down=True).source)
+    early = _kernel(generate(qwen3, loader_warp=False, bulk_down=True, early_down="arrival").source)
     call = "bodies.mlp_down_bulk(\n"
     assert bulk.count(call) == early.count(call) == 1
     attention = early.split("# ---- stage 2: attention", 1)[0].rsplit("bodies.grid_arrive(", 1)[1]
@@ -132,10 +133,10 @@ def test_early_down_issues_the_bulk_copies_at_attentions_barrier(qwen3):
     assert early.split(call, 1)[1].split(")\n", 1)[0] == moved  # the same copies of the same layer
     with pytest.raises(ValueError, match=r"early_down issues a bulk_down build's W_down copies at attention's "
                                          r"barrier, but this build is not bulk_down: build without it"):
-        generate(qwen3, bulk_down=False, early_down="arrival")
+        generate(qwen3, loader_warp=False, bulk_down=False, early_down="arrival")
     with pytest.raises(ValueError, match=r"early_down=True: use one of \(None, 'arrival', 'wait'\)"):
-        generate(qwen3, early_down=True)
-    waits = _kernel(generate(qwen3, early_down="wait").source)
+        generate(qwen3, loader_warp=False, early_down=True)
+    waits = _kernel(generate(qwen3, loader_warp=False, early_down="wait").source)
     assert waits.count(call) == 1 and call not in waits.split("# ---- stage 3: o_residual", 1)[1]
     after_wait = waits.split("# ---- stage 2: attention", 1)[0].rsplit("bodies.grid_wait(", 1)[1]
     assert after_wait.split("\n", 1)[1].lstrip().startswith(call.strip())
@@ -179,15 +180,17 @@ def test_a_bulk_down_build_compiles_for_sm90a(preset, capacity, tmp_path):
 
 def test_the_features_are_on_by_default_where_they_apply(qwen3):
     """GPU-verified since session 49 (the whole GPU suite passed with them on, on an H100): the default build is the
-    spare_warp + bulk_down build wherever fused_o / fused_mlp are on, and the build without fused_mlp has no bulk
-    copies; a batch-4 bucket (not fused) is unchanged."""
+    spare_warp + bulk_down build wherever fused_o / fused_mlp are on (and no loader warp is built: it leaves the
+    consumers no copies to spare), and the build without fused_mlp has no bulk copies; a batch-4 bucket (not fused)
+    is unchanged."""
     from megabake.plan import EXPERIMENTAL_FEATURES, GPU_VERIFIED_FEATURES
 
     assert {"spare_warp", "bulk_down"} <= set(EXPERIMENTAL_FEATURES) & set(GPU_VERIFIED_FEATURES)
-    default = generate(qwen3).source
-    assert default == generate(qwen3, spare_loads=True, spare_ring=True, bulk_down=True).source
-    assert default != generate(qwen3, spare_loads=False, spare_ring=False, bulk_down=False).source
+    default = generate(qwen3, loader_warp=False).source
+    assert default == generate(qwen3, loader_warp=False, spare_loads=True, spare_ring=True, bulk_down=True).source
+    assert default != generate(qwen3, loader_warp=False, spare_loads=False, spare_ring=False, bulk_down=False).source
     assert "\nCOPY_SKIP = 32\n" in default and "\nMLP_BULK = True\n" in default
-    assert generate(qwen3, fused_mlp=False).source == generate(qwen3, fused_mlp=False, bulk_down=False).source
+    assert generate(qwen3, loader_warp=False, fused_mlp=False).source == generate(
+        qwen3, loader_warp=False, fused_mlp=False, bulk_down=False).source
     batched = compile_preset("qwen3-0.6b", layers=1, vocab=512, capacity=4096, batch=4).plan
     assert "COPY_SKIP" not in generate(batched).source  # not fused: nothing to spare, nothing refused
