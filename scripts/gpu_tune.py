@@ -198,6 +198,7 @@ def sync_call(decoder, token, pos: int, reps: int) -> tuple[float, float]:
 # session 51-52's loader pacing (unpaced: no gate, 2 units in flight, no drain), which the loader-* builds below
 # were measured with; generate's own defaults pace the loader since session 53 (codegen.loader.DEFAULT_GATES ...)
 UNPACED = {"loader_gates": (), "loader_inflight": 2, "loader_drain": False}
+LOADER = {"fused_o": True, "fused_mlp": True, "bulk_down": True, "loader_warp": True, **UNPACED}  # the loader-* base
 BUILDS = {"default": {}, "no-loader": {"loader_warp": False}, "atom": {"barrier": "atom"}, "red": {"barrier": "red"},
           "red-fence": {"barrier": "red-fence"},
           "no-kvpf": {"kv_prefetch": False}, "kvpf-l1": {"kv_prefetch_l1": True},
@@ -270,43 +271,28 @@ BUILDS = {"default": {}, "no-loader": {"loader_warp": False}, "atom": {"barrier"
           # their own, loaded during attention (the default since session 51's second build; loader-warp-shared: one
           # ring for all, as first measured: Qwen3-0.6B 0.700 vs 0.669 on an H100); loader-warp-288: without
           # the loader's own warpgroup (288 threads of 168 registers, not 384 with setmaxnreg: consumers 232)
-          "loader-warp": {"fused_o": True, "fused_mlp": True, "bulk_down": True, "loader_warp": True, **UNPACED},
-          "loader-warp-1": {"fused_o": True, "fused_mlp": True, "bulk_down": True, "loader_warp": True, **UNPACED,
-                            "loader_inflight": 1},
-          "loader-warp-ring": {"fused_o": True, "fused_mlp": True, "bulk_down": True, "loader_warp": True, **UNPACED,
-                               "loader_inflight": 0},
-          "loader-warp-288": {"fused_o": True, "fused_mlp": True, "bulk_down": True, "loader_warp": True, **UNPACED,
-                              "loader_warpgroup": False},
+          "loader-warp": {**LOADER},
+          "loader-warp-1": {**LOADER, "loader_inflight": 1},
+          "loader-warp-ring": {**LOADER, "loader_inflight": 0},
+          "loader-warp-288": {**LOADER, "loader_warpgroup": False},
           # ... the QKV stream unbounded (its units wait for the gate/up slots of the layer before), the rest at 2
-          "loader-warp-qkv0": {"fused_o": True, "fused_mlp": True, "bulk_down": True, "loader_warp": True, **UNPACED,
-                               "loader_qkv_inflight": 0},
-          "loader-warp-shared": {"fused_o": True, "fused_mlp": True, "bulk_down": True, "loader_warp": True, **UNPACED,
-                                 "loader_qkv_ring": False},
+          "loader-warp-qkv0": {**LOADER, "loader_qkv_inflight": 0},
+          "loader-warp-shared": {**LOADER, "loader_qkv_ring": False},
           # session 52: the loader paced by the consumers' grid arrivals (loader_gates: the next layer's QKV rows,
           # W_down and gate/up after the QKV GEMV's arrival; "mlp": the next W_O block after the MLP's) and / or
           # waiting for the W_O block and W_down to land (loader_drain), so fewer copies are in flight at a release
-          "loader-gate": {"fused_o": True, "fused_mlp": True, "bulk_down": True, "loader_warp": True, **UNPACED,
-                          "loader_gates": ("qkv",)},
-          "loader-gate-mlp": {"fused_o": True, "fused_mlp": True, "bulk_down": True, "loader_warp": True, **UNPACED,
-                              "loader_gates": ("qkv", "mlp")},
-          "loader-drain": {"fused_o": True, "fused_mlp": True, "bulk_down": True, "loader_warp": True, **UNPACED,
-                           "loader_drain": True},
-          "loader-paced": {"fused_o": True, "fused_mlp": True, "bulk_down": True, "loader_warp": True, **UNPACED,
-                           "loader_gates": ("qkv", "mlp"), "loader_drain": True},
-          "loader-gate-1": {"fused_o": True, "fused_mlp": True, "bulk_down": True, "loader_warp": True, **UNPACED,
-                            "loader_gates": ("qkv",), "loader_inflight": 1},
-          "loader-gate-drain": {"fused_o": True, "fused_mlp": True, "bulk_down": True, "loader_warp": True, **UNPACED,
-                                "loader_gates": ("qkv",), "loader_drain": True},
-          "loader-gate-1-drain": {"fused_o": True, "fused_mlp": True, "bulk_down": True, "loader_warp": True,
-                                  **UNPACED, "loader_gates": ("qkv",), "loader_inflight": 1, "loader_drain": True},
+          "loader-gate": {**LOADER, "loader_gates": ("qkv",)},
+          "loader-gate-mlp": {**LOADER, "loader_gates": ("qkv", "mlp")},
+          "loader-drain": {**LOADER, "loader_drain": True},
+          "loader-paced": {**LOADER, "loader_gates": ("qkv", "mlp"), "loader_drain": True},
+          "loader-gate-1": {**LOADER, "loader_gates": ("qkv",), "loader_inflight": 1},
+          "loader-gate-drain": {**LOADER, "loader_gates": ("qkv",), "loader_drain": True},
+          "loader-gate-1-drain": {**LOADER, "loader_gates": ("qkv",), "loader_inflight": 1, "loader_drain": True},
           # ... and in split steps (long contexts) the copies after attention's arrival, as the default ring fill
-          "loader-gate-1-drain-att": {"fused_o": True, "fused_mlp": True, "bulk_down": True, "loader_warp": True,
-                                      **UNPACED, "loader_gates": ("qkv", "attention"), "loader_inflight": 1,
+          "loader-gate-1-drain-att": {**LOADER, "loader_gates": ("qkv", "attention"), "loader_inflight": 1,
                                       "loader_drain": True},
-          "loader-gate-att": {"fused_o": True, "fused_mlp": True, "bulk_down": True, "loader_warp": True, **UNPACED,
-                              "loader_gates": ("qkv", "attention")},
-          "loader-gate-q1": {"fused_o": True, "fused_mlp": True, "bulk_down": True, "loader_warp": True, **UNPACED,
-                             "loader_gates": ("qkv",), "loader_qkv_inflight": 1}}
+          "loader-gate-att": {**LOADER, "loader_gates": ("qkv", "attention")},
+          "loader-gate-q1": {**LOADER, "loader_gates": ("qkv",), "loader_qkv_inflight": 1}}
 
 
 def stepped_timeline_decoder(plan, model, tokens, timeline, build: str = "default", position: int | None = None):

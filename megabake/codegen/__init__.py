@@ -1305,7 +1305,7 @@ def _default_loader(plan: Plan, *, fused_o: bool, fused_mlp: bool | None, bulk_d
         return False
     if fused_mlp_refusal(plan, fused_o=True) or fused_split_refusal(plan, fused_o=True):
         return False
-    split = fused_split if fused_split is not None else feature_enabled("fused_split")
+    split = bool(fused_split) or feature_enabled("fused_split")  # given (True) or the plan's default
     return default_loader_warp(plan, fused_o=True, fused_split=split, fused_mlp=True, bulk_down=True,
                                fused_kv_smem=False, early_down=early_down, barrier=barrier)
 
