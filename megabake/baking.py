@@ -6,7 +6,7 @@ capture -> ir -> plan -> codegen, checks the plan's reference executor against e
 records a first numerical check and its latency. It writes ``module.py``, ``plan.json``,
 ``source_map.json`` and ``report.json`` (+ ``manifest.json``) atomically through ``megabake.package`` into
 ``out/<org>--<model>/<rev>/<variant>``, the variant carrying the plan tag (``decode-b1-c128-sm90a-132sm-p<8
-hex>``). It never silently replaces another package (``megabake.package.save_package``): the same files with
+hex>``: of the plan's sha256, folded with the module's codegen record where it has one, ``report.kernel.codegen``). It never silently replaces another package (``megabake.package.save_package``): the same files with
 an equal or stronger report are left as is (``BakeResult.outcome == "unchanged"``); different files raise
 ``OverwriteRefusedError`` unless ``force=True``. Without a Hopper GPU the report is ``unverified`` with the
 reason. Progress goes to ``progress(msg)``.
@@ -61,7 +61,7 @@ def bake(model: str, *, revision: str | None = None, batch: int = 1, capacity: i
          autotune: bool = False, tiling: str | None = None, attention_preload: bool = False, force: bool = False,
          progress: Callable[[str], None] = lambda msg: None) -> BakeResult:
     from .compiler import compile_step
-    from .package import package_destination, save_package
+    from .package import build_hash, package_destination, save_package
     from .presets import config_hash
     from .runtime import gpu_info
 
@@ -102,8 +102,10 @@ def bake(model: str, *, revision: str | None = None, batch: int = 1, capacity: i
         compile_result, precompiled = _compile_and_export(plan, generated.source)
 
     dest, variant = package_destination(out, source.model_id, source.revision, "decode", batch, capacity, gpu_class,
-                                        plan.hash)
+                                        build_hash(plan.hash, generated.codegen))
     report = _report(source, config_hash(source.model.config), plan, variant, gpu_class, compile_result, reference)
+    if generated.codegen:
+        report["kernel"]["codegen"] = generated.codegen
     report["kernel"]["precompiled"] = precompiled["report"]
     if tuned:
         report["kernel"]["autotune"] = tuned.report()

@@ -165,7 +165,12 @@ def test_the_default_builds_the_paced_loader_where_a_layer_streams_16_mb(qwen3, 
     paced = {"loader_warp": True, "loader_gates": DEFAULT_GATES, "loader_inflight": DEFAULT_INFLIGHT,
              "loader_drain": DEFAULT_DRAIN}
     assert paced == {"loader_warp": True, "loader_gates": ("qkv",), "loader_inflight": 1, "loader_drain": True}
-    assert generate(qwen3).source == generate(qwen3, **paced, **FORCED).source != plain
+    default = generate(qwen3)
+    assert default.source == generate(qwen3, **paced, **FORCED).source != plain
+    record = default.codegen["loader_warp"]  # what a bake records and folds into the package's plan tag
+    assert (record["gates"], record["drain"], record["inflight"]["norm_gate_up"]) == (["qkv"], True, 1)
+    assert generate(qwen3, loader_warp=False).codegen == {}
+    assert generate(qwen3, loader_gates=("qkv", "attention")).codegen["loader_warp"]["gates"] == ["qkv", "attention"]
     qwen25 = compile_preset("qwen2.5-0.5b", layers=1, vocab=512, capacity=4096).plan
     assert layer_weight_bytes(qwen25) >= DEFAULT_MIN_LAYER_BYTES
     assert generate(qwen25).source == generate(qwen25, **paced, **FORCED).source  # fused_mlp on for the loader

@@ -22,6 +22,7 @@ from megabake.hub.select import Request, select_entry
 from megabake.package import (
     OverwriteRefusedError,
     SchemaValidationError,
+    build_hash,
     build_index,
     package_destination,
     package_dir,
@@ -29,6 +30,7 @@ from megabake.package import (
     parse_variant,
     plan_tag,
     read_package,
+    report_build_hash,
     save_package,
     validate,
     variant_name,
@@ -87,6 +89,38 @@ def test_the_plan_tag_must_name_the_plan(tmp_path):
         write_package(tmp_path / "bad", fixture_files(bad), bad)
     assert err.value.pointer == "/variant" and report["variant"] in str(err.value)
     validate("report", report)
+
+
+LOADER_RECORD = {"loader_warp": {"gates": ["qkv"], "drain": True, "warpgroup": True, "slots": 6, "qkv_slots": 3,
+                                  "inflight": {"norm_qkv": 1, "norm_gate_up": 1, "lm_head": 1}}}
+
+
+def test_a_codegen_record_gives_the_build_a_plan_tag_of_its_own(tmp_path):
+    """Two builds of one plan (with and without a loader warp) never share a variant: the tag is taken from
+    build_hash(plan.hash, kernel.codegen); a record that the name does not carry is refused."""
+    assert build_hash(PLAN_HASH) == build_hash(PLAN_HASH, {}) == PLAN_HASH  # every older package keeps its name
+    loader_hash = build_hash(PLAN_HASH, LOADER_RECORD)
+    assert len(loader_hash) == 64 and loader_hash[:8] != PLAN_HASH[:8]
+    other_pacing = copy.deepcopy(LOADER_RECORD)
+    other_pacing["loader_warp"]["gates"] = ["qkv", "attention"]
+    assert build_hash(PLAN_HASH, other_pacing) not in (loader_hash, PLAN_HASH)
+    report = make_report(tagged=True)
+    report["kernel"]["codegen"] = LOADER_RECORD
+    with pytest.raises(SchemaValidationError) as err:  # still named after the plan alone
+        write_package(tmp_path / "bad", fixture_files(report), report)
+    assert err.value.pointer == "/variant" and "codegen" in str(err.value)
+    report["variant"] = variant_name("decode", 1, 128, "sm90a-132sm", loader_hash)
+    assert report_build_hash(report) == loader_hash
+    path = write_package(tmp_path / report["variant"], fixture_files(report), report)
+    assert read_package(path).variant.plan_tag == loader_hash[:8]
+    args = ("megabake/tiny-llama", "random-seed0", "decode", 1, 128, "sm90a-132sm")
+    legacy = write_fixture_package(tmp_path)  # untagged, no codegen record: holds the loader-less build only
+    assert package_destination(tmp_path, *args, PLAN_HASH) == (legacy, "decode-b1-c128-sm90a-132sm")
+    assert package_destination(tmp_path, *args, loader_hash)[1] == f"decode-b1-c128-sm90a-132sm-p{loader_hash[:8]}"
+    broken = copy.deepcopy(report)
+    broken["kernel"]["codegen"] = {"loader_warp": {"gates": "qkv"}}
+    with pytest.raises(SchemaValidationError):
+        validate("report", broken)
 
 
 # ------------------------------------------------------------------------------------------ write policy
@@ -222,6 +256,26 @@ def test_two_tilings_give_two_folders(baked):
     assert other.path.name == f"decode-b1-c128-sm90a-132sm-p{other.plan_hash[:8]}"
     assert other.path.parent == first.path.parent and other.path != first.path
     assert read_package(other.path).report["kernel"]["tiling"]["spec"] == "1x2"
+
+
+def test_a_loader_build_of_the_same_plan_gets_a_folder_of_its_own(baked, monkeypatch):
+    """With the loader_warp feature on (and its 16 MB threshold lowered to reach tiny-llama), the bake's module
+    has a loader warp: same plan, but the report records the loader's pacing and the variant is tagged with it."""
+    import megabake.codegen.loader as loader
+    from megabake.baking import bake
+    from megabake.plan import EXPERIMENTAL_LAYOUTS_ENV
+
+    root, first = baked
+    monkeypatch.setenv(EXPERIMENTAL_LAYOUTS_ENV, "loader_warp")
+    monkeypatch.setattr(loader, "DEFAULT_MIN_LAYER_BYTES", 0)
+    other = bake("tiny-llama", out=root, run_on_gpu=False, reference_steps=1)
+    report = read_package(other.path).report
+    assert other.outcome == "written" and other.plan_hash == first.plan_hash
+    assert "LOADER_THREADS" in (other.path / "module.py").read_text() and report["kernel"]["compile_check"]["ok"]
+    assert report["kernel"]["codegen"]["loader_warp"]["gates"] == ["qkv"]
+    tag = build_hash(first.plan_hash, report["kernel"]["codegen"])[:8]
+    assert other.path.name == report["variant"] == f"decode-b1-c128-sm90a-132sm-p{tag}" != first.report["variant"]
+    assert "codegen" not in first.report["kernel"]
 
 
 def test_cli_refuses_a_different_package_and_passes_force(tmp_path, monkeypatch):

@@ -52,7 +52,7 @@ from .fused import (FUSED_O_BUFFERS, FUSED_SPLIT_BUFFERS, fused_geometry, fused_
                     fused_split_refusal)
 from .loader import (CONSUMER_REGISTERS, DEFAULT_DRAIN, DEFAULT_GATES, DEFAULT_INFLIGHT, LOADER_GATES,
                      PRODUCER_REGISTERS, WARPGROUP, LoaderGeometry, default_loader_warp, loader_geometry,
-                     loader_refusal)
+                     loader_record, loader_refusal)
 from .fused_mlp import (ACC_PAD, BULK_DOWN_BUFFERS, FUSED_MLP_BUFFERS, bulk_copy_bytes, default_fused_mlp,
                         fused_mlp_refusal, mlp_geometry, mlp_smem_bytes)
 
@@ -75,6 +75,11 @@ class GeneratedModule:
     source: str
     source_map: dict
     arguments: list[str] = field(default_factory=lambda: list(KERNEL_ARGUMENTS))
+    # what module.py holds beyond its plan's default build and plan.json does not say: {} or, where a loader warp
+    # streams the weights, {"loader_warp": its pacing} (codegen.loader.loader_record). A bake records it in the
+    # report (kernel.codegen) and folds it into the package's plan tag (package.layout.build_hash), so builds of
+    # one plan with and without the loader never share a variant name.
+    codegen: dict = field(default_factory=dict)
 
     @property
     def kernel_source(self) -> str:
@@ -804,7 +809,8 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
         "plan_hash": plan_hash,
         "entries": w.entries,
     }
-    return GeneratedModule(source=w.text, source_map=source_map, arguments=arguments)
+    return GeneratedModule(source=w.text, source_map=source_map, arguments=arguments,
+                           codegen={"loader_warp": loader_record(loader)} if loader else {})
 
 
 def _packed(items: list[str], indent: int) -> list[str]:

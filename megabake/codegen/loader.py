@@ -118,6 +118,15 @@ class LoaderGeometry:
         return self.stream("norm_gate_up").units + (0 if self.qkv_slots else self.stream("norm_qkv").units)
 
 
+def loader_record(loader: LoaderGeometry) -> dict:
+    """The loader's pacing as a package records it (``GeneratedModule.codegen["loader_warp"]``): the gates, the
+    drain, the warpgroup, the QKV ring's slots, the ring's slots and each stream's units in flight (0: the ring
+    bounds them). JSON types only; two loader builds of one plan with equal records emit the same module."""
+    return {"gates": list(loader.gates), "drain": loader.drain, "warpgroup": loader.warpgroup,
+            "slots": loader.slots, "qkv_slots": loader.qkv_slots,
+            "inflight": {s.stage: s.inflight for s in loader.streams}}
+
+
 def _stream(stage: str, rows: int, cols: int, group: int, per_cta: int, inflight: int) -> Stream | None:
     unit_rows = SLOT_BYTES // (cols * 2) // group * group
     if unit_rows < group:

@@ -3,7 +3,8 @@
 Contract (docs/FORMATS.md is the prose form, ``schemas/`` the normative one):
 
 * layout: ``package_dir(root, model_id, model_revision, variant)``, ``repo_path(...)``, ``variant_name``
-  (with an optional plan tag), ``parse_variant``, ``gpu_class_of``, ``package_tag``;
+  (with an optional plan tag), ``build_hash`` / ``report_build_hash`` (the hash the tag is taken from),
+  ``parse_variant``, ``gpu_class_of``, ``package_tag``;
 * files: ``write_package(dest_dir, files, report)`` (validated, atomic, replaces what is there),
   ``read_package(path) -> Package`` (digests + schemas checked), ``update_report(path, report)``;
 * write policy for new packages: ``package_destination(...)`` (the plan-tagged folder of a bake) and
@@ -19,6 +20,7 @@ Importing this package is cheap: no torch, no huggingface_hub.
 from megabake.package.errors import DigestMismatchError, OverwriteRefusedError, PackageError, SchemaValidationError
 from megabake.package.layout import (
     Variant,
+    build_hash,
     gpu_class_of,
     model_dirname,
     package_dir,
@@ -26,6 +28,7 @@ from megabake.package.layout import (
     parse_variant,
     plan_tag,
     repo_path,
+    report_build_hash,
     variant_name,
 )
 from megabake.package.policy import SaveResult, package_destination, save_package
@@ -61,6 +64,7 @@ __all__ = [
     "SaveResult",
     "SchemaValidationError",
     "Variant",
+    "build_hash",
     "build_index",
     "build_manifest",
     "empty_index",
@@ -79,6 +83,7 @@ __all__ = [
     "read_index",
     "read_package",
     "registry_entry",
+    "report_build_hash",
     "repo_path",
     "save_package",
     "sha256_bytes",

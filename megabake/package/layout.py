@@ -7,12 +7,17 @@ Contract (docs/FORMATS.md):
 ``variant_name(mode, batch, capacity, gpu_class, plan_hash=None)`` -> ``decode-b1-c128-sm90a-132sm``, or with the
 plan's sha256 ``decode-b1-c128-sm90a-132sm-p1a2b3c4d`` (``-p`` + its first 8 hex digits: what ``megabake bake``
 writes, so two plans of one bucket never share a folder); ``parse_variant`` inverts both forms (names without
-the plan tag are the packages baked before the tag existed and stay valid).
+the plan tag are the packages baked before the tag existed and stay valid). ``build_hash(plan_hash, codegen)`` is the hash the tag is taken from: the plan's
+sha256, or, for a module with codegen choices its plan does not say (``report.kernel.codegen``: a loader warp's
+pacing), the sha256 of both, so two builds of one plan never share a variant name; ``report_build_hash(report)``
+reads it off a report.
 ``gpu_class_of((9, 0), 132, "a")`` -> ``sm90a-132sm``.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,6 +89,22 @@ def plan_tag(plan_hash: str) -> str:
     if not re.fullmatch(r"[0-9a-f]{8}(?:[0-9a-f]{56})?", plan_hash or ""):
         raise ValueError(f"plan hash {plan_hash!r} is not a sha256 (64 lowercase hex digits) or an 8-hex plan tag")
     return plan_hash[:PLAN_TAG_LEN]
+
+
+def build_hash(plan_hash: str, codegen: dict | None = None) -> str:
+    """The sha256 a package's plan tag is taken from: ``plan_hash`` itself where ``codegen`` is empty (every
+    package baked before codegen choices were recorded keeps its name), else the sha256 of ``plan_hash``, a
+    newline and ``codegen`` as canonical JSON (sorted keys, no spaces)."""
+    plan_tag(plan_hash)  # a sha256 or a plan tag, else ValueError
+    if not codegen:
+        return plan_hash
+    text = plan_hash + "\n" + json.dumps(codegen, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def report_build_hash(report: dict) -> str:
+    """:func:`build_hash` of a package report: its ``plan.hash`` and ``kernel.codegen`` (absent: none)."""
+    return build_hash(report["plan"]["hash"], (report.get("kernel") or {}).get("codegen"))
 
 
 def parse_variant(name: str) -> Variant:

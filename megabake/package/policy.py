@@ -3,10 +3,12 @@
 Contract (docs/FORMATS.md, "Writing a package over another"):
 
 * ``package_destination(root, model_id, model_revision, mode, batch, capacity, gpu_class, plan_hash)`` ->
-  ``(folder, variant)``: where a new bake goes. The variant carries the plan tag
-  (``decode-b1-c128-sm90a-132sm-p1a2b3c4d``: 8 hex digits of the plan's sha256), so two plans of one bucket
-  (other tilings, another compiler version) never share a folder; except when the bucket's untagged folder (a
-  package baked before plan tags existed) holds this exact plan (same ``plan.hash``): then that folder.
+  ``(folder, variant)``: where a new bake goes (``plan_hash``: the build's hash, ``layout.build_hash`` of the plan's
+  sha256 and the module's codegen record). The variant carries the plan tag
+  (``decode-b1-c128-sm90a-132sm-p1a2b3c4d``: its first 8 hex digits), so two plans of one bucket (other tilings,
+  another compiler version) or two builds of one plan (with and without a loader warp) never share a folder;
+  except when the bucket's untagged folder (a package baked before plan tags existed) holds this exact build (same
+  ``report_build_hash``): then that folder.
 * ``save_package(dest, files, report, force=False) -> SaveResult`` compares the new package with the one at
   ``dest`` and then writes (atomically, through :func:`~megabake.package.store.write_package`) or not:
 
@@ -34,7 +36,7 @@ from typing import Any
 
 from megabake.errors import MegaBakeError
 from megabake.package.errors import OverwriteRefusedError
-from megabake.package.layout import package_dir, variant_name
+from megabake.package.layout import package_dir, report_build_hash, variant_name
 from megabake.package.schema import validate
 from megabake.package.store import MANIFEST, REPORT, _normalize_files, check_consistency, read_package, write_package
 
@@ -60,19 +62,20 @@ class SaveResult:
 
 def package_destination(root: str | Path, model_id: str, model_revision: str, mode: str, batch: int, capacity: int,
                         gpu_class: str, plan_hash: str) -> tuple[Path, str]:
-    """(folder, variant) for a new package: the plan-tagged name, or the untagged folder holding this plan."""
+    """(folder, variant) for a new package: the plan-tagged name, or the untagged folder holding this build
+    (``plan_hash``: :func:`~megabake.package.layout.build_hash` of the plan and the module's codegen record)."""
     untagged = variant_name(mode, batch, capacity, gpu_class)
     legacy = package_dir(root, model_id, model_revision, untagged)
-    if _plan_hash(legacy) == plan_hash:
+    if _build_hash(legacy) == plan_hash:
         return legacy, untagged
     tagged = variant_name(mode, batch, capacity, gpu_class, plan_hash)
     return package_dir(root, model_id, model_revision, tagged), tagged
 
 
-def _plan_hash(folder: Path) -> str | None:
+def _build_hash(folder: Path) -> str | None:
     try:
-        return json.loads((folder / REPORT).read_text())["plan"]["hash"]
-    except (OSError, ValueError, KeyError, TypeError):
+        return report_build_hash(json.loads((folder / REPORT).read_text()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
 

@@ -22,7 +22,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from megabake.package.errors import DigestMismatchError, PackageError, SchemaValidationError
-from megabake.package.layout import Variant, parse_variant, repo_path, variant_name
+from megabake.package.layout import Variant, parse_variant, report_build_hash, repo_path, variant_name
 from megabake.package.schema import validate
 
 MANIFEST = "manifest.json"
@@ -260,9 +260,9 @@ def check_consistency(report: dict[str, Any], contents: dict[str, bytes], source
     bucket = report["bucket"]
     untagged = variant_name(bucket["mode"], bucket["batch"], bucket["capacity"], report["gpu_class"])
     tagged = variant_name(bucket["mode"], bucket["batch"], bucket["capacity"], report["gpu_class"],
-                          report["plan"]["hash"])
+                          report_build_hash(report))
     _require(report["variant"] in (tagged, untagged), "report", "/variant", f"{tagged!r} (or {untagged!r})",
-             f"{report['variant']!r} does not match /bucket, /gpu_class and /plan/hash", source)
+             f"{report['variant']!r} does not match /bucket, /gpu_class, /plan/hash and /kernel/codegen", source)
     model = report["model"]
     if model["weights"] == "random":
         expected_rev = f"random-seed{model['seed']}"
