@@ -6,8 +6,9 @@ capture -> ir -> plan -> codegen, checks the plan's reference executor against e
 records a first numerical check and its latency. It writes ``module.py``, ``plan.json``,
 ``source_map.json`` and ``report.json`` (+ ``manifest.json``) atomically through ``megabake.package`` into
 ``out/<org>--<model>/<rev>/<variant>``, the variant carrying the plan tag (``decode-b1-c128-sm90a-132sm-p<8
-hex>``: of the plan's sha256, folded with the module's codegen record where it has one, ``report.kernel.codegen``). It never silently replaces another package (``megabake.package.save_package``): the same files with
-an equal or stronger report are left as is (``BakeResult.outcome == "unchanged"``); different files raise
+hex>``: of the plan's sha256, folded with the module's codegen record where it has one, ``report.kernel.codegen``).
+It never silently replaces another package (``megabake.package.save_package``): the same files with an equal
+or stronger report are left as is (``BakeResult.outcome == "unchanged"``); different files raise
 ``OverwriteRefusedError`` unless ``force=True``. Without a Hopper GPU the report is ``unverified`` with the
 reason. Progress goes to ``progress(msg)``.
 """

@@ -7,10 +7,10 @@ Contract (docs/FORMATS.md):
 ``variant_name(mode, batch, capacity, gpu_class, plan_hash=None)`` -> ``decode-b1-c128-sm90a-132sm``, or with the
 plan's sha256 ``decode-b1-c128-sm90a-132sm-p1a2b3c4d`` (``-p`` + its first 8 hex digits: what ``megabake bake``
 writes, so two plans of one bucket never share a folder); ``parse_variant`` inverts both forms (names without
-the plan tag are the packages baked before the tag existed and stay valid). ``build_hash(plan_hash, codegen)`` is the hash the tag is taken from: the plan's
-sha256, or, for a module with codegen choices its plan does not say (``report.kernel.codegen``: a loader warp's
-pacing), the sha256 of both, so two builds of one plan never share a variant name; ``report_build_hash(report)``
-reads it off a report.
+the plan tag are the packages baked before the tag existed and stay valid).
+``build_hash(plan_hash, codegen)`` is the hash the tag is taken from: the plan's sha256, or, for a module with
+codegen choices its plan does not say (``report.kernel.codegen``: a loader warp's pacing), the sha256 of both, so
+two builds of one plan never share a variant name; ``report_build_hash(report)`` reads it off a report.
 ``gpu_class_of((9, 0), 132, "a")`` -> ``sm90a-132sm``.
 """
 
@@ -98,6 +98,8 @@ def build_hash(plan_hash: str, codegen: dict | None = None) -> str:
     plan_tag(plan_hash)  # a sha256 or a plan tag, else ValueError
     if not codegen:
         return plan_hash
+    if len(plan_hash) != 64:
+        raise ValueError(f"build_hash folds a codegen record into the plan's whole sha256, not the tag {plan_hash!r}")
     text = plan_hash + "\n" + json.dumps(codegen, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()
 
