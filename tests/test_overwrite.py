@@ -276,6 +276,8 @@ def test_a_loader_build_of_the_same_plan_gets_a_folder_of_its_own(baked, monkeyp
     tag = build_hash(first.plan_hash, report["kernel"]["codegen"])[:8]
     assert other.path.name == report["variant"] == f"decode-b1-c128-sm90a-132sm-p{tag}" != first.report["variant"]
     assert "codegen" not in first.report["kernel"]
+    shown = CliRunner().invoke(cli, ["inspect", str(other.path)])
+    assert shown.exit_code == 0 and "loader warp (gates qkv, drain, " in shown.output, shown.output
 
 
 def test_cli_refuses_a_different_package_and_passes_force(tmp_path, monkeypatch):

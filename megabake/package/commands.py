@@ -55,6 +55,10 @@ def _kernel(kernel: dict | None) -> str:
     if check:
         text += f", compile check {check['target']} {'ok' if check['ok'] else 'FAILED: ' + str(check.get('error'))}"
     tiling = tiling_note(kernel)
+    loader = (kernel.get("codegen") or {}).get("loader_warp")
+    if loader:
+        text += (f", loader warp (gates {', '.join(loader['gates']) or 'none'}, "
+                 f"{'drain' if loader['drain'] else 'no drain'}, {loader['slots']} ring slots)")
     return text + (f", GEMV tiling {tiling}" if tiling else "")
 
 
