@@ -188,6 +188,22 @@ def test_the_default_builds_the_paced_loader_where_a_layer_streams_16_mb(qwen3, 
     assert "LOADER_THREADS" in generate(qwen3, timeline=True).source
 
 
+def test_the_default_loader_changes_only_the_qwen_presets_at_batch_1(monkeypatch):
+    """With the feature on, of every preset at batch 1 only Qwen3-0.6B and Qwen2.5-0.5B build the loader (the rest
+    stream under 16 MB a layer or are refused: rows wider than a slot, shared memory, soft-capping). This is what
+    makes scripts/gpu_session.sh's loader-flip part (the GPU tests whose ids name qwen) the whole of the GPU tests
+    the flip changes: a preset joining this set must join that part too."""
+    from megabake.presets import PRESETS
+
+    monkeypatch.setenv(EXPERIMENTAL_LAYOUTS_ENV, "loader_warp")
+    built = set()
+    for name in (n for n in PRESETS if not n.startswith("tiny-")):  # the tiny ones stream 1-2 MB a layer
+        plan = compile_preset(name, layers=1, vocab=512, capacity=256).plan
+        if "LOADER_THREADS" in generate(plan).source:
+            built.add(name)
+    assert built == {"qwen3-0.6b", "qwen2.5-0.5b"}
+
+
 def test_the_loader_refuses_what_it_cannot_build(qwen3):
     qwen25 = compile_preset("qwen2.5-0.5b", layers=1, vocab=512, capacity=4096).plan
     with pytest.raises(ValueError, match="fused_mlp=True, bulk_down=True"):
