@@ -121,7 +121,8 @@ class LoaderGeometry:
 def loader_record(loader: LoaderGeometry) -> dict:
     """The loader's pacing as a package records it (``GeneratedModule.codegen["loader_warp"]``): the gates, the
     drain, the warpgroup, the QKV ring's slots, the ring's slots and each stream's units in flight (0: the ring
-    bounds them). JSON types only; two loader builds of one plan with equal records emit the same module."""
+    bounds them). JSON types only; two loader builds of one plan with equal records and generate's other choices
+    left to their defaults (as a bake leaves them) emit the same module."""
     return {"gates": list(loader.gates), "drain": loader.drain, "warpgroup": loader.warpgroup,
             "slots": loader.slots, "qkv_slots": loader.qkv_slots,
             "inflight": {s.stage: s.inflight for s in loader.streams}}
