@@ -189,7 +189,7 @@ def test_the_default_builds_the_paced_loader_where_a_layer_streams_16_mb(qwen3, 
 
 
 def test_the_default_loader_changes_only_the_qwen_presets_at_batch_1(monkeypatch):
-    """With the feature on, of every preset at batch 1 only Qwen3-0.6B and Qwen2.5-0.5B build the loader (the rest
+    """With the feature on, of every non-tiny preset at batch 1 only Qwen3-0.6B and Qwen2.5-0.5B build the loader (the rest
     stream under 16 MB a layer or are refused: rows wider than a slot, shared memory, soft-capping). This is what
     makes scripts/gpu_session.sh's loader-flip part (the GPU tests whose ids name qwen) the whole of the GPU tests
     the flip changes: a preset joining this set must join that part too."""
