@@ -2,8 +2,8 @@
 
 Contract (docs/FORMATS.md, "Writing a package over another"):
 
-* ``package_destination(root, model_id, model_revision, mode, batch, capacity, gpu_class, plan_hash)`` ->
-  ``(folder, variant)``: where a new bake goes (``plan_hash``: the build's hash, ``layout.build_hash`` of the plan's
+* ``package_destination(root, model_id, model_revision, mode, batch, capacity, gpu_class, tag_hash)`` ->
+  ``(folder, variant)``: where a new bake goes (``tag_hash``: the build's hash, ``layout.build_hash`` of the plan's
   sha256 and the module's codegen record). The variant carries the plan tag
   (``decode-b1-c128-sm90a-132sm-p1a2b3c4d``: its first 8 hex digits), so two plans of one bucket (other tilings,
   another compiler version) or two builds of one plan (with and without a loader warp) never share a folder;
@@ -61,14 +61,14 @@ class SaveResult:
 
 
 def package_destination(root: str | Path, model_id: str, model_revision: str, mode: str, batch: int, capacity: int,
-                        gpu_class: str, plan_hash: str) -> tuple[Path, str]:
+                        gpu_class: str, tag_hash: str) -> tuple[Path, str]:
     """(folder, variant) for a new package: the plan-tagged name, or the untagged folder holding this build
-    (``plan_hash``: :func:`~megabake.package.layout.build_hash` of the plan and the module's codegen record)."""
+    (``tag_hash``: :func:`~megabake.package.layout.build_hash` of the plan and the module's codegen record)."""
     untagged = variant_name(mode, batch, capacity, gpu_class)
     legacy = package_dir(root, model_id, model_revision, untagged)
-    if _build_hash(legacy) == plan_hash:
+    if _build_hash(legacy) == tag_hash:
         return legacy, untagged
-    tagged = variant_name(mode, batch, capacity, gpu_class, plan_hash)
+    tagged = variant_name(mode, batch, capacity, gpu_class, tag_hash)
     return package_dir(root, model_id, model_revision, tagged), tagged
 
 
