@@ -204,9 +204,10 @@ class _Clock:
 
 
 def _json(obj) -> str:
+    """Compact JSON with sorted keys (source_map.json: read by tools, not people; ``megabake inspect`` shows it)."""
     import json
 
-    return json.dumps(obj, indent=1, sort_keys=True) + "\n"
+    return json.dumps(obj, separators=(",", ":"), sort_keys=True) + "\n"
 
 
 @contextlib.contextmanager
