@@ -50,8 +50,8 @@ from ..plan.stages import (ACTIVATIONS, DIMENSION_CONSTANTS, GATED_ACT_CODES, St
                            spec_of)
 from .fused import (FUSED_O_BUFFERS, FUSED_SPLIT_BUFFERS, fused_geometry, fused_kv_refusal, fused_o_refusal,
                     fused_split_refusal)
-from .loader import (CONSUMER_REGISTERS, DEFAULT_DRAIN, DEFAULT_GATES, DEFAULT_INFLIGHT, LOADER_GATES,
-                     PRODUCER_REGISTERS, WARPGROUP, LoaderGeometry, default_loader_warp, loader_geometry,
+from .loader import (CONSUMER_REGISTERS, DEFAULT_DRAIN, DEFAULT_INFLIGHT, LOADER_GATES, PRODUCER_REGISTERS,
+                     WARPGROUP, LoaderGeometry, default_loader_gates, default_loader_warp, loader_geometry,
                      loader_record, loader_refusal)
 from .fused_mlp import (ACC_PAD, BULK_DOWN_BUFFERS, FUSED_MLP_BUFFERS, bulk_copy_bytes, default_fused_mlp,
                         fused_mlp_refusal, mlp_geometry, mlp_smem_bytes)
@@ -543,7 +543,8 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     ``loader_gates`` (session 52, with the QKV ring; a subset of :data:`megabake.codegen.loader.LOADER_GATES`) makes
     the loader wait for the consumers' grid arrival after the QKV GEMV ("qkv"), a split step's attention
     ("attention") and / or the MLP ("mlp") before it issues the copies that follow in its order, so fewer are in
-    flight when a barrier's release runs (None: ``DEFAULT_GATES``, ("qkv",), or () without the QKV ring);
+    flight when a barrier's release runs (None: :func:`megabake.codegen.loader.default_loader_gates`, ("qkv",) plus
+    "attention" where a layer's K/V cache at capacity is a quarter of its weights, or () without the QKV ring);
     ``loader_drain`` makes it wait for the W_O block and the W_down columns to land before it goes on (None:
     ``DEFAULT_DRAIN``, on). It
     needs the fused default (fused_o, fused_split, fused_mlp, bulk_down) and a self-contained module; the same bits
@@ -663,8 +664,8 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
         if why:
             raise ValueError(f"fused_split runs every step's O projection in attention's interval, but {why}: build "
                              "without it")
-    if loader_warp:  # the measured pacing (codegen.loader.DEFAULT_GATES ...) where it is not given
-        loader_gates = (DEFAULT_GATES if loader_qkv_ring else ()) if loader_gates is None else loader_gates
+    if loader_warp:  # the measured pacing (codegen.loader.default_loader_gates ...) where it is not given
+        loader_gates = (default_loader_gates(plan) if loader_qkv_ring else ()) if loader_gates is None else loader_gates
         loader_inflight = DEFAULT_INFLIGHT if loader_inflight is None else loader_inflight
         loader_drain = DEFAULT_DRAIN if loader_drain is None else loader_drain
     loader = _checked_loader(plan, bool(loader_warp), loader_inflight, loader_qkv_inflight, loader_qkv_ring,

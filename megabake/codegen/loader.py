@@ -38,6 +38,12 @@ MIN_SLOTS = 3  # the W_O block and W_down have buffers of their own, so a unit n
 # the "qkv" gate, one unit in flight per stream and the drain. Qwen3-0.6B 0.670 -> 0.617 at 16, 0.920 -> 0.933 at
 # 4000; Qwen2.5-0.5B 0.551 -> 0.516 at 16. Session 51's unpaced loader (two units, no gate, no drain) lost there.
 DEFAULT_GATES = ("qkv",)
+# ... plus the split-step "attention" gate where the K/V cache a layer reads at the bucket's capacity is at least this
+# share of the layer's weight bytes (session 55, H100, GPU ms, DEFAULT_GATES -> + "attention"): Qwen3-0.6B at capacity
+# 4096 (16.8 MB of K/V a layer, 0.53 of its 31.5 MB of weights) 0.625 -> 0.626 at 16, 0.948 -> 0.922 at 4000 (no
+# loader: 0.678 / 0.926); Qwen2.5-0.5B (2.1 MB, 0.07) 0.517 -> 0.522 at 16, 0.631 -> 0.683 at 4000. Where attention
+# streams much K/V, the weights' copies wait for it to end; where it streams little, they must not.
+ATTENTION_GATE_MIN_KV_SHARE = 0.25
 DEFAULT_INFLIGHT = 1  # units requested and not landed, per CTA, in the layers' streams (probe: 2 saturates DRAM)
 DEFAULT_DRAIN = True
 # generate(plan) builds the loader where it applies and a layer streams at least this many weight bytes (the loader
@@ -181,10 +187,25 @@ def layer_weight_bytes(plan: Plan) -> int:
     return 2 * d.hidden * (d.qkv_rows + d.q_rows + d.gate_up_rows + d.intermediate)
 
 
+def layer_kv_bytes(plan: Plan) -> int:
+    """The bf16 K/V cache bytes one decoder layer's attention reads at the bucket's capacity (its widest window)."""
+    keys = max(min(window or plan.capacity, plan.capacity) for window in plan.windows)
+    return 2 * 2 * plan.batch * plan.dims.kv_rows * keys
+
+
+def default_loader_gates(plan: Plan) -> tuple[str, ...]:
+    """The gates ``generate(plan, loader_warp=True)`` paces the loader with where none are given: ``DEFAULT_GATES``,
+    plus "attention" where :func:`layer_kv_bytes` is at least ``ATTENTION_GATE_MIN_KV_SHARE`` of
+    :func:`layer_weight_bytes` (Qwen3-0.6B at capacity 4096, not Qwen2.5-0.5B with its 2 K/V heads of 64)."""
+    if layer_kv_bytes(plan) >= ATTENTION_GATE_MIN_KV_SHARE * layer_weight_bytes(plan):
+        return DEFAULT_GATES + ("attention",)
+    return DEFAULT_GATES
+
+
 def default_loader_warp(plan: Plan, **choices) -> bool:
     """Whether ``generate(plan, loader_warp=None)`` builds the loader warp: where the ``loader_warp`` feature is
-    enabled (:func:`megabake.plan.feature_enabled`: not in ``GPU_VERIFIED_FEATURES`` yet, so only where
-    ``MEGABAKE_EXPERIMENTAL_LAYOUTS`` names it), :func:`loader_refusal` finds nothing with ``choices`` (the build's
+    enabled (:func:`megabake.plan.feature_enabled`: in ``GPU_VERIFIED_FEATURES`` since session 55, so by default),
+    :func:`loader_refusal` finds nothing with ``choices`` (the build's
     other options, fused_mlp and bulk_down on) and a layer streams at least :data:`DEFAULT_MIN_LAYER_BYTES`. Where
     the plan's own default leaves fused_mlp off (Qwen2.5-0.5B), the loader build's logits are the fused_mlp build's
     (fp32 order, not the same bits as the plain default)."""

@@ -220,9 +220,11 @@ GPU_VERIFIED_LAYOUTS = ("pre_norm", "sandwich", "post_norm")  # layouts whose ke
 
 # kernel features (beyond layouts) that passed `pytest -m gpu` on a Hopper GPU (an H200; global_down_input on an
 # H100 in session 41, mma_wide on an H100 in session 42, the H200 not being lent: same sm_90a code and shared memory
-# per CTA; fused_split on an H100 and with fused_mlp on the H200 in session 45)
+# per CTA; fused_split on an H100 and with fused_mlp on the H200 in session 45; loader_warp on an H100 in session 55:
+# the GPU tests of Qwen3-0.6B and Qwen2.5-0.5B, the only presets it changes)
 GPU_VERIFIED_FEATURES = ("rope_tables", "whole_qk_norm", "bf16_staging", "mma_gemv", "gated_gemv",
-                         "global_down_input", "mma_wide", "fused_split", "fused_mlp", "spare_warp", "bulk_down")
+                         "global_down_input", "mma_wide", "fused_split", "fused_mlp", "spare_warp", "bulk_down",
+                         "loader_warp")
 EXPERIMENTAL_FEATURES = {"rope_tables": "per-layer rotary tables (Gemma 3: one RoPE base per layer type)",
                          "whole_qk_norm": "q/k RMSNorm over the whole projection (OLMo-2)",
                          "bf16_staging": "GEMV inputs staged in bf16 shared memory because fp32 rows do not fit",
@@ -251,7 +253,9 @@ EXPERIMENTAL_FEATURES = {"rope_tables": "per-layer rotary tables (Gemma 3: one R
                          "loader_warp": "a ninth warp per CTA streams the weights in consumption order across grid "
                                         "barriers, paced by the consumers' arrivals (sessions 51-53: "
                                         "codegen.loader.default_loader_warp turns it on where a layer streams at "
-                                        "least 16 MB and it applies; the same bits as the fused default)",
+                                        "least 16 MB and it applies; the same bits as the fused default; every "
+                                        "GPU test of the two presets it changes passed with it on, on an H100 in "
+                                        "session 55)",
                          "bulk_down": "with fused_mlp, a CTA's W_down columns by cp.async.bulk from a packed copy the "
                                       "runtime derives (session 48: codegen.generate(bulk_down=None) turns it on where "
                                       "fused_mlp is; the same bits; the whole GPU suite passed with it on, on an "
