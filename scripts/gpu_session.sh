@@ -108,11 +108,14 @@
 #          SHARDS (default 4) pytest processes on the one GPU
 #          (pytest --shard I/N, tests/sharding.py: their CPU-bound setup, random init and CuTe DSL compiles,
 #          overlaps; kernels time-share the GPU) -> OUT/pytest-gpu-shard*.log (3 processes: 6.6 min, session 16)
-#   loader-flip: the gate for making the loader warp a verified default (session 54, not run yet). It exports
-#          MEGABAKE_EXPERIMENTAL_LAYOUTS=loader_warp (for the parts after it too), which changes only Qwen3-0.6B and
-#          Qwen2.5-0.5B builds at batch 1, and runs every GPU test whose id names them (-k qwen) in 3 shards; then
-#          no-loader / the loader default / loader-gate-1-drain-att (the reordered "attention" gate) at 4000 on both
-#          -> OUT/pytest-gpu-loader*.log, OUT/tune-qwen*-p4000.log, OUT/p4000/ (~8 min?)
+#   loader-flip: the gate for making the loader warp a verified default (session 54). It exports
+#          MEGABAKE_EXPERIMENTAL_LAYOUTS=loader_warp (for the parts after it too; redundant since session 55 made it
+#          a verified feature), which changes only Qwen3-0.6B and Qwen2.5-0.5B builds at batch 1, and runs every GPU
+#          test whose id names them (-k qwen) in 3 shards; then no-loader / the loader default /
+#          loader-gate-1-drain-att (the reordered "attention" gate) at 4000 on both
+#          -> OUT/pytest-gpu-loader*.log, OUT/tune-qwen*-p4000.log, OUT/p4000/ (328 s on an H100, session 55)
+#   loader-check: the GPU tests whose ids name qwen3 (3 shards, ~3 min), on the default session 55 made: the
+#          paced loader with the "attention" gate on Qwen3-0.6B at capacity 4096 -> OUT/pytest-gpu-qwen3-*.log
 # A device call is limited to 10 minutes: pick parts with PARTS (default "tests1"), e.g.
 #   source .cute/activate.sh && PARTS=tests2 bash scripts/gpu_session.sh "$OUT"
 #   source .cute/activate.sh && PARTS=bench bash scripts/gpu_session.sh "$OUT" smollm-135m llama-3.2-1b
@@ -299,6 +302,15 @@ if [[ " $PARTS " == *" loader-flip "* ]]; then
   collect_tests "${names[@]}"
   tune_candidates qwen3-0.6b 4096 4000 no-loader loader-gate-1-drain-att
   tune_candidates qwen2.5-0.5b 4096 4000 no-loader loader-gate-1-drain-att
+fi
+if [[ " $PARTS " == *" loader-check "* ]]; then
+  names=()
+  for ((i = 0; i < 3; i++)); do
+    names+=("qwen3-$i")
+    OMP_NUM_THREADS=$(( $(nproc) / 3 )) TEST_LIMIT=${TEST_LIMIT:-240} run_tests "qwen3-$i" "qwen3" --shard "$i/3" tests/ &
+  done
+  wait
+  collect_tests "${names[@]}"
 fi
 if [[ " $PARTS " == *" candidates "* ]]; then
   # the K/V prefetch into L1 instead of L2 (generate(plan, kv_prefetch_l1=True), a candidate since session 16)
