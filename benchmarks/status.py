@@ -62,9 +62,12 @@ SCORED_GPU = "h200"  # issue 12's criteria are H200 numbers
 # fused attention and the O projection at batch 1's short contexts (those presets, ~16 only), 42 the same
 # tensor-core items for heads of 256 dims (Gemma, mma_wide), 45 fused_split and fused_mlp at batch 1 (those
 # presets, every context), 49 spare_warp and bulk_down (warp 0's ring fills after each wait: every preset's batch-1
-# build fills rings, batch 4 / 8 builds do not); a failing row measured before the change that applies to it is
-# stale, and "Re-bench first" lists it (:func:`default_since`)
-KV_PREFETCH_CAPPED, MMA_ATTENTION, MMA_WIDE, SPARE_WARP = 29, 33, 42, 49
+# build fills rings, batch 4 / 8 builds do not), 55 the paced loader warp (LOADER_PRESETS at batch 1); a failing row
+# measured before the change that applies to it is stale, and "Re-bench first" lists it (:func:`default_since`)
+KV_PREFETCH_CAPPED, MMA_ATTENTION, MMA_WIDE, SPARE_WARP, LOADER_WARP = 29, 33, 42, 49, 55
+# the presets whose batch-1 default builds the loader warp (megabake.codegen.loader.default_loader_warp; pinned by
+# tests/test_loader_warp.py, which builds every preset)
+LOADER_PRESETS = frozenset({"qwen3-0.6b", "qwen2.5-0.5b"})
 
 
 @dataclass(frozen=True)
@@ -354,9 +357,10 @@ def host_line(best: dict) -> str:
     return line
 
 
-def default_since(config, batch: int, cls: str | None) -> int:
-    """The session since which a (preset, batch, position class) cell runs the default kernel of today: 49 at batch
-    1 (spare_warp on every preset's ring fills, bulk_down where fused_mlp applies); at batches 4 / 8, 33 where the
+def default_since(config, batch: int, cls: str | None, preset: str = "") -> int:
+    """The session since which a (preset, batch, position class) cell runs the default kernel of today: at batch 1,
+    55 for :data:`LOADER_PRESETS` (the paced loader warp), else 49 (spare_warp on every preset's ring fills,
+    bulk_down where fused_mlp applies); at batches 4 / 8, 33 where the
     model's KV groups are 2-8 query heads of 64 or 128 dims (the tensor-core attention,
     ``plan.attention.mma_attention_fits``), 42 where they are 2-8 query heads of 256 dims (Gemma: ``mma_wide``;
     every position class, though short contexts may deal one-head slices that it does not change, so this can
@@ -364,7 +368,7 @@ def default_since(config, batch: int, cls: str | None) -> int:
     head_dim = _head_dim(config)
     group = config.num_attention_heads // config.num_key_value_heads
     if batch == 1:
-        return SPARE_WARP
+        return LOADER_WARP if preset in LOADER_PRESETS else SPARE_WARP
     if 2 <= group <= 8 and head_dim == 256:
         return MMA_WIDE
     if not (2 <= group <= 8 and head_dim in (64, 128)):
@@ -374,7 +378,7 @@ def default_since(config, batch: int, cls: str | None) -> int:
 
 def _stale(cells: list[Cell], config) -> bool:
     """Whether any of ``cells`` was measured before the default kernel that applies to it (:func:`default_since`)."""
-    return any(cell.order[1] < default_since(config, cell.batch, cell.position_class) for cell in cells)
+    return any(cell.order[1] < default_since(config, cell.batch, cell.position_class, cell.preset) for cell in cells)
 
 
 def failing_rows(best: dict, growths: list[Growth]) -> dict[tuple[str, int], list[tuple[str, list[Cell]]]]:
@@ -404,7 +408,7 @@ def rebench_lines(best: dict, growths: list[Growth], config_of=preset_config) ->
         stale = [(name, cells) for name, cells in criteria if _stale(cells, config)]
         if not stale:
             continue
-        since = max(default_since(config, batch, cls) for cls in POSITION_CLASSES)
+        since = max(default_since(config, batch, cls, preset) for cls in POSITION_CLASSES)
         longest = best.get((preset, batch, "~4000"))
         positions = f"16 1000 {longest.position if longest else 4000}"
         verdicts = ", ".join(f"{name} ({'/'.join(sorted({c.session for c in cells}))})" for name, cells in stale)
@@ -506,7 +510,7 @@ def render(cells: list[Cell], presets: list[str], config_of=preset_config) -> st
              "", "## Short-context GPU time", "", *short_target_table(best), "", batch8_line(cells, best), "",
              host_line(best), "", "## Re-bench first", "",
              f"Rows that fail a criterion on cells measured before today's default kernel (session {SPARE_WARP} at "
-             f"batch 1, {MMA_ATTENTION} at other batches for KV groups of 2-8 heads of 64 / 128 dims, {MMA_WIDE} for "
+             f"batch 1, {LOADER_WARP} for {', '.join(sorted(LOADER_PRESETS))}, {MMA_ATTENTION} at other batches for KV groups of 2-8 heads of 64 / 128 dims, {MMA_WIDE} for "
              f"groups of 2-8 heads of 256, else {KV_PREFETCH_CAPPED}):", ""]
     parts.extend(rebench_lines(best, growths, config_of)
                  or ["None: every failing row was measured on the current default."])

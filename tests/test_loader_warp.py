@@ -222,6 +222,22 @@ def test_the_default_loader_changes_only_the_qwen_presets_at_batch_1(monkeypatch
         if "LOADER_THREADS" in generate(plan).source:
             built.add(name)
     assert built == {"qwen3-0.6b", "qwen2.5-0.5b"}
+    status = _bench_status()  # its re-bench list dates these presets' batch-1 cells by the loader's session
+    assert built == status.LOADER_PRESETS
+
+
+def _bench_status():
+    """benchmarks/status.py as a module (not a package: loaded from its file, as tests/test_bench_status.py does)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "status.py"
+    spec = importlib.util.spec_from_file_location("bench_status", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_status"] = module  # its dataclasses look their module up while being built
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_the_loader_refuses_what_it_cannot_build(qwen3):
