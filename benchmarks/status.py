@@ -510,8 +510,9 @@ def render(cells: list[Cell], presets: list[str], config_of=preset_config) -> st
              "", "## Short-context GPU time", "", *short_target_table(best), "", batch8_line(cells, best), "",
              host_line(best), "", "## Re-bench first", "",
              f"Rows that fail a criterion on cells measured before today's default kernel (session {SPARE_WARP} at "
-             f"batch 1, {LOADER_WARP} for {', '.join(sorted(LOADER_PRESETS))}, {MMA_ATTENTION} at other batches for KV groups of 2-8 heads of 64 / 128 dims, {MMA_WIDE} for "
-             f"groups of 2-8 heads of 256, else {KV_PREFETCH_CAPPED}):", ""]
+             f"batch 1, {LOADER_WARP} for {', '.join(sorted(LOADER_PRESETS))}, {MMA_ATTENTION} at other batches for "
+             f"KV groups of 2-8 heads of 64 / 128 dims, {MMA_WIDE} for groups of 2-8 heads of 256, else "
+             f"{KV_PREFETCH_CAPPED}):", ""]
     parts.extend(rebench_lines(best, growths, config_of)
                  or ["None: every failing row was measured on the current default."])
     parts.extend(["", "## Not measured yet", ""])
