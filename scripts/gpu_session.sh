@@ -291,26 +291,23 @@ tune_candidates() {  # preset capacity position builds...: gpu_tune of the bake'
     --capacity "$capacity" --position "$position" --out "$OUT/p$position" >"$log" 2>&1
   summary+=("candidates tune ($preset at $position): rc=$?" "$(grep -E '^(==|\||timeline)' "$log")")
 }
-if [[ " $PARTS " == *" loader-flip "* ]]; then
-  export MEGABAKE_EXPERIMENTAL_LAYOUTS=loader_warp
-  names=()
+run_selected_in_3_shards() {  # name prefix, -k expression: those GPU tests of tests/ in 3 concurrent shards
+  local prefix=$1 select=$2 names=() i
   for ((i = 0; i < 3; i++)); do
-    names+=("loader$i")
-    OMP_NUM_THREADS=$(( $(nproc) / 3 )) TEST_LIMIT=${TEST_LIMIT:-300} run_tests "loader$i" "qwen" --shard "$i/3" tests/ &
+    names+=("$prefix$i")
+    OMP_NUM_THREADS=$(( $(nproc) / 3 )) run_tests "$prefix$i" "$select" --shard "$i/3" tests/ &
   done
   wait
   collect_tests "${names[@]}"
+}
+if [[ " $PARTS " == *" loader-flip "* ]]; then
+  export MEGABAKE_EXPERIMENTAL_LAYOUTS=loader_warp
+  TEST_LIMIT=${TEST_LIMIT:-300} run_selected_in_3_shards loader "qwen"
   tune_candidates qwen3-0.6b 4096 4000 no-loader loader-gate-1-drain-att
   tune_candidates qwen2.5-0.5b 4096 4000 no-loader loader-gate-1-drain-att
 fi
 if [[ " $PARTS " == *" loader-check "* ]]; then
-  names=()
-  for ((i = 0; i < 3; i++)); do
-    names+=("qwen3-$i")
-    OMP_NUM_THREADS=$(( $(nproc) / 3 )) TEST_LIMIT=${TEST_LIMIT:-240} run_tests "qwen3-$i" "qwen3" --shard "$i/3" tests/ &
-  done
-  wait
-  collect_tests "${names[@]}"
+  TEST_LIMIT=${TEST_LIMIT:-240} run_selected_in_3_shards qwen3- "qwen3"
 fi
 if [[ " $PARTS " == *" candidates "* ]]; then
   # the K/V prefetch into L1 instead of L2 (generate(plan, kv_prefetch_l1=True), a candidate since session 16)
