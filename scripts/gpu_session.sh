@@ -116,6 +116,10 @@
 #          -> OUT/pytest-gpu-loader*.log, OUT/tune-qwen*-p4000.log, OUT/p4000/ (328 s on an H100, session 55)
 #   loader-check: the GPU tests whose ids name qwen3 (3 shards, ~3 min), on the default session 55 made: the
 #          paced loader with the "attention" gate on Qwen3-0.6B at capacity 4096 -> OUT/pytest-gpu-qwen3-*.log
+#   att-clocks: where Qwen3-0.6B's long-context step goes (session 56: at 4000 it pays 0.294 ms over its 16-position
+#          step for 459 MB of K/V, 1.6 TB/s, against the growth budget's 0.244 ms): gpu_tune of the default at 16 and
+#          at 4000 (capacity 4096) with --phases (CTA 0's clock per phase of every stage) and --per-cta (every CTA's,
+#          the barrier waits' arrival skew) -> OUT/tune-qwen3-0.6b-p{16,4000}.log, OUT/p{16,4000}/ (not run yet)
 # A device call is limited to 10 minutes: pick parts with PARTS (default "tests1"), e.g.
 #   source .cute/activate.sh && PARTS=tests2 bash scripts/gpu_session.sh "$OUT"
 #   source .cute/activate.sh && PARTS=bench bash scripts/gpu_session.sh "$OUT" smollm-135m llama-3.2-1b
@@ -289,7 +293,7 @@ tune_candidates() {  # preset capacity position builds...: gpu_tune of the bake'
   local log="$OUT/tune-$preset-p$position.log"
   timeout 240 python3 scripts/gpu_tune.py "$preset" --variants bake --builds default "$@" --no-composite \
     --capacity "$capacity" --position "$position" --out "$OUT/p$position" >"$log" 2>&1
-  summary+=("candidates tune ($preset at $position): rc=$?" "$(grep -E '^(==|\||timeline)' "$log")")
+  summary+=("candidates tune ($preset at $position): rc=$?" "$(grep -E '^(==|\||timeline|phases|per-CTA)' "$log")")
 }
 run_selected_in_3_shards() {  # name prefix, -k expression: those GPU tests of tests/ in 3 concurrent shards
   local prefix=$1 select=$2 names=() i
@@ -308,6 +312,10 @@ if [[ " $PARTS " == *" loader-flip "* ]]; then
 fi
 if [[ " $PARTS " == *" loader-check "* ]]; then
   TEST_LIMIT=${TEST_LIMIT:-240} run_selected_in_3_shards qwen3- "qwen3"
+fi
+if [[ " $PARTS " == *" att-clocks "* ]]; then
+  tune_candidates qwen3-0.6b 4096 16 --phases --per-cta
+  tune_candidates qwen3-0.6b 4096 4000 --phases --per-cta
 fi
 if [[ " $PARTS " == *" candidates "* ]]; then
   # the K/V prefetch into L1 instead of L2 (generate(plan, kv_prefetch_l1=True), a candidate since session 16)
