@@ -119,7 +119,8 @@
 #   att-clocks: where Qwen3-0.6B's long-context step goes (session 56: at 4000 it pays 0.294 ms over its 16-position
 #          step for 459 MB of K/V, 1.6 TB/s, against the growth budget's 0.244 ms): gpu_tune of the default at 16 and
 #          at 4000 (capacity 4096) with --phases (CTA 0's clock per phase of every stage) and --per-cta (every CTA's,
-#          the barrier waits' arrival skew) -> OUT/tune-qwen3-0.6b-p{16,4000}.log, OUT/p{16,4000}/ (not run yet)
+#          the barrier waits' arrival skew) -> OUT/tune-qwen3-0.6b-p{16,4000}.log, OUT/p{16,4000}/ (not run yet,
+#          an estimated 1-2 min a position). ATT_PRESETS="qwen2.5-0.5b" runs it on other presets (capacity 4096 must fit them)
 # A device call is limited to 10 minutes: pick parts with PARTS (default "tests1"), e.g.
 #   source .cute/activate.sh && PARTS=tests2 bash scripts/gpu_session.sh "$OUT"
 #   source .cute/activate.sh && PARTS=bench bash scripts/gpu_session.sh "$OUT" smollm-135m llama-3.2-1b
@@ -314,8 +315,10 @@ if [[ " $PARTS " == *" loader-check "* ]]; then
   TEST_LIMIT=${TEST_LIMIT:-240} run_selected_in_3_shards qwen3- "qwen3"
 fi
 if [[ " $PARTS " == *" att-clocks "* ]]; then
-  tune_candidates qwen3-0.6b 4096 16 --phases --per-cta
-  tune_candidates qwen3-0.6b 4096 4000 --phases --per-cta
+  for preset in ${ATT_PRESETS:-qwen3-0.6b}; do
+    tune_candidates "$preset" 4096 16 --phases --per-cta
+    tune_candidates "$preset" 4096 4000 --phases --per-cta
+  done
 fi
 if [[ " $PARTS " == *" candidates "* ]]; then
   # the K/V prefetch into L1 instead of L2 (generate(plan, kv_prefetch_l1=True), a candidate since session 16)
