@@ -120,7 +120,8 @@
 #          step for 459 MB of K/V, 1.6 TB/s, against the growth budget's 0.244 ms): gpu_tune of the default at 16 and
 #          at 4000 (capacity 4096) with --phases (CTA 0's clock per phase of every stage) and --per-cta (every CTA's,
 #          the barrier waits' arrival skew) -> OUT/tune-qwen3-0.6b-p{16,4000}.log, OUT/p{16,4000}/ (not run yet,
-#          an estimated 1-2 min a position). ATT_PRESETS="qwen2.5-0.5b" runs it on other presets (capacity 4096 must fit them)
+#          an estimated 1-2 min a position). ATT_PRESETS="qwen2.5-0.5b" runs it on other presets (capacity 4096
+#          must fit them)
 # A device call is limited to 10 minutes: pick parts with PARTS (default "tests1"), e.g.
 #   source .cute/activate.sh && PARTS=tests2 bash scripts/gpu_session.sh "$OUT"
 #   source .cute/activate.sh && PARTS=bench bash scripts/gpu_session.sh "$OUT" smollm-135m llama-3.2-1b
