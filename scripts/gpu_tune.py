@@ -209,7 +209,8 @@ BUILDS = {"default": {}, "no-loader": {"loader_warp": False}, "atom": {"barrier"
           "spread-merge": {"merge_preload": False, "spread_merge": True},
           "no-slices": {"head_slices": False}, "short-slices": {"long_slices": False},
           "pass-chunks": {"pass_chunks": True}, "kv-pipeline": {"kv_pipeline": True},
-          "no-kv-pipeline": {"kv_pipeline": False}, "fold-merge": {"fold_merge": True},
+          "no-kv-pipeline": {"kv_pipeline": False}, "kv-fence": {"kv_fence": True, "kv_pipeline": False},
+          "fold-merge": {"fold_merge": True},
           "no-fold-merge": {"fold_merge": False},
           # split-KV items of 2-8 query heads scored and summed on the tensor cores (session 32; the default since
           # session 33 wherever such items are dealt) or every item on the lane-group loop (the default before)

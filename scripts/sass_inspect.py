@@ -120,8 +120,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1, help="sequences per step of the bucket (default 1)")
     parser.add_argument("--default-tiling", action="store_true",
                         help="the bake's default GEMV tiling instead of --tiling / --flags / --stages")
-    parser.add_argument("--build", default="atom",
-                        help="a code generation candidate of scripts/gpu_tune.py (BUILDS: kv-pipeline, ...)")
+    parser.add_argument("--build", default="default",
+                        help="a code generation candidate of scripts/gpu_tune.py (BUILDS: kv-pipeline, ...; default: "
+                             "generate's own defaults. Before session 57 it was atom, the one-call grid barrier, "
+                             "which also turns off the loader warp)")
     parser.add_argument("--loops-with", metavar="OP",
                         help="print only the loops holding this SASS op (MUFU: the split-KV attention loop)")
     parser.add_argument("--out", type=Path, default=Path("/tmp/megabake-sass"))

@@ -543,23 +543,25 @@ def test_pass_chunks_give_the_default_logits_where_they_cut_alike_and_close_wher
 
 
 @pytest.mark.parametrize("preset,batch,capacity", [("olmo-2-1b", 1, 4096), ("smollm-135m", 1, 2048),
-                                                   ("tiny-mistral", 2, 1024)])
+                                                   ("tiny-mistral", 2, 1024), ("qwen2.5-0.5b", 1, 4096)])
 def test_kv_pipeline_gives_bit_identical_logits(preset, batch, capacity):
     """Split-KV K/V rows loaded one loop iteration ahead (``generate(plan, kv_pipeline=True)``; since session 21
-    the default for one query head per KV head of 128+, ``codegen.default_kv_pipeline``) change when rows arrive,
-    not what is computed: from one random cache, one step at positions near 0, at split boundaries and near
-    capacity gives the plain loop's bits (OLMo-2-1B: one query head per KV head, 8 iterations per item at 4000;
-    SmolLM: 3 heads per group; tiny-mistral b2: a sliding window)."""
+    the default for one query head per KV head of 128+, ``codegen.default_kv_pipeline``) or issued together behind
+    a warp fence (``kv_fence=True``, a candidate since session 57) change when rows arrive, not what is computed:
+    from one random cache, one step at positions near 0, at split boundaries and near capacity gives the plain
+    loop's bits (OLMo-2-1B: one query head per KV head, 8 iterations per item at 4000; SmolLM: 3 heads per group;
+    tiny-mistral b2: a sliding window; Qwen2.5-0.5B: one-head slices of 7-head groups, 4 iterations at 4000)."""
     from megabake.runtime import gpu_info
 
     layers = None if preset == "tiny-mistral" else 2
     compiled = compile_preset(preset, layers=layers, vocab=4096 if layers else None, batch=batch,
                               capacity=capacity, ctas=gpu_info().sm_count)
     positions = sorted({0, 1, 2, 63, 64, 65, 127, 128, 129, 700, 1023, capacity // 2, capacity - 1})
-    builds = [{"kv_pipeline": False}, {"kv_pipeline": True}]
-    plain, pipelined = _logits_over_random_cache(compiled, positions, batch, builds)
+    builds = [{"kv_pipeline": False}, {"kv_pipeline": True}, {"kv_pipeline": False, "kv_fence": True}]
+    plain, pipelined, fenced = _logits_over_random_cache(compiled, positions, batch, builds)
     assert torch.isfinite(plain).all()
     assert torch.equal(pipelined, plain)
+    assert torch.equal(fenced, plain)
 
 
 @pytest.mark.parametrize("preset,batch,capacity", [("qwen2.5-0.5b", 8, 4096), ("smollm-135m", 1, 2048),

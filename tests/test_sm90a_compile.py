@@ -95,10 +95,10 @@ def test_module_compiles_for_sm90a(shape: Shape, tmp_path):
 
 
 @pytest.mark.parametrize("build", [{"pass_chunks": True}, {"long_slices": False}, {"kv_pipeline": True},
-                                   {"fold_merge": False}, {"mma_attention": False},
+                                   {"kv_fence": True}, {"fold_merge": False}, {"mma_attention": False},
                                    {"mma_attention": True, "mma_schedule": True}],
-                         ids=["pass-chunks", "short-slices", "kv-pipeline", "no-fold-merge", "lane-attention",
-                              "mma-schedule"])
+                         ids=["pass-chunks", "short-slices", "kv-pipeline", "kv-fence", "no-fold-merge",
+                              "lane-attention", "mma-schedule"])
 def test_split_kv_candidate_builds_compile_for_sm90a(build, tmp_path):
     """The split-KV build options a GPU session times against the default (``gpu_tune.py --builds pass-chunks
     short-slices kv-pipeline no-fold-merge``) compile too, on a shape where they deal differently (SmolLM-135M: 3
@@ -107,7 +107,9 @@ def test_split_kv_candidate_builds_compile_for_sm90a(build, tmp_path):
     tensor cores: its PTX holds the 8 + 4 MMAs of a 16-key step (64 dims) on top of the lane-group loop's
     (``mma_attention=False``, the default before), twice since session 36 (the fused attention+O steps score their
     whole groups the same way; the lane-group build fuses nothing); ``mma_schedule`` also deals for them
-    (``MMA_SLICES``)."""
+    (``MMA_SLICES``). ``kv_fence`` (session 57) issues each lane-group iteration's K/V rows behind a warp fence:
+    one ``bar.warp.sync`` more in the PTX of the loop (SmolLM-135M's one-head slices run it at long contexts), and
+    it refuses to build with ``kv_pipeline``, which loads those rows one iteration ahead instead."""
     pytest.importorskip("cutlass")
     from megabake.codegen import generate
     from megabake.runtime.compile import compile_check, load_module
@@ -115,7 +117,7 @@ def test_split_kv_candidate_builds_compile_for_sm90a(build, tmp_path):
     compiled = compile_preset("smollm-135m", layers=2, vocab=4096, capacity=2048)
     source = generate(compiled.plan, **build).source
     expected = {"pass_chunks": "CHUNK_QUANTUM = 32", "long_slices": "LONG_SLICES = False",
-                "kv_pipeline": "KV_PIPELINE = True", "fold_merge": None,
+                "kv_pipeline": "KV_PIPELINE = True", "kv_fence": "KV_PIPELINE = 2", "fold_merge": None,
                 "mma_attention": "MMA_ATTENTION = True" if build.get("mma_attention") else None}[next(iter(build))]
     default = generate(compiled.plan).source
     assert "\nFOLD_SPLITS = 8\n" in default and "\nMMA_ATTENTION = True\n" in default
@@ -127,6 +129,15 @@ def test_split_kv_candidate_builds_compile_for_sm90a(build, tmp_path):
         assert "MMA_ATTENTION" not in source
     result = compile_check(compiled.plan, load_module(source), dump_dir=str(tmp_path / "build"))
     assert result.ok, result.error
+    if build == {"kv_fence": True}:
+        assert "\nKV_PIPELINE = False\n" in default
+        with pytest.raises(ValueError, match="kv_fence .* kv_pipeline"):
+            generate(compiled.plan, kv_fence=True, kv_pipeline=True)
+        default_result = compile_check(compiled.plan, load_module(default), dump_dir=str(tmp_path / "default"))
+        assert default_result.ok, default_result.error
+        fences = [next((tmp_path / name).glob("*.ptx")).read_text().count("bar.warp.sync")
+                  for name in ("build", "default")]
+        assert fences[0] == fences[1] + 1, fences  # one lane-group loop, traced once (Constexpr paths)
     if build == {"mma_attention": False}:
         default_result = compile_check(compiled.plan, load_module(default), dump_dir=str(tmp_path / "default"))
         assert default_result.ok, default_result.error

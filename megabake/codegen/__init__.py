@@ -363,6 +363,7 @@ def default_merge(plan: Plan) -> tuple[bool, bool]:
 
 
 KV_PIPELINE_MIN_HEAD_DIM = 128  # narrower heads measured no gain from the K/V pipeline (default_kv_pipeline)
+KV_FENCE = 2  # the module's KV_PIPELINE in a kv_fence build (bodies.KV_FENCE: _online_softmax_chunk's load modes)
 
 
 def default_kv_pipeline(plan: Plan) -> bool:
@@ -446,7 +447,7 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
              merge_preload: bool | None = None,
              spread_merge: bool | None = None, head_slices: bool = True,
              long_slices: bool = LONG_SLICES, pass_chunks: bool = PASS_CHUNKS,
-             kv_pipeline: bool | None = None, fold_merge: bool | None = None,
+             kv_pipeline: bool | None = None, kv_fence: bool = False, fold_merge: bool | None = None,
              prefetch_bytes: int | None = None, mma_attention: bool | None = None,
              mma_schedule: bool = False, fused_o: bool | None = None, fused_kv_smem: bool = False,
              fused_mma: bool | None = None, mma_wide: bool | None = None,
@@ -464,7 +465,9 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     whole CTA passes (``plan.chunk_quantum``, a candidate; session 42's ``split_quantum``, chunks of 128 / 256
     positions for gemma-2b, lost on an H100 in session 43 and was removed); ``kv_pipeline`` loads each split-KV loop
     iteration's K/V rows one iteration ahead (``bodies._online_softmax_chunk``, the same bits; None picks it per
-    plan: :func:`default_kv_pipeline`); ``fold_merge`` leaves steps with 2..:func:`fold_splits` active splits
+    plan: :func:`default_kv_pipeline`); ``kv_fence`` (a candidate, session 57; not with ``kv_pipeline``) issues each
+    iteration's K and V rows together behind a scheduling fence instead (one memory round trip per iteration, not two;
+    the same bits); ``fold_merge`` leaves steps with 2..:func:`fold_splits` active splits
     unmerged and merges their partials in the O projection's staging (no arrival counter, no last-arrival chain;
     None picks it per plan: :func:`default_fold_merge`); ``prefetch_bytes`` is the L2 prefetch of the next GEMV's
     first tiles issued before each grid barrier, in bytes over the whole grid, for every stage (0: none; at least
@@ -585,7 +588,11 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
                f"at most {folded} split(s) of partials fit {FOLD_MAX_BYTES} bytes per CTA" if kv_splits(plan) else
                "attention is not split")
         raise ValueError(f"fold_merge needs 2+ splits to fold and no spread merge, but {why}: build without it")
+    if kv_fence and kv_pipeline:
+        raise ValueError("kv_fence issues each split-KV iteration's K/V rows together; kv_pipeline loads them one "
+                         "iteration ahead instead: build with one of them")
     kv_pipeline = default_kv_pipeline(plan) if kv_pipeline is None else kv_pipeline
+    kv_pipeline = KV_FENCE if kv_fence else kv_pipeline  # the module's KV_PIPELINE: a load mode (False / True / 2)
     mma_wide = default_mma_wide(plan, head_slices, mma_attention) if mma_wide is None else mma_wide
     if mma_wide:
         _check_mma_wide(plan, head_slices, mma_attention)
@@ -827,7 +834,7 @@ def _packed(items: list[str], indent: int) -> list[str]:
 
 def _header(w: _Writer, plan: Plan, plan_hash: str, arguments: list[str], self_contained: bool,
             head_slices: bool = True, long_slices: bool = True, pass_chunks: bool = False,
-            kv_pipeline: bool = False, folded: int = 0, mma_attention: bool = False, mma_slices: int = 0,
+            kv_pipeline: bool | int = False, folded: int = 0, mma_attention: bool = False, mma_slices: int = 0,
             fused_o: bool = False, fused_kv_smem: bool = False, fused_mma: bool = False,
             mma_wide: bool = False, fused_mlp: bool = False, fused_split: bool = False,
             spare_loads: bool = False, bulk_down: bool = False, loader: LoaderGeometry | None = None) -> None:
