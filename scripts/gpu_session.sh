@@ -122,6 +122,9 @@
 #          the barrier waits' arrival skew) -> OUT/tune-qwen3-0.6b-p{16,4000}.log, OUT/p{16,4000}/ (not run yet,
 #          an estimated 1-2 min a position). ATT_PRESETS="qwen2.5-0.5b" runs it on other presets (capacity 4096
 #          must fit them)
+#   kv-fence: the GPU test of session 57's kv_fence candidate (K/V rows of a lane-group iteration issued together,
+#          the same bits), then the default against it at 4000 (Qwen2.5-0.5B, Phi-3-mini; FENCE_PHI= skips it) and
+#          2000 (SmolLM-135M) -> OUT/pytest-gpu-kv-fence.log, OUT/tune-*-p*.log (not run yet, ~6 min?)
 # A device call is limited to 10 minutes: pick parts with PARTS (default "tests1"), e.g.
 #   source .cute/activate.sh && PARTS=tests2 bash scripts/gpu_session.sh "$OUT"
 #   source .cute/activate.sh && PARTS=bench bash scripts/gpu_session.sh "$OUT" smollm-135m llama-3.2-1b
@@ -320,6 +323,17 @@ if [[ " $PARTS " == *" att-clocks "* ]]; then
     tune_candidates "$preset" 4096 16 --phases --per-cta
     tune_candidates "$preset" 4096 4000 --phases --per-cta
   done
+fi
+if [[ " $PARTS " == *" kv-fence "* ]]; then
+  # session 57's candidate (generate(plan, kv_fence=True)): each lane-group iteration's K/V rows issued together
+  # behind a warp fence. Its GPU test (the plain loop's bits, Qwen2.5-0.5B's one-head slices among them), then the
+  # default against it where the lane-group loop streams long chunks: the growth rows (Qwen2.5-0.5B, SmolLM-135M)
+  # and Phi-3-mini (under 1.5x at 1000 / 4000)
+  TEST_LIMIT=${TEST_LIMIT:-200} run_tests kv-fence "kv_pipeline_gives_bit_identical" tests/test_gpu_decode.py
+  collect_tests kv-fence
+  tune_candidates qwen2.5-0.5b 4096 4000 kv-fence
+  tune_candidates smollm-135m 2048 2000 kv-fence
+  [[ -n "${FENCE_PHI:-1}" ]] && tune_candidates phi-3-mini 4096 4000 kv-fence
 fi
 if [[ " $PARTS " == *" candidates "* ]]; then
   # the K/V prefetch into L1 instead of L2 (generate(plan, kv_prefetch_l1=True), a candidate since session 16)
