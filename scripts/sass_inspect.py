@@ -76,15 +76,15 @@ def assemble(ptx: Path, out: Path) -> tuple[Path, str]:
 
 
 def schedule(sass: str) -> str:
-    """Run-length encoded sequence of LDG / FFMA / LDS / SHFL / MUFU / BRA / BAR / WARPSYNC instructions."""
+    """Run-length encoded sequence of LDG / FFMA / HMMA / LDS / SHFL / MUFU / BRA / BAR / WARPSYNC instructions."""
     seq = []
     for line in sass.splitlines():
         match = re.search(r"\*/\s+(@!?P\d\s+)?([A-Z][A-Z0-9.]*)", line)
         if not match:
             continue
         op = match.group(2).split(".")[0]
-        if op in ("LDG", "LDGSTS", "LDGDEPBAR", "DEPBAR", "FFMA", "LDS", "SHFL", "MUFU", "BRA", "BAR", "WARPSYNC", "NOP",
-                  "STL", "LDL"):
+        if op in ("LDG", "LDGSTS", "LDGDEPBAR", "DEPBAR", "FFMA", "HMMA", "LDS", "SHFL", "MUFU", "BRA", "BAR", "WARPSYNC",
+                  "NOP", "STL", "LDL"):
             if seq and seq[-1][0] == op:
                 seq[-1][1] += 1
             else:
