@@ -150,9 +150,9 @@ def _online_softmax_chunk(keys: cute.Tensor, values: cute.Tensor, s_q: cute.Tens
     chunks: OLMo-2-1B at 4000 positions runs 8 iterations per item). Same values, same arithmetic order: the
     same bits. ``pipeline`` is a K/V load mode: ``KV_LOOKAHEAD`` (1, or True) is that pipeline; ``KV_FENCE`` (2, a
     candidate, session 57) issues this iteration's K and V rows together, as stored, behind a scheduling fence, then
-    converts them: one memory round trip per iteration, where the plain loop (0, or False) issues its V rows after
-    the scores that wait for its K rows (two; ``scripts/sass_inspect.py --loops-with MUFU``), without the
-    pipeline's second set of rows in registers. The same bits in every mode."""
+    converts them: one memory round trip per iteration, where ptxas issues half of the plain loop's (0, or False)
+    loads after arithmetic that waits for the first ones (two; ``scripts/sass_inspect.py --loops-with MUFU``),
+    without the pipeline's second set of rows in registers. The same bits in every mode."""
     lookahead = pipeline == KV_LOOKAHEAD
     fence = pipeline == KV_FENCE
     lane_slots = 1 << (lanes_per_pos - 1).bit_length()
