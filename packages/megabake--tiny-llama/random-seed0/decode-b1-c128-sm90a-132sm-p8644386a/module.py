@@ -748,12 +748,16 @@ def _merge_into(m: cute.Tensor, l: cute.Tensor, acc: cute.Tensor, h: cutlass.Con
     m[h] = m_new
 
 
+KV_LOOKAHEAD = 1  # _online_softmax_chunk's K/V load modes (the module's KV_PIPELINE): next iteration's rows ahead
+KV_FENCE = 2  # ... this iteration's rows together behind a fence (0 / False: the plain loop)
+
+
 @cute.jit
 def _online_softmax_chunk(keys: cute.Tensor, values: cute.Tensor, s_q: cute.Tensor, m: cute.Tensor,
                           l: cute.Tensor, acc: cute.Tensor, first: Int32, end: Int32, grp: Int32, sub: Int32,
                           group: cutlass.Constexpr[int], lanes_per_pos: cutlass.Constexpr[int],
                           stride: cutlass.Constexpr[int], unroll: cutlass.Constexpr[int],
-                          pipeline: cutlass.Constexpr[bool]):
+                          pipeline: cutlass.Constexpr[int]):
     """Lane group ``grp`` of a warp takes positions first + grp, first + grp + stride, ... < end: ``unroll`` K and
     V rows in flight, every query head of the group scored against each key row once loaded (GQA packing),
     online softmax per head. The loop bounds depend on the warp only (``first``), never on the lane group:
@@ -764,7 +768,13 @@ def _online_softmax_chunk(keys: cute.Tensor, values: cute.Tensor, s_q: cute.Tens
     ``pipeline`` (a candidate, session 19): the next iteration's K and V rows are loaded (as stored, bf16) before
     this iteration's rows are scored, so their latency overlaps the arithmetic instead of following it (long
     chunks: OLMo-2-1B at 4000 positions runs 8 iterations per item). Same values, same arithmetic order: the
-    same bits."""
+    same bits. ``pipeline`` is a K/V load mode: ``KV_LOOKAHEAD`` (1, or True) is that pipeline; ``KV_FENCE`` (2, a
+    candidate, session 57) issues this iteration's K and V rows together, as stored, behind a scheduling fence, then
+    converts them: one memory round trip per iteration, where ptxas issues half of the plain loop's (0, or False)
+    loads after arithmetic that waits for the first ones (two; ``scripts/sass_inspect.py --loops-with MUFU``),
+    without the pipeline's second set of rows in registers. The same bits in every mode."""
+    lookahead = pipeline == KV_LOOKAHEAD
+    fence = pipeline == KV_FENCE
     lane_slots = 1 << (lanes_per_pos - 1).bit_length()
     row_slice = sub
     live = Float32(1.0)
@@ -775,15 +785,15 @@ def _online_softmax_chunk(keys: cute.Tensor, values: cute.Tensor, s_q: cute.Tens
     kf = cute.make_rmem_tensor(cute.make_layout((VEC, unroll)), Float32)
     vf = cute.make_rmem_tensor(cute.make_layout((VEC, unroll)), Float32)
     scores = cute.make_rmem_tensor(cute.make_layout(unroll), Float32)
-    kn = cute.make_rmem_tensor(cute.make_layout((VEC, unroll)), keys.element_type)  # pipeline: next rows
+    kn = cute.make_rmem_tensor(cute.make_layout((VEC, unroll)), keys.element_type)  # lookahead: next rows
     vn = cute.make_rmem_tensor(cute.make_layout((VEC, unroll)), values.element_type)
-    if cutlass.const_expr(pipeline):
+    if cutlass.const_expr(lookahead):
         for u in cutlass.range_constexpr(unroll):
             t0 = cutlass.min(first + grp + u * stride, end - 1)
             kn[(None, u)].store(cute.zipped_divide(keys[t0, None], (VEC,))[(None, row_slice)].load())
             vn[(None, u)].store(cute.zipped_divide(values[t0, None], (VEC,))[(None, row_slice)].load())
     for base in range(first, end, stride * unroll):
-        if cutlass.const_expr(pipeline):
+        if cutlass.const_expr(lookahead):
             for u in cutlass.range_constexpr(unroll):
                 kf[(None, u)].store(kn[(None, u)].load().to(Float32))
                 vf[(None, u)].store(vn[(None, u)].load().to(Float32))
@@ -792,6 +802,15 @@ def _online_softmax_chunk(keys: cute.Tensor, values: cute.Tensor, s_q: cute.Tens
                 kn[(None, u)].store(cute.zipped_divide(keys[tn, None], (VEC,))[(None, row_slice)].load())
                 vn[(None, u)].store(cute.zipped_divide(values[tn, None], (VEC,))[(None, row_slice)].load())
             cute.arch.sync_warp()  # a scheduling fence: the compiler otherwise sinks these loads past the scores
+        elif cutlass.const_expr(fence):
+            for u in cutlass.range_constexpr(unroll):  # this iteration's rows, K and V, all issued before any score
+                t = cutlass.min(base + grp + u * stride, end - 1)
+                kn[(None, u)].store(cute.zipped_divide(keys[t, None], (VEC,))[(None, row_slice)].load())
+                vn[(None, u)].store(cute.zipped_divide(values[t, None], (VEC,))[(None, row_slice)].load())
+            cute.arch.sync_warp()  # a scheduling fence: keep every load above the scores that wait for the first
+            for u in cutlass.range_constexpr(unroll):
+                kf[(None, u)].store(kn[(None, u)].load().to(Float32))
+                vf[(None, u)].store(vn[(None, u)].load().to(Float32))
         else:
             for u in cutlass.range_constexpr(unroll):
                 t = cutlass.min(base + grp + u * stride, end - 1)
