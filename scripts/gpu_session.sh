@@ -124,7 +124,8 @@
 #          must fit them)
 #   kv-fence: the GPU test of session 57's kv_fence candidate (K/V rows of a lane-group iteration issued together,
 #          the same bits), then the default against it at 4000 (Qwen2.5-0.5B, Phi-3-mini; FENCE_PHI= skips it) and
-#          2000 (SmolLM-135M) -> OUT/pytest-gpu-kv-fence.log, OUT/tune-*-p*.log (not run yet, ~6 min?)
+#          2000 (SmolLM-135M), where session 19's dealing (short-slices: whole KV groups, now on the tensor cores)
+#          is timed too -> OUT/pytest-gpu-kv-fence.log, OUT/tune-*-p*.log (not run yet, ~6 min?)
 # A device call is limited to 10 minutes: pick parts with PARTS (default "tests1"), e.g.
 #   source .cute/activate.sh && PARTS=tests2 bash scripts/gpu_session.sh "$OUT"
 #   source .cute/activate.sh && PARTS=bench bash scripts/gpu_session.sh "$OUT" smollm-135m llama-3.2-1b
@@ -331,8 +332,8 @@ if [[ " $PARTS " == *" kv-fence "* ]]; then
   # and Phi-3-mini (under 1.5x at 1000 / 4000)
   TEST_LIMIT=${TEST_LIMIT:-200} run_tests kv-fence "kv_pipeline_gives_bit_identical" tests/test_gpu_decode.py
   collect_tests kv-fence
-  tune_candidates qwen2.5-0.5b 4096 4000 kv-fence
-  tune_candidates smollm-135m 2048 2000 kv-fence
+  tune_candidates qwen2.5-0.5b 4096 4000 kv-fence short-slices
+  tune_candidates smollm-135m 2048 2000 kv-fence short-slices
   [[ -n "${FENCE_PHI:-1}" ]] && tune_candidates phi-3-mini 4096 4000 kv-fence
 fi
 if [[ " $PARTS " == *" candidates "* ]]; then
