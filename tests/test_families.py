@@ -282,6 +282,23 @@ def test_the_kv_pipeline_is_the_default_for_one_query_head_per_kv_head_of_128_or
         assert f"KV_PIPELINE = {expected}" in compiled.generated.source, preset
 
 
+def test_the_kv_fence_is_a_default_only_where_its_feature_is_enabled(tiny_olmo2, monkeypatch):
+    """``codegen.default_kv_fence``: off by default (not GPU-verified); with ``MEGABAKE_EXPERIMENTAL_LAYOUTS=kv_fence``
+    on where attention is split and the K/V pipeline is off (SmolLM-135M), never beside the pipeline (OLMo-2), and an
+    explicit ``kv_fence=False`` still builds the plain loop."""
+    from megabake.codegen import default_kv_fence, generate
+
+    smollm = compile_preset("smollm-135m", layers=1, vocab=4096, capacity=2048)
+    assert "\nKV_PIPELINE = False\n" in smollm.generated.source
+    assert not default_kv_fence(smollm.plan, kv_pipeline=False)
+    monkeypatch.setenv("MEGABAKE_EXPERIMENTAL_LAYOUTS", "kv_fence")
+    assert default_kv_fence(smollm.plan, kv_pipeline=False)
+    assert "\nKV_PIPELINE = 2\n" in generate(smollm.plan).source
+    assert "\nKV_PIPELINE = False\n" in generate(smollm.plan, kv_fence=False).source
+    assert not default_kv_fence(tiny_olmo2.plan, kv_pipeline=True)
+    assert "\nKV_PIPELINE = True\n" in generate(tiny_olmo2.plan).source
+
+
 def test_olmo2_matches_eager_fp32_past_a_kv_split(tiny_olmo2):
     assert_matches_eager(tiny_olmo2.model, reference_executor_for(tiny_olmo2.plan, tiny_olmo2.model), steps=140)
 

@@ -377,6 +377,14 @@ def default_kv_pipeline(plan: Plan) -> bool:
     return bool(kv_splits(plan)) and one_query_head and plan.dims.head_dim >= KV_PIPELINE_MIN_HEAD_DIM
 
 
+def default_kv_fence(plan: Plan, kv_pipeline: bool) -> bool:
+    """Whether a default build issues each split-KV lane-group iteration's K/V rows together behind a warp fence
+    (``kv_fence``, the same bits): where the ``kv_fence`` feature is enabled (:func:`megabake.plan.feature_enabled`;
+    not GPU-verified yet, so only with ``MEGABAKE_EXPERIMENTAL_LAYOUTS=kv_fence``), attention is split and the K/V
+    pipeline does not load those rows one iteration ahead instead."""
+    return feature_enabled("kv_fence") and bool(kv_splits(plan)) and not kv_pipeline
+
+
 def default_mma_attention(plan: Plan, head_slices: bool = True) -> bool:
     """Whether a default build scores and sums split-KV items of 2-8 query heads of 64 or 128 dims on the tensor
     cores (``bodies._mma_softmax_chunk``): wherever the plan deals such items (``plan.attention.mma_attention_items``).
@@ -447,7 +455,7 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
              merge_preload: bool | None = None,
              spread_merge: bool | None = None, head_slices: bool = True,
              long_slices: bool = LONG_SLICES, pass_chunks: bool = PASS_CHUNKS,
-             kv_pipeline: bool | None = None, kv_fence: bool = False, fold_merge: bool | None = None,
+             kv_pipeline: bool | None = None, kv_fence: bool | None = None, fold_merge: bool | None = None,
              prefetch_bytes: int | None = None, mma_attention: bool | None = None,
              mma_schedule: bool = False, fused_o: bool | None = None, fused_kv_smem: bool = False,
              fused_mma: bool | None = None, mma_wide: bool | None = None,
@@ -465,9 +473,10 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     whole CTA passes (``plan.chunk_quantum``, a candidate; session 42's ``split_quantum``, chunks of 128 / 256
     positions for gemma-2b, lost on an H100 in session 43 and was removed); ``kv_pipeline`` loads each split-KV loop
     iteration's K/V rows one iteration ahead (``bodies._online_softmax_chunk``, the same bits; None picks it per
-    plan: :func:`default_kv_pipeline`); ``kv_fence`` (a candidate, session 57; not with ``kv_pipeline``) issues each
-    iteration's K and V rows together behind a scheduling fence instead (one memory round trip per iteration, not two;
-    the same bits); ``fold_merge`` leaves steps with 2..:func:`fold_splits` active splits
+    plan: :func:`default_kv_pipeline`); ``kv_fence`` (session 57; not with ``kv_pipeline``) issues each iteration's
+    K and V rows together behind a scheduling fence instead (one memory round trip per iteration, not two; the same
+    bits; None picks it per plan: :func:`default_kv_fence`, off unless the ``kv_fence`` feature is enabled);
+    ``fold_merge`` leaves steps with 2..:func:`fold_splits` active splits
     unmerged and merges their partials in the O projection's staging (no arrival counter, no last-arrival chain;
     None picks it per plan: :func:`default_fold_merge`); ``prefetch_bytes`` is the L2 prefetch of the next GEMV's
     first tiles issued before each grid barrier, in bytes over the whole grid, for every stage (0: none; at least
@@ -592,6 +601,7 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
         raise ValueError("kv_fence issues each split-KV iteration's K/V rows together; kv_pipeline loads them one "
                          "iteration ahead instead: build with one of them")
     kv_pipeline = default_kv_pipeline(plan) if kv_pipeline is None else kv_pipeline
+    kv_fence = default_kv_fence(plan, kv_pipeline) if kv_fence is None else kv_fence
     kv_pipeline = KV_FENCE if kv_fence else kv_pipeline  # the module's KV_PIPELINE: a load mode (False / True / 2)
     mma_wide = default_mma_wide(plan, head_slices, mma_attention) if mma_wide is None else mma_wide
     if mma_wide:

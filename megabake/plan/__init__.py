@@ -257,6 +257,9 @@ EXPERIMENTAL_FEATURES = {"rope_tables": "per-layer rotary tables (Gemma 3: one R
                                         "least 16 MB and it applies; the same bits as the fused default; every "
                                         "GPU test of the two presets it changes passed with it on, on an H100 in "
                                         "session 55)",
+                         "kv_fence": "each split-KV lane-group iteration's K/V rows issued together behind a warp "
+                                     "fence (session 57: codegen.default_kv_fence turns it on where attention is "
+                                     "split and the K/V pipeline is off; the same bits as the plain loop)",
                          "bulk_down": "with fused_mlp, a CTA's W_down columns by cp.async.bulk from a packed copy the "
                                       "runtime derives (session 48: codegen.generate(bulk_down=None) turns it on where "
                                       "fused_mlp is; the same bits; the whole GPU suite passed with it on, on an "
