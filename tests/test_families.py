@@ -273,30 +273,38 @@ def test_the_kv_pipeline_is_the_default_for_one_query_head_per_kv_head_of_128_or
     """``codegen.default_kv_pipeline``: OLMo-2 (one query head per KV head x 128, the tiny preset's shape too)
     streams split-KV rows one loop iteration ahead; GQA (Qwen3, 128 wide) and narrow MHA heads (SmolLM-1.7B, 64
     wide) keep the plain loop, where the H200 measured no gain."""
-    from megabake.codegen import default_kv_pipeline
+    from megabake.codegen import KV_FENCE, default_kv_pipeline
+    from megabake.plan import kv_splits
 
     assert default_kv_pipeline(tiny_olmo2.plan) and "KV_PIPELINE = True" in tiny_olmo2.generated.source
     for preset, expected in (("olmo-2-1b", True), ("qwen3-0.6b", False), ("smollm-1.7b", False)):
         compiled = compile_preset(preset, layers=1, vocab=4096, capacity=256)
         assert default_kv_pipeline(compiled.plan) is expected, preset
-        assert f"KV_PIPELINE = {expected}" in compiled.generated.source, preset
+        mode = True if expected else KV_FENCE if kv_splits(compiled.plan) else False  # default_kv_fence otherwise
+        assert f"\nKV_PIPELINE = {mode}\n" in compiled.generated.source, preset
 
 
-def test_the_kv_fence_is_a_default_only_where_its_feature_is_enabled(tiny_olmo2, monkeypatch):
-    """``codegen.default_kv_fence``: off by default (not GPU-verified); with ``MEGABAKE_EXPERIMENTAL_LAYOUTS=kv_fence``
-    on where attention is split and the K/V pipeline is off (SmolLM-135M), never beside the pipeline (OLMo-2), and an
-    explicit ``kv_fence=False`` still builds the plain loop."""
+def test_the_kv_fence_is_the_default_where_the_lane_group_loop_runs_without_the_kv_pipeline(tiny_olmo2, monkeypatch):
+    """``codegen.default_kv_fence``: on where attention is split and the K/V pipeline is off (SmolLM-135M), never
+    beside the pipeline (OLMo-2); ``kv_fence=False`` still builds the plain loop, and so does a plan without split
+    attention. The feature is GPU-verified (session 58); the flag itself decides it."""
+    import megabake.plan as plan_module
     from megabake.codegen import default_kv_fence, generate
 
     smollm = compile_preset("smollm-135m", layers=1, vocab=4096, capacity=2048)
-    assert "\nKV_PIPELINE = False\n" in smollm.generated.source
-    assert not default_kv_fence(smollm.plan, kv_pipeline=False)
-    monkeypatch.setenv("MEGABAKE_EXPERIMENTAL_LAYOUTS", "kv_fence")
     assert default_kv_fence(smollm.plan, kv_pipeline=False)
-    assert "\nKV_PIPELINE = 2\n" in generate(smollm.plan).source
+    assert "\nKV_PIPELINE = 2\n" in smollm.generated.source
     assert "\nKV_PIPELINE = False\n" in generate(smollm.plan, kv_fence=False).source
     assert not default_kv_fence(tiny_olmo2.plan, kv_pipeline=True)
-    assert "\nKV_PIPELINE = True\n" in generate(tiny_olmo2.plan).source
+    assert "\nKV_PIPELINE = True\n" in tiny_olmo2.generated.source
+    short = compile_preset("smollm-135m", layers=1, vocab=4096, capacity=128)
+    if not plan_module.kv_splits(short.plan):
+        assert not default_kv_fence(short.plan, kv_pipeline=False)
+    verified = tuple(f for f in plan_module.GPU_VERIFIED_FEATURES if f != "kv_fence")
+    monkeypatch.setattr(plan_module, "GPU_VERIFIED_FEATURES", verified)
+    monkeypatch.delenv("MEGABAKE_EXPERIMENTAL_LAYOUTS", raising=False)
+    assert not default_kv_fence(smollm.plan, kv_pipeline=False)
+    assert "\nKV_PIPELINE = False\n" in generate(smollm.plan).source
 
 
 def test_olmo2_matches_eager_fp32_past_a_kv_split(tiny_olmo2):

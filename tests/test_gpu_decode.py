@@ -547,7 +547,8 @@ def test_pass_chunks_give_the_default_logits_where_they_cut_alike_and_close_wher
 def test_kv_pipeline_gives_bit_identical_logits(preset, batch, capacity):
     """Split-KV K/V rows loaded one loop iteration ahead (``generate(plan, kv_pipeline=True)``; since session 21
     the default for one query head per KV head of 128+, ``codegen.default_kv_pipeline``) or issued together behind
-    a warp fence (``kv_fence=True``, a candidate since session 57) change when rows arrive, not what is computed:
+    a warp fence (``kv_fence=True``, session 57; since session 58 the default wherever the pipeline is off,
+    ``codegen.default_kv_fence``) change when rows arrive, not what is computed:
     from one random cache, one step at positions near 0, at split boundaries and near capacity gives the plain
     loop's bits (OLMo-2-1B: one query head per KV head, 8 iterations per item at 4000; SmolLM: 3 heads per group;
     tiny-mistral b2: a sliding window; Qwen2.5-0.5B: one-head slices of 7-head groups, 4 iterations at 4000)."""
@@ -557,7 +558,8 @@ def test_kv_pipeline_gives_bit_identical_logits(preset, batch, capacity):
     compiled = compile_preset(preset, layers=layers, vocab=4096 if layers else None, batch=batch,
                               capacity=capacity, ctas=gpu_info().sm_count)
     positions = sorted({0, 1, 2, 63, 64, 65, 127, 128, 129, 700, 1023, capacity // 2, capacity - 1})
-    builds = [{"kv_pipeline": False}, {"kv_pipeline": True}, {"kv_pipeline": False, "kv_fence": True}]
+    builds = [{"kv_pipeline": False, "kv_fence": False}, {"kv_pipeline": True},
+              {"kv_pipeline": False, "kv_fence": True}]
     plain, pipelined, fenced = _logits_over_random_cache(compiled, positions, batch, builds)
     assert torch.isfinite(plain).all()
     assert torch.equal(pipelined, plain)

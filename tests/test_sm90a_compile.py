@@ -107,9 +107,10 @@ def test_split_kv_candidate_builds_compile_for_sm90a(build, tmp_path):
     tensor cores: its PTX holds the 8 + 4 MMAs of a 16-key step (64 dims) on top of the lane-group loop's
     (``mma_attention=False``, the default before), twice since session 36 (the fused attention+O steps score their
     whole groups the same way; the lane-group build fuses nothing); ``mma_schedule`` also deals for them
-    (``MMA_SLICES``). ``kv_fence`` (session 57) issues each lane-group iteration's K/V rows behind a warp fence:
-    one ``bar.warp.sync`` more in the PTX of the loop (SmolLM-135M's one-head slices run it at long contexts), and
-    it refuses to build with ``kv_pipeline``, which loads those rows one iteration ahead instead."""
+    (``MMA_SLICES``). ``kv_fence`` (session 57, the default since session 58) issues each lane-group iteration's
+    K/V rows behind a warp fence: one ``bar.warp.sync`` more in the PTX of the loop than ``kv_fence=False``'s
+    (SmolLM-135M's one-head slices run it at long contexts), and it refuses to build with ``kv_pipeline``, which
+    loads those rows one iteration ahead instead."""
     pytest.importorskip("cutlass")
     from megabake.codegen import generate
     from megabake.runtime.compile import compile_check, load_module
@@ -130,7 +131,8 @@ def test_split_kv_candidate_builds_compile_for_sm90a(build, tmp_path):
     result = compile_check(compiled.plan, load_module(source), dump_dir=str(tmp_path / "build"))
     assert result.ok, result.error
     if build == {"kv_fence": True}:
-        assert "\nKV_PIPELINE = False\n" in default
+        assert "\nKV_PIPELINE = 2\n" in default  # the default since session 58 (codegen.default_kv_fence)
+        default = generate(compiled.plan, kv_fence=False).source
         with pytest.raises(ValueError, match="kv_fence .* kv_pipeline"):
             generate(compiled.plan, kv_fence=True, kv_pipeline=True)
         default_result = compile_check(compiled.plan, load_module(default), dump_dir=str(tmp_path / "default"))
