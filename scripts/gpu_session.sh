@@ -126,6 +126,11 @@
 #          the same bits), then the default against it at 4000 (Qwen2.5-0.5B, Phi-3-mini; FENCE_PHI= skips it) and
 #          2000 (SmolLM-135M), where session 19's dealing (short-slices: whole KV groups, now on the tensor cores)
 #          is timed too -> OUT/pytest-gpu-kv-fence.log, OUT/tune-*-p*.log (not run yet, ~6 min?)
+#   mma-buffers: session 58's mma_two_buffers candidate (tensor-core items' K/V in two buffers, a warp's first two
+#          steps in flight together; the same bits): the tensor-core GPU tests (they check its bits), then the
+#          default against it where the growth rows that fail run tensor-core items of 64 dims: Qwen2.5-0.5B batch 8
+#          @4000, SmolLM-135M batch 8 @2000, Llama-3.2-1B batch 1 @4000 -> OUT/pytest-gpu-mma-buffers.log,
+#          OUT/tune-*-b*-p*.log (not run yet, ~6 min?)
 # A device call is limited to 10 minutes: pick parts with PARTS (default "tests1"), e.g.
 #   source .cute/activate.sh && PARTS=tests2 bash scripts/gpu_session.sh "$OUT"
 #   source .cute/activate.sh && PARTS=bench bash scripts/gpu_session.sh "$OUT" smollm-135m llama-3.2-1b
@@ -335,6 +340,18 @@ if [[ " $PARTS " == *" kv-fence "* ]]; then
   tune_candidates qwen2.5-0.5b 4096 4000 kv-fence short-slices
   tune_candidates smollm-135m 2048 2000 kv-fence short-slices
   [[ -n "${FENCE_PHI:-1}" ]] && tune_candidates phi-3-mini 4096 4000 kv-fence
+fi
+if [[ " $PARTS " == *" mma-buffers "* ]]; then
+  TEST_LIMIT=${TEST_LIMIT:-240} run_tests mma-buffers "mma_attention_matches_the_lane_group_loop" \
+    tests/test_gpu_decode.py
+  collect_tests mma-buffers
+  for spec in "qwen2.5-0.5b 8 4096 4000" "smollm-135m 8 2048 2000" "llama-3.2-1b 1 4096 4000"; do
+    read -r preset batch capacity position <<<"$spec"
+    log="$OUT/tune-$preset-b$batch-p$position.log"
+    timeout 150 python3 scripts/gpu_tune.py "$preset" --variants bake --builds default mma-two-buffers --no-composite \
+      --batch "$batch" --capacity "$capacity" --position "$position" --out "$OUT/b$batch-p$position" >"$log" 2>&1
+    summary+=("mma-buffers tune ($preset, batch $batch, at $position): rc=$?" "$(grep -E '^(==|\||timeline)' "$log")")
+  done
 fi
 if [[ " $PARTS " == *" candidates "* ]]; then
   # the K/V prefetch into L1 instead of L2 (generate(plan, kv_prefetch_l1=True), a candidate since session 16)

@@ -211,6 +211,7 @@ BUILDS = {"default": {}, "no-loader": {"loader_warp": False}, "atom": {"barrier"
           "pass-chunks": {"pass_chunks": True}, "kv-pipeline": {"kv_pipeline": True},
           "no-kv-pipeline": {"kv_pipeline": False}, "kv-fence": {"kv_fence": True, "kv_pipeline": False},
           "no-kv-fence": {"kv_fence": False},  # the plain lane-group loop, the default before session 58
+          "mma-two-buffers": {"mma_two_buffers": True},  # session 58: tensor-core items' K/V in two buffers
           "fold-merge": {"fold_merge": True},
           "no-fold-merge": {"fold_merge": False},
           # split-KV items of 2-8 query heads scored and summed on the tensor cores (session 32; the default since

@@ -96,9 +96,9 @@ def test_module_compiles_for_sm90a(shape: Shape, tmp_path):
 
 @pytest.mark.parametrize("build", [{"pass_chunks": True}, {"long_slices": False}, {"kv_pipeline": True},
                                    {"kv_fence": True}, {"fold_merge": False}, {"mma_attention": False},
-                                   {"mma_attention": True, "mma_schedule": True}],
+                                   {"mma_attention": True, "mma_schedule": True}, {"mma_two_buffers": True}],
                          ids=["pass-chunks", "short-slices", "kv-pipeline", "kv-fence", "no-fold-merge",
-                              "lane-attention", "mma-schedule"])
+                              "lane-attention", "mma-schedule", "mma-two-buffers"])
 def test_split_kv_candidate_builds_compile_for_sm90a(build, tmp_path):
     """The split-KV build options a GPU session times against the default (``gpu_tune.py --builds pass-chunks
     short-slices kv-pipeline no-fold-merge``) compile too, on a shape where they deal differently (SmolLM-135M: 3
@@ -110,7 +110,9 @@ def test_split_kv_candidate_builds_compile_for_sm90a(build, tmp_path):
     (``MMA_SLICES``). ``kv_fence`` (session 57, the default since session 58) issues each lane-group iteration's
     K/V rows behind a warp fence: one ``bar.warp.sync`` more in the PTX of the loop than ``kv_fence=False``'s
     (SmolLM-135M's one-head slices run it at long contexts), and it refuses to build with ``kv_pipeline``, which
-    loads those rows one iteration ahead instead."""
+    loads those rows one iteration ahead instead. ``mma_two_buffers`` (session 58) runs two 16-key steps per loop
+    iteration from two K/V buffers: 12 MMAs more in the split-KV items' body (fused steps keep one buffer), and it
+    needs ``mma_attention``."""
     pytest.importorskip("cutlass")
     from megabake.codegen import generate
     from megabake.runtime.compile import compile_check, load_module
@@ -119,7 +121,8 @@ def test_split_kv_candidate_builds_compile_for_sm90a(build, tmp_path):
     source = generate(compiled.plan, **build).source
     expected = {"pass_chunks": "CHUNK_QUANTUM = 32", "long_slices": "LONG_SLICES = False",
                 "kv_pipeline": "KV_PIPELINE = True", "kv_fence": "KV_PIPELINE = 2", "fold_merge": None,
-                "mma_attention": "MMA_ATTENTION = True" if build.get("mma_attention") else None}[next(iter(build))]
+                "mma_attention": "MMA_ATTENTION = True" if build.get("mma_attention") else None,
+                "mma_two_buffers": "MMA_ATTENTION = 2"}[next(iter(build))]
     default = generate(compiled.plan).source
     assert "\nFOLD_SPLITS = 8\n" in default and "\nMMA_ATTENTION = True\n" in default
     if expected:
@@ -140,11 +143,17 @@ def test_split_kv_candidate_builds_compile_for_sm90a(build, tmp_path):
         fences = [next((tmp_path / name).glob("*.ptx")).read_text().count("bar.warp.sync")
                   for name in ("build", "default")]
         assert fences[0] == fences[1] + 1, fences  # one lane-group loop, traced once (Constexpr paths)
-    if build == {"mma_attention": False}:
+    if build == {"mma_two_buffers": True}:
+        with pytest.raises(ValueError, match="mma_two_buffers .* needs mma_attention"):
+            generate(compiled.plan, mma_two_buffers=True, mma_attention=False)
+    if build in ({"mma_attention": False}, {"mma_two_buffers": True}):
         default_result = compile_check(compiled.plan, load_module(default), dump_dir=str(tmp_path / "default"))
         assert default_result.ok, default_result.error
         mmas = [next((tmp_path / name).glob("*.ptx")).read_text().count("mma.sync") for name in ("build", "default")]
-        assert mmas[1] == mmas[0] + 24, mmas  # 12 in the split-KV items, 12 in the fused steps' whole groups
+        if build == {"mma_two_buffers": True}:  # the split-KV loop's second 16-key step (fused steps: one buffer)
+            assert mmas[0] == mmas[1] + 12, mmas
+        else:
+            assert mmas[1] == mmas[0] + 24, mmas  # 12 in the split-KV items, 12 in the fused steps' whole groups
 
 
 def test_the_kernel_and_the_plan_agree_on_which_items_go_to_the_tensor_cores():

@@ -364,6 +364,7 @@ def default_merge(plan: Plan) -> tuple[bool, bool]:
 
 KV_PIPELINE_MIN_HEAD_DIM = 128  # narrower heads measured no gain from the K/V pipeline (default_kv_pipeline)
 KV_FENCE = 2  # the module's KV_PIPELINE in a kv_fence build (bodies.KV_FENCE: _online_softmax_chunk's load modes)
+MMA_TWO_BUFFERS = 2  # the module's MMA_ATTENTION in an mma_two_buffers build (bodies.MMA_TWO_BUFFERS)
 
 
 def default_kv_pipeline(plan: Plan) -> bool:
@@ -459,7 +460,8 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
              long_slices: bool = LONG_SLICES, pass_chunks: bool = PASS_CHUNKS,
              kv_pipeline: bool | None = None, kv_fence: bool | None = None, fold_merge: bool | None = None,
              prefetch_bytes: int | None = None, mma_attention: bool | None = None,
-             mma_schedule: bool = False, fused_o: bool | None = None, fused_kv_smem: bool = False,
+             mma_schedule: bool = False, mma_two_buffers: bool = False, fused_o: bool | None = None,
+             fused_kv_smem: bool = False,
              fused_mma: bool | None = None, mma_wide: bool | None = None,
              fused_mlp: bool | None = None, fused_split: bool | None = None, spare_loads: bool | None = None,
              spare_ring: bool | None = None, bulk_down: bool | None = None,
@@ -492,7 +494,9 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     item the plan can deal has such a shape (``plan.attention.mma_attention_items``); ``mma_schedule`` (with it)
     lets every split-KV dealing weigh those items by their chunk alone (their heads come nearly free on the
     tensor cores), so long contexts deal whole groups over more, shorter splits (``plan.attention.split_schedule``'s
-    ``mma_slices``). ``fused_o`` (session 34, measured faster in session 35): a step whose context fits the first
+    ``mma_slices``); ``mma_two_buffers`` (with it, a candidate, session 58; heads of 64 or 128 dims) keeps a warp's
+    two K/V sets in two buffers that take its steps in turn, so its first two steps' loads are in flight together
+    (the same bits). ``fused_o`` (session 34, measured faster in session 35): a step whose context fits the first
     split-KV chunk runs its attention and the O projection in one barrier interval (``bodies.fused_attention_o``;
     one grid barrier less per layer), other steps as before; refused where
     :func:`megabake.codegen.fused.fused_o_refusal` names a reason (None: :func:`default_fused_o`, on where it
@@ -617,6 +621,12 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
                          f"cores, but this plan deals none ({why}): build without it")
     if mma_schedule and not mma_attention:
         raise ValueError("mma_schedule deals split-KV items for the tensor cores: it needs mma_attention=True")
+    if mma_two_buffers and not mma_attention:
+        raise ValueError("mma_two_buffers loads the tensor-core items' K/V into two buffers: it needs "
+                         "mma_attention on")
+    if mma_two_buffers and plan.dims.head_dim not in (64, 128):
+        raise ValueError(f"mma_two_buffers is for heads of 64 or 128 dims (heads of {plan.dims.head_dim} load each "
+                         "step's K/V at the step): build without it")
     mma_slices = mma_slice_mask(plan, head_slices, wide=mma_wide) if mma_schedule else 0
     if fused_o is None:
         fused_o = default_fused_o(plan, spread_merge=spread_merge, barrier=barrier, mma_schedule=mma_schedule,
@@ -698,8 +708,8 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     plan_hash = plan_hash or plan.hash
     w = _Writer(keyword_calls=True)
     _header(w, plan, plan_hash, arguments, self_contained, head_slices, long_slices, pass_chunks,
-            kv_pipeline, folded, mma_attention, mma_slices, fused_o, fused_kv_smem, fused_mma, mma_wide,
-            fused_mlp, fused_split, spare_loads, bulk_down, loader)
+            kv_pipeline, folded, MMA_TWO_BUFFERS if mma_two_buffers else mma_attention, mma_slices, fused_o,
+            fused_kv_smem, fused_mma, mma_wide, fused_mlp, fused_split, spare_loads, bulk_down, loader)
     prologue = [s for s in plan.stages if s.scope == "prologue"]
     per_layer = [s for s in plan.stages if s.scope == "layer"]
     epilogue = [s for s in plan.stages if s.scope == "epilogue"]
@@ -846,7 +856,7 @@ def _packed(items: list[str], indent: int) -> list[str]:
 
 def _header(w: _Writer, plan: Plan, plan_hash: str, arguments: list[str], self_contained: bool,
             head_slices: bool = True, long_slices: bool = True, pass_chunks: bool = False,
-            kv_pipeline: bool | int = False, folded: int = 0, mma_attention: bool = False, mma_slices: int = 0,
+            kv_pipeline: bool | int = False, folded: int = 0, mma_attention: bool | int = False, mma_slices: int = 0,
             fused_o: bool = False, fused_kv_smem: bool = False, fused_mma: bool = False,
             mma_wide: bool = False, fused_mlp: bool = False, fused_split: bool = False,
             spare_loads: bool = False, bulk_down: bool = False, loader: LoaderGeometry | None = None) -> None:
@@ -898,7 +908,7 @@ def _header(w: _Writer, plan: Plan, plan_hash: str, arguments: list[str], self_c
         if folded:
             consts["FOLD_SPLITS"] = folded
         if mma_attention:
-            consts["MMA_ATTENTION"] = True
+            consts["MMA_ATTENTION"] = mma_attention  # True, or MMA_TWO_BUFFERS (its K/V load mode)
         if mma_slices:
             consts["MMA_SLICES"] = mma_slices
         if mma_wide:

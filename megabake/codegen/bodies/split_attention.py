@@ -271,22 +271,87 @@ def _mma_load_kv(keys: cute.Tensor, values: cute.Tensor, kbuf: cute.Tensor, vbuf
                 cute.zipped_divide(values[row, None], (VEC,))[(None, 8 * c + g)].load())
 
 
+MMA_TWO_BUFFERS = 2  # _mma_softmax_chunk's two K/V buffers (an mma_two_buffers build; True: one set a step ahead)
+
+
+@cute.jit
+def _mma_step(kbuf: cute.Tensor, vbuf: cute.Tensor, q: cute.Tensor, a_q: cute.Tensor, a_v: cute.Tensor,
+              b: cute.Tensor, score: cute.Tensor, probs: cute.Tensor, out: cute.Tensor, kb: Int32, end: Int32,
+              top: Float32, total: Float32, t: Int32, head_dim: cutlass.Constexpr[int]):
+    """One 16-key step of :func:`_mma_softmax_chunk` from the K/V fragments in ``kbuf`` / ``vbuf``: the scores of
+    keys kb .. kb + 15 (those at ``end`` or past it masked), the online softmax's new (max, sum) returned, and the
+    accumulator ``out`` rescaled and summed with P·V."""
+    kblocks = head_dim // 32
+    vblocks = head_dim // 64
+    atom = cute.make_mma_atom(cute.nvgpu.warp.MmaF16BF16Op(cutlass.BFloat16, Float32, (16, 8, 16)))
+    new_top = top
+    for tile in cutlass.range_constexpr(2):
+        for i in cutlass.range_constexpr(4):
+            score[i] = Float32(0.0)
+        for c in cutlass.range_constexpr(kblocks):
+            for m in cutlass.range_constexpr(2):
+                a_q[0] = q[c * VEC + 4 * m]
+                a_q[1] = q[c * VEC + 4 * m + 1]
+                a_q[4] = q[c * VEC + 4 * m + 2]
+                a_q[5] = q[c * VEC + 4 * m + 3]
+                for i in cutlass.range_constexpr(4):
+                    b[i] = kbuf[(tile * kblocks + c) * VEC + 4 * m + i]
+                cute.gemm(atom, score, a_q, b, score)
+        for e in cutlass.range_constexpr(2):
+            value = Float32(ATT_NEG)
+            if kb + tile * 8 + 2 * t + e < end:
+                value = score[e]
+            probs[tile * 2 + e] = value
+            new_top = cute.arch.fmax(new_top, value)
+    new_top = cute.arch.fmax(new_top, cute.arch.shuffle_sync_bfly(new_top, 1))
+    new_top = cute.arch.fmax(new_top, cute.arch.shuffle_sync_bfly(new_top, 2))
+    correction = cute.math.exp(top - new_top)
+    total = total * correction
+    for i in cutlass.range_constexpr(4):
+        p = Float32(0.0)
+        if kb + (i // 2) * 8 + 2 * t + i % 2 < end:
+            p = cute.math.exp(probs[i] - new_top)
+        total = total + p
+        b[i] = p.to(cutlass.BFloat16)
+    scale_lo = cute.arch.shuffle_sync(correction, 8 * t)  # heads 2t and 2t + 1 live in lanes 8t, 8t + 4
+    scale_hi = cute.arch.shuffle_sync(correction, 8 * t + 4)
+    for c in cutlass.range_constexpr(vblocks):
+        for j in cutlass.range_constexpr(4):
+            for r in cutlass.range_constexpr(4):  # keys 2t, 2t + 1, 8 + 2t, 9 + 2t
+                a_v[(r % 2) + 4 * (r // 2)] = vbuf[(r * vblocks + c) * VEC + 2 * j]
+                a_v[(r % 2) + 4 * (r // 2) + 2] = vbuf[(r * vblocks + c) * VEC + 2 * j + 1]
+            acc = out[None, None, None, c * 4 + j]
+            acc[0] = acc[0] * scale_lo
+            acc[1] = acc[1] * scale_hi
+            acc[2] = acc[2] * scale_lo
+            acc[3] = acc[3] * scale_hi
+            cute.gemm(atom, acc, a_v, b, acc)
+    return new_top, total
+
+
 @cute.jit
 def _mma_softmax_chunk(keys: cute.Tensor, values: cute.Tensor, s_q: cute.Tensor, s_part: cute.Tensor,
                        first: Int32, end: Int32, warp: Int32, lane: Int32, heads: cutlass.Constexpr[int],
-                       head_dim: cutlass.Constexpr[int], warps: cutlass.Constexpr[int]):
+                       head_dim: cutlass.Constexpr[int], warps: cutlass.Constexpr[int],
+                       two_buffers: cutlass.Constexpr[bool] = False):
     """Keys [first, end) of one item on the tensor cores (module comment above ``MMA_ATT_KEYS``): warp ``warp``
     takes the 16-key steps first + 16 (warp + i x warps), its next step's K/V loads issued before this step's
-    MMAs, and keeps an online softmax per head; then it writes its partial (accumulator, max, sum) per head into
-    ``s_part[:, h, warp]``, the layout the lane-group loop's warps leave there, for the same merge. Heads of 256
-    dims (an ``mma_wide`` build) load each step's K/V at the step instead: a step's K, V and output fragments
-    already hold ~190 registers per lane, and a second K/V set would spill (the same sums either way)."""
+    MMAs (:func:`_mma_step`), and keeps an online softmax per head; then it writes its partial (accumulator, max,
+    sum) per head into ``s_part[:, h, warp]``, the layout the lane-group loop's warps leave there, for the same
+    merge. Heads of 256 dims (an ``mma_wide`` build) load each step's K/V at the step instead: a step's K, V and
+    output fragments already hold ~190 registers per lane, and a second K/V set would spill (the same sums either
+    way). ``two_buffers`` (a candidate, session 58; heads of 64 / 128) keeps the same two K/V sets in two fixed
+    buffers that take steps in turn, two steps per loop iteration: both of a warp's first two steps are in flight
+    before the first MMA, where the single look-ahead copies the next set into the current one and so cannot issue
+    the next loads before the current ones land (a warp's item of 2 steps waited two round trips). The same steps in
+    the same order: the same bits. Two sets of 128-dim rows do not fit the loader build's 168 registers (Qwen3-0.6B
+    spills 688 bytes, local ptxas); heads of 64 dims fit without spills (Llama-3.2-1B, SmolLM-135M b8, Qwen2.5-0.5B
+    b8)."""
     g = lane // 4
     t = lane % 4
     kblocks = head_dim // 32
     vblocks = head_dim // 64
     ahead = head_dim <= 128  # the next step's K/V loaded during this step's MMAs
-    atom = cute.make_mma_atom(cute.nvgpu.warp.MmaF16BF16Op(cutlass.BFloat16, Float32, (16, 8, 16)))
     a_q = cute.make_rmem_tensor(cute.make_layout((8, 1, 1)), cutlass.BFloat16)
     a_v = cute.make_rmem_tensor(cute.make_layout((8, 1, 1)), cutlass.BFloat16)
     b = cute.make_rmem_tensor(cute.make_layout((4, 1, 1)), cutlass.BFloat16)
@@ -312,59 +377,28 @@ def _mma_softmax_chunk(keys: cute.Tensor, values: cute.Tensor, s_q: cute.Tensor,
     top = Float32(ATT_NEG)
     total = Float32(0.0)
     stride = warps * MMA_ATT_KEYS
-    if cutlass.const_expr(ahead):
-        _mma_load_kv(keys, values, knext, vnext, first + warp * MMA_ATT_KEYS, end, g, t, head_dim)
-    for kb in range(first + warp * MMA_ATT_KEYS, end, stride):
+    if cutlass.const_expr(ahead and two_buffers):
+        _mma_load_kv(keys, values, kbuf, vbuf, first + warp * MMA_ATT_KEYS, end, g, t, head_dim)
+        _mma_load_kv(keys, values, knext, vnext, first + warp * MMA_ATT_KEYS + stride, end, g, t, head_dim)
+        for kb in range(first + warp * MMA_ATT_KEYS, end, 2 * stride):
+            top, total = _mma_step(kbuf, vbuf, q, a_q, a_v, b, score, probs, out, kb, end, top, total, t, head_dim)
+            _mma_load_kv(keys, values, kbuf, vbuf, kb + 2 * stride, end, g, t, head_dim)
+            if kb + stride < end:
+                top, total = _mma_step(knext, vnext, q, a_q, a_v, b, score, probs, out, kb + stride, end, top,
+                                       total, t, head_dim)
+                _mma_load_kv(keys, values, knext, vnext, kb + 3 * stride, end, g, t, head_dim)
+    else:
         if cutlass.const_expr(ahead):
-            kbuf.store(knext.load())
-            vbuf.store(vnext.load())
-            _mma_load_kv(keys, values, knext, vnext, kb + stride, end, g, t, head_dim)
-            cute.arch.sync_warp()  # a scheduling fence: keep the next step's loads above this step's MMAs
-        else:
-            _mma_load_kv(keys, values, kbuf, vbuf, kb, end, g, t, head_dim)
-        new_top = top
-        for tile in cutlass.range_constexpr(2):
-            for i in cutlass.range_constexpr(4):
-                score[i] = Float32(0.0)
-            for c in cutlass.range_constexpr(kblocks):
-                for m in cutlass.range_constexpr(2):
-                    a_q[0] = q[c * VEC + 4 * m]
-                    a_q[1] = q[c * VEC + 4 * m + 1]
-                    a_q[4] = q[c * VEC + 4 * m + 2]
-                    a_q[5] = q[c * VEC + 4 * m + 3]
-                    for i in cutlass.range_constexpr(4):
-                        b[i] = kbuf[(tile * kblocks + c) * VEC + 4 * m + i]
-                    cute.gemm(atom, score, a_q, b, score)
-            for e in cutlass.range_constexpr(2):
-                value = Float32(ATT_NEG)
-                if kb + tile * 8 + 2 * t + e < end:
-                    value = score[e]
-                probs[tile * 2 + e] = value
-                new_top = cute.arch.fmax(new_top, value)
-        new_top = cute.arch.fmax(new_top, cute.arch.shuffle_sync_bfly(new_top, 1))
-        new_top = cute.arch.fmax(new_top, cute.arch.shuffle_sync_bfly(new_top, 2))
-        correction = cute.math.exp(top - new_top)
-        total = total * correction
-        for i in cutlass.range_constexpr(4):
-            p = Float32(0.0)
-            if kb + (i // 2) * 8 + 2 * t + i % 2 < end:
-                p = cute.math.exp(probs[i] - new_top)
-            total = total + p
-            b[i] = p.to(cutlass.BFloat16)
-        top = new_top
-        scale_lo = cute.arch.shuffle_sync(correction, 8 * t)  # heads 2t and 2t + 1 live in lanes 8t, 8t + 4
-        scale_hi = cute.arch.shuffle_sync(correction, 8 * t + 4)
-        for c in cutlass.range_constexpr(vblocks):
-            for j in cutlass.range_constexpr(4):
-                for r in cutlass.range_constexpr(4):  # keys 2t, 2t + 1, 8 + 2t, 9 + 2t
-                    a_v[(r % 2) + 4 * (r // 2)] = vbuf[(r * vblocks + c) * VEC + 2 * j]
-                    a_v[(r % 2) + 4 * (r // 2) + 2] = vbuf[(r * vblocks + c) * VEC + 2 * j + 1]
-                acc = out[None, None, None, c * 4 + j]
-                acc[0] = acc[0] * scale_lo
-                acc[1] = acc[1] * scale_hi
-                acc[2] = acc[2] * scale_lo
-                acc[3] = acc[3] * scale_hi
-                cute.gemm(atom, acc, a_v, b, acc)
+            _mma_load_kv(keys, values, knext, vnext, first + warp * MMA_ATT_KEYS, end, g, t, head_dim)
+        for kb in range(first + warp * MMA_ATT_KEYS, end, stride):
+            if cutlass.const_expr(ahead):
+                kbuf.store(knext.load())
+                vbuf.store(vnext.load())
+                _mma_load_kv(keys, values, knext, vnext, kb + stride, end, g, t, head_dim)
+                cute.arch.sync_warp()  # a scheduling fence: keep the next step's loads above this step's MMAs
+            else:
+                _mma_load_kv(keys, values, kbuf, vbuf, kb, end, g, t, head_dim)
+            top, total = _mma_step(kbuf, vbuf, q, a_q, a_v, b, score, probs, out, kb, end, top, total, t, head_dim)
     total = total + cute.arch.shuffle_sync_bfly(total, 1)
     total = total + cute.arch.shuffle_sync_bfly(total, 2)
     if t == 0 and g < heads:
@@ -594,7 +628,8 @@ def _item_warp_partials(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.T
         keys = s_keys
         values = s_values
     if cutlass.const_expr(mma_attention and mma_attention_fits(heads, head_dim, mma_wide)):
-        _mma_softmax_chunk(keys, values, s_q, s_part, start, end, warp, lane, heads, head_dim, warps)
+        _mma_softmax_chunk(keys, values, s_q, s_part, start, end, warp, lane, heads, head_dim, warps,
+                           mma_attention == MMA_TWO_BUFFERS)
     else:
         for h in cutlass.range_constexpr(heads):
             m[h] = Float32(ATT_NEG)
