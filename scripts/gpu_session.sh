@@ -125,7 +125,7 @@
 #   kv-fence: the GPU test of session 57's kv_fence candidate (K/V rows of a lane-group iteration issued together,
 #          the same bits), then the default against it at 4000 (Qwen2.5-0.5B, Phi-3-mini; FENCE_PHI= skips it) and
 #          2000 (SmolLM-135M), where session 19's dealing (short-slices: whole KV groups, now on the tensor cores)
-#          is timed too -> OUT/pytest-gpu-kv-fence.log, OUT/tune-*-p*.log (not run yet, ~6 min?)
+#          is timed too -> OUT/pytest-gpu-kv-fence.log, OUT/tune-*-p*.log (319 s on an H100, session 58)
 #   mma-buffers: session 58's mma_two_buffers candidate (tensor-core items' K/V in two buffers, a warp's first two
 #          steps in flight together; the same bits): the tensor-core GPU tests (they check its bits), then the
 #          default against it where the growth rows that fail run tensor-core items of 64 dims: Qwen2.5-0.5B batch 8
