@@ -119,9 +119,8 @@
 #   att-clocks: where Qwen3-0.6B's long-context step goes (session 56: at 4000 it pays 0.294 ms over its 16-position
 #          step for 459 MB of K/V, 1.6 TB/s, against the growth budget's 0.244 ms): gpu_tune of the default at 16 and
 #          at 4000 (capacity 4096) with --phases (CTA 0's clock per phase of every stage) and --per-cta (every CTA's,
-#          the barrier waits' arrival skew) -> OUT/tune-qwen3-0.6b-p{16,4000}.log, OUT/p{16,4000}/ (not run yet,
-#          an estimated 1-2 min a position). ATT_PRESETS="qwen2.5-0.5b" runs it on other presets (capacity 4096
-#          must fit them)
+#          the barrier waits' arrival skew) -> OUT/tune-qwen3-0.6b-p{16,4000}.log, OUT/p{16,4000}/ (136 s on an H100,
+#          session 59). ATT_PRESETS="qwen2.5-0.5b" runs it on other presets (capacity 4096 must fit them)
 #   kv-fence: the GPU test of session 57's kv_fence candidate (K/V rows of a lane-group iteration issued together,
 #          the same bits), then the default against it at 4000 (Qwen2.5-0.5B, Phi-3-mini; FENCE_PHI= skips it) and
 #          2000 (SmolLM-135M), where session 19's dealing (short-slices: whole KV groups, now on the tensor cores)
@@ -130,7 +129,11 @@
 #          steps in flight together; the same bits): the tensor-core GPU tests (they check its bits), then the
 #          default against it where the growth rows that fail run tensor-core items of 64 dims: Qwen2.5-0.5B batch 8
 #          @4000, SmolLM-135M batch 8 @2000, Llama-3.2-1B batch 1 @4000 -> OUT/pytest-gpu-mma-buffers.log,
-#          OUT/tune-*-b*-p*.log (not run yet, ~6 min?)
+#          OUT/tune-*-b*-p*.log (321 s on an H100, session 59: the same bits, no faster, so not adopted)
+#   group-fold: session 59's group_fold (fused_split's O blocks merge up to 16 splits of their group, the items no
+#          longer merge first): the default against it on Qwen3-0.6B at 4000 / 1000 and Llama-3.2-1B at 4000 (237 s
+#          on an H100, session 59: -2% to -3.4%). Its GPU test (test_group_fold_matches_the_items_merge_to_fp32_order)
+#          runs in tests-parallel; with MEGABAKE_EXPERIMENTAL_LAYOUTS=group_fold exported, the whole suite runs on it
 # A device call is limited to 10 minutes: pick parts with PARTS (default "tests1"), e.g.
 #   source .cute/activate.sh && PARTS=tests2 bash scripts/gpu_session.sh "$OUT"
 #   source .cute/activate.sh && PARTS=bench bash scripts/gpu_session.sh "$OUT" smollm-135m llama-3.2-1b
@@ -352,6 +355,14 @@ if [[ " $PARTS " == *" mma-buffers "* ]]; then
       --batch "$batch" --capacity "$capacity" --position "$position" --out "$OUT/b$batch-p$position" >"$log" 2>&1
     summary+=("mma-buffers tune ($preset, batch $batch, at $position): rc=$?" "$(grep -E '^(==|\||timeline)' "$log")")
   done
+fi
+if [[ " $PARTS " == *" group-fold "* ]]; then
+  # session 59's group_fold candidate (fused_split's O blocks merge up to 16 splits of their group; the items never
+  # merge there): the default against it where batch 1 deals 16 splits, Qwen3-0.6B at 4000 and 1000, Llama-3.2-1B
+  # at 4000 (gpu_tune's rel-L2 against the default: the fp32 order of the merge)
+  tune_candidates qwen3-0.6b 4096 4000 group-fold
+  tune_candidates qwen3-0.6b 4096 1000 group-fold
+  tune_candidates llama-3.2-1b 4096 4000 group-fold
 fi
 if [[ " $PARTS " == *" candidates "* ]]; then
   # the K/V prefetch into L1 instead of L2 (generate(plan, kv_prefetch_l1=True), a candidate since session 16)

@@ -213,6 +213,8 @@ BUILDS = {"default": {}, "no-loader": {"loader_warp": False}, "atom": {"barrier"
           "no-kv-fence": {"kv_fence": False},  # the plain lane-group loop, the default before session 58
           "mma-two-buffers": {"mma_two_buffers": True},  # session 58: tensor-core items' K/V in two buffers
           "fold-merge": {"fold_merge": True},
+          # session 59: fused_split's O blocks merge up to 16 active splits of their group (the items never merge)
+          "group-fold": {"group_fold": True},
           "no-fold-merge": {"fold_merge": False},
           # split-KV items of 2-8 query heads scored and summed on the tensor cores (session 32; the default since
           # session 33 wherever such items are dealt) or every item on the lane-group loop (the default before)

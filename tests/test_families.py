@@ -307,6 +307,27 @@ def test_the_kv_fence_is_the_default_where_the_lane_group_loop_runs_without_the_
     assert "\nKV_PIPELINE = False\n" in generate(smollm.plan).source
 
 
+def test_group_fold_is_built_by_default_only_where_its_feature_is_enabled_and_it_changes_the_module(monkeypatch):
+    """``codegen.default_group_fold`` (session 59, not GPU-verified yet): off unless ``MEGABAKE_EXPERIMENTAL_LAYOUTS``
+    names ``group_fold``; with it, Qwen3-0.6B (16 splits a KV group at batch 1, fused_split) folds 16 splits, while a
+    build whose groups have no more splits than :func:`fold_splits` allows (OLMo-2-1B: 8) is unchanged."""
+    from megabake.codegen import default_group_fold, fold_splits, generate, group_fold_splits
+
+    monkeypatch.delenv("MEGABAKE_EXPERIMENTAL_LAYOUTS", raising=False)
+    qwen3 = compile_preset("qwen3-0.6b", layers=1, vocab=4096, capacity=4096)
+    olmo = compile_preset("olmo-2-1b", layers=1, vocab=4096, capacity=4096)
+    assert (fold_splits(qwen3.plan), group_fold_splits(qwen3.plan)) == (8, 16)
+    assert not default_group_fold(qwen3.plan, fold_merge=True, fused_split=True)
+    assert "\nFOLD_SPLITS = 8\n" in generate(qwen3.plan).source
+    monkeypatch.setenv("MEGABAKE_EXPERIMENTAL_LAYOUTS", "group_fold")
+    assert default_group_fold(qwen3.plan, fold_merge=True, fused_split=True)
+    assert not default_group_fold(qwen3.plan, fold_merge=True, fused_split=False)
+    assert "\nFOLD_SPLITS = 16\n" in generate(qwen3.plan).source
+    assert "\nFOLD_SPLITS = 8\n" in generate(qwen3.plan, group_fold=False).source
+    assert group_fold_splits(olmo.plan) == fold_splits(olmo.plan) == 8
+    assert not default_group_fold(olmo.plan, fold_merge=True, fused_split=True)
+
+
 def test_olmo2_matches_eager_fp32_past_a_kv_split(tiny_olmo2):
     assert_matches_eager(tiny_olmo2.model, reference_executor_for(tiny_olmo2.plan, tiny_olmo2.model), steps=140)
 

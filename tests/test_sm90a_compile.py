@@ -96,9 +96,10 @@ def test_module_compiles_for_sm90a(shape: Shape, tmp_path):
 
 @pytest.mark.parametrize("build", [{"pass_chunks": True}, {"long_slices": False}, {"kv_pipeline": True},
                                    {"kv_fence": True}, {"fold_merge": False}, {"mma_attention": False},
-                                   {"mma_attention": True, "mma_schedule": True}, {"mma_two_buffers": True}],
+                                   {"mma_attention": True, "mma_schedule": True}, {"mma_two_buffers": True},
+                                   {"group_fold": True}],
                          ids=["pass-chunks", "short-slices", "kv-pipeline", "kv-fence", "no-fold-merge",
-                              "lane-attention", "mma-schedule", "mma-two-buffers"])
+                              "lane-attention", "mma-schedule", "mma-two-buffers", "group-fold"])
 def test_split_kv_candidate_builds_compile_for_sm90a(build, tmp_path):
     """The split-KV build options a GPU session times against the default (``gpu_tune.py --builds pass-chunks
     short-slices kv-pipeline no-fold-merge``) compile too, on a shape where they deal differently (SmolLM-135M: 3
@@ -112,7 +113,8 @@ def test_split_kv_candidate_builds_compile_for_sm90a(build, tmp_path):
     (SmolLM-135M's one-head slices run it at long contexts), and it refuses to build with ``kv_pipeline``, which
     loads those rows one iteration ahead instead. ``mma_two_buffers`` (session 58) runs two 16-key steps per loop
     iteration from two K/V buffers: 12 MMAs more in the split-KV items' body (fused steps keep one buffer), and it
-    needs ``mma_attention``."""
+    needs ``mma_attention``. ``group_fold`` (session 59) lets the fused_split O blocks merge up to 16 splits of their
+    group (``FOLD_SPLITS = 16``, also in ``split_o_block``'s call); it needs fused_split."""
     pytest.importorskip("cutlass")
     from megabake.codegen import generate
     from megabake.runtime.compile import compile_check, load_module
@@ -122,7 +124,7 @@ def test_split_kv_candidate_builds_compile_for_sm90a(build, tmp_path):
     expected = {"pass_chunks": "CHUNK_QUANTUM = 32", "long_slices": "LONG_SLICES = False",
                 "kv_pipeline": "KV_PIPELINE = True", "kv_fence": "KV_PIPELINE = 2", "fold_merge": None,
                 "mma_attention": "MMA_ATTENTION = True" if build.get("mma_attention") else None,
-                "mma_two_buffers": "MMA_ATTENTION = 2"}[next(iter(build))]
+                "mma_two_buffers": "MMA_ATTENTION = 2", "group_fold": "FOLD_SPLITS = 16"}[next(iter(build))]
     default = generate(compiled.plan).source
     assert "\nFOLD_SPLITS = 8\n" in default and "\nMMA_ATTENTION = True\n" in default
     if expected:
@@ -143,6 +145,10 @@ def test_split_kv_candidate_builds_compile_for_sm90a(build, tmp_path):
         fences = [next((tmp_path / name).glob("*.ptx")).read_text().count("bar.warp.sync")
                   for name in ("build", "default")]
         assert fences[0] == fences[1] + 1, fences  # one lane-group loop, traced once (Constexpr paths)
+    if build == {"group_fold": True}:
+        assert "fold=16," in source and "fold=8," in default  # split_o_block's merge, in the kernel body
+        with pytest.raises(ValueError, match="group_fold .* needs fold_merge and fused_split"):
+            generate(compiled.plan, group_fold=True, fused_split=False)
     if build == {"mma_two_buffers": True}:
         with pytest.raises(ValueError, match="mma_two_buffers .* needs mma_attention"):
             generate(compiled.plan, mma_two_buffers=True, mma_attention=False)

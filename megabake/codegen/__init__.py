@@ -340,6 +340,28 @@ def fold_splits(plan: Plan) -> int:
     return min(kv_splits(plan), FOLD_MAX_SPLITS, FOLD_MAX_BYTES // per_split)
 
 
+# group_fold (session 59): a fused_split build's O blocks merge only their own KV group's partials
+# (bodies.split_o_block), so they can take more active splits than the staging merge of every head: up to this many
+# (_merge_group_partials holds 6 floats a split per thread). Qwen3-0.6B and Llama-3.2-1B at batch 1 deal 16 splits
+# at 1000-4000 positions: with 8 their items merge by the last arrival first, a chain of round trips more.
+GROUP_FOLD_MAX_SPLITS = 16
+
+
+def group_fold_splits(plan: Plan) -> int:
+    """The most active splits a ``group_fold`` build leaves unmerged for its O blocks (``GROUP_FOLD_MAX_SPLITS``)."""
+    return min(kv_splits(plan), GROUP_FOLD_MAX_SPLITS)
+
+
+def default_group_fold(plan: Plan, fold_merge: bool, fused_split: bool) -> bool:
+    """Whether a default build lets its O blocks merge up to :func:`group_fold_splits` splits of their group: where
+    the ``group_fold`` feature is enabled (:func:`megabake.plan.feature_enabled`; not GPU-verified yet), the build
+    folds the merge, runs fused_split and the group's limit is above :func:`fold_splits` (elsewhere the module would
+    be the same). H100, session 59, GPU ms per step (gpu_tune, default -> group-fold; rel-L2 1e-6, the fp32 order of
+    the merge): Qwen3-0.6B at 4000 0.903 -> 0.874 and at 1000 0.766 -> 0.740, Llama-3.2-1B at 4000 1.027 -> 1.004."""
+    return (feature_enabled("group_fold") and fold_merge and fused_split
+            and group_fold_splits(plan) > fold_splits(plan))
+
+
 FOLD_MERGE = True  # the default since session 24 (measured in session 23, docs/PERF.md); False: merge in attention
 
 
@@ -459,6 +481,7 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
              spread_merge: bool | None = None, head_slices: bool = True,
              long_slices: bool = LONG_SLICES, pass_chunks: bool = PASS_CHUNKS,
              kv_pipeline: bool | None = None, kv_fence: bool | None = None, fold_merge: bool | None = None,
+             group_fold: bool | None = None,
              prefetch_bytes: int | None = None, mma_attention: bool | None = None,
              mma_schedule: bool = False, mma_two_buffers: bool = False, fused_o: bool | None = None,
              fused_kv_smem: bool = False,
@@ -482,7 +505,10 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     bits; None picks it per plan: :func:`default_kv_fence`);
     ``fold_merge`` leaves steps with 2..:func:`fold_splits` active splits
     unmerged and merges their partials in the O projection's staging (no arrival counter, no last-arrival chain;
-    None picks it per plan: :func:`default_fold_merge`); ``prefetch_bytes`` is the L2 prefetch of the next GEMV's
+    None picks it per plan: :func:`default_fold_merge`); ``group_fold`` (session 59; it needs fold_merge and
+    fused_split) lets a fused_split build's O blocks merge up to :func:`group_fold_splits` active splits of their
+    group (not :func:`fold_splits`), so its items merge only above that (None: :func:`default_group_fold`, on where
+    the ``group_fold`` feature is enabled); ``prefetch_bytes`` is the L2 prefetch of the next GEMV's
     first tiles issued before each grid barrier, in bytes over the whole grid, for every stage (0: none; at least
     one tile per warp otherwise: :func:`_prefetch_call`; None picks it per stage: :func:`default_prefetch_bytes`);
     ``barrier`` is how CTAs meet at grid barriers (``BARRIER_ARRIVALS``; None: ``DEFAULT_BARRIER``, or a watchdog's);
@@ -693,6 +719,13 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
         if why:
             raise ValueError(f"fused_split runs every step's O projection in attention's interval, but {why}: build "
                              "without it")
+    if group_fold is None:
+        group_fold = default_group_fold(plan, fold_merge, bool(fused_split))
+    if group_fold:
+        if not (fold_merge and fused_split):
+            raise ValueError("group_fold lets a fused_split build's O blocks merge more splits of their KV group: it "
+                             "needs fold_merge and fused_split on")
+        folded = group_fold_splits(plan)
     if loader_warp:  # the measured pacing (codegen.loader.default_loader_gates ...) where it is not given
         loader_gates = (default_loader_gates(plan) if loader_qkv_ring else ()) if loader_gates is None else loader_gates
         loader_inflight = DEFAULT_INFLIGHT if loader_inflight is None else loader_inflight

@@ -264,6 +264,10 @@ EXPERIMENTAL_FEATURES = {"rope_tables": "per-layer rotary tables (Gemma 3: one R
                                      "split and the K/V pipeline is off; the same bits as the plain loop; H100 GPU "
                                      "ms in session 58: Qwen2.5-0.5B @4000 0.637 -> 0.621, SmolLM-135M @2000 0.419 "
                                      "-> 0.412, Phi-3-mini @4000 3.113 -> 3.065)",
+                         "group_fold": "a fused_split build's O blocks merge up to 16 active split-KV splits of "
+                                       "their KV group, so its items do not merge them first (session 59: "
+                                       "codegen.default_group_fold; H100 GPU ms: Qwen3-0.6B @4000 0.903 -> 0.874, "
+                                       "@1000 0.766 -> 0.740, Llama-3.2-1B @4000 1.027 -> 1.004; not GPU-tested yet)",
                          "bulk_down": "with fused_mlp, a CTA's W_down columns by cp.async.bulk from a packed copy the "
                                       "runtime derives (session 48: codegen.generate(bulk_down=None) turns it on where "
                                       "fused_mlp is; the same bits; the whole GPU suite passed with it on, on an "
