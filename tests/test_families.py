@@ -328,6 +328,20 @@ def test_group_fold_is_built_by_default_only_where_its_feature_is_enabled_and_it
     assert not default_group_fold(olmo.plan, fold_merge=True, fused_split=True)
 
 
+def test_the_runtime_reads_the_tensor_core_attention_of_every_build(monkeypatch):
+    """``MegakernelDecoder.mma_attention`` / ``fused_mma`` (what its reference executor mirrors) come from module.py's
+    header constants, which candidate builds set to a load-mode number (``early_kv``: 3): still on; off where the
+    build scores on the lane-group loop."""
+    from megabake.codegen import generate
+    from megabake.runtime import MegakernelDecoder
+
+    compiled = compile_preset("smollm-135m", layers=1, vocab=4096, capacity=2048)
+    for build, expected in (({}, True), ({"early_kv": True}, True), ({"mma_attention": False}, False)):
+        decoder = MegakernelDecoder(compiled.plan, generate(compiled.plan, **build).source, compiled.model,
+                                    backend="reference")
+        assert (decoder.mma_attention, decoder.fused_mma) == (expected, expected), build
+
+
 def test_olmo2_matches_eager_fp32_past_a_kv_split(tiny_olmo2):
     assert_matches_eager(tiny_olmo2.model, reference_executor_for(tiny_olmo2.plan, tiny_olmo2.model), steps=140)
 

@@ -387,6 +387,7 @@ def default_merge(plan: Plan) -> tuple[bool, bool]:
 KV_PIPELINE_MIN_HEAD_DIM = 128  # narrower heads measured no gain from the K/V pipeline (default_kv_pipeline)
 KV_FENCE = 2  # the module's KV_PIPELINE in a kv_fence build (bodies.KV_FENCE: _online_softmax_chunk's load modes)
 MMA_TWO_BUFFERS = 2  # the module's MMA_ATTENTION in an mma_two_buffers build (bodies.MMA_TWO_BUFFERS)
+MMA_EARLY_KV = 3  # ... and its MMA_ATTENTION / FUSED_MMA in an early_kv build (bodies.MMA_EARLY_KV)
 
 
 def default_kv_pipeline(plan: Plan) -> bool:
@@ -483,7 +484,8 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
              kv_pipeline: bool | None = None, kv_fence: bool | None = None, fold_merge: bool | None = None,
              group_fold: bool | None = None,
              prefetch_bytes: int | None = None, mma_attention: bool | None = None,
-             mma_schedule: bool = False, mma_two_buffers: bool = False, fused_o: bool | None = None,
+             mma_schedule: bool = False, mma_two_buffers: bool = False, early_kv: bool = False,
+             fused_o: bool | None = None,
              fused_kv_smem: bool = False,
              fused_mma: bool | None = None, mma_wide: bool | None = None,
              fused_mlp: bool | None = None, fused_split: bool | None = None, spare_loads: bool | None = None,
@@ -522,7 +524,10 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     tensor cores), so long contexts deal whole groups over more, shorter splits (``plan.attention.split_schedule``'s
     ``mma_slices``); ``mma_two_buffers`` (with it, a candidate, session 58; heads of 64 or 128 dims) keeps a warp's
     two K/V sets in two buffers that take its steps in turn, so its first two steps' loads are in flight together
-    (the same bits). ``fused_o`` (session 34, measured faster in session 35): a step whose context fits the first
+    (the same bits); ``early_kv`` (with it, a candidate, session 59) issues a warp's first 16-key step of K/V before
+    its item's query is roped (where those rows are all below this step's position, which the roping appends), so the
+    query's round trip and the first K/V round trip overlap; in split-KV items and in fused steps (``FUSED_MMA``);
+    the same bits. ``fused_o`` (session 34, measured faster in session 35): a step whose context fits the first
     split-KV chunk runs its attention and the O projection in one barrier interval (``bodies.fused_attention_o``;
     one grid barrier less per layer), other steps as before; refused where
     :func:`megabake.codegen.fused.fused_o_refusal` names a reason (None: :func:`default_fused_o`, on where it
@@ -650,6 +655,11 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     if mma_two_buffers and not mma_attention:
         raise ValueError("mma_two_buffers loads the tensor-core items' K/V into two buffers: it needs "
                          "mma_attention on")
+    if early_kv and not mma_attention:
+        raise ValueError("early_kv issues the tensor-core items' first K/V loads early: it needs mma_attention on")
+    if early_kv and mma_two_buffers:
+        raise ValueError("early_kv and mma_two_buffers are two K/V load modes of the tensor-core items: build with "
+                         "one of them")
     if mma_two_buffers and plan.dims.head_dim not in (64, 128):
         raise ValueError(f"mma_two_buffers is for heads of 64 or 128 dims (heads of {plan.dims.head_dim} load each "
                          "step's K/V at the step): build without it")
@@ -741,8 +751,8 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     plan_hash = plan_hash or plan.hash
     w = _Writer(keyword_calls=True)
     _header(w, plan, plan_hash, arguments, self_contained, head_slices, long_slices, pass_chunks,
-            kv_pipeline, folded, MMA_TWO_BUFFERS if mma_two_buffers else mma_attention, mma_slices, fused_o,
-            fused_kv_smem, fused_mma, mma_wide, fused_mlp, fused_split, spare_loads, bulk_down, loader)
+            kv_pipeline, folded, MMA_TWO_BUFFERS if mma_two_buffers else MMA_EARLY_KV if early_kv else mma_attention,
+            mma_slices, fused_o, fused_kv_smem, MMA_EARLY_KV if early_kv and fused_mma else fused_mma, mma_wide, fused_mlp, fused_split, spare_loads, bulk_down, loader)
     prologue = [s for s in plan.stages if s.scope == "prologue"]
     per_layer = [s for s in plan.stages if s.scope == "layer"]
     epilogue = [s for s in plan.stages if s.scope == "epilogue"]
@@ -941,7 +951,7 @@ def _header(w: _Writer, plan: Plan, plan_hash: str, arguments: list[str], self_c
         if folded:
             consts["FOLD_SPLITS"] = folded
         if mma_attention:
-            consts["MMA_ATTENTION"] = mma_attention  # True, or MMA_TWO_BUFFERS (its K/V load mode)
+            consts["MMA_ATTENTION"] = mma_attention  # True, or MMA_TWO_BUFFERS / MMA_EARLY_KV (a K/V load mode)
         if mma_slices:
             consts["MMA_SLICES"] = mma_slices
         if mma_wide:

@@ -272,6 +272,7 @@ def _mma_load_kv(keys: cute.Tensor, values: cute.Tensor, kbuf: cute.Tensor, vbuf
 
 
 MMA_TWO_BUFFERS = 2  # _mma_softmax_chunk's two K/V buffers (an mma_two_buffers build; True: one set a step ahead)
+MMA_EARLY_KV = 3  # ... one set a step ahead, a warp's first set issued before the item's query is roped (early_kv)
 
 
 @cute.jit
@@ -333,7 +334,8 @@ def _mma_step(kbuf: cute.Tensor, vbuf: cute.Tensor, q: cute.Tensor, a_q: cute.Te
 def _mma_softmax_chunk(keys: cute.Tensor, values: cute.Tensor, s_q: cute.Tensor, s_part: cute.Tensor,
                        first: Int32, end: Int32, warp: Int32, lane: Int32, heads: cutlass.Constexpr[int],
                        head_dim: cutlass.Constexpr[int], warps: cutlass.Constexpr[int],
-                       two_buffers: cutlass.Constexpr[bool] = False):
+                       two_buffers: cutlass.Constexpr[bool] = False, early: cutlass.Constexpr[bool] = False,
+                       kfirst: cute.Tensor = None, vfirst: cute.Tensor = None, loaded: Int32 = 0):
     """Keys [first, end) of one item on the tensor cores (module comment above ``MMA_ATT_KEYS``): warp ``warp``
     takes the 16-key steps first + 16 (warp + i x warps), its next step's K/V loads issued before this step's
     MMAs (:func:`_mma_step`), and keeps an online softmax per head; then it writes its partial (accumulator, max,
@@ -346,7 +348,9 @@ def _mma_softmax_chunk(keys: cute.Tensor, values: cute.Tensor, s_q: cute.Tensor,
     the next loads before the current ones land (a warp's item of 2 steps waited two round trips). The same steps in
     the same order: the same bits. Two sets of 128-dim rows do not fit the loader build's 168 registers (Qwen3-0.6B
     spills 688 bytes, local ptxas); heads of 64 dims fit without spills (Llama-3.2-1B, SmolLM-135M b8, Qwen2.5-0.5B
-    b8)."""
+    b8). ``early`` (session 59, heads of 64 / 128, one set ahead): the caller holds the first step's set in
+    ``kfirst`` / ``vfirst``, already requested where ``loaded`` is 1 (:func:`_item_warp_partials` issues it before
+    the query is roped, where the step's rows are all below this step's position); the same loads, the same bits."""
     g = lane // 4
     t = lane % 4
     kblocks = head_dim // 32
@@ -360,8 +364,12 @@ def _mma_softmax_chunk(keys: cute.Tensor, values: cute.Tensor, s_q: cute.Tensor,
     q = cute.make_rmem_tensor(cute.make_layout(VEC * kblocks), cutlass.BFloat16)
     kbuf = cute.make_rmem_tensor(cute.make_layout(VEC * 2 * kblocks), keys.element_type)
     vbuf = cute.make_rmem_tensor(cute.make_layout(VEC * 4 * vblocks), values.element_type)
-    knext = cute.make_rmem_tensor(cute.make_layout(VEC * 2 * kblocks), keys.element_type)
-    vnext = cute.make_rmem_tensor(cute.make_layout(VEC * 4 * vblocks), values.element_type)
+    if cutlass.const_expr(early):
+        knext = kfirst
+        vnext = vfirst
+    else:
+        knext = cute.make_rmem_tensor(cute.make_layout(VEC * 2 * kblocks), keys.element_type)
+        vnext = cute.make_rmem_tensor(cute.make_layout(VEC * 4 * vblocks), values.element_type)
     out = cute.make_rmem_tensor(cute.make_layout((4, 1, 1, 4 * vblocks)), Float32)
     live = Float32(0.0)
     if g < heads:
@@ -388,7 +396,10 @@ def _mma_softmax_chunk(keys: cute.Tensor, values: cute.Tensor, s_q: cute.Tensor,
                                        total, t, head_dim)
                 _mma_load_kv(keys, values, knext, vnext, kb + 3 * stride, end, g, t, head_dim)
     else:
-        if cutlass.const_expr(ahead):
+        if cutlass.const_expr(ahead and early):
+            if loaded == 0:
+                _mma_load_kv(keys, values, knext, vnext, first + warp * MMA_ATT_KEYS, end, g, t, head_dim)
+        elif cutlass.const_expr(ahead):
             _mma_load_kv(keys, values, knext, vnext, first + warp * MMA_ATT_KEYS, end, g, t, head_dim)
         for kb in range(first + warp * MMA_ATT_KEYS, end, stride):
             if cutlass.const_expr(ahead):
@@ -619,6 +630,20 @@ def _item_warp_partials(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.T
     owns_new = Int32(0)
     if end == pos + 1:
         owns_new = Int32(1)
+    mma_item = mma_attention and mma_attention_fits(heads, head_dim, mma_wide)
+    early = mma_item and mma_attention == MMA_EARLY_KV and head_dim <= 128 and not kv_smem
+    kfirst = None
+    vfirst = None
+    loaded = 0
+    if cutlass.const_expr(early):  # early_kv: the first step's K/V in flight while the query is roped
+        kfirst = cute.make_rmem_tensor(cute.make_layout(VEC * 2 * (head_dim // 32)), k_cache.element_type)
+        vfirst = cute.make_rmem_tensor(cute.make_layout(VEC * 4 * (head_dim // 64)), v_cache.element_type)
+        loaded = Int32(0)
+        first_kb = start + warp * MMA_ATT_KEYS
+        if first_kb + MMA_ATT_KEYS <= pos:  # rows below pos only: _rope_group appends row pos
+            _mma_load_kv(k_cache[b, kvh, None, None], v_cache[b, kvh, None, None], kfirst, vfirst, first_kb, end,
+                         lane // 4, lane % 4, head_dim)
+            loaded = Int32(1)
     _rope_group(qkv, qk_norm, rope_cos, rope_sin, k_cache, v_cache, s_q, s_inv, b, kvh, vkvh * heads, pos,
                 owns_new, tidx, n_heads, n_kv_heads, head_dim, threads, scale, has_qk_norm, eps, rotary_dim,
                 whole_qk_norm, heads, s_keys, s_values, kv_smem)
@@ -627,9 +652,9 @@ def _item_warp_partials(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.T
     if cutlass.const_expr(kv_smem):
         keys = s_keys
         values = s_values
-    if cutlass.const_expr(mma_attention and mma_attention_fits(heads, head_dim, mma_wide)):
+    if cutlass.const_expr(mma_item):
         _mma_softmax_chunk(keys, values, s_q, s_part, start, end, warp, lane, heads, head_dim, warps,
-                           mma_attention == MMA_TWO_BUFFERS)
+                           mma_attention == MMA_TWO_BUFFERS, early, kfirst, vfirst, loaded)
     else:
         for h in cutlass.range_constexpr(heads):
             m[h] = Float32(ATT_NEG)
