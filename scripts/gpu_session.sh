@@ -134,12 +134,12 @@
 #          longer merge first): the default against it on Qwen3-0.6B at 4000 / 1000 and Llama-3.2-1B at 4000 (237 s
 #          on an H100, session 59: -2% to -3.4%). Its GPU test (test_group_fold_matches_the_items_merge_to_fp32_order)
 #          runs in tests-parallel; with MEGABAKE_EXPERIMENTAL_LAYOUTS=group_fold exported, the whole suite runs on it
-#   early-kv: session 59's early_kv candidate (a warp's first tensor-core K/V step issued before its item's query is
-#          roped, in split items and fused steps; the same bits): the tensor-core GPU tests (they check its bits), then
-#          the default against it where the local ptxas shows no new spills (heads of 64 without the loader's 168
-#          registers: Llama-3.2-1B b1 @16 / @4000, SmolLM-135M b1 @16 / @2000, Qwen2.5-0.5B b8 @4000) and on
-#          Qwen2.5-0.5B b1 @16 (loader build: 56 -> 260 spill bytes) -> OUT/pytest-gpu-early-kv.log,
-#          OUT/tune-*-b*-p*.log (not run yet, ~7 min?)
+#   early-kv: session 59's early_kv candidates (a warp's first tensor-core K/V step issued before its item's query
+#          is roped, in split items and fused steps, into registers (early-kv) or as L1 prefetches (early-kv-l1); the
+#          same bits): the tensor-core GPU tests (they check both), then the default against them on Llama-3.2-1B b1
+#          @16 / @4000 and SmolLM-135M b1 @16 (heads of 64, no loader: no new spills in the local ptxas), and
+#          against the L1 one on the loader builds at 16 (Qwen3-0.6B, Qwen2.5-0.5B: early-kv spills there)
+#          -> OUT/pytest-gpu-early-kv.log, OUT/tune-*-b*-p*.log (not run yet, ~7 min?)
 # A device call is limited to 10 minutes: pick parts with PARTS (default "tests1"), e.g.
 #   source .cute/activate.sh && PARTS=tests2 bash scripts/gpu_session.sh "$OUT"
 #   source .cute/activate.sh && PARTS=bench bash scripts/gpu_session.sh "$OUT" smollm-135m llama-3.2-1b
@@ -373,11 +373,13 @@ fi
 if [[ " $PARTS " == *" early-kv "* ]]; then
   TEST_LIMIT=${TEST_LIMIT:-200} run_tests early-kv "mma_attention_matches_the_lane_group_loop" tests/test_gpu_decode.py
   collect_tests early-kv
-  for spec in "llama-3.2-1b 1 4096 16" "llama-3.2-1b 1 4096 4000" "smollm-135m 1 2048 16" "smollm-135m 1 2048 2000" \
-      "qwen2.5-0.5b 8 4096 4000" "qwen2.5-0.5b 1 4096 16"; do
-    read -r preset batch capacity position <<<"$spec"
+  for spec in "llama-3.2-1b 1 4096 16 early-kv early-kv-l1" "llama-3.2-1b 1 4096 4000 early-kv early-kv-l1" \
+      "smollm-135m 1 2048 16 early-kv early-kv-l1" "qwen3-0.6b 1 4096 16 early-kv-l1" \
+      "qwen2.5-0.5b 1 4096 16 early-kv-l1"; do
+    read -r preset batch capacity position builds <<<"$spec"
     log="$OUT/tune-$preset-b$batch-p$position.log"
-    timeout 120 python3 scripts/gpu_tune.py "$preset" --variants bake --builds default early-kv --no-composite \
+    # shellcheck disable=SC2086
+    timeout 120 python3 scripts/gpu_tune.py "$preset" --variants bake --builds default $builds --no-composite \
       --batch "$batch" --capacity "$capacity" --position "$position" --out "$OUT/b$batch-p$position" >"$log" 2>&1
     summary+=("early-kv tune ($preset, batch $batch, at $position): rc=$?" "$(grep -E '^(==|\||timeline)' "$log")")
   done

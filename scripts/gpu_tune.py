@@ -213,6 +213,7 @@ BUILDS = {"default": {}, "no-loader": {"loader_warp": False}, "atom": {"barrier"
           "no-kv-fence": {"kv_fence": False},  # the plain lane-group loop, the default before session 58
           "mma-two-buffers": {"mma_two_buffers": True},  # session 58: tensor-core items' K/V in two buffers
           "early-kv": {"early_kv": True},  # session 59: a warp's first K/V step issued before the query is roped
+          "early-kv-l1": {"early_kv": "l1"},  # ... its lines prefetched into L1 there instead (no registers held)
           "fold-merge": {"fold_merge": True},
           # session 59: fused_split's O blocks merge up to 16 active splits of their group (the items never merge)
           "group-fold": {"group_fold": True},

@@ -608,22 +608,25 @@ def test_mma_attention_matches_the_lane_group_loop_to_bf16_rounding(preset, batc
     heads of 128, q/k norms; Llama-3.2-1B batch 2: 4 heads, bf16 staging. The build whose dealing is made for it
     (``mma_schedule=True``) is held to the same. The two-buffer build (``mma_two_buffers=True``, a candidate, session
     58) and the early-K/V build (``early_kv=True``, session 59: a warp's first step loaded before the query is roped,
-    in split items and fused steps) give the tensor-core build's bits."""
+    in split items and fused steps, or with ``early_kv="l1"`` its lines prefetched into L1) give the tensor-core
+    build's bits."""
     from megabake.plan.attention import mma_attention_items
     from megabake.runtime import gpu_info
 
     compiled = compile_preset(preset, layers=2, vocab=4096, batch=batch, capacity=capacity, ctas=gpu_info().sm_count)
     assert mma_attention_items(compiled.plan)
     positions = sorted({0, 1, 2, 15, 16, 17, 127, 128, 129, 700, 1023, capacity // 2, capacity - 1})
-    default, mma, again, scheduled, two_buffers, early = _logits_over_random_cache(
+    default, mma, again, scheduled, two_buffers, early, early_l1 = _logits_over_random_cache(
         compiled, positions, batch, [{}, {"mma_attention": True}, {"mma_attention": True},
                                      {"mma_attention": True, "mma_schedule": True},
                                      {"mma_attention": True, "mma_two_buffers": True},
-                                     {"mma_attention": True, "early_kv": True}])
+                                     {"mma_attention": True, "early_kv": True},
+                                     {"mma_attention": True, "early_kv": "l1"}])
     assert torch.isfinite(default).all() and torch.isfinite(mma).all() and torch.isfinite(scheduled).all()
     assert torch.equal(again, mma)
     assert torch.equal(two_buffers, mma)  # the same steps in the same order, only the loads moved
     assert torch.equal(early, mma)  # the same loads, the first issued before the query is roped
+    assert torch.equal(early_l1, mma)  # ... or its lines asked of L1 there
     for build in (mma, scheduled):  # mma_schedule: whole groups over shorter chunks where batch 1 deals slices
         errors = [float((build[i] - default[i]).norm() / default[i].norm()) for i in range(len(positions))]
         assert max(errors) < 2e-2, dict(zip(positions, errors))

@@ -97,9 +97,10 @@ def test_module_compiles_for_sm90a(shape: Shape, tmp_path):
 @pytest.mark.parametrize("build", [{"pass_chunks": True}, {"long_slices": False}, {"kv_pipeline": True},
                                    {"kv_fence": True}, {"fold_merge": False}, {"mma_attention": False},
                                    {"mma_attention": True, "mma_schedule": True}, {"mma_two_buffers": True},
-                                   {"group_fold": True}, {"early_kv": True}],
+                                   {"group_fold": True}, {"early_kv": True}, {"early_kv": "l1"}],
                          ids=["pass-chunks", "short-slices", "kv-pipeline", "kv-fence", "no-fold-merge",
-                              "lane-attention", "mma-schedule", "mma-two-buffers", "group-fold", "early-kv"])
+                              "lane-attention", "mma-schedule", "mma-two-buffers", "group-fold", "early-kv",
+                              "early-kv-l1"])
 def test_split_kv_candidate_builds_compile_for_sm90a(build, tmp_path):
     """The split-KV build options a GPU session times against the default (``gpu_tune.py --builds pass-chunks
     short-slices kv-pipeline no-fold-merge``) compile too, on a shape where they deal differently (SmolLM-135M: 3
@@ -116,7 +117,8 @@ def test_split_kv_candidate_builds_compile_for_sm90a(build, tmp_path):
     needs ``mma_attention``. ``group_fold`` (session 59) lets the fused_split O blocks merge up to 16 splits of their
     group (``FOLD_SPLITS = 16``, also in ``split_o_block``'s call); it needs fused_split. ``early_kv`` (session 59)
     issues a warp's first 16-key step of K/V before its item's query is roped: ``MMA_ATTENTION = 3`` and
-    ``FUSED_MMA = 3``, the same MMAs as the default; it needs mma_attention and excludes mma_two_buffers."""
+    ``FUSED_MMA = 3``, the same MMAs as the default; it needs mma_attention and excludes mma_two_buffers;
+    ``early_kv="l1"`` prefetches that step's lines into L1 instead (``= 4``: ``prefetch.global.L1`` in the PTX)."""
     pytest.importorskip("cutlass")
     from megabake.codegen import generate
     from megabake.runtime.compile import compile_check, load_module
@@ -127,7 +129,8 @@ def test_split_kv_candidate_builds_compile_for_sm90a(build, tmp_path):
                 "kv_pipeline": "KV_PIPELINE = True", "kv_fence": "KV_PIPELINE = 2", "fold_merge": None,
                 "mma_attention": "MMA_ATTENTION = True" if build.get("mma_attention") else None,
                 "mma_two_buffers": "MMA_ATTENTION = 2", "group_fold": "FOLD_SPLITS = 16",
-                "early_kv": "MMA_ATTENTION = 3"}[next(iter(build))]
+                "early_kv": "MMA_ATTENTION = 3" if build.get("early_kv") is True else "MMA_ATTENTION = 4",
+                }[next(iter(build))]
     default = generate(compiled.plan).source
     assert "\nFOLD_SPLITS = 8\n" in default and "\nMMA_ATTENTION = True\n" in default
     if expected:
@@ -152,6 +155,9 @@ def test_split_kv_candidate_builds_compile_for_sm90a(build, tmp_path):
         assert "fold=16," in source and "fold=8," in default  # split_o_block's merge, in the kernel body
         with pytest.raises(ValueError, match="group_fold .* needs fold_merge and fused_split"):
             generate(compiled.plan, group_fold=True, fused_split=False)
+    if build == {"early_kv": "l1"}:
+        assert "\nFUSED_MMA = 4\n" in source
+        assert "prefetch.global.L1 " in next((tmp_path / "build").glob("*.ptx")).read_text()
     if build == {"early_kv": True}:
         assert "\nFUSED_MMA = 3\n" in source and "\nFUSED_MMA = True\n" in default
         with pytest.raises(ValueError, match="early_kv .* needs mma_attention"):
@@ -161,13 +167,13 @@ def test_split_kv_candidate_builds_compile_for_sm90a(build, tmp_path):
     if build == {"mma_two_buffers": True}:
         with pytest.raises(ValueError, match="mma_two_buffers .* needs mma_attention"):
             generate(compiled.plan, mma_two_buffers=True, mma_attention=False)
-    if build in ({"mma_attention": False}, {"mma_two_buffers": True}, {"early_kv": True}):
+    if build in ({"mma_attention": False}, {"mma_two_buffers": True}, {"early_kv": True}, {"early_kv": "l1"}):
         default_result = compile_check(compiled.plan, load_module(default), dump_dir=str(tmp_path / "default"))
         assert default_result.ok, default_result.error
         mmas = [next((tmp_path / name).glob("*.ptx")).read_text().count("mma.sync") for name in ("build", "default")]
         if build == {"mma_two_buffers": True}:  # the split-KV loop's second 16-key step (fused steps: one buffer)
             assert mmas[0] == mmas[1] + 12, mmas
-        elif build == {"early_kv": True}:  # the same steps: only where the first one's loads are issued moved
+        elif "early_kv" in build:  # the same steps: only where the first one's loads are issued moved
             assert mmas[0] == mmas[1], mmas
         else:
             assert mmas[1] == mmas[0] + 24, mmas  # 12 in the split-KV items, 12 in the fused steps' whole groups

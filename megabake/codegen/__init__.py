@@ -388,6 +388,8 @@ KV_PIPELINE_MIN_HEAD_DIM = 128  # narrower heads measured no gain from the K/V p
 KV_FENCE = 2  # the module's KV_PIPELINE in a kv_fence build (bodies.KV_FENCE: _online_softmax_chunk's load modes)
 MMA_TWO_BUFFERS = 2  # the module's MMA_ATTENTION in an mma_two_buffers build (bodies.MMA_TWO_BUFFERS)
 MMA_EARLY_KV = 3  # ... and its MMA_ATTENTION / FUSED_MMA in an early_kv build (bodies.MMA_EARLY_KV)
+MMA_EARLY_L1 = 4  # ... in an early_kv="l1" build (bodies.MMA_EARLY_L1)
+EARLY_KV_MODES = (False, True, "l1")
 
 
 def default_kv_pipeline(plan: Plan) -> bool:
@@ -484,7 +486,7 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
              kv_pipeline: bool | None = None, kv_fence: bool | None = None, fold_merge: bool | None = None,
              group_fold: bool | None = None,
              prefetch_bytes: int | None = None, mma_attention: bool | None = None,
-             mma_schedule: bool = False, mma_two_buffers: bool = False, early_kv: bool = False,
+             mma_schedule: bool = False, mma_two_buffers: bool = False, early_kv: bool | str = False,
              fused_o: bool | None = None,
              fused_kv_smem: bool = False,
              fused_mma: bool | None = None, mma_wide: bool | None = None,
@@ -527,7 +529,8 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     (the same bits); ``early_kv`` (with it, a candidate, session 59) issues a warp's first 16-key step of K/V before
     its item's query is roped (where those rows are all below this step's position, which the roping appends), so the
     query's round trip and the first K/V round trip overlap; in split-KV items and in fused steps (``FUSED_MMA``);
-    the same bits. ``fused_o`` (session 34, measured faster in session 35): a step whose context fits the first
+    the same bits; ``early_kv="l1"`` prefetches those rows' lines into L1 there instead, which holds no registers
+    (the loader builds' 168 spill with the first set held across the roping). ``fused_o`` (session 34, measured faster in session 35): a step whose context fits the first
     split-KV chunk runs its attention and the O projection in one barrier interval (``bodies.fused_attention_o``;
     one grid barrier less per layer), other steps as before; refused where
     :func:`megabake.codegen.fused.fused_o_refusal` names a reason (None: :func:`default_fused_o`, on where it
@@ -655,6 +658,8 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     if mma_two_buffers and not mma_attention:
         raise ValueError("mma_two_buffers loads the tensor-core items' K/V into two buffers: it needs "
                          "mma_attention on")
+    if early_kv not in EARLY_KV_MODES:
+        raise ValueError(f"early_kv={early_kv!r}: use one of {EARLY_KV_MODES}")
     if early_kv and not mma_attention:
         raise ValueError("early_kv issues the tensor-core items' first K/V loads early: it needs mma_attention on")
     if early_kv and mma_two_buffers:
@@ -751,8 +756,8 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     plan_hash = plan_hash or plan.hash
     w = _Writer(keyword_calls=True)
     _header(w, plan, plan_hash, arguments, self_contained, head_slices, long_slices, pass_chunks,
-            kv_pipeline, folded, MMA_TWO_BUFFERS if mma_two_buffers else MMA_EARLY_KV if early_kv else mma_attention,
-            mma_slices, fused_o, fused_kv_smem, MMA_EARLY_KV if early_kv and fused_mma else fused_mma, mma_wide, fused_mlp, fused_split, spare_loads, bulk_down, loader)
+            kv_pipeline, folded, MMA_TWO_BUFFERS if mma_two_buffers else _early_mode(early_kv) or mma_attention,
+            mma_slices, fused_o, fused_kv_smem, _early_mode(early_kv) if early_kv and fused_mma else fused_mma, mma_wide, fused_mlp, fused_split, spare_loads, bulk_down, loader)
     prologue = [s for s in plan.stages if s.scope == "prologue"]
     per_layer = [s for s in plan.stages if s.scope == "layer"]
     epilogue = [s for s in plan.stages if s.scope == "epilogue"]
@@ -1169,6 +1174,11 @@ def _stage_before_calls(plan: Plan, stage: Stage, options: BuildOptions) -> list
     if options.early_down == "arrival" and _loads_fused_o(plan, stage, options):
         return [_MLP_DOWN_BULK] + before  # first after the arrival: the copies have all of attention to land
     return before
+
+
+def _early_mode(early_kv: bool | str) -> int:
+    """The module's MMA_ATTENTION / FUSED_MMA of an ``early_kv`` build (0: not one)."""
+    return {True: MMA_EARLY_KV, "l1": MMA_EARLY_L1}.get(early_kv, 0)
 
 
 def _loads_fused_o(plan: Plan, stage: Stage, options: BuildOptions) -> bool:

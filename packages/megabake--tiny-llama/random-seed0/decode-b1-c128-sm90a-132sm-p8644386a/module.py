@@ -893,6 +893,23 @@ def _mma_load_kv(keys: cute.Tensor, values: cute.Tensor, kbuf: cute.Tensor, vbuf
 
 MMA_TWO_BUFFERS = 2  # _mma_softmax_chunk's two K/V buffers (an mma_two_buffers build; True: one set a step ahead)
 MMA_EARLY_KV = 3  # ... one set a step ahead, a warp's first set issued before the item's query is roped (early_kv)
+MMA_EARLY_L1 = 4  # ... one set a step ahead, a warp's first set's lines prefetched into L1 before the roping
+
+
+@cute.jit
+def _mma_first_step_l1(keys: cute.Tensor, values: cute.Tensor, kb: Int32, end: Int32, pos: Int32, lane: Int32,
+                       head_dim: cutlass.Constexpr[int]):
+    """Ask this SM's L1 for the K and V lines of 16-key step ``kb``'s rows below ``pos`` and ``end`` (one
+    ``prefetch.global.L1`` per 128-byte line over the warp's lanes). Those rows are not written during the launch, so
+    L1 (not coherent across SMs) holds their current bytes; row ``pos`` is left out (the roping appends it)."""
+    elements_per_line = 128 * 8 // keys.element_type.width
+    lines_per_row = (head_dim + elements_per_line - 1) // elements_per_line
+    for i in cutlass.range_constexpr(0, MMA_ATT_KEYS * lines_per_row, WARP):
+        row = kb + (i + lane) // lines_per_row
+        line = (i + lane) % lines_per_row
+        if i + lane < MMA_ATT_KEYS * lines_per_row and row < cutlass.min(pos, end):
+            cute.arch.prefetch((keys[row, None].iterator + line * elements_per_line).llvm_ptr, cache_level="L1")
+            cute.arch.prefetch((values[row, None].iterator + line * elements_per_line).llvm_ptr, cache_level="L1")
 
 
 @cute.jit
@@ -1264,6 +1281,9 @@ def _item_warp_partials(qkv: cute.Tensor, qk_norm: cute.Tensor, rope_cos: cute.T
             _mma_load_kv(k_cache[b, kvh, None, None], v_cache[b, kvh, None, None], kfirst, vfirst, first_kb, end,
                          lane // 4, lane % 4, head_dim)
             loaded = Int32(1)
+    if cutlass.const_expr(mma_item and mma_attention == MMA_EARLY_L1 and not kv_smem):
+        _mma_first_step_l1(k_cache[b, kvh, None, None], v_cache[b, kvh, None, None], start + warp * MMA_ATT_KEYS,
+                           end, pos, lane, head_dim)
     _rope_group(qkv, qk_norm, rope_cos, rope_sin, k_cache, v_cache, s_q, s_inv, b, kvh, vkvh * heads, pos,
                 owns_new, tidx, n_heads, n_kv_heads, head_dim, threads, scale, has_qk_norm, eps, rotary_dim,
                 whole_qk_norm, heads, s_keys, s_values, kv_smem)
