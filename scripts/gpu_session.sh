@@ -371,7 +371,7 @@ if [[ " $PARTS " == *" group-fold "* ]]; then
   tune_candidates llama-3.2-1b 4096 4000 group-fold
 fi
 if [[ " $PARTS " == *" early-kv "* ]]; then
-  TEST_LIMIT=${TEST_LIMIT:-200} run_tests early-kv "mma_attention_matches_the_lane_group_loop" tests/test_gpu_decode.py
+  TEST_LIMIT=${TEST_LIMIT:-260} run_tests early-kv "mma_attention_matches_the_lane_group_loop" tests/test_gpu_decode.py
   collect_tests early-kv
   for spec in "llama-3.2-1b 1 4096 16 early-kv early-kv-l1" "llama-3.2-1b 1 4096 4000 early-kv early-kv-l1" \
       "smollm-135m 1 2048 16 early-kv early-kv-l1" "qwen3-0.6b 1 4096 16 early-kv-l1" \
