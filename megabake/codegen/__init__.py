@@ -530,9 +530,10 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     its item's query is roped (where those rows are all below this step's position, which the roping appends), so the
     query's round trip and the first K/V round trip overlap; in split-KV items and in fused steps (``FUSED_MMA``);
     the same bits; ``early_kv="l1"`` prefetches those rows' lines into L1 there instead, which holds no registers
-    (the loader builds' 168 spill with the first set held across the roping). ``fused_o`` (session 34, measured faster in session 35): a step whose context fits the first
-    split-KV chunk runs its attention and the O projection in one barrier interval (``bodies.fused_attention_o``;
-    one grid barrier less per layer), other steps as before; refused where
+    (the loader builds' 168 spill with the first set held across the roping). ``fused_o`` (session 34, measured
+    faster in session 35): a step whose context fits the first split-KV chunk runs its attention and the O
+    projection in one barrier interval (``bodies.fused_attention_o``; one grid barrier less per layer), other steps
+    as before; refused where
     :func:`megabake.codegen.fused.fused_o_refusal` names a reason (None: :func:`default_fused_o`, on where it
     applies with its groups on the tensor cores: the default since session 36).
     ``fused_kv_smem`` (with it) also copies each fused step's cached K/V rows into shared memory before the barrier
@@ -757,7 +758,8 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     w = _Writer(keyword_calls=True)
     _header(w, plan, plan_hash, arguments, self_contained, head_slices, long_slices, pass_chunks,
             kv_pipeline, folded, MMA_TWO_BUFFERS if mma_two_buffers else _early_mode(early_kv) or mma_attention,
-            mma_slices, fused_o, fused_kv_smem, _early_mode(early_kv) if early_kv and fused_mma else fused_mma, mma_wide, fused_mlp, fused_split, spare_loads, bulk_down, loader)
+            mma_slices, fused_o, fused_kv_smem, _early_mode(early_kv) if early_kv and fused_mma else fused_mma,
+            mma_wide, fused_mlp, fused_split, spare_loads, bulk_down, loader)
     prologue = [s for s in plan.stages if s.scope == "prologue"]
     per_layer = [s for s in plan.stages if s.scope == "layer"]
     epilogue = [s for s in plan.stages if s.scope == "epilogue"]

@@ -119,7 +119,7 @@ def host_token_ids(token_ids) -> list[int]:
 
 def _module_flag(module_source: str, name: str) -> bool:
     """Whether module.py sets header constant ``name`` to something other than False / 0 (absent: False)."""
-    match = re.search(rf"^{name} = (\S+)$", module_source, re.MULTILINE)
+    match = re.search(rf"^{name} = (\S+)", module_source, re.MULTILINE)
     return match is not None and match.group(1) not in ("False", "0")
 
 
@@ -132,7 +132,7 @@ class MegakernelDecoder:
         self.module_source = module_source
         # split-KV items of 2-8 query heads on the tensor cores (module.py's header constant, written by codegen):
         # the reference backend mirrors their bf16 rounding, and GPU checks build their reference with it
-        # (True, or a load-mode number of a candidate build: codegen's MMA_TWO_BUFFERS, MMA_EARLY_KV)
+        # (True, or a load-mode number of a candidate build: codegen's MMA_TWO_BUFFERS, MMA_EARLY_KV, MMA_EARLY_L1)
         self.mma_attention = _module_flag(module_source, "MMA_ATTENTION")
         self.fused_mma = _module_flag(module_source, "FUSED_MMA")  # fused steps' groups on the tensor cores
         self.mma_wide = "\nMMA_WIDE = True\n" in module_source  # heads of 256 on the tensor cores too
