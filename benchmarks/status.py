@@ -62,12 +62,16 @@ SCORED_GPU = "h200"  # issue 12's criteria are H200 numbers
 # fused attention and the O projection at batch 1's short contexts (those presets, ~16 only), 42 the same
 # tensor-core items for heads of 256 dims (Gemma, mma_wide), 45 fused_split and fused_mlp at batch 1 (those
 # presets, every context), 49 spare_warp and bulk_down (warp 0's ring fills after each wait: every preset's batch-1
-# build fills rings, batch 4 / 8 builds do not), 55 the paced loader warp (LOADER_PRESETS at batch 1); a failing row
-# measured before the change that applies to it is stale, and "Re-bench first" lists it (:func:`default_since`)
-KV_PREFETCH_CAPPED, MMA_ATTENTION, MMA_WIDE, SPARE_WARP, LOADER_WARP = 29, 33, 42, 49, 55
+# build fills rings, batch 4 / 8 builds do not), 55 the paced loader warp (LOADER_PRESETS at batch 1), 60 the O
+# blocks' merge of up to 16 splits (GROUP_FOLD_PRESETS at batch 1); a failing row measured before the change that
+# applies to it is stale, and "Re-bench first" lists it (:func:`default_since`)
+KV_PREFETCH_CAPPED, MMA_ATTENTION, MMA_WIDE, SPARE_WARP, LOADER_WARP, GROUP_FOLD = 29, 33, 42, 49, 55, 60
 # the presets whose batch-1 default builds the loader warp (megabake.codegen.loader.default_loader_warp; pinned by
 # tests/test_loader_warp.py, which builds every preset)
 LOADER_PRESETS = frozenset({"qwen3-0.6b", "qwen2.5-0.5b"})
+# the presets whose batch-1 default module group_fold changes (megabake.codegen.default_group_fold: fused_split
+# with more than 8 splits a KV group; pinned by tests/test_families.py, which builds every preset)
+GROUP_FOLD_PRESETS = frozenset({"smollm-135m", "llama-3.2-1b", "qwen2.5-0.5b", "qwen3-0.6b", "granite-3.1-2b"})
 
 
 @dataclass(frozen=True)
@@ -359,8 +363,9 @@ def host_line(best: dict) -> str:
 
 def default_since(config, batch: int, cls: str | None, preset: str = "") -> int:
     """The session since which a (preset, batch, position class) cell runs the default kernel of today: at batch 1,
-    55 for :data:`LOADER_PRESETS` (the paced loader warp), else 49 (spare_warp on every preset's ring fills,
-    bulk_down where fused_mlp applies); at batches 4 / 8, 33 where the
+    60 for :data:`GROUP_FOLD_PRESETS` (the O blocks merge up to 16 splits), 55 for the other :data:`LOADER_PRESETS`
+    (the paced loader warp), else 49 (spare_warp on every preset's ring fills, bulk_down where fused_mlp applies);
+    at batches 4 / 8, 33 where the
     model's KV groups are 2-8 query heads of 64 or 128 dims (the tensor-core attention,
     ``plan.attention.mma_attention_fits``), 42 where they are 2-8 query heads of 256 dims (Gemma: ``mma_wide``;
     every position class, though short contexts may deal one-head slices that it does not change, so this can
@@ -368,12 +373,20 @@ def default_since(config, batch: int, cls: str | None, preset: str = "") -> int:
     head_dim = _head_dim(config)
     group = config.num_attention_heads // config.num_key_value_heads
     if batch == 1:
+        if preset in GROUP_FOLD_PRESETS:
+            return GROUP_FOLD
         return LOADER_WARP if preset in LOADER_PRESETS else SPARE_WARP
     if 2 <= group <= 8 and head_dim == 256:
         return MMA_WIDE
     if not (2 <= group <= 8 and head_dim in (64, 128)):
         return KV_PREFETCH_CAPPED
     return MMA_ATTENTION
+
+
+def _loader_only() -> str:
+    """The re-bench note's clause for the loader presets that group_fold does not date later (none today)."""
+    rest = sorted(LOADER_PRESETS - GROUP_FOLD_PRESETS)
+    return f", {LOADER_WARP} for {', '.join(rest)}" if rest else ""
 
 
 def _stale(cells: list[Cell], config) -> bool:
@@ -510,7 +523,8 @@ def render(cells: list[Cell], presets: list[str], config_of=preset_config) -> st
              "", "## Short-context GPU time", "", *short_target_table(best), "", batch8_line(cells, best), "",
              host_line(best), "", "## Re-bench first", "",
              f"Rows that fail a criterion on cells measured before today's default kernel (session {SPARE_WARP} at "
-             f"batch 1, {LOADER_WARP} for {', '.join(sorted(LOADER_PRESETS))}, {MMA_ATTENTION} at other batches for "
+             f"batch 1, {GROUP_FOLD} for {', '.join(sorted(GROUP_FOLD_PRESETS))}{_loader_only()}, {MMA_ATTENTION} "
+             "at other batches for "
              f"KV groups of 2-8 heads of 64 / 128 dims, {MMA_WIDE} for groups of 2-8 heads of 256, else "
              f"{KV_PREFETCH_CAPPED}):", ""]
     parts.extend(rebench_lines(best, growths, config_of)

@@ -139,7 +139,14 @@
 #          same bits): the tensor-core GPU tests (they check both), then the default against them on Llama-3.2-1B b1
 #          @16 / @4000 and SmolLM-135M b1 @16 (heads of 64, no loader: no new spills in the local ptxas), and
 #          against the L1 one on the loader builds at 16 (Qwen3-0.6B, Qwen2.5-0.5B: early-kv spills there)
-#          -> OUT/pytest-gpu-early-kv.log, OUT/tune-*-b*-p*.log (not run yet, ~7 min?)
+#          -> OUT/pytest-gpu-early-kv.log, OUT/tune-*-b*-p*.log (session 60 on an H100: the same bits, no faster;
+#          the 600 s limit cut the last spec)
+#   split-cap: session 60's split_cap candidate under the tensor-core dealing (gpu_tune build
+#          fused-mma-schedule-cap16: whole KV groups over at most 16 splits, merged by the O blocks since
+#          group_fold) and session 45's fused-mma-schedule, which group_fold now merges in the O blocks up to 16
+#          active splits: their two Qwen2.5-0.5B GPU tests (the kernel against its reference executor), then both
+#          against the default on Qwen2.5-0.5B b1 at 4000 / 1000 and fused-mma-schedule on SmolLM-135M b1 at 2000
+#          -> OUT/pytest-gpu-split-cap.log, OUT/tune-*-p*.log, OUT/tune-json.tar.gz (not run yet, ~8 min?)
 # A device call is limited to 10 minutes: pick parts with PARTS (default "tests1"), e.g.
 #   source .cute/activate.sh && PARTS=tests2 bash scripts/gpu_session.sh "$OUT"
 #   source .cute/activate.sh && PARTS=bench bash scripts/gpu_session.sh "$OUT" smollm-135m llama-3.2-1b
@@ -369,6 +376,18 @@ if [[ " $PARTS " == *" group-fold "* ]]; then
   tune_candidates qwen3-0.6b 4096 4000 group-fold
   tune_candidates qwen3-0.6b 4096 1000 group-fold
   tune_candidates llama-3.2-1b 4096 4000 group-fold
+fi
+if [[ " $PARTS " == *" split-cap "* ]]; then
+  # the two Qwen2.5-0.5B cases of the kernel against its reference: fused-mma-schedule (build3) and its cap (build4)
+  TEST_LIMIT=${TEST_LIMIT:-200} run_tests split-cap "fused_split_kernel_matches_the_reference and (build3 or build4)" \
+    tests/test_fused_split_gpu.py
+  collect_tests split-cap
+  for position in 4000 1000; do
+    tune_candidates qwen2.5-0.5b 4096 "$position" fused-mma-schedule fused-mma-schedule-cap16
+  done
+  tune_candidates smollm-135m 2048 2000 fused-mma-schedule
+  # a call brings back 8 files at most: the 5 logs, and the tune JSONs in one archive
+  (cd "$OUT" && tar -czf tune-json.tar.gz p*/ && rm -rf p*/)
 fi
 if [[ " $PARTS " == *" early-kv "* ]]; then
   TEST_LIMIT=${TEST_LIMIT:-260} run_tests early-kv "mma_attention_matches_the_lane_group_loop" tests/test_gpu_decode.py

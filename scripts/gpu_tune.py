@@ -212,11 +212,14 @@ BUILDS = {"default": {}, "no-loader": {"loader_warp": False}, "atom": {"barrier"
           "no-kv-pipeline": {"kv_pipeline": False}, "kv-fence": {"kv_fence": True, "kv_pipeline": False},
           "no-kv-fence": {"kv_fence": False},  # the plain lane-group loop, the default before session 58
           "mma-two-buffers": {"mma_two_buffers": True},  # session 58: tensor-core items' K/V in two buffers
-          "early-kv": {"early_kv": True},  # session 59: a warp's first K/V step issued before the query is roped
+          # session 59: a warp's first K/V step issued before the query is roped (session 60, H100: no faster)
+          "early-kv": {"early_kv": True},
           "early-kv-l1": {"early_kv": "l1"},  # ... its lines prefetched into L1 there instead (no registers held)
           "fold-merge": {"fold_merge": True},
-          # session 59: fused_split's O blocks merge up to 16 active splits of their group (the items never merge)
+          # session 59: fused_split's O blocks merge up to 16 active splits of their group (the items never merge);
+          # the default since session 60, so no-group-fold builds the 8-split merge of before
           "group-fold": {"group_fold": True},
+          "no-group-fold": {"group_fold": False},
           "no-fold-merge": {"fold_merge": False},
           # split-KV items of 2-8 query heads scored and summed on the tensor cores (session 32; the default since
           # session 33 wherever such items are dealt) or every item on the lane-group loop (the default before)
@@ -226,6 +229,9 @@ BUILDS = {"default": {}, "no-loader": {"loader_warp": False}, "atom": {"barrier"
           # ... with fused_o (and so fused_split / fused_mlp) kept on, which the default turns off under it (session
           # 45 candidate: whole groups over shorter chunks at long contexts, one barrier less per layer)
           "fused-mma-schedule": {"mma_attention": True, "mma_schedule": True, "fused_o": True},
+          # ... dealt over at most 16 splits a KV group (session 60 candidate: where the plan has more, e.g.
+          # Qwen2.5-0.5B b1's 66, long contexts deal fewer, longer tensor-core items that the O blocks merge)
+          "fused-mma-schedule-cap16": {"mma_attention": True, "mma_schedule": True, "fused_o": True, "split_cap": 16},
           # ... and items of 2-8 query heads of 256 dims there too (session 41, a candidate: Gemma's heads)
           "mma-wide": {"mma_wide": True},
           # ... with the dealing made for them (batch 1: whole groups over shorter chunks where slices were dealt)

@@ -192,7 +192,8 @@ def test_rebench_first_lists_failing_rows_measured_before_todays_default(status,
     assert '--positions 16 1000 4000 --batches 8' in rebench and '"$OUT" old`' in rebench
     assert "- new batch" not in rebench
     assert status.default_since(GQA, 1, "~16") == 49 and status.default_since(GQA, 1, "~4000") == 49  # spare_warp
-    assert status.default_since(GQA, 1, "~16", "qwen3-0.6b") == 55  # the loader warp (status.LOADER_PRESETS)
+    assert status.default_since(GQA, 1, "~16", "qwen3-0.6b") == 60  # group_fold (status.GROUP_FOLD_PRESETS)
+    assert status.default_since(GQA, 1, "~16", "phi-3-mini") == 49  # group_fold does not change it
     assert status.default_since(GQA, 4, "~16", "qwen3-0.6b") == 33  # batch 1 only
     assert status.default_since(GQA, 4, "~16") == 33
     assert status.default_since(TINY, 8, "~4000") == 29  # 2 query heads of 4 dims: no tensor-core attention

@@ -307,25 +307,45 @@ def test_the_kv_fence_is_the_default_where_the_lane_group_loop_runs_without_the_
     assert "\nKV_PIPELINE = False\n" in generate(smollm.plan).source
 
 
-def test_group_fold_is_built_by_default_only_where_its_feature_is_enabled_and_it_changes_the_module(monkeypatch):
-    """``codegen.default_group_fold`` (session 59, not GPU-verified yet): off unless ``MEGABAKE_EXPERIMENTAL_LAYOUTS``
-    names ``group_fold``; with it, Qwen3-0.6B (16 splits a KV group at batch 1, fused_split) folds 16 splits, while a
-    build whose groups have no more splits than :func:`fold_splits` allows (OLMo-2-1B: 8) is unchanged."""
+def test_group_fold_is_built_by_default_only_where_it_changes_the_module(monkeypatch):
+    """``codegen.default_group_fold`` (the default since session 60, when the GPU suite passed with it): Qwen3-0.6B
+    (16 splits a KV group at batch 1, fused_split) folds 16 splits, while a build whose groups have no more splits
+    than :func:`fold_splits` allows (OLMo-2-1B: 8) is unchanged; it needs fused_split."""
     from megabake.codegen import default_group_fold, fold_splits, generate, group_fold_splits
 
-    monkeypatch.delenv("MEGABAKE_EXPERIMENTAL_LAYOUTS", raising=False)
     qwen3 = compile_preset("qwen3-0.6b", layers=1, vocab=4096, capacity=4096)
     olmo = compile_preset("olmo-2-1b", layers=1, vocab=4096, capacity=4096)
     assert (fold_splits(qwen3.plan), group_fold_splits(qwen3.plan)) == (8, 16)
-    assert not default_group_fold(qwen3.plan, fold_merge=True, fused_split=True)
-    assert "\nFOLD_SPLITS = 8\n" in generate(qwen3.plan).source
-    monkeypatch.setenv("MEGABAKE_EXPERIMENTAL_LAYOUTS", "group_fold")
     assert default_group_fold(qwen3.plan, fold_merge=True, fused_split=True)
     assert not default_group_fold(qwen3.plan, fold_merge=True, fused_split=False)
+    assert not default_group_fold(qwen3.plan, fold_merge=False, fused_split=True)
     assert "\nFOLD_SPLITS = 16\n" in generate(qwen3.plan).source
     assert "\nFOLD_SPLITS = 8\n" in generate(qwen3.plan, group_fold=False).source
     assert group_fold_splits(olmo.plan) == fold_splits(olmo.plan) == 8
     assert not default_group_fold(olmo.plan, fold_merge=True, fused_split=True)
+    import megabake.plan as plan_module
+
+    verified = tuple(f for f in plan_module.GPU_VERIFIED_FEATURES if f != "group_fold")
+    monkeypatch.setattr(plan_module, "GPU_VERIFIED_FEATURES", verified)
+    monkeypatch.delenv("MEGABAKE_EXPERIMENTAL_LAYOUTS", raising=False)
+    assert not default_group_fold(qwen3.plan, fold_merge=True, fused_split=True)  # the feature decides it
+    assert "\nFOLD_SPLITS = 8\n" in generate(qwen3.plan).source
+
+
+def test_group_fold_changes_the_batch_1_default_of_the_presets_the_scorecard_dates_by_it():
+    """benchmarks/status.py dates the batch-1 cells of ``GROUP_FOLD_PRESETS`` by session 60 (their stored numbers
+    predate group_fold, so a failing row is stale): exactly the non-tiny presets whose batch-1 default module changes
+    with it (fused_split, more than 8 splits a KV group; batches 4 / 8 have 8 or fewer)."""
+    from megabake.codegen import generate
+    from megabake.presets import PRESETS
+    from tests.test_loader_warp import _bench_status
+
+    changed = set()
+    for name in (n for n in PRESETS if not n.startswith("tiny-")):
+        plan = compile_preset(name, layers=1, vocab=512, capacity=2048).plan
+        if generate(plan).source != generate(plan, group_fold=False).source:
+            changed.add(name)
+    assert changed == _bench_status().GROUP_FOLD_PRESETS
 
 
 def test_the_runtime_reads_the_tensor_core_attention_of_every_build(monkeypatch):

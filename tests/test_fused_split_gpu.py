@@ -47,12 +47,14 @@ def test_fused_split_gives_the_fused_o_logits_to_fp32_order_and_the_same_bits_tw
     # session 45 candidate: the dealing made for the tensor cores (whole groups over shorter chunks) under fused_o
     ("smollm-135m", 2048, {"mma_attention": True, "mma_schedule": True, "fused_o": True}),
     ("qwen2.5-0.5b", 4096, {"mma_attention": True, "mma_schedule": True, "fused_o": True}),
+    # session 60 candidate: ... dealt over at most 16 of the plan's 66 splits a KV group (split_cap)
+    ("qwen2.5-0.5b", 4096, {"mma_attention": True, "mma_schedule": True, "fused_o": True, "split_cap": 16}),
 ])
 def test_fused_split_kernel_matches_the_reference_executor(preset, capacity, build):
     """The fused_split build on the default's other choices (split items and fused groups on the tensor cores,
     mirrored by the reference executor) against the CPU reference at the usual tolerance; also with
     ``mma_schedule``, whose split steps deal whole KV groups (``split_o_block`` then waits for fewer, longer
-    items)."""
+    items), and with ``split_cap`` on top (the runtime's reference executor deals over the module's ``KV_SPLITS``)."""
     from megabake.codegen import generate
 
     compiled = _compiled(preset, capacity)

@@ -104,7 +104,8 @@ def test_module_compiles_for_sm90a(shape: Shape, tmp_path):
 def test_split_kv_candidate_builds_compile_for_sm90a(build, tmp_path):
     """The split-KV build options a GPU session times against the default (``gpu_tune.py --builds pass-chunks
     short-slices kv-pipeline no-fold-merge``) compile too, on a shape where they deal differently (SmolLM-135M: 3
-    query heads per KV head). The default folds the merge (``FOLD_SPLITS = 8``); ``fold_merge=False`` merges in
+    query heads per KV head). The default folds the merge (``FOLD_SPLITS = 16``, 8 before session 60's group_fold);
+    ``fold_merge=False`` merges in
     attention again, as before session 24. The default (since session 33) scores and sums the 3-head items on the
     tensor cores: its PTX holds the 8 + 4 MMAs of a 16-key step (64 dims) on top of the lane-group loop's
     (``mma_attention=False``, the default before), twice since session 36 (the fused attention+O steps score their
@@ -115,9 +116,10 @@ def test_split_kv_candidate_builds_compile_for_sm90a(build, tmp_path):
     loads those rows one iteration ahead instead. ``mma_two_buffers`` (session 58) runs two 16-key steps per loop
     iteration from two K/V buffers: 12 MMAs more in the split-KV items' body (fused steps keep one buffer), and it
     needs ``mma_attention``. ``group_fold`` (session 59) lets the fused_split O blocks merge up to 16 splits of their
-    group (``FOLD_SPLITS = 16``, also in ``split_o_block``'s call); it needs fused_split. ``early_kv`` (session 59)
-    issues a warp's first 16-key step of K/V before its item's query is roped: ``MMA_ATTENTION = 3`` and
-    ``FUSED_MMA = 3``, the same MMAs as the default; it needs mma_attention and excludes mma_two_buffers;
+    group (``FOLD_SPLITS = 16``, also in ``split_o_block``'s call; the default since session 60); it needs
+    fused_split. ``early_kv`` (session 59) issues a warp's first 16-key step of K/V before its item's query is
+    roped: ``MMA_ATTENTION = 3`` and ``FUSED_MMA = 3``, the same MMAs as the default; it needs mma_attention and
+    excludes mma_two_buffers;
     ``early_kv="l1"`` prefetches that step's lines into L1 instead (``= 4``: ``prefetch.global.L1`` in the PTX)."""
     pytest.importorskip("cutlass")
     from megabake.codegen import generate
@@ -132,7 +134,7 @@ def test_split_kv_candidate_builds_compile_for_sm90a(build, tmp_path):
                 "early_kv": "MMA_ATTENTION = 3" if build.get("early_kv") is True else "MMA_ATTENTION = 4",
                 }[next(iter(build))]
     default = generate(compiled.plan).source
-    assert "\nFOLD_SPLITS = 8\n" in default and "\nMMA_ATTENTION = True\n" in default
+    assert "\nFOLD_SPLITS = 16\n" in default and "\nMMA_ATTENTION = True\n" in default
     if expected:
         assert f"\n{expected}\n" in source
     elif build == {"fold_merge": False}:
@@ -152,7 +154,10 @@ def test_split_kv_candidate_builds_compile_for_sm90a(build, tmp_path):
                   for name in ("build", "default")]
         assert fences[0] == fences[1] + 1, fences  # one lane-group loop, traced once (Constexpr paths)
     if build == {"group_fold": True}:
-        assert "fold=16," in source and "fold=8," in default  # split_o_block's merge, in the kernel body
+        assert source == default  # the default since session 60 (codegen.default_group_fold)
+        unfolded = generate(compiled.plan, group_fold=False).source
+        assert "\nFOLD_SPLITS = 8\n" in unfolded
+        assert "fold=16," in source and "fold=8," in unfolded  # split_o_block's merge, in the kernel body
         with pytest.raises(ValueError, match="group_fold .* needs fold_merge and fused_split"):
             generate(compiled.plan, group_fold=True, fused_split=False)
     if build == {"early_kv": "l1"}:

@@ -44,8 +44,8 @@ from pathlib import Path
 
 from ..plan import (ATTN_COUNT, ATTN_PART, ATTN_WINDOW, DOWN_INPUT, HEAD_NORMS, ROPE_TABLE, STAGE_BIAS, Plan,
                    Stage, feature_enabled, kv_splits, ring_shape, smem_floats)
-from ..plan.attention import (LONG_SLICES, MMA_ATT_WIDE_HEAD_DIMS, PASS_CHUNKS, chunk_quantum, mma_attention_fits,
-                              mma_attention_items, mma_slice_mask)
+from ..plan.attention import (LONG_SLICES, MMA_ATT_WIDE_HEAD_DIMS, PASS_CHUNKS, capped_splits, chunk_quantum,
+                              mma_attention_fits, mma_attention_items, mma_slice_mask)
 from ..plan.stages import (ACTIVATIONS, DIMENSION_CONSTANTS, GATED_ACT_CODES, StageSpec, next_gemv, norm_slot,
                            spec_of)
 from .fused import (FUSED_O_BUFFERS, FUSED_SPLIT_BUFFERS, fused_geometry, fused_kv_refusal, fused_o_refusal,
@@ -193,13 +193,13 @@ def stage_phases(plan: Plan, stage: Stage, options: BuildOptions | None = None) 
     ``<its body>|fused_attention_o`` (a fused step runs the latter) and ``split_barrier`` (the wait of a step of
     several splits; nothing in a fused step), and the O projection's body phases are empty in a fused step, whose
     arrival at the O stage's barrier comes right after ``fused_attention_o``. With ``fused_split`` the attention
-    stage is one phase (``<its body>+split_o_block|fused_attention_o``) and the O stage has only its prefetch and
-    barrier."""
+    stage has two phases too, ``<its body>|fused_attention_o`` and ``split_o_block`` (the wait for the KV group's
+    items, their merge and the W_O block: nothing in a fused step), and the O stage only its prefetch and barrier."""
     options = options or BuildOptions()
     if _fused_layer_stage(options, stage) and stage.kind == "attention":
         body = _stage_calls(plan, stage, options)[0][0]
-        if options.fused_split:  # one interval: the split items and split_o_block, or fused_attention_o
-            return [f"{body}+split_o_block|fused_attention_o"]
+        if options.fused_split:  # one interval: the split items, then split_o_block; or fused_attention_o
+            return [f"{body}|fused_attention_o", "split_o_block"]
         return [f"{body}|fused_attention_o", "split_barrier"]
     if options.fused_split and _fused_layer_stage(options, stage) and stage.name == "o_residual":
         return (["prefetch"] if _prefetch_phase(plan, stage, options) else []) + ["barrier"]
@@ -354,7 +354,8 @@ def group_fold_splits(plan: Plan) -> int:
 
 def default_group_fold(plan: Plan, fold_merge: bool, fused_split: bool) -> bool:
     """Whether a default build lets its O blocks merge up to :func:`group_fold_splits` splits of their group: where
-    the ``group_fold`` feature is enabled (:func:`megabake.plan.feature_enabled`; not GPU-verified yet), the build
+    the ``group_fold`` feature is enabled (:func:`megabake.plan.feature_enabled`; GPU-verified in session 60, so the
+    default), the build
     folds the merge, runs fused_split and the group's limit is above :func:`fold_splits` (elsewhere the module would
     be the same). H100, session 59, GPU ms per step (gpu_tune, default -> group-fold; rel-L2 1e-6, the fp32 order of
     the merge): Qwen3-0.6B at 4000 0.903 -> 0.874 and at 1000 0.766 -> 0.740, Llama-3.2-1B at 4000 1.027 -> 1.004."""
@@ -390,6 +391,21 @@ MMA_TWO_BUFFERS = 2  # the module's MMA_ATTENTION in an mma_two_buffers build (b
 MMA_EARLY_KV = 3  # ... and its MMA_ATTENTION / FUSED_MMA in an early_kv build (bodies.MMA_EARLY_KV)
 MMA_EARLY_L1 = 4  # ... in an early_kv="l1" build (bodies.MMA_EARLY_L1)
 EARLY_KV_MODES = (False, True, "l1")
+
+
+def _dealt_splits(plan: Plan, split_cap: int | None) -> int:
+    """The splits a ``split_cap`` build deals per KV group (``plan.attention.capped_splits``); 0 without a cap."""
+    if split_cap is None:
+        return 0
+    if not kv_splits(plan):
+        raise ValueError("split_cap deals split-KV attention over fewer splits, but this plan's attention is not "
+                         "split: build without it")
+    tiling = next(s.tiling for s in plan.stages if s.kind == "attention")
+    least = max(2, tiling.head_slices)
+    if isinstance(split_cap, bool) or not isinstance(split_cap, int) or split_cap < least:
+        raise ValueError(f"split_cap={split_cap!r}: the dealing needs 2 splits at least and one per head slice "
+                         f"({tiling.head_slices} in this plan); pass an int of {least} or more")
+    return capped_splits(plan, split_cap)
 
 
 def default_kv_pipeline(plan: Plan) -> bool:
@@ -487,7 +503,7 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
              group_fold: bool | None = None,
              prefetch_bytes: int | None = None, mma_attention: bool | None = None,
              mma_schedule: bool = False, mma_two_buffers: bool = False, early_kv: bool | str = False,
-             fused_o: bool | None = None,
+             split_cap: int | None = None, fused_o: bool | None = None,
              fused_kv_smem: bool = False,
              fused_mma: bool | None = None, mma_wide: bool | None = None,
              fused_mlp: bool | None = None, fused_split: bool | None = None, spare_loads: bool | None = None,
@@ -512,7 +528,7 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     None picks it per plan: :func:`default_fold_merge`); ``group_fold`` (session 59; it needs fold_merge and
     fused_split) lets a fused_split build's O blocks merge up to :func:`group_fold_splits` active splits of their
     group (not :func:`fold_splits`), so its items merge only above that (None: :func:`default_group_fold`, on where
-    the ``group_fold`` feature is enabled); ``prefetch_bytes`` is the L2 prefetch of the next GEMV's
+    it changes the module, since session 60); ``prefetch_bytes`` is the L2 prefetch of the next GEMV's
     first tiles issued before each grid barrier, in bytes over the whole grid, for every stage (0: none; at least
     one tile per warp otherwise: :func:`_prefetch_call`; None picks it per stage: :func:`default_prefetch_bytes`);
     ``barrier`` is how CTAs meet at grid barriers (``BARRIER_ARRIVALS``; None: ``DEFAULT_BARRIER``, or a watchdog's);
@@ -530,7 +546,13 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     its item's query is roped (where those rows are all below this step's position, which the roping appends), so the
     query's round trip and the first K/V round trip overlap; in split-KV items and in fused steps (``FUSED_MMA``);
     the same bits; ``early_kv="l1"`` prefetches those rows' lines into L1 there instead, which holds no registers
-    (the loader builds' 168 spill with the first set held across the roping). ``fused_o`` (session 34, measured
+    (the loader builds' 168 spill with the first set held across the roping); H100, session 60, GPU ms, default /
+    early_kv / "l1": Llama-3.2-1B at 4000 1.017 / 1.045 / 1.023, at 16 0.940 / 0.944 / 0.942, so both stay off.
+    ``split_cap`` (a candidate, session 60) deals split-KV attention over at most that many splits per KV group (the
+    module's ``KV_SPLITS``; the items and buffers keep the plan's layout, ``plan.attention.capped_splits``): fewer,
+    longer chunks, so with ``group_fold`` the O blocks merge every split themselves where the plan has more than 16
+    (Qwen2.5-0.5B b1: 66); refused below the plan's head slices or 2; the runtime's reference executor deals alike.
+    ``fused_o`` (session 34, measured
     faster in session 35): a step whose context fits the first split-KV chunk runs its attention and the O
     projection in one barrier interval (``bodies.fused_attention_o``; one grid barrier less per layer), other steps
     as before; refused where
@@ -670,6 +692,7 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
         raise ValueError(f"mma_two_buffers is for heads of 64 or 128 dims (heads of {plan.dims.head_dim} load each "
                          "step's K/V at the step): build without it")
     mma_slices = mma_slice_mask(plan, head_slices, wide=mma_wide) if mma_schedule else 0
+    dealt_splits = _dealt_splits(plan, split_cap)
     if fused_o is None:
         fused_o = default_fused_o(plan, spread_merge=spread_merge, barrier=barrier, mma_schedule=mma_schedule,
                                   mma_attention=mma_attention)
@@ -759,7 +782,7 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     _header(w, plan, plan_hash, arguments, self_contained, head_slices, long_slices, pass_chunks,
             kv_pipeline, folded, MMA_TWO_BUFFERS if mma_two_buffers else _early_mode(early_kv) or mma_attention,
             mma_slices, fused_o, fused_kv_smem, _early_mode(early_kv) if early_kv and fused_mma else fused_mma,
-            mma_wide, fused_mlp, fused_split, spare_loads, bulk_down, loader)
+            mma_wide, fused_mlp, fused_split, spare_loads, bulk_down, loader, dealt_splits)
     prologue = [s for s in plan.stages if s.scope == "prologue"]
     per_layer = [s for s in plan.stages if s.scope == "layer"]
     epilogue = [s for s in plan.stages if s.scope == "epilogue"]
@@ -909,7 +932,8 @@ def _header(w: _Writer, plan: Plan, plan_hash: str, arguments: list[str], self_c
             kv_pipeline: bool | int = False, folded: int = 0, mma_attention: bool | int = False, mma_slices: int = 0,
             fused_o: bool = False, fused_kv_smem: bool = False, fused_mma: bool = False,
             mma_wide: bool = False, fused_mlp: bool = False, fused_split: bool = False,
-            spare_loads: bool = False, bulk_down: bool = False, loader: LoaderGeometry | None = None) -> None:
+            spare_loads: bool = False, bulk_down: bool = False, loader: LoaderGeometry | None = None,
+            dealt_splits: int = 0) -> None:
     d = plan.dims
     w(f'"""Generated by MegaBake from plan {plan_hash[:16]}. Do not edit: re-bake instead.')
     w("")
@@ -951,7 +975,8 @@ def _header(w: _Writer, plan: Plan, plan_hash: str, arguments: list[str], self_c
     consts.update({"VEC_WIDTH": scratch["vec_width"], "RED_SCRATCH": scratch["red"], "ATT_SCRATCH": scratch["att"]})
     if splits:
         attention = next(s.tiling for s in plan.stages if s.kind == "attention")
-        consts.update({"KV_SPLITS": splits, "ATT_UNROLL": attention.unroll, "MIN_CHUNK": attention.per_tile,
+        consts.update({"KV_SPLITS": dealt_splits or splits, "ATT_UNROLL": attention.unroll,
+                       "MIN_CHUNK": attention.per_tile,
                        "HEAD_SLICES": max(1, attention.head_slices) if head_slices else 1,
                        "LONG_SLICES": long_slices, "CHUNK_QUANTUM": chunk_quantum(plan, pass_chunks),
                        "KV_PIPELINE": kv_pipeline})
@@ -1335,7 +1360,7 @@ def _fused_split_stages(w: _Writer, plan: Plan, attention: Stage, indent: int, l
     fused step runs ``bodies.fused_attention_o``, any other its split-KV items (counting each into its KV group's
     ``o_count`` row) and then ``bodies.split_o_block``; both then arrive, issue the O stage's calls before the
     barrier (the gate/up ring fill) and wait. ``clocks`` (a phases timeline): the slots of both stages' phases
-    (:func:`stage_phases`)."""
+    (:func:`stage_phases`), the first stored between the items and ``split_o_block``."""
     def clock() -> None:
         if clocks:
             _timeline_store(w, indent, True, clocks.pop(0), options.clock_every_cta)
@@ -1363,6 +1388,9 @@ def _fused_split_stages(w: _Writer, plan: Plan, attention: Stage, indent: int, l
     w.begin(_entry(plan, attention, layer_var, "body_call", f"layer[*].attention.{body}"))
     w(counted, indent + 1)
     w.end()
+    if clocks:  # a phases timeline clocks the items apart from split_o_block (the same calls, in the same order)
+        clock()
+        w("if fo == 0:", indent)
     w.begin(_entry(plan, o_stage, layer_var, "body_call", f"layer[*].{o_stage.name}.split_o_block"))
     w(o_block, indent + 1)
     w.end()

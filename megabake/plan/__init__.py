@@ -224,10 +224,11 @@ GPU_VERIFIED_LAYOUTS = ("pre_norm", "sandwich", "post_norm")  # layouts whose ke
 # the GPU tests of Qwen3-0.6B and Qwen2.5-0.5B, the only presets it changes, and in session 56 the 13 Qwen3-0.6B tests
 # on its "attention"-gated default; the whole suite passed with it on, on an H100 in session 58; kv_fence on an H100
 # in session 58: its bit-identity GPU test (4 plans) and 13 SmolLM-135M / Phi-3-mini GPU tests with it on, the whole
-# suite with it off; the same bits as the plain loop)
+# suite with it off; the same bits as the plain loop; group_fold on an H100 in session 60: the whole suite with it on,
+# its own test (4 plans, fp32 order of the merge) once its tolerance allowed one flipped bf16 rounding)
 GPU_VERIFIED_FEATURES = ("rope_tables", "whole_qk_norm", "bf16_staging", "mma_gemv", "gated_gemv",
                          "global_down_input", "mma_wide", "fused_split", "fused_mlp", "spare_warp", "bulk_down",
-                         "loader_warp", "kv_fence")
+                         "loader_warp", "kv_fence", "group_fold")
 EXPERIMENTAL_FEATURES = {"rope_tables": "per-layer rotary tables (Gemma 3: one RoPE base per layer type)",
                          "whole_qk_norm": "q/k RMSNorm over the whole projection (OLMo-2)",
                          "bf16_staging": "GEMV inputs staged in bf16 shared memory because fp32 rows do not fit",
@@ -267,7 +268,8 @@ EXPERIMENTAL_FEATURES = {"rope_tables": "per-layer rotary tables (Gemma 3: one R
                          "group_fold": "a fused_split build's O blocks merge up to 16 active split-KV splits of "
                                        "their KV group, so its items do not merge them first (session 59: "
                                        "codegen.default_group_fold; H100 GPU ms: Qwen3-0.6B @4000 0.903 -> 0.874, "
-                                       "@1000 0.766 -> 0.740, Llama-3.2-1B @4000 1.027 -> 1.004; not GPU-tested yet)",
+                                       "@1000 0.766 -> 0.740, Llama-3.2-1B @4000 1.027 -> 1.004; the whole GPU "
+                                       "suite passed with it on, on an H100 in session 60)",
                          "bulk_down": "with fused_mlp, a CTA's W_down columns by cp.async.bulk from a packed copy the "
                                       "runtime derives (session 48: codegen.generate(bulk_down=None) turns it on where "
                                       "fused_mlp is; the same bits; the whole GPU suite passed with it on, on an "

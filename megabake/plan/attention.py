@@ -96,19 +96,20 @@ def split_chunk(visible: int, splits: int, minimum: int, quantum: int | None = N
     return max(-(-per_split // quantum) * quantum, minimum)
 
 
-def split_chunks(tiling: Tiling, visible: int, quantum: int | None = None) -> tuple[int, int]:
+def split_chunks(tiling: Tiling, visible: int, quantum: int | None = None,
+                 splits: int | None = None) -> tuple[int, int]:
     """(positions per split, active splits) of a split-KV step over ``visible`` positions with one item per
-    (split, batch, KV head): the positions over the splits, rounded up to whole ``quantum`` (default
-    ``per_tile``) chunks."""
-    chunk = split_chunk(visible, kv_splits(tiling), tiling.per_tile, quantum)
+    (split, batch, KV head): the positions over the splits (``splits``, default the tiling's: a ``split_cap``
+    build deals fewer), rounded up to whole ``quantum`` (default ``per_tile``) chunks."""
+    chunk = split_chunk(visible, splits or kv_splits(tiling), tiling.per_tile, quantum)
     return chunk, -(-visible // chunk)
 
 
-def slices_at(tiling: Tiling, active: int) -> int:
+def slices_at(tiling: Tiling, active: int, splits: int | None = None) -> int:
     """Head slices of a split-KV step with ``active`` splits under the short-context rule: the tiling's
-    ``head_slices`` while they fit in the items (``active * head_slices <= splits``), else 1."""
+    ``head_slices`` while they fit in the items (``active * head_slices <= splits``, default the tiling's), else 1."""
     slices = tiling.head_slices
-    return slices if slices > 1 and active * slices <= kv_splits(tiling) else 1
+    return slices if slices > 1 and active * slices <= (splits or kv_splits(tiling)) else 1
 
 
 @dataclass(frozen=True)
@@ -122,19 +123,21 @@ class SplitStep:
 
 
 def split_schedule(tiling: Tiling, visible: int, long_slices: bool = LONG_SLICES,
-                   quantum: int | None = None, mma_slices: int = 0) -> SplitStep:
+                   quantum: int | None = None, mma_slices: int = 0, splits: int | None = None) -> SplitStep:
     """The kernel's dealing of a split-KV step (``bodies.split_schedule``; ``quantum``: :func:`chunk_quantum`,
     default the tiling's ``per_tile``). Without ``long_slices``: the chunks of :func:`split_chunks`, sliced by
     :func:`slices_at`. With it, each divisor ``s`` of ``head_slices`` is tried with its smallest chunk that needs
     at most ``splits // s`` splits, and the one whose items do the least work (chunk x heads per item) is dealt,
     the fewest slices on a tie. Where the first rule slices, both agree. ``mma_slices`` (:func:`mma_slice_mask`,
     an ``mma_schedule`` build): bit ``s`` set where items of ``s`` slices run on the tensor cores, whose work is
-    then the chunk alone."""
-    chunk, active = split_chunks(tiling, visible, quantum)
-    slices = slices_at(tiling, active)
+    then the chunk alone. ``splits`` (a ``split_cap`` build, :func:`capped_splits`): the splits dealt, default the
+    tiling's."""
+    splits = splits or kv_splits(tiling)
+    chunk, active = split_chunks(tiling, visible, quantum, splits)
+    slices = slices_at(tiling, active, splits)
     if not long_slices or tiling.head_slices <= 1:
         return SplitStep(chunk, active, slices)
-    splits, best = kv_splits(tiling), None
+    best = None
     for s in range(1, tiling.head_slices + 1):
         if tiling.head_slices % s == 0:
             size = split_chunk(visible, splits // s, tiling.per_tile, quantum)
@@ -151,6 +154,16 @@ def kv_splits(plan_or_tiling) -> int:
     if isinstance(plan_or_tiling, Plan):
         tiling = next(s.tiling for s in plan_or_tiling.stages if s.kind == "attention")
     return tiling.tiles // tiling.units if tiling.kind == "kv_splits" else 0
+
+
+def capped_splits(plan_or_tiling, cap: int) -> int:
+    """The splits a ``split_cap`` build (``codegen.generate(plan, split_cap=cap)``, a candidate) deals per (batch,
+    KV head): the tiling's, at most ``cap``. Its items and buffers keep the tiling's layout; the dealing
+    (:func:`split_schedule` with ``splits``) cuts the visible keys into fewer, longer chunks, so fewer items are
+    active (Qwen2.5-0.5B b1 at 4000 with ``mma_schedule``: 16 splits of 7 heads x 256 keys, merged by the O blocks,
+    instead of 32 of 7 heads x 128, merged by the last arrival first). ``codegen.generate`` refuses a cap below the
+    tiling's ``head_slices`` (each slice count needs a split) or 2."""
+    return min(kv_splits(plan_or_tiling), cap)
 
 
 def mma_attention_fits(heads: int, head_dim: int, wide: bool = False) -> bool:

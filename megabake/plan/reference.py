@@ -34,8 +34,9 @@ from .stages import VectorInput, norm_slot, spec_of
 class ReferenceExecutor:
     def __init__(self, plan: Plan, weights: dict[str, torch.Tensor], rope_cos: torch.Tensor,
                  rope_sin: torch.Tensor, *, lm_head: str = "embed", mma_attention: bool = False,
-                 fused_mma: bool = False, mma_wide: bool = False, mma_slices: int = 0):
+                 fused_mma: bool = False, mma_wide: bool = False, mma_slices: int = 0, dealt_splits: int = 0):
         self.plan = plan
+        self.dealt_splits = dealt_splits  # a split_cap build's splits a KV group (module.py's KV_SPLITS; 0: the plan's)
         self.mma_attention = mma_attention
         self.mma_slices = mma_slices  # an mma_schedule build's dealing (module.py's MMA_SLICES; 0: the default's)
         self.mma_wide = mma_wide
@@ -272,7 +273,8 @@ class ReferenceExecutor:
         group = d.n_heads // d.n_kv_heads
         n = position + 1
         first_key = max(n - plan.attn_window_table()[layer], 0) if plan.has_windows else 0  # sliding window
-        dealt = split_schedule(stage.tiling, n - first_key, quantum=chunk_quantum(plan), mma_slices=self.mma_slices)
+        dealt = split_schedule(stage.tiling, n - first_key, quantum=chunk_quantum(plan), mma_slices=self.mma_slices,
+                               splits=self.dealt_splits or None)
         if self.fused_mma and n - first_key <= stage.tiling.per_tile:  # bodies.fused_o_step: whole groups
             dealt = dataclasses.replace(dealt, active=1, slices=1)
         chunk, active, slices = dealt.chunk, dealt.active, dealt.slices
@@ -363,16 +365,18 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotated: int) -
 
 def reference_executor_from_buffers(plan: Plan, buffers: dict[str, torch.Tensor], *,
                                     mma_attention: bool = False, fused_mma: bool = False,
-                                    mma_wide: bool = False, mma_slices: int = 0) -> ReferenceExecutor:
+                                    mma_wide: bool = False, mma_slices: int = 0,
+                                    dealt_splits: int = 0) -> ReferenceExecutor:
     """A reference executor on a decoder's own packed weights and rotary tables (``buffers`` as a
     ``MegakernelDecoder`` holds them, on any device; copied to the CPU): what a GPU check compares the kernel
     with, the same bf16 weights in fp32 math; ``mma_attention``, ``fused_mma``, ``mma_wide`` and ``mma_slices``:
     the decoder's (``MegakernelDecoder.mma_attention`` / ``.fused_mma`` / ``.mma_wide`` / ``.mma_slices``), so its
-    dealing and its tensor-core items' bf16 rounding are mirrored."""
+    dealing and its tensor-core items' bf16 rounding are mirrored; ``dealt_splits``: a ``split_cap`` build's
+    (``MegakernelDecoder.dealt_splits``)."""
     weights = {spec.buffer: buffers[spec.buffer].cpu() for spec in plan.packed}
     return ReferenceExecutor(plan, weights, buffers["rope_cos"].cpu(), buffers["rope_sin"].cpu(),
                              mma_attention=mma_attention, fused_mma=fused_mma, mma_wide=mma_wide,
-                             mma_slices=mma_slices)
+                             mma_slices=mma_slices, dealt_splits=dealt_splits)
 
 
 def reference_executor_for(plan: Plan, model, *, dtype=torch.float32) -> ReferenceExecutor:

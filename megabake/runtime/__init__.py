@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from ..errors import DeviceError, InputError, MegaBakeError
-from ..plan import ATTN_WINDOW, ROPE_TABLE, Plan
+from ..plan import ATTN_WINDOW, ROPE_TABLE, Plan, kv_splits
 from ..plan.packing import pack_weights, plan_inv_freqs, rotary_tables, torch_dtype
 from ..plan.reference import ReferenceExecutor
 from ..rope import cast_model, exact_rotary_buffers, restore_rotary_buffers
@@ -140,6 +140,9 @@ class MegakernelDecoder:
         # whose items run on the tensor cores); 0: the default dealing
         slices = re.search(r"^MMA_SLICES = (\d+)$", module_source, re.MULTILINE)
         self.mma_slices = int(slices.group(1)) if slices else 0
+        # a split_cap build deals split-KV attention over fewer splits than the plan's (module.py's KV_SPLITS)
+        dealt = re.search(r"^KV_SPLITS = (\d+)", module_source, re.MULTILINE)
+        self.dealt_splits = int(dealt.group(1)) if dealt and int(dealt.group(1)) != kv_splits(plan) else 0
         self.package_dir = Path(package_dir) if package_dir else None
         self.report = report or {}
         device = torch.device(device) if device is not None else torch.device(
@@ -169,7 +172,7 @@ class MegakernelDecoder:
             cos, sin = rotary_tables(plan, self.inv_freq_fp32)
             self._reference = ReferenceExecutor(plan, weights, cos, sin, mma_attention=self.mma_attention,
                                                 fused_mma=self.fused_mma, mma_wide=self.mma_wide,
-                                                mma_slices=self.mma_slices)
+                                                mma_slices=self.mma_slices, dealt_splits=self.dealt_splits)
             self.buffers = self._reference.buffers
         else:
             raise InputError(f"unknown backend {backend!r}: use 'cuda' or 'reference'")
@@ -381,7 +384,7 @@ class MegakernelDecoder:
 
         return reference_executor_from_buffers(self.plan, self.buffers, mma_attention=self.mma_attention,
                                                fused_mma=self.fused_mma, mma_wide=self.mma_wide,
-                                               mma_slices=self.mma_slices)
+                                               mma_slices=self.mma_slices, dealt_splits=self.dealt_splits)
 
     def stage_timeline(self) -> list[tuple[str, float]]:
         """(stage, microseconds as seen by CTA 0) of the last step; needs a ``generate(timeline=True)`` module

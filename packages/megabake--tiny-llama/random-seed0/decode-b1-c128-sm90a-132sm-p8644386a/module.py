@@ -42,7 +42,7 @@ HEAD_SLICES = 2
 LONG_SLICES = True
 CHUNK_QUANTUM = 128
 KV_PIPELINE = 2
-FOLD_SPLITS = 8
+FOLD_SPLITS = 16
 MMA_ATTENTION = True
 RING_STAGES = 4
 RING_VECTORS = 8
@@ -183,7 +183,7 @@ def megakernel(
                 attn=attn, part=attn_part, group_counts=o_count[layer, None], s_ring=s_ring, s_att=s_att, o_part=o_part,
                 pos=pos, first_key=0, cta=cta, tidx=tidx, n_heads=N_HEADS, n_kv_heads=N_KV_HEADS, head_dim=HEAD_DIM,
                 hidden=HIDDEN, threads=THREADS, splits=KV_SPLITS, min_chunk=MIN_CHUNK, quantum=CHUNK_QUANTUM,
-                head_slices=HEAD_SLICES, long_slices=LONG_SLICES, fold=8, blocks=FUSED_O_BLOCKS,
+                head_slices=HEAD_SLICES, long_slices=LONG_SLICES, fold=16, blocks=FUSED_O_BLOCKS,
                 block_rows=FUSED_O_BLOCK_ROWS)
         # ---- stage 3: o_residual (layer): in attention's interval ----
         bodies.grid_arrive(barrier=barrier, next_target=bar_next, tidx=tidx, ctas=CTAS)

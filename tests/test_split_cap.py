@@ -1,0 +1,88 @@
+"""The ``split_cap`` build (session 60 candidate, built without a GPU): split-KV attention dealt over at most
+``split_cap`` splits per KV group (``codegen.generate(plan, split_cap=N)``, ``plan.attention.capped_splits``).
+Only the module's ``KV_SPLITS`` changes; the runtime's reference executor deals over it too, and the capped
+dealing covers every visible key once (its fp32 logits equal the plan's dealing's to fp32 order). Its kernel
+numerics run on the GPU: tests/test_fused_split_gpu.py."""
+
+from __future__ import annotations
+
+import difflib
+
+import pytest
+import torch
+
+from megabake.codegen import generate
+from megabake.plan.attention import chunk_quantum, kv_splits, split_schedule
+from tests.compiler_fixtures import compile_preset
+
+SCHEDULE = {"mma_attention": True, "mma_schedule": True, "fused_o": True}  # gpu_tune's fused-mma-schedule
+
+
+@pytest.fixture(scope="module")
+def qwen25():
+    """Qwen2.5-0.5B's shape at batch 1: 66 splits a KV group, 7 query heads per KV head of 64 dims."""
+    return compile_preset("qwen2.5-0.5b", layers=1, vocab=512, capacity=4096)
+
+
+def _changed_lines(a: str, b: str) -> list[str]:
+    return [line for line in difflib.unified_diff(a.splitlines(), b.splitlines(), lineterm="", n=0)
+            if line[:1] in "+-" and line[:3] not in ("---", "+++")]
+
+
+def test_the_cap_changes_only_the_splits_the_module_deals(qwen25):
+    plan = qwen25.plan
+    assert kv_splits(plan) == 66
+    assert _changed_lines(generate(plan).source, generate(plan, split_cap=16).source) == [
+        "-KV_SPLITS = 66", "+KV_SPLITS = 16"]
+    assert _changed_lines(generate(plan, **SCHEDULE).source, generate(plan, split_cap=16, **SCHEDULE).source) == [
+        "-KV_SPLITS = 66", "+KV_SPLITS = 16"]
+    assert "\nKV_SPLITS = 66\n" in generate(plan, split_cap=100).source  # a cap above the plan's splits: no change
+
+
+def test_refusals_name_the_cause_and_the_fix(qwen25):
+    for bad in (1, 6, True, 2.5, "16"):  # below the 7 head slices (or 2), or not an int
+        with pytest.raises(ValueError, match=r"split_cap=.*one per head slice \(7 in this plan\); pass an int of 7"):
+            generate(qwen25.plan, split_cap=bad)
+    unsplit = compile_preset("tiny-llama", capacity=128).replan(split_kv=False)
+    assert not kv_splits(unsplit.plan)
+    with pytest.raises(ValueError, match="attention is not split: build without it"):
+        generate(unsplit.plan, split_cap=16)
+
+
+def test_the_capped_dealing_covers_every_key_once(qwen25):
+    """From one random cache at position 4000, the reference backend of a capped module (fp32 lane-group
+    arithmetic: ``mma_attention=False``) gives the plan's dealing's logits to fp32 order: a key dealt twice or
+    left out gives O(1). The two dealings differ there (8 splits of 7 one-head slices x 512 keys against 16 of
+    whole groups x 256), and the decoder reads the cap from the module."""
+    from megabake.runtime import MegakernelDecoder
+
+    plan, position = qwen25.plan, 4000
+    tiling = next(s.tiling for s in plan.stages if s.kind == "attention")
+    quantum = chunk_quantum(plan)
+    assert split_schedule(tiling, position + 1, quantum=quantum) != split_schedule(tiling, position + 1,
+                                                                                   quantum=quantum, splits=16)
+    logits, dealt = [], []
+    for cap in (None, 16):
+        source = generate(plan, mma_attention=False, split_cap=cap).source
+        decoder = MegakernelDecoder(plan, source, qwen25.model, device="cpu")
+        generator = torch.Generator().manual_seed(60)
+        for name in ("k_cache", "v_cache"):
+            buffer = decoder.buffers[name]
+            buffer.copy_(torch.randn(buffer.shape, generator=generator).to(buffer.dtype))
+        logits.append(decoder.step(torch.tensor([17]), position).float().clone())
+        dealt.append(decoder.dealt_splits)
+    assert dealt == [0, 16]
+    assert torch.isfinite(logits[0]).all()
+    difference = float((logits[1] - logits[0]).norm() / logits[0].norm())
+    assert difference < 1e-5, difference
+
+
+def test_a_capped_fused_build_compiles_for_sm90a(qwen25, tmp_path):
+    pytest.importorskip("cutlass")
+    from megabake.runtime.compile import compile_check, load_module
+
+    plan = compile_preset("qwen2.5-0.5b", layers=2, vocab=512, capacity=4096).plan
+    module = load_module(generate(plan, split_cap=16, **SCHEDULE).source)
+    assert module.KV_SPLITS == 16 and module.FUSED_SPLIT is True and module.FOLD_SPLITS == 16
+    result = compile_check(plan, module, dump_dir=str(tmp_path))
+    assert result.ok, result.error
