@@ -141,12 +141,13 @@
 #          against the L1 one on the loader builds at 16 (Qwen3-0.6B, Qwen2.5-0.5B: early-kv spills there)
 #          -> OUT/pytest-gpu-early-kv.log, OUT/tune-*-b*-p*.log (session 60 on an H100: the same bits, no faster;
 #          the 600 s limit cut the last spec)
-#   split-cap: session 60's split_cap candidate under the tensor-core dealing (gpu_tune build
-#          fused-mma-schedule-cap16: whole KV groups over at most 16 splits, merged by the O blocks since
-#          group_fold) and session 45's fused-mma-schedule, which group_fold now merges in the O blocks up to 16
-#          active splits: their two Qwen2.5-0.5B GPU tests (the kernel against its reference executor), then both
-#          against the default on Qwen2.5-0.5B b1 at 4000 / 1000 and fused-mma-schedule on SmolLM-135M b1 at 2000
-#          -> OUT/pytest-gpu-split-cap.log, OUT/tune-*-p*.log, OUT/tune-json.tar.gz (not run yet, ~8 min?)
+#   split-cap: session 60's split_cap candidate, on the default's dealing (gpu_tune build cap16: what the
+#          split_cap feature builds, codegen.default_split_cap, session 61) and under the tensor-core dealing
+#          (fused-mma-schedule-cap16: whole KV groups over at most 16 splits, merged by the O blocks since
+#          group_fold), and session 45's fused-mma-schedule, which group_fold now merges in the O blocks up to 16
+#          active splits: their four GPU tests (the kernel against its reference executor), then the builds
+#          against the default on Qwen2.5-0.5B b1 at 4000, SmolLM-135M b1 at 2000 and Qwen2.5-0.5B b1 at 1000
+#          -> OUT/pytest-gpu-split-cap.log, OUT/tune-*-p*.log, OUT/tune-json.tar.gz (not run yet, ~9 min?)
 # A device call is limited to 10 minutes: pick parts with PARTS (default "tests1"), e.g.
 #   source .cute/activate.sh && PARTS=tests2 bash scripts/gpu_session.sh "$OUT"
 #   source .cute/activate.sh && PARTS=bench bash scripts/gpu_session.sh "$OUT" smollm-135m llama-3.2-1b
@@ -378,14 +379,14 @@ if [[ " $PARTS " == *" group-fold "* ]]; then
   tune_candidates llama-3.2-1b 4096 4000 group-fold
 fi
 if [[ " $PARTS " == *" split-cap "* ]]; then
-  # the two Qwen2.5-0.5B cases of the kernel against its reference: fused-mma-schedule (build3) and its cap (build4)
-  TEST_LIMIT=${TEST_LIMIT:-200} run_tests split-cap "fused_split_kernel_matches_the_reference and (build3 or build4)" \
-    tests/test_fused_split_gpu.py
+  # the kernel against its reference: Qwen2.5-0.5B's fused-mma-schedule (build3) and its cap (build4), the cap
+  # on the default's dealing (build5 / build6: SmolLM-135M / Qwen2.5-0.5B)
+  TEST_LIMIT=${TEST_LIMIT:-220} run_tests split-cap \
+    "fused_split_kernel_matches_the_reference and (build3 or build4 or build5 or build6)" tests/test_fused_split_gpu.py
   collect_tests split-cap
-  for position in 4000 1000; do
-    tune_candidates qwen2.5-0.5b 4096 "$position" fused-mma-schedule fused-mma-schedule-cap16
-  done
-  tune_candidates smollm-135m 2048 2000 fused-mma-schedule
+  tune_candidates qwen2.5-0.5b 4096 4000 cap16 fused-mma-schedule fused-mma-schedule-cap16
+  tune_candidates smollm-135m 2048 2000 cap16 fused-mma-schedule
+  tune_candidates qwen2.5-0.5b 4096 1000 cap16 fused-mma-schedule fused-mma-schedule-cap16
   # a call brings back 8 files at most: the 5 logs, and the tune JSONs in one archive
   (cd "$OUT" && tar -czf tune-json.tar.gz p*/ && rm -rf p*/)
 fi

@@ -49,6 +49,8 @@ def test_fused_split_gives_the_fused_o_logits_to_fp32_order_and_the_same_bits_tw
     ("qwen2.5-0.5b", 4096, {"mma_attention": True, "mma_schedule": True, "fused_o": True}),
     # session 60 candidate: ... dealt over at most 16 of the plan's 66 splits a KV group (split_cap)
     ("qwen2.5-0.5b", 4096, {"mma_attention": True, "mma_schedule": True, "fused_o": True, "split_cap": 16}),
+    # ... and on the default's own dealing (session 61: what codegen.default_split_cap builds with its feature on)
+    ("smollm-135m", 2048, {"split_cap": 16}), ("qwen2.5-0.5b", 4096, {"split_cap": 16}),
 ])
 def test_fused_split_kernel_matches_the_reference_executor(preset, capacity, build):
     """The fused_split build on the default's other choices (split items and fused groups on the tensor cores,

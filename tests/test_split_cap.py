@@ -77,12 +77,45 @@ def test_the_capped_dealing_covers_every_key_once(qwen25):
     assert difference < 1e-5, difference
 
 
-def test_a_capped_fused_build_compiles_for_sm90a(qwen25, tmp_path):
+@pytest.mark.parametrize("build", [SCHEDULE, {}], ids=["fused-mma-schedule", "default"])
+def test_a_capped_fused_build_compiles_for_sm90a(build, tmp_path):
+    """The capped build on the tensor-core dealing (gpu_tune's fused-mma-schedule-cap16) and on the default's
+    (cap16: what the ``split_cap`` feature builds)."""
     pytest.importorskip("cutlass")
     from megabake.runtime.compile import compile_check, load_module
 
     plan = compile_preset("qwen2.5-0.5b", layers=2, vocab=512, capacity=4096).plan
-    module = load_module(generate(plan, split_cap=16, **SCHEDULE).source)
+    module = load_module(generate(plan, split_cap=16, **build).source)
     assert module.KV_SPLITS == 16 and module.FUSED_SPLIT is True and module.FOLD_SPLITS == 16
     result = compile_check(plan, module, dump_dir=str(tmp_path))
     assert result.ok, result.error
+
+
+def test_the_split_cap_feature_caps_the_default_only_where_groups_have_more_splits_than_the_o_blocks_merge(
+        qwen25, monkeypatch):
+    """``codegen.default_split_cap`` (session 61): off while the ``split_cap`` feature is not enabled (not
+    GPU-verified yet); with it, a group_fold build of Qwen2.5-0.5B (66 splits a KV group) deals 16, which the O
+    blocks then merge (``FOLD_SPLITS`` 16), and the runtime reads the cap from the module; ``split_cap=False`` or a
+    build without group_fold keeps the plan's 66, and Qwen3-0.6B (16 splits a group already) is unchanged."""
+    import megabake.plan as plan_module
+    from megabake.codegen import default_split_cap
+    from megabake.runtime import MegakernelDecoder
+
+    plan = qwen25.plan
+    verified = tuple(f for f in plan_module.GPU_VERIFIED_FEATURES if f != "split_cap")
+    monkeypatch.setattr(plan_module, "GPU_VERIFIED_FEATURES", verified)
+    monkeypatch.delenv("MEGABAKE_EXPERIMENTAL_LAYOUTS", raising=False)
+    assert default_split_cap(plan, group_fold=True) is None
+    assert "\nKV_SPLITS = 66\n" in generate(plan).source
+
+    monkeypatch.setenv("MEGABAKE_EXPERIMENTAL_LAYOUTS", "split_cap")
+    assert default_split_cap(plan, group_fold=True) == 16
+    assert default_split_cap(plan, group_fold=False) is None
+    capped = generate(plan).source
+    assert "\nKV_SPLITS = 16\n" in capped and "\nFOLD_SPLITS = 16\n" in capped
+    assert capped == generate(plan, split_cap=16).source
+    assert "\nKV_SPLITS = 66\n" in generate(plan, split_cap=False).source
+    assert "\nKV_SPLITS = 66\n" in generate(plan, group_fold=False).source
+    assert MegakernelDecoder(plan, capped, qwen25.model, device="cpu").dealt_splits == 16
+    qwen3 = compile_preset("qwen3-0.6b", layers=1, vocab=512, capacity=4096).plan
+    assert kv_splits(qwen3) == 16 and default_split_cap(qwen3, group_fold=True) is None

@@ -393,9 +393,23 @@ MMA_EARLY_L1 = 4  # ... in an early_kv="l1" build (bodies.MMA_EARLY_L1)
 EARLY_KV_MODES = (False, True, "l1")
 
 
-def _dealt_splits(plan: Plan, split_cap: int | None) -> int:
-    """The splits a ``split_cap`` build deals per KV group (``plan.attention.capped_splits``); 0 without a cap."""
-    if split_cap is None:
+def default_split_cap(plan: Plan, group_fold: bool) -> int | None:
+    """The ``split_cap`` a default build deals with: where the ``split_cap`` feature is enabled
+    (:func:`megabake.plan.feature_enabled`; not GPU-verified yet, so off unless ``MEGABAKE_EXPERIMENTAL_LAYOUTS``
+    names it), the build runs ``group_fold`` and the plan deals more than ``GROUP_FOLD_MAX_SPLITS`` splits a KV
+    group (batch 1: Qwen2.5-0.5B 66, SmolLM-135M 44, one-KV-head models 132), that limit, so the O blocks merge
+    every split of a long context themselves (no item merges by the last arrival); None elsewhere (no cap), and
+    where the tiling's head slices need more splits than the limit."""
+    if not (feature_enabled("split_cap") and group_fold and kv_splits(plan) > GROUP_FOLD_MAX_SPLITS):
+        return None
+    tiling = next(s.tiling for s in plan.stages if s.kind == "attention")
+    return GROUP_FOLD_MAX_SPLITS if GROUP_FOLD_MAX_SPLITS >= max(2, tiling.head_slices) else None
+
+
+def _dealt_splits(plan: Plan, split_cap: int | bool | None) -> int:
+    """The splits a ``split_cap`` build deals per KV group (``plan.attention.capped_splits``); 0 without a cap
+    (None or False: generate resolves None to :func:`default_split_cap` first)."""
+    if split_cap is None or split_cap is False:
         return 0
     if not kv_splits(plan):
         raise ValueError("split_cap deals split-KV attention over fewer splits, but this plan's attention is not "
@@ -503,7 +517,7 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
              group_fold: bool | None = None,
              prefetch_bytes: int | None = None, mma_attention: bool | None = None,
              mma_schedule: bool = False, mma_two_buffers: bool = False, early_kv: bool | str = False,
-             split_cap: int | None = None, fused_o: bool | None = None,
+             split_cap: int | bool | None = None, fused_o: bool | None = None,
              fused_kv_smem: bool = False,
              fused_mma: bool | None = None, mma_wide: bool | None = None,
              fused_mlp: bool | None = None, fused_split: bool | None = None, spare_loads: bool | None = None,
@@ -551,7 +565,9 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     ``split_cap`` (a candidate, session 60) deals split-KV attention over at most that many splits per KV group (the
     module's ``KV_SPLITS``; the items and buffers keep the plan's layout, ``plan.attention.capped_splits``): fewer,
     longer chunks, so with ``group_fold`` the O blocks merge every split themselves where the plan has more than 16
-    (Qwen2.5-0.5B b1: 66); refused below the plan's head slices or 2; the runtime's reference executor deals alike.
+    (Qwen2.5-0.5B b1: 66); refused below the plan's head slices or 2; the runtime's reference executor deals alike;
+    None: :func:`default_split_cap` (16 where the ``split_cap`` feature is enabled and it changes the dealing, else no
+    cap), False: no cap.
     ``fused_o`` (session 34, measured
     faster in session 35): a step whose context fits the first split-KV chunk runs its attention and the O
     projection in one barrier interval (``bodies.fused_attention_o``; one grid barrier less per layer), other steps
@@ -692,7 +708,6 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
         raise ValueError(f"mma_two_buffers is for heads of 64 or 128 dims (heads of {plan.dims.head_dim} load each "
                          "step's K/V at the step): build without it")
     mma_slices = mma_slice_mask(plan, head_slices, wide=mma_wide) if mma_schedule else 0
-    dealt_splits = _dealt_splits(plan, split_cap)
     if fused_o is None:
         fused_o = default_fused_o(plan, spread_merge=spread_merge, barrier=barrier, mma_schedule=mma_schedule,
                                   mma_attention=mma_attention)
@@ -765,6 +780,7 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
             raise ValueError("group_fold lets a fused_split build's O blocks merge more splits of their KV group: it "
                              "needs fold_merge and fused_split on")
         folded = group_fold_splits(plan)
+    dealt_splits = _dealt_splits(plan, default_split_cap(plan, group_fold) if split_cap is None else split_cap)
     if loader_warp:  # the measured pacing (codegen.loader.default_loader_gates ...) where it is not given
         loader_gates = (default_loader_gates(plan) if loader_qkv_ring else ()) if loader_gates is None else loader_gates
         loader_inflight = DEFAULT_INFLIGHT if loader_inflight is None else loader_inflight
