@@ -148,6 +148,11 @@
 #          active splits: their four GPU tests (the kernel against its reference executor), then the builds
 #          against the default on Qwen2.5-0.5B b1 at 4000, SmolLM-135M b1 at 2000 and Qwen2.5-0.5B b1 at 1000
 #          -> OUT/pytest-gpu-split-cap.log, OUT/tune-*-p*.log, OUT/tune-json.tar.gz (not run yet, ~9 min?)
+#   items-gate: session 61's loader gate "items" (a split step's gate/up, W_down and next-QKV copies released once
+#          the CTA's split-KV items are done, not after its arrival past attention; the same bits): the Qwen3-0.6B
+#          and Qwen2.5-0.5B cases of the loader's GPU bit test, then the default against gpu_tune's
+#          loader-gate-1-drain-items on Qwen3-0.6B b1 at 4000 / 1000 and Qwen2.5-0.5B b1 at 4000
+#          -> OUT/pytest-gpu-items-gate.log, OUT/tune-*-p*.log, OUT/tune-json.tar.gz (not run yet, ~6 min?)
 # A device call is limited to 10 minutes: pick parts with PARTS (default "tests1"), e.g.
 #   source .cute/activate.sh && PARTS=tests2 bash scripts/gpu_session.sh "$OUT"
 #   source .cute/activate.sh && PARTS=bench bash scripts/gpu_session.sh "$OUT" smollm-135m llama-3.2-1b
@@ -388,6 +393,16 @@ if [[ " $PARTS " == *" split-cap "* ]]; then
   tune_candidates smollm-135m 2048 2000 cap16 fused-mma-schedule
   tune_candidates qwen2.5-0.5b 4096 1000 cap16 fused-mma-schedule fused-mma-schedule-cap16
   # a call brings back 8 files at most: the 5 logs, and the tune JSONs in one archive
+  (cd "$OUT" && tar -czf tune-json.tar.gz p*/ && rm -rf p*/)
+fi
+if [[ " $PARTS " == *" items-gate "* ]]; then
+  TEST_LIMIT=${TEST_LIMIT:-240} run_tests items-gate "loader_warp_gives_the_fused_default_bits and qwen" \
+    tests/test_loader_warp_gpu.py
+  collect_tests items-gate
+  for position in 4000 1000; do
+    tune_candidates qwen3-0.6b 4096 "$position" loader-gate-1-drain-items
+  done
+  tune_candidates qwen2.5-0.5b 4096 4000 loader-gate-1-drain-items
   (cd "$OUT" && tar -czf tune-json.tar.gz p*/ && rm -rf p*/)
 fi
 if [[ " $PARTS " == *" early-kv "* ]]; then

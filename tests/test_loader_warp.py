@@ -155,6 +155,32 @@ def test_gates_make_the_loader_wait_for_the_consumers_arrivals(qwen3):
     assert [fused_step.index(text) for text in order] == sorted(fused_step.index(text) for text in order)
 
 
+def test_the_items_gate_releases_a_split_steps_copies_once_the_ctas_items_are_done(qwen3):
+    """loader_gates "items" (session 61 candidate, in place of "attention"): thread 0 arrives right after the CTA's
+    attention body in both branches (one phase a layer), so in a split step before ``split_o_block`` waits for the
+    KV group's other items, and not after the O stage's grid arrival; the loader's split-step copies wait for it in
+    the "attention" gate's order (gate/up rows, W_down, the next layer's QKV rows). It refuses "attention" too."""
+    source = generate(qwen3, loader_warp=True, loader_gates=("qkv", "items")).source
+    consumers, loader = _kernel(source).split("\n    else:  # warp WARPS, the loader", 1)
+    assert "\nLOADER_GATES = ('qkv', 'items')" in source
+    layer = consumers.split("for layer in range(LAYERS):", 1)[1]
+    calls = re.findall(r"bodies\.(grid_arrive|gate_arrive|fused_attention_o|split_kv_attention|split_o_block)\("
+                       r"(?:gates=s_gate, gate=(\d))?", layer)
+    assert calls == [("grid_arrive", ""), ("gate_arrive", "0"), ("fused_attention_o", ""), ("gate_arrive", "1"),
+                     ("split_kv_attention", ""), ("gate_arrive", "1"), ("split_o_block", ""), ("grid_arrive", ""),
+                     ("grid_arrive", "")], calls
+    split_step = loader.split("if bodies.fused_o_step(pos, 0, MIN_CHUNK) == 0:\n", 1)[1]
+    split_step = split_step.split("\n        else:", 1)[0]
+    assert "# loader_gates 'items': a split step waits until this CTA's split-KV items are done, then" in loader
+    order = ["mbarrier_wait(s_gate.iterator + 1, layer % 2)", "(w_gate_up[layer", "bodies.loader_down(",
+             "weight=w_qkv[layer + 1"]
+    assert [split_step.index(text) for text in order] == sorted(split_step.index(text) for text in order)
+    attention = generate(qwen3, loader_warp=True, loader_gates=("qkv", "attention")).source
+    assert _kernel(attention).count("gate_arrive(") == _kernel(source).count("gate_arrive(") - 1  # one per branch
+    with pytest.raises(ValueError, match="'items' and 'attention' both hold a split step's copies"):
+        generate(qwen3, loader_warp=True, loader_gates=("qkv", "items", "attention"))
+
+
 def test_the_default_builds_the_paced_loader_where_a_layer_streams_16_mb(qwen3, monkeypatch):
     """generate(plan) picks the loader (paced: DEFAULT_GATES, DEFAULT_INFLIGHT, DEFAULT_DRAIN) only once the
     ``loader_warp`` feature is enabled, and then only at batch 1 where a layer streams at least 16 MB and nothing
@@ -264,12 +290,14 @@ def test_the_loader_refuses_what_it_cannot_build(qwen3):
         generate(llama, loader_warp=True, **FORCED)  # its W_down block does not fit shared memory
 
 
-@pytest.mark.parametrize("warpgroup,threads,paced", [(True, 384, False), (False, 288, False), (True, 384, True)])
-def test_the_loader_build_compiles_for_sm90a(tmp_path, warpgroup, threads, paced):
+@pytest.mark.parametrize("warpgroup,threads,gates", [(True, 384, None), (False, 288, None),
+                                                     (True, 384, ("qkv", "attention", "mlp")),
+                                                     (True, 384, ("qkv", "items"))])
+def test_the_loader_build_compiles_for_sm90a(tmp_path, warpgroup, threads, gates):
     """With its own warpgroup the loader lowers its registers and the consumers raise theirs (setmaxnreg); either
-    way no barrier after the start waits for the loader's threads. ``paced``: with both gates and the drain."""
+    way no barrier after the start waits for the loader's threads. ``gates``: paced by them, with the drain."""
     plan = compile_preset("qwen2.5-0.5b", layers=1, vocab=512, capacity=4096).plan
-    pacing = {"loader_gates": ("qkv", "attention", "mlp"), "loader_drain": True} if paced else {}
+    pacing = {"loader_gates": gates, "loader_drain": True} if gates else {}
     source = generate(plan, loader_warp=True, loader_warpgroup=warpgroup, **pacing, **FORCED).source
     result = compile_check(plan, load_module(source), dump_dir=str(tmp_path))
     assert result.ok, result.error

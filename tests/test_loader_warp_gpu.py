@@ -4,8 +4,8 @@ consumer warps read the ring. Each row's sum is the default's, so every step mus
 bit for bit, from one random KV cache, at fused and split steps (positions near 0, at split boundaries, at capacity -
 1), paced by the consumers' arrivals as built by default (codegen.loader.DEFAULT_GATES ...) and unpaced with 2 units in
 flight, 1, and as many as the ring holds, without the loader's own warpgroup (setmaxnreg), with one ring for all
-streams, with other gates (session 52's "mlp", session 53's split-step "attention" order), and twice; a moving result
-would be a race (a slot read before it landed, or refilled before every warp read it)."""
+streams, with other gates (session 52's "mlp", session 53's split-step "attention" order, session 61's "items"), and
+twice; a moving result would be a race (a slot read before it landed, or refilled before every warp read it)."""
 
 from __future__ import annotations
 
@@ -27,5 +27,5 @@ def test_loader_warp_gives_the_fused_default_bits(preset, capacity):
     builds = [base, loader, unpaced, {**unpaced, "loader_inflight": 1}, {**unpaced, "loader_inflight": 0},
               {**loader, "loader_warpgroup": False}, {**loader, "loader_qkv_ring": False},
               {**unpaced, "loader_gates": ("qkv",)}, {**loader, "loader_gates": ("qkv", "mlp"), "loader_inflight": 2},
-              {**loader, "loader_gates": ("qkv", "attention")}, loader]
+              {**loader, "loader_gates": ("qkv", "attention")}, {**loader, "loader_gates": ("qkv", "items")}, loader]
     _assert_builds_give_the_first_bits(preset, capacity, builds)

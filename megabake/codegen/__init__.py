@@ -50,9 +50,9 @@ from ..plan.stages import (ACTIVATIONS, DIMENSION_CONSTANTS, GATED_ACT_CODES, St
                            spec_of)
 from .fused import (FUSED_O_BUFFERS, FUSED_SPLIT_BUFFERS, fused_geometry, fused_kv_refusal, fused_o_refusal,
                     fused_split_refusal)
-from .loader import (CONSUMER_REGISTERS, DEFAULT_DRAIN, DEFAULT_INFLIGHT, LOADER_GATES, PRODUCER_REGISTERS,
-                     WARPGROUP, LoaderGeometry, default_loader_gates, default_loader_warp, loader_geometry,
-                     loader_record, loader_refusal)
+from .loader import (CONSUMER_REGISTERS, DEFAULT_DRAIN, DEFAULT_INFLIGHT, ITEMS_GATE, LOADER_GATES,
+                     PRODUCER_REGISTERS, WARPGROUP, LoaderGeometry, default_loader_gates, default_loader_warp,
+                     loader_geometry, loader_record, loader_refusal)
 from .fused_mlp import (ACC_PAD, BULK_DOWN_BUFFERS, FUSED_MLP_BUFFERS, bulk_copy_bytes, default_fused_mlp,
                         fused_mlp_refusal, mlp_geometry, mlp_smem_bytes)
 
@@ -633,7 +633,8 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     layer's rows right after this layer's O block, during attention (False: one ring for all, as first measured).
     ``loader_gates`` (session 52, with the QKV ring; a subset of :data:`megabake.codegen.loader.LOADER_GATES`) makes
     the loader wait for the consumers' grid arrival after the QKV GEMV ("qkv"), a split step's attention
-    ("attention") and / or the MLP ("mlp") before it issues the copies that follow in its order, so fewer are in
+    ("attention", or "items": only until the CTA's split-KV items are done, a candidate) and / or the MLP ("mlp")
+    before it issues the copies that follow in its order, so fewer are in
     flight when a barrier's release runs (None: :func:`megabake.codegen.loader.default_loader_gates`, ("qkv",) plus
     "attention" where a layer's K/V cache at capacity is a quarter of its weights, or () without the QKV ring);
     ``loader_drain`` makes it wait for the W_O block and the W_down columns to land before it goes on (None:
@@ -911,7 +912,7 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
         _write_loader_program(w, plan, loader)
     copies = w.text.count("bodies.loader_down(" if loader else
                           "bodies.mlp_down_bulk(" if bulk_down else "bodies.mlp_down_load(")
-    branches = 2 if loader and loader.gate_index("o_residual") is not None else 1  # split and fused steps' order
+    branches = 2 if loader and _split_gate(loader) is not None else 1  # split and fused steps' order
     if fused_mlp and copies != branches:
         raise AssertionError("a fused_mlp build must copy its W_down columns once per layer, before the MLP's barrier; "
                              f"it emitted {copies} copies in {branches} branches (codegen._fused_mlp_before)")
@@ -1393,16 +1394,21 @@ def _fused_split_stages(w: _Writer, plan: Plan, attention: Stage, indent: int, l
                f"CHUNK_QUANTUM, HEAD_SLICES, LONG_SLICES, {options.fold_splits}, FUSED_O_BLOCKS, FUSED_O_BLOCK_ROWS"
                f"{_mma_slices_argument(options.mma_schedule)})")
     fused_call = _fused_attention_call(plan)
+    items_gate = options.loader.gate_index(ITEMS_GATE) if options.loader else None
+    # loader_gates "items": one phase a layer, after the CTA's items in a split step (where the loader waits for it)
+    arrive = [] if items_gate is None else [f"bodies.gate_arrive(s_gate, {items_gate}, tidx)"]
     if options.loader:  # the W_O block is the loader's: wait for the layer's phase, read s_wo, release it
         o_block, fused_call = o_block.replace(", s_ring, ", ", s_wo, "), fused_call.replace(", s_ring, ", ", s_wo, ")
         w(f"bodies.wait_block(s_wo_full, {layer_var} % 2, o_block)", indent)
     w("if fo == 1:", indent)
     w.begin(_entry(plan, attention, layer_var, "body_call", "layer[*].attention.fused_attention_o"))
-    w(fused_call, indent + 1)
+    for call in [fused_call] + arrive:
+        w(call, indent + 1)
     w.end()
     w("else:", indent)
     w.begin(_entry(plan, attention, layer_var, "body_call", f"layer[*].attention.{body}"))
-    w(counted, indent + 1)
+    for call in [counted] + arrive:
+        w(call, indent + 1)
     w.end()
     if clocks:  # a phases timeline clocks the items apart from split_o_block (the same calls, in the same order)
         clock()
@@ -1455,6 +1461,9 @@ def _checked_loader(plan: Plan, loader_warp: bool, inflight: int | None, qkv_inf
         return None
     if isinstance(gates, str) or any(g not in LOADER_GATES for g in gates) or len(set(gates)) != len(gates):
         raise ValueError(f"loader_gates={gates!r}: give a tuple of distinct names from {sorted(LOADER_GATES)}")
+    if "items" in gates and "attention" in gates:
+        raise ValueError("loader_gates 'items' and 'attention' both hold a split step's copies (until the CTA's "
+                         "split-KV items are done, or until it arrived after attention): give one of them")
     if gates and not qkv_ring:
         raise ValueError("loader_gates pace the QKV ring's layout (the next layer's QKV rows after this layer's "
                          "arrival): build with loader_qkv_ring=True")
@@ -1654,13 +1663,15 @@ def _write_loader_program(w: _Writer, plan: Plan, loader: LoaderGeometry) -> Non
     if qkv_gate is not None:
         w("# loader_gates 'qkv': the copies below wait until this CTA arrived after the layer's QKV GEMV", 3)
         w(f"cute.arch.mbarrier_wait(s_gate.iterator + {qkv_gate}, layer % 2)", 3)
-    attention_gate = loader.gate_index("o_residual")
+    split_gate = _split_gate(loader)
     base = 3
-    if attention_gate is not None:
-        w("# loader_gates 'attention': a split step waits until this CTA arrived after attention, then issues the", 3)
+    if split_gate is not None:
+        until = ("this CTA's split-KV items are done" if loader.gate_index(ITEMS_GATE) is not None
+                 else "this CTA arrived after attention")
+        w(f"# loader_gates {loader.gates[split_gate]!r}: a split step waits until {until}, then issues the", 3)
         w("# copies in the order they are read: the gate/up rows, the W_down columns, the next layer's QKV rows", 3)
         w(f"if bodies.fused_o_step(pos, {_first_key(plan)}, MIN_CHUNK) == 0:", 3)
-        w(f"cute.arch.mbarrier_wait(s_gate.iterator + {attention_gate}, layer % 2)", 4)
+        w(f"cute.arch.mbarrier_wait(s_gate.iterator + {split_gate}, layer % 2)", 4)
         w(rows("norm_gate_up"), 4)
         _write_loader_down(w, loader, 4)
         _write_loader_next_qkv(w, qkv, 4)
@@ -1677,6 +1688,12 @@ def _write_loader_program(w: _Writer, plan: Plan, loader: LoaderGeometry) -> Non
         w(f"cute.arch.mbarrier_wait(s_gate.iterator + {mlp_gate}, (LAYERS - 1) % 2)  # after the last layer's MLP", 2)
     w(rows("norm_lm_head"), 2)
     w.base = 0
+
+
+def _split_gate(loader: LoaderGeometry) -> int | None:
+    """The gate a split step's loader copies wait at (``loader_gates`` "attention" or "items"), or None."""
+    attention = loader.gate_index("o_residual")
+    return attention if attention is not None else loader.gate_index(ITEMS_GATE)
 
 
 def _write_loader_next_qkv(w: _Writer, qkv: str, base: int) -> None:

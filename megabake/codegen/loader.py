@@ -66,9 +66,14 @@ STREAMED_STAGES = ("norm_qkv", "norm_gate_up", "norm_lm_head")
 # (long contexts, where attention streams the K/V cache), those copies wait for attention's arrival instead, as the
 # default build's ring fill does, and go in the order they are read: the gate/up rows, W_down, the next layer's QKV
 # rows (session 53: in the fused steps' order, the gate/up rows came last and the MLP waited for them). "mlp": the
-# next layer's W_O block and the LM head's rows wait for the arrival after this layer's MLP. Value: the stage whose
-# barrier is meant.
-LOADER_GATES = {"qkv": "norm_qkv", "attention": "o_residual", "mlp": "down_residual"}
+# next layer's W_O block and the LM head's rows wait for the arrival after this layer's MLP. "items" (session 61, a
+# candidate in place of "attention"): a split step's copies wait, in the same order, only until this CTA's split-KV
+# items are done, so they can land while split_o_block waits for the KV group's other items (session 59: the
+# "attention" gate held Qwen3-0.6B's gate/up interval at 4000 at 139 us against 88 at 16); the price is copies in
+# flight at the O stage's release. Value: the stage whose barrier is meant ("split_kv_items": no stage; the
+# consumers arrive right after their items, codegen._fused_split_stages).
+LOADER_GATES = {"qkv": "norm_qkv", "items": "split_kv_items", "attention": "o_residual", "mlp": "down_residual"}
+ITEMS_GATE = LOADER_GATES["items"]
 
 
 @dataclass(frozen=True)
