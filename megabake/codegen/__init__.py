@@ -397,7 +397,7 @@ def default_split_cap(plan: Plan, group_fold: bool) -> int | None:
     """The ``split_cap`` a default build deals with: where the ``split_cap`` feature is enabled
     (:func:`megabake.plan.feature_enabled`; not GPU-verified yet, so off unless ``MEGABAKE_EXPERIMENTAL_LAYOUTS``
     names it), the build runs ``group_fold`` and the plan deals more than ``GROUP_FOLD_MAX_SPLITS`` splits a KV
-    group (batch 1: Qwen2.5-0.5B 66, SmolLM-135M 44, one-KV-head models 132), that limit, so the O blocks merge
+    group (among the presets, at batch 1: Qwen2.5-0.5B 66, SmolLM-135M 44), that limit, so the O blocks merge
     every split of a long context themselves (no item merges by the last arrival); None elsewhere (no cap), and
     where the tiling's head slices need more splits than the limit."""
     if not (feature_enabled("split_cap") and group_fold and kv_splits(plan) > GROUP_FOLD_MAX_SPLITS):

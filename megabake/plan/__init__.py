@@ -271,7 +271,7 @@ EXPERIMENTAL_FEATURES = {"rope_tables": "per-layer rotary tables (Gemma 3: one R
                                        "@1000 0.766 -> 0.740, Llama-3.2-1B @4000 1.027 -> 1.004; the whole GPU "
                                        "suite passed with it on, on an H100 in session 60)",
                          "split_cap": "a group_fold build whose plan deals more than 16 split-KV splits a KV group "
-                                      "(batch 1: Qwen2.5-0.5B, SmolLM-135M, one-KV-head models) deals at most 16, "
+                                      "(batch 1 among the presets: Qwen2.5-0.5B and SmolLM-135M) deals at most 16, "
                                       "so its O blocks merge every split (session 61: codegen.default_split_cap; "
                                       "not timed or GPU-tested yet: scripts/gpu_session.sh's split-cap part)",
                          "bulk_down": "with fused_mlp, a CTA's W_down columns by cp.async.bulk from a packed copy the "
