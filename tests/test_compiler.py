@@ -356,6 +356,30 @@ def test_reference_decoder_rejects_bad_inputs(tiny):
         decoder.greedy_tokens(1, 0, 0)
     with pytest.raises(InputError, match="backend"):
         MegakernelDecoder(tiny.plan, tiny.generated.source, tiny.model, device="cpu", backend="rocm")
+    # a list of host ints and an int position (step's fast path, session 61) are checked as strictly
+    for tokens, position, why in (([tiny.plan.dims.vocab], 0, "vocabulary"), ([-1], 0, "vocabulary"),
+                                  ([1, 2], 0, "batch"), ([], 0, "no token ids"), ([True], 0, "integers"),
+                                  (["7"], 0, "integers"), ([1], tiny.plan.capacity, "capacity"),
+                                  ([1], -1, "capacity"), ([1], True, "position must be an int")):
+        with pytest.raises(InputError, match=why):
+            decoder.step(tokens, position)
+
+
+def test_step_inputs_take_the_same_values_on_the_fast_path_and_off_it():
+    """``MegakernelDecoder._check_inputs``: host ints in range pass on plain comparisons, padded to the bucket's
+    batch with 0, exactly as numpy ints or a tensor of the same ids are after the full checks."""
+    import types
+
+    import numpy as np
+
+    from megabake.runtime import MegakernelDecoder
+
+    bucket = types.SimpleNamespace(batch=4, vocab_size=100, capacity=64)
+    bucket._check_position = types.MethodType(MegakernelDecoder._check_position, bucket)
+    check = types.MethodType(MegakernelDecoder._check_inputs, bucket)
+    assert check([7, 99], 63) == check(np.array([7, 99]), 63) == check(torch.tensor([7, 99]), 63) == [7, 99, 0, 0]
+    assert check([1, 2, 3, 4], 0) == [1, 2, 3, 4]
+    assert check(5, torch.tensor(3)) == [5, 0, 0, 0]
 
 
 def test_reference_greedy_tokens_follow_step_by_step_argmax(tiny):
