@@ -380,6 +380,12 @@ def test_step_inputs_take_the_same_values_on_the_fast_path_and_off_it():
     assert check([7, 99], 63) == check(np.array([7, 99]), 63) == check(torch.tensor([7, 99]), 63) == [7, 99, 0, 0]
     assert check([1, 2, 3, 4], 0) == [1, 2, 3, 4]
     assert check(5, torch.tensor(3)) == [5, 0, 0, 0]
+    # the staging row the step graph copies to the device: the padded ids, then the position (one numpy write)
+    waited = []
+    bucket._staged = [types.SimpleNamespace(synchronize=lambda row=row: waited.append(row)) for row in range(3)]
+    bucket._staging_view = np.full((3, 5), -1, dtype=np.int32)
+    MegakernelDecoder._stage(bucket, 1, check([7, 99], 63), 63)
+    assert waited == [1] and bucket._staging_view.tolist() == [[-1] * 5, [7, 99, 0, 0, 63], [-1] * 5]
 
 
 def test_reference_greedy_tokens_follow_step_by_step_argmax(tiny):
