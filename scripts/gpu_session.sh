@@ -384,15 +384,21 @@ if [[ " $PARTS " == *" group-fold "* ]]; then
   tune_candidates llama-3.2-1b 4096 4000 group-fold
 fi
 if [[ " $PARTS " == *" split-cap "* ]]; then
-  # the kernel against its reference: Qwen2.5-0.5B's fused-mma-schedule (build3) and its cap (build4), the cap
-  # on the default's dealing (build5 / build6: SmolLM-135M / Qwen2.5-0.5B)
-  TEST_LIMIT=${TEST_LIMIT:-220} run_tests split-cap \
-    "fused_split_kernel_matches_the_reference and (build3 or build4 or build5 or build6)" tests/test_fused_split_gpu.py
+  # what the split_cap feature builds since session 62 (codegen.default_mma_schedule + default_split_cap: the
+  # tensor-core schedule, fused_o kept on, at most 16 splits a KV group), ~7 min: the kernel against its reference
+  # (build4 / build5: Qwen2.5-0.5B / SmolLM-135M), then the default against that build at short, ~1000 and long
+  # contexts. If it wins at long context and loses nothing elsewhere, run the whole GPU suite with
+  # MEGABAKE_EXPERIMENTAL_LAYOUTS=split_cap exported (PARTS=tests-parallel) before it joins GPU_VERIFIED_FEATURES.
+  TEST_LIMIT=${TEST_LIMIT:-150} run_tests split-cap \
+    "fused_split_kernel_matches_the_reference and (build4 or build5)" tests/test_fused_split_gpu.py
   collect_tests split-cap
-  tune_candidates qwen2.5-0.5b 4096 4000 cap16 fused-mma-schedule fused-mma-schedule-cap16
-  tune_candidates smollm-135m 2048 2000 cap16 fused-mma-schedule
-  tune_candidates qwen2.5-0.5b 4096 1000 cap16 fused-mma-schedule fused-mma-schedule-cap16
-  # a call brings back 8 files at most: the 5 logs, and the tune JSONs in one archive
+  for position in 4000 1000 16; do
+    tune_candidates qwen2.5-0.5b 4096 "$position" fused-mma-schedule-cap16
+  done
+  for position in 2000 1000 16; do
+    tune_candidates smollm-135m 2048 "$position" fused-mma-schedule-cap16
+  done
+  # a call brings back 8 files at most: the 7 logs, and the tune JSONs in one archive
   (cd "$OUT" && tar -czf tune-json.tar.gz p*/ && rm -rf p*/)
 fi
 if [[ " $PARTS " == *" items-gate "* ]]; then

@@ -230,10 +230,11 @@ BUILDS = {"default": {}, "no-loader": {"loader_warp": False}, "atom": {"barrier"
           # 45 candidate: whole groups over shorter chunks at long contexts, one barrier less per layer)
           "fused-mma-schedule": {"mma_attention": True, "mma_schedule": True, "fused_o": True},
           # ... dealt over at most 16 splits a KV group (session 60 candidate: where the plan has more, e.g.
-          # Qwen2.5-0.5B b1's 66, long contexts deal fewer, longer tensor-core items that the O blocks merge)
+          # Qwen2.5-0.5B b1's 66, long contexts deal fewer, longer tensor-core items that the O blocks merge; since
+          # session 62 what the split_cap feature builds: codegen.default_mma_schedule + default_split_cap)
           "fused-mma-schedule-cap16": {"mma_attention": True, "mma_schedule": True, "fused_o": True, "split_cap": 16},
-          # ... and the default's own dealing capped so (codegen.default_split_cap: what the split_cap feature
-          # builds; session 61), or no cap where that feature is enabled
+          # ... the default's own dealing capped so (session 61's split_cap feature; with the feature enabled now,
+          # the build above), or where that feature is enabled the default it replaces (no cap, no schedule)
           "cap16": {"split_cap": 16}, "no-split-cap": {"split_cap": False},
           # ... and items of 2-8 query heads of 256 dims there too (session 41, a candidate: Gemma's heads)
           "mma-wide": {"mma_wide": True},

@@ -91,12 +91,14 @@ def test_a_capped_fused_build_compiles_for_sm90a(build, tmp_path):
     assert result.ok, result.error
 
 
-def test_the_split_cap_feature_caps_the_default_only_where_groups_have_more_splits_than_the_o_blocks_merge(
+def test_the_split_cap_feature_builds_the_capped_tensor_core_schedule_only_where_groups_have_more_splits(
         qwen25, monkeypatch):
-    """``codegen.default_split_cap`` (session 61): off while the ``split_cap`` feature is not enabled (not
-    GPU-verified yet); with it, a group_fold build of Qwen2.5-0.5B (66 splits a KV group) deals 16, which the O
-    blocks then merge (``FOLD_SPLITS`` 16), and the runtime reads the cap from the module; ``split_cap=False`` or a
-    build without group_fold keeps the plan's 66, and Qwen3-0.6B (16 splits a group already) is unchanged."""
+    """``codegen.default_mma_schedule`` / ``default_split_cap`` (session 62): off while the ``split_cap`` feature is
+    not enabled (not GPU-verified yet); with it, Qwen2.5-0.5B's default (66 splits a KV group, 7-head groups that
+    fit a tensor-core item) is byte for byte the build H100 timed fastest at 1000 and 4000 (gpu_tune's
+    fused-mma-schedule-cap16: the schedule, fused_o kept, 16 splits that the O blocks merge), and the runtime reads
+    its dealing from the module. ``split_cap=False``, ``fused_o=False`` or ``mma_attention=False`` keep the plain
+    default; the cap never comes alone (it lost 7% at 1000); Qwen3-0.6B (16 splits a group already) is unchanged."""
     import megabake.plan as plan_module
     from megabake.codegen import default_split_cap
     from megabake.runtime import MegakernelDecoder
@@ -105,17 +107,33 @@ def test_the_split_cap_feature_caps_the_default_only_where_groups_have_more_spli
     verified = tuple(f for f in plan_module.GPU_VERIFIED_FEATURES if f != "split_cap")
     monkeypatch.setattr(plan_module, "GPU_VERIFIED_FEATURES", verified)
     monkeypatch.delenv("MEGABAKE_EXPERIMENTAL_LAYOUTS", raising=False)
-    assert default_split_cap(plan, group_fold=True) is None
-    assert "\nKV_SPLITS = 66\n" in generate(plan).source
+    plain = generate(plan).source
+    assert default_split_cap(plan, group_fold=True, mma_schedule=True) is None
+    assert "\nKV_SPLITS = 66\n" in plain and "\nMMA_SLICES = " not in plain
 
     monkeypatch.setenv("MEGABAKE_EXPERIMENTAL_LAYOUTS", "split_cap")
-    assert default_split_cap(plan, group_fold=True) == 16
-    assert default_split_cap(plan, group_fold=False) is None
-    capped = generate(plan).source
-    assert "\nKV_SPLITS = 16\n" in capped and "\nFOLD_SPLITS = 16\n" in capped
-    assert capped == generate(plan, split_cap=16).source
-    assert "\nKV_SPLITS = 66\n" in generate(plan, split_cap=False).source
-    assert "\nKV_SPLITS = 66\n" in generate(plan, group_fold=False).source
-    assert MegakernelDecoder(plan, capped, qwen25.model, device="cpu").dealt_splits == 16
+    assert default_split_cap(plan, group_fold=True, mma_schedule=True) == 16
+    assert default_split_cap(plan, group_fold=True, mma_schedule=False) is None
+    assert default_split_cap(plan, group_fold=False, mma_schedule=True) is None
+    scheduled = generate(plan).source
+    assert scheduled == generate(plan, split_cap=16, **SCHEDULE).source
+    assert "\nKV_SPLITS = 16\n" in scheduled and "\nFOLD_SPLITS = 16\n" in scheduled
+    assert "\nMMA_SLICES = " in scheduled and "\nFUSED_SPLIT = True\n" in scheduled
+    for off in ({"split_cap": False}, {"fused_o": False}, {"mma_attention": False}):
+        source = generate(plan, **off).source
+        assert "\nKV_SPLITS = 66\n" in source and "\nMMA_SLICES = " not in source, off
+    assert generate(plan, split_cap=False).source == plain
+    cap_alone = generate(plan, mma_schedule=False, split_cap=16).source  # an explicit build, not a default
+    assert "\nKV_SPLITS = 16\n" in cap_alone and "\nMMA_SLICES = " not in cap_alone
+    decoder = MegakernelDecoder(plan, scheduled, qwen25.model, device="cpu")
+    assert decoder.dealt_splits == 16
     qwen3 = compile_preset("qwen3-0.6b", layers=1, vocab=512, capacity=4096).plan
-    assert kv_splits(qwen3) == 16 and default_split_cap(qwen3, group_fold=True) is None
+    assert kv_splits(qwen3) == 16 and default_split_cap(qwen3, group_fold=True, mma_schedule=True) is None
+    assert generate(qwen3).source == _without_feature(qwen3, monkeypatch)
+
+
+def _without_feature(plan, monkeypatch) -> str:
+    """``plan``'s default module with ``MEGABAKE_EXPERIMENTAL_LAYOUTS`` unset."""
+    with monkeypatch.context() as scoped:
+        scoped.delenv("MEGABAKE_EXPERIMENTAL_LAYOUTS", raising=False)
+        return generate(plan).source

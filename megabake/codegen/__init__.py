@@ -393,17 +393,38 @@ MMA_EARLY_L1 = 4  # ... in an early_kv="l1" build (bodies.MMA_EARLY_L1)
 EARLY_KV_MODES = (False, True, "l1")
 
 
-def default_split_cap(plan: Plan, group_fold: bool) -> int | None:
-    """The ``split_cap`` a default build deals with: where the ``split_cap`` feature is enabled
-    (:func:`megabake.plan.feature_enabled`; not GPU-verified yet, so off unless ``MEGABAKE_EXPERIMENTAL_LAYOUTS``
-    names it), the build runs ``group_fold`` and the plan deals more than ``GROUP_FOLD_MAX_SPLITS`` splits a KV
-    group (among the presets, at batch 1: Qwen2.5-0.5B 66, SmolLM-135M 44), that limit, so the O blocks merge
-    every split of a long context themselves (no item merges by the last arrival); None elsewhere (no cap), and
-    where the tiling's head slices need more splits than the limit."""
-    if not (feature_enabled("split_cap") and group_fold and kv_splits(plan) > GROUP_FOLD_MAX_SPLITS):
-        return None
+def _split_cap_applies(plan: Plan) -> bool:
+    """The ``split_cap`` feature is enabled (:func:`megabake.plan.feature_enabled`; not GPU-verified yet, so off
+    unless ``MEGABAKE_EXPERIMENTAL_LAYOUTS`` names it), the plan deals more than ``GROUP_FOLD_MAX_SPLITS`` splits a
+    KV group (among the presets, at batch 1: Qwen2.5-0.5B 66, SmolLM-135M 44), a whole KV group fits one
+    tensor-core item (:func:`fused_mma_fits`) and the cap keeps one split per head slice."""
+    if not (feature_enabled("split_cap") and kv_splits(plan) > GROUP_FOLD_MAX_SPLITS and fused_mma_fits(plan)):
+        return False
     tiling = next(s.tiling for s in plan.stages if s.kind == "attention")
-    return GROUP_FOLD_MAX_SPLITS if GROUP_FOLD_MAX_SPLITS >= max(2, tiling.head_slices) else None
+    return GROUP_FOLD_MAX_SPLITS >= max(2, tiling.head_slices)
+
+
+def default_mma_schedule(plan: Plan, *, mma_attention: bool, fused_o: bool | None, split_cap: int | bool | None,
+                         spread_merge: bool, barrier: str) -> bool:
+    """Whether ``generate(plan, mma_schedule=None)`` deals split-KV attention for the tensor cores (whole KV
+    groups over shorter chunks) with ``fused_o`` kept on: where :func:`_split_cap_applies`, the tensor cores are
+    on, the build can fuse (:func:`megabake.codegen.fused.fused_o_refusal`) and neither ``fused_o`` nor
+    ``split_cap`` is turned off; :func:`default_split_cap` then caps that dealing at ``GROUP_FOLD_MAX_SPLITS``.
+    That pair is what the ``split_cap`` feature builds because it is the pair that won: H100, session 62, GPU ms,
+    Qwen2.5-0.5B b1 c4096, default -> fused-mma-schedule-cap16 (the cap alone; the schedule alone) at 16 0.541 ->
+    0.544 (-; 0.538), 1000 0.600 -> 0.587 (0.643; 0.585), 4000 0.654 -> 0.627 (0.631; 0.690)
+    (benchmarks/results/2026-12-07-h100-session62). False elsewhere: the default since session 45."""
+    return (mma_attention and fused_o is not False and split_cap is not False and _split_cap_applies(plan)
+            and fused_o_refusal(plan, spread_merge=spread_merge, split_barrier=barrier == "split") is None)
+
+
+def default_split_cap(plan: Plan, group_fold: bool, mma_schedule: bool) -> int | None:
+    """The ``split_cap`` a default build deals with: ``GROUP_FOLD_MAX_SPLITS`` where :func:`_split_cap_applies`
+    and the build runs ``group_fold`` on the tensor-core schedule (``mma_schedule``, :func:`default_mma_schedule`),
+    so the O blocks merge every split of a long context themselves (no item merges by the last arrival); None
+    elsewhere (no cap). The cap without the schedule is not a default: it lost 7% at 1000 positions on
+    Qwen2.5-0.5B b1 (H100, session 62: 0.600 -> 0.643 ms)."""
+    return GROUP_FOLD_MAX_SPLITS if group_fold and mma_schedule and _split_cap_applies(plan) else None
 
 
 def _dealt_splits(plan: Plan, split_cap: int | bool | None) -> int:
@@ -516,7 +537,7 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
              kv_pipeline: bool | None = None, kv_fence: bool | None = None, fold_merge: bool | None = None,
              group_fold: bool | None = None,
              prefetch_bytes: int | None = None, mma_attention: bool | None = None,
-             mma_schedule: bool = False, mma_two_buffers: bool = False, early_kv: bool | str = False,
+             mma_schedule: bool | None = None, mma_two_buffers: bool = False, early_kv: bool | str = False,
              split_cap: int | bool | None = None, fused_o: bool | None = None,
              fused_kv_smem: bool = False,
              fused_mma: bool | None = None, mma_wide: bool | None = None,
@@ -566,8 +587,9 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     module's ``KV_SPLITS``; the items and buffers keep the plan's layout, ``plan.attention.capped_splits``): fewer,
     longer chunks, so with ``group_fold`` the O blocks merge every split themselves where the plan has more than 16
     (Qwen2.5-0.5B b1: 66); refused below the plan's head slices or 2; the runtime's reference executor deals alike;
-    None: :func:`default_split_cap` (16 where the ``split_cap`` feature is enabled and it changes the dealing, else no
-    cap), False: no cap.
+    None: :func:`default_split_cap` (16 where the ``split_cap`` feature is enabled and it changes the dealing of a
+    ``mma_schedule`` build, else no cap), False: no cap. ``mma_schedule=None``: :func:`default_mma_schedule` (off
+    unless the ``split_cap`` feature is enabled; where it turns the schedule on, ``fused_o=None`` means on).
     ``fused_o`` (session 34, measured
     faster in session 35): a step whose context fits the first split-KV chunk runs its attention and the O
     projection in one barrier interval (``bodies.fused_attention_o``; one grid barrier less per layer), other steps
@@ -693,8 +715,6 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
         why = f"groups of {group} x {plan.dims.head_dim}" if kv_splits(plan) else "no split-KV attention"
         raise ValueError("mma_attention puts split-KV items of 2-8 query heads of 64 or 128 dims on the tensor "
                          f"cores, but this plan deals none ({why}): build without it")
-    if mma_schedule and not mma_attention:
-        raise ValueError("mma_schedule deals split-KV items for the tensor cores: it needs mma_attention=True")
     if mma_two_buffers and not mma_attention:
         raise ValueError("mma_two_buffers loads the tensor-core items' K/V into two buffers: it needs "
                          "mma_attention on")
@@ -708,10 +728,16 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     if mma_two_buffers and plan.dims.head_dim not in (64, 128):
         raise ValueError(f"mma_two_buffers is for heads of 64 or 128 dims (heads of {plan.dims.head_dim} load each "
                          "step's K/V at the step): build without it")
+    scheduled = mma_schedule is None and default_mma_schedule(
+        plan, mma_attention=bool(mma_attention), fused_o=fused_o, split_cap=split_cap, spread_merge=spread_merge,
+        barrier=barrier)  # the split_cap feature's pair: the tensor-core schedule with fused_o kept on, capped below
+    mma_schedule = scheduled if mma_schedule is None else mma_schedule
+    if mma_schedule and not mma_attention:
+        raise ValueError("mma_schedule deals split-KV items for the tensor cores: it needs mma_attention=True")
     mma_slices = mma_slice_mask(plan, head_slices, wide=mma_wide) if mma_schedule else 0
     if fused_o is None:
-        fused_o = default_fused_o(plan, spread_merge=spread_merge, barrier=barrier, mma_schedule=mma_schedule,
-                                  mma_attention=mma_attention)
+        fused_o = scheduled or default_fused_o(plan, spread_merge=spread_merge, barrier=barrier,
+                                               mma_schedule=mma_schedule, mma_attention=mma_attention)
     if fused_o:
         why = fused_o_refusal(plan, spread_merge=spread_merge, split_barrier=barrier == "split")
         if why:
@@ -781,7 +807,8 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
             raise ValueError("group_fold lets a fused_split build's O blocks merge more splits of their KV group: it "
                              "needs fold_merge and fused_split on")
         folded = group_fold_splits(plan)
-    dealt_splits = _dealt_splits(plan, default_split_cap(plan, group_fold) if split_cap is None else split_cap)
+    dealt_splits = _dealt_splits(plan, default_split_cap(plan, group_fold, bool(mma_schedule)) if split_cap is None
+                                 else split_cap)
     if loader_warp:  # the measured pacing (codegen.loader.default_loader_gates ...) where it is not given
         loader_gates = (default_loader_gates(plan) if loader_qkv_ring else ()) if loader_gates is None else loader_gates
         loader_inflight = DEFAULT_INFLIGHT if loader_inflight is None else loader_inflight

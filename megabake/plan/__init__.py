@@ -270,10 +270,14 @@ EXPERIMENTAL_FEATURES = {"rope_tables": "per-layer rotary tables (Gemma 3: one R
                                        "codegen.default_group_fold; H100 GPU ms: Qwen3-0.6B @4000 0.903 -> 0.874, "
                                        "@1000 0.766 -> 0.740, Llama-3.2-1B @4000 1.027 -> 1.004; the whole GPU "
                                        "suite passed with it on, on an H100 in session 60)",
-                         "split_cap": "a group_fold build whose plan deals more than 16 split-KV splits a KV group "
-                                      "(batch 1 among the presets: Qwen2.5-0.5B and SmolLM-135M) deals at most 16, "
-                                      "so its O blocks merge every split (session 61: codegen.default_split_cap; "
-                                      "not timed or GPU-tested yet: scripts/gpu_session.sh's split-cap part)",
+                         "split_cap": "where a plan deals more than 16 split-KV splits a KV group and a whole "
+                                      "group fits one tensor-core item (batch 1 among the presets: Qwen2.5-0.5B and "
+                                      "SmolLM-135M), the default deals for the tensor cores with fused_o kept on, "
+                                      "over at most 16 splits that the O blocks merge (session 62: "
+                                      "codegen.default_mma_schedule / default_split_cap; H100 GPU ms, Qwen2.5-0.5B "
+                                      "b1: @1000 0.600 -> 0.587, @4000 0.654 -> 0.627, @16 level; its GPU tests "
+                                      "passed; SmolLM-135M not timed with it, the whole GPU suite not run with it "
+                                      "on: scripts/gpu_session.sh's split-cap part)",
                          "bulk_down": "with fused_mlp, a CTA's W_down columns by cp.async.bulk from a packed copy the "
                                       "runtime derives (session 48: codegen.generate(bulk_down=None) turns it on where "
                                       "fused_mlp is; the same bits; the whole GPU suite passed with it on, on an "
