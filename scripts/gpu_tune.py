@@ -310,7 +310,7 @@ BUILDS = {"default": {}, "no-loader": {"loader_warp": False}, "atom": {"barrier"
                                       "loader_drain": True},
           "loader-gate-att": {**LOADER, "loader_gates": ("qkv", "attention")},
           # session 61 candidate: Qwen3-0.6B's default pacing with the split-step gate at the CTA's items' end
-          # ("items") in place of its arrival after attention
+          # ("items") in place of its arrival after attention (session 62, H100: 3.7% slower at 4000)
           "loader-gate-1-drain-items": {**LOADER, "loader_gates": ("qkv", "items"), "loader_inflight": 1,
                                         "loader_drain": True},
           "loader-gate-q1": {**LOADER, "loader_gates": ("qkv",), "loader_qkv_inflight": 1}}

@@ -70,8 +70,11 @@ STREAMED_STAGES = ("norm_qkv", "norm_gate_up", "norm_lm_head")
 # candidate in place of "attention"): a split step's copies wait, in the same order, only until this CTA's split-KV
 # items are done, so they can land while split_o_block waits for the KV group's other items (session 59: the
 # "attention" gate held Qwen3-0.6B's gate/up interval at 4000 at 139 us against 88 at 16); the price is copies in
-# flight at the O stage's release. Value: the stage whose barrier is meant ("split_kv_items": no stage; the
-# consumers arrive right after their items, codegen._fused_split_stages).
+# flight at the O stage's release, and it is the larger: H100, session 62, GPU ms, "attention" -> "items",
+# Qwen3-0.6B @4000 0.882 -> 0.915 (gate/up 218 -> 184 us on CTA 0, attention 352 -> 373, down 79 -> 99), @1000
+# 0.752 -> 0.759, Qwen2.5-0.5B @4000 0.656 -> 0.669, the same bits; so it stays an opt-in build. Value: the stage
+# whose barrier is meant ("split_kv_items": no stage; the consumers arrive right after their items,
+# codegen._fused_split_stages).
 LOADER_GATES = {"qkv": "norm_qkv", "items": "split_kv_items", "attention": "o_residual", "mlp": "down_residual"}
 ITEMS_GATE = LOADER_GATES["items"]
 
