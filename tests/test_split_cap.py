@@ -97,8 +97,8 @@ def test_the_split_cap_feature_builds_the_capped_tensor_core_schedule_only_where
     not enabled (not GPU-verified yet); with it, Qwen2.5-0.5B's default (66 splits a KV group, 7-head groups that
     fit a tensor-core item) is byte for byte the build H100 timed fastest at 1000 and 4000 (gpu_tune's
     fused-mma-schedule-cap16: the schedule, fused_o kept, 16 splits that the O blocks merge), and the runtime reads
-    its dealing from the module. ``split_cap=False``, ``fused_o=False`` or ``mma_attention=False`` keep the plain
-    default; the cap never comes alone (it lost 7% at 1000); Qwen3-0.6B (16 splits a group already) is unchanged."""
+    its dealing from the module. ``split_cap=False``, ``fused_o=False``, ``mma_attention=False``, ``group_fold=False``
+    or ``fused_split=False`` keep the plain default's dealing; the cap never comes alone (it lost 7% at 1000); Qwen3-0.6B (16 splits a group already) is unchanged."""
     import megabake.plan as plan_module
     from megabake.codegen import default_split_cap
     from megabake.runtime import MegakernelDecoder
@@ -119,7 +119,8 @@ def test_the_split_cap_feature_builds_the_capped_tensor_core_schedule_only_where
     assert scheduled == generate(plan, split_cap=16, **SCHEDULE).source
     assert "\nKV_SPLITS = 16\n" in scheduled and "\nFOLD_SPLITS = 16\n" in scheduled
     assert "\nMMA_SLICES = " in scheduled and "\nFUSED_SPLIT = True\n" in scheduled
-    for off in ({"split_cap": False}, {"fused_o": False}, {"mma_attention": False}):
+    for off in ({"split_cap": False}, {"fused_o": False}, {"mma_attention": False}, {"group_fold": False},
+                {"fused_split": False}):
         source = generate(plan, **off).source
         assert "\nKV_SPLITS = 66\n" in source and "\nMMA_SLICES = " not in source, off
     assert generate(plan, split_cap=False).source == plain

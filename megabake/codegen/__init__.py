@@ -405,17 +405,20 @@ def _split_cap_applies(plan: Plan) -> bool:
 
 
 def default_mma_schedule(plan: Plan, *, mma_attention: bool, fused_o: bool | None, split_cap: int | bool | None,
-                         spread_merge: bool, barrier: str) -> bool:
+                         spread_merge: bool, barrier: str, fold_blocked: bool = False) -> bool:
     """Whether ``generate(plan, mma_schedule=None)`` deals split-KV attention for the tensor cores (whole KV
     groups over shorter chunks) with ``fused_o`` kept on: where :func:`_split_cap_applies`, the tensor cores are
-    on, the build can fuse (:func:`megabake.codegen.fused.fused_o_refusal`) and neither ``fused_o`` nor
-    ``split_cap`` is turned off; :func:`default_split_cap` then caps that dealing at ``GROUP_FOLD_MAX_SPLITS``.
+    on, the build can fuse (:func:`megabake.codegen.fused.fused_o_refusal`), neither ``fused_o`` nor ``split_cap``
+    is turned off and nothing the cap's group_fold needs is (``fold_blocked``: the caller turned off fold_merge,
+    fused_split or group_fold, or asked for fused_kv_smem); :func:`default_split_cap` then caps that dealing at
+    ``GROUP_FOLD_MAX_SPLITS``.
     That pair is what the ``split_cap`` feature builds because it is the pair that won: H100, session 62, GPU ms,
     Qwen2.5-0.5B b1 c4096, default -> fused-mma-schedule-cap16 (the cap alone; the schedule alone) at 16 0.541 ->
     0.544 (-; 0.538), 1000 0.600 -> 0.587 (0.643; 0.585), 4000 0.654 -> 0.627 (0.631; 0.690)
-    (benchmarks/results/2026-12-07-h100-session62). False elsewhere: the default since session 45."""
-    return (mma_attention and fused_o is not False and split_cap is not False and _split_cap_applies(plan)
-            and fused_o_refusal(plan, spread_merge=spread_merge, split_barrier=barrier == "split") is None)
+    (benchmarks/results/2026-12-07-h100-session62). False elsewhere: the schedule alone stays out of the default
+    (:func:`default_fused_o`)."""
+    return (mma_attention and fused_o is not False and split_cap is not False and not fold_blocked
+            and _split_cap_applies(plan) and fused_o_refusal(plan, spread_merge=spread_merge, split_barrier=barrier == "split") is None)
 
 
 def default_split_cap(plan: Plan, group_fold: bool, mma_schedule: bool) -> int | None:
@@ -730,7 +733,8 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
                          "step's K/V at the step): build without it")
     scheduled = mma_schedule is None and default_mma_schedule(
         plan, mma_attention=bool(mma_attention), fused_o=fused_o, split_cap=split_cap, spread_merge=spread_merge,
-        barrier=barrier)  # the split_cap feature's pair: the tensor-core schedule with fused_o kept on, capped below
+        barrier=barrier, fold_blocked=not fold_merge or fused_split is False or group_fold is False or fused_kv_smem,
+    )  # the split_cap feature's pair: the tensor-core schedule with fused_o kept on, capped below
     mma_schedule = scheduled if mma_schedule is None else mma_schedule
     if mma_schedule and not mma_attention:
         raise ValueError("mma_schedule deals split-KV items for the tensor cores: it needs mma_attention=True")
