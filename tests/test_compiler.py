@@ -378,6 +378,15 @@ def test_step_inputs_take_the_same_values_on_the_fast_path_and_off_it():
     bucket._check_position = types.MethodType(MegakernelDecoder._check_position, bucket)
     check = types.MethodType(MegakernelDecoder._check_inputs, bucket)
     assert check([7, 99], 63) == check(np.array([7, 99]), 63) == check(torch.tensor([7, 99]), 63) == [7, 99, 0, 0]
+    # a numpy or tensor position takes the full checks, with the same bounds (it was refused before session 63)
+    for position in (np.int64(63), np.int32(5), torch.tensor(5), torch.tensor([5])):
+        assert check([7], position) == [7, 0, 0, 0]
+    for position, why in ((np.int64(64), "capacity"), (np.int64(-1), "capacity"), (np.bool_(True), "must be an int"),
+                          (np.float32(2.0), "must be an int"), (torch.tensor(True), "must be an int"),
+                          (torch.tensor([1, 2]), "must be an int"), (torch.tensor(2.0), "must be an int"),
+                          ("3", "must be an int")):
+        with pytest.raises(InputError, match=why):
+            check([7], position)
     assert check([1, 2, 3, 4], 0) == [1, 2, 3, 4]
     assert check(5, torch.tensor(3)) == [5, 0, 0, 0]
     # the staging row the step graph copies to the device: the padded ids, then the position (one numpy write)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import operator
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,6 +116,18 @@ def host_token_ids(token_ids) -> list[int]:
             raise InputError(f"token ids must be integers, got {type(value).__name__} {value!r}")
         ints.append(int(value.__index__()))
     return ints
+
+
+def host_position(position) -> int:
+    """A step's position as a host int: a Python or numpy integer, or a one-element integer tensor (anything
+    ``operator.index`` takes, as token ids are), never a bool, a float or a string."""
+    if isinstance(position, bool) or torch.is_tensor(position) and (
+            position.numel() != 1 or position.dtype == torch.bool or position.is_floating_point()):
+        raise InputError(f"position must be an int, got {type(position).__name__} {position!r}")
+    try:
+        return operator.index(position)
+    except TypeError:
+        raise InputError(f"position must be an int, got {type(position).__name__} {position!r}") from None
 
 
 def _module_flag(module_source: str, name: str) -> bool:
@@ -292,10 +305,7 @@ class MegakernelDecoder:
         return tokens + [0] * (self.batch - len(tokens))
 
     def _check_position(self, position, count: int = 1) -> int:
-        if isinstance(position, bool) or not isinstance(position, int) and not (
-                torch.is_tensor(position) and position.numel() == 1 and not position.is_floating_point()):
-            raise InputError(f"position must be an int, got {type(position).__name__}")
-        position = int(position)
+        position = host_position(position)
         if position < 0 or position + count - 1 >= self.capacity:
             last = position + count - 1
             raise InputError(f"position {last if position >= 0 else position} is outside the KV capacity "
