@@ -360,7 +360,7 @@ def test_reference_decoder_rejects_bad_inputs(tiny):
     for tokens, position, why in (([tiny.plan.dims.vocab], 0, "vocabulary"), ([-1], 0, "vocabulary"),
                                   ([1, 2], 0, "batch"), ([], 0, "no token ids"), ([True], 0, "integers"),
                                   (["7"], 0, "integers"), ([1], tiny.plan.capacity, "capacity"),
-                                  ([1], -1, "capacity"), ([1], True, "position must be an int")):
+                                  ([1], -1, "negative"), ([1], True, "position must be an int")):
         with pytest.raises(InputError, match=why):
             decoder.step(tokens, position)
 
@@ -381,7 +381,7 @@ def test_step_inputs_take_the_same_values_on_the_fast_path_and_off_it():
     # a numpy or tensor position takes the full checks, with the same bounds (it was refused before session 63)
     for position in (np.int64(63), np.int32(5), torch.tensor(5), torch.tensor([5])):
         assert check([7], position) == [7, 0, 0, 0]
-    for position, why in ((np.int64(64), "capacity"), (np.int64(-1), "capacity"), (np.bool_(True), "must be an int"),
+    for position, why in ((np.int64(64), "capacity"), (np.int64(-1), "negative"), (np.bool_(True), "must be an int"),
                           (np.float32(2.0), "must be an int"), (torch.tensor(True), "must be an int"),
                           (torch.tensor([1, 2]), "must be an int"), (torch.tensor(2.0), "must be an int"),
                           ("3", "must be an int")):

@@ -306,10 +306,12 @@ class MegakernelDecoder:
 
     def _check_position(self, position, count: int = 1) -> int:
         position = host_position(position)
-        if position < 0 or position + count - 1 >= self.capacity:
-            last = position + count - 1
-            raise InputError(f"position {last if position >= 0 else position} is outside the KV capacity "
-                             f"[0, {self.capacity}): the cache is full; bake a bucket with a larger --capacity")
+        if position < 0:
+            raise InputError(f"position {position} is negative: a step's position is the number of tokens already "
+                             f"in the KV cache, from 0")
+        if position + count - 1 >= self.capacity:
+            raise InputError(f"position {position + count - 1} is outside the KV capacity [0, {self.capacity}): the "
+                             f"cache is full; bake a bucket with a larger --capacity")
         return position
 
     def _stage(self, row: int, tokens: list[int], position: int) -> None:
