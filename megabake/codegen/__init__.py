@@ -393,12 +393,22 @@ MMA_EARLY_L1 = 4  # ... in an early_kv="l1" build (bodies.MMA_EARLY_L1)
 EARLY_KV_MODES = (False, True, "l1")
 
 
+SPLIT_CAP_MIN_GROUP_HEADS = 7  # the smallest KV group (query heads) the capped schedule was measured to win on
+
+
 def _split_cap_applies(plan: Plan) -> bool:
     """The ``split_cap`` feature is enabled (:func:`megabake.plan.feature_enabled`; not GPU-verified yet, so off
     unless ``MEGABAKE_EXPERIMENTAL_LAYOUTS`` names it), the plan deals more than ``GROUP_FOLD_MAX_SPLITS`` splits a
     KV group (among the presets, at batch 1: Qwen2.5-0.5B 66, SmolLM-135M 44), a whole KV group fits one
-    tensor-core item (:func:`fused_mma_fits`) and the cap keeps one split per head slice."""
-    if not (feature_enabled("split_cap") and kv_splits(plan) > GROUP_FOLD_MAX_SPLITS and fused_mma_fits(plan)):
+    tensor-core item (:func:`fused_mma_fits`), the group has at least ``SPLIT_CAP_MIN_GROUP_HEADS`` query heads and
+    the cap keeps one split per head slice.
+    The group size is where it was measured to win (H100, session 63, GPU ms, default -> the capped schedule):
+    Qwen2.5-0.5B's 7-head groups at 16 / 1000 / 4000 0.532 -> 0.535 / 0.597 -> 0.586 / 0.649 -> 0.621, SmolLM-135M's
+    3-head groups 0.345 -> 0.347 / 0.401 -> 0.410 / 0.424 -> 0.413 at 16 / 1000 / 2000 (a 2% loss at 1000), so
+    SmolLM-135M keeps the default dealing (benchmarks/results/2026-12-07-h100-session63)."""
+    group_heads = plan.dims.n_heads // plan.dims.n_kv_heads
+    if not (feature_enabled("split_cap") and kv_splits(plan) > GROUP_FOLD_MAX_SPLITS and fused_mma_fits(plan)
+            and group_heads >= SPLIT_CAP_MIN_GROUP_HEADS):
         return False
     tiling = next(s.tiling for s in plan.stages if s.kind == "attention")
     return GROUP_FOLD_MAX_SPLITS >= max(2, tiling.head_slices)
