@@ -107,7 +107,9 @@
 #          missing from it until session 52) at once, as
 #          SHARDS (default 4) pytest processes on the one GPU
 #          (pytest --shard I/N, tests/sharding.py: their CPU-bound setup, random init and CuTe DSL compiles,
-#          overlaps; kernels time-share the GPU) -> OUT/pytest-gpu-shard*.log (3 processes: 6.6 min, session 16)
+#          overlaps; kernels time-share the GPU) -> OUT/pytest-gpu-shard*.log (3 processes: 6.6 min, session 16;
+#          8 shards on an H100: 490 s in session 62, and more than 520 s with MEGABAKE_EXPERIMENTAL_LAYOUTS=split_cap
+#          in session 63, whose TEST_LIMIT=520 cut 7 shards short: use TEST_LIMIT=570 and a 600 s call)
 #   loader-flip: the gate for making the loader warp a verified default (session 54). It exports
 #          MEGABAKE_EXPERIMENTAL_LAYOUTS=loader_warp (for the parts after it too; redundant since session 55 made it
 #          a verified feature), which changes only Qwen3-0.6B and Qwen2.5-0.5B builds at batch 1, and runs every GPU
@@ -141,13 +143,11 @@
 #          against the L1 one on the loader builds at 16 (Qwen3-0.6B, Qwen2.5-0.5B: early-kv spills there)
 #          -> OUT/pytest-gpu-early-kv.log, OUT/tune-*-b*-p*.log (session 60 on an H100: the same bits, no faster;
 #          the 600 s limit cut the last spec)
-#   split-cap: session 60's split_cap candidate, on the default's dealing (gpu_tune build cap16: what the
-#          split_cap feature builds, codegen.default_split_cap, session 61) and under the tensor-core dealing
-#          (fused-mma-schedule-cap16: whole KV groups over at most 16 splits, merged by the O blocks since
-#          group_fold), and session 45's fused-mma-schedule, which group_fold now merges in the O blocks up to 16
-#          active splits: their four GPU tests (the kernel against its reference executor), then the builds
-#          against the default on Qwen2.5-0.5B b1 at 4000, SmolLM-135M b1 at 2000 and Qwen2.5-0.5B b1 at 1000
-#          -> OUT/pytest-gpu-split-cap.log, OUT/tune-*-p*.log, OUT/tune-json.tar.gz (not run yet, ~9 min?)
+#   split-cap: what the split_cap feature builds (session 62: the tensor-core schedule with fused_o, at most 16
+#          splits a KV group; gpu_tune build fused-mma-schedule-cap16): the GPU tests of that build on Qwen2.5-0.5B and
+#          SmolLM-135M (build4 / build5, the kernel against its reference executor), then the default against it at
+#          4000 / 1000 / 16 (Qwen2.5-0.5B) and 2000 / 1000 / 16 (SmolLM-135M; not in the feature since session 63)
+#          -> OUT/pytest-gpu-split-cap.log, OUT/tune-*-p*.log, OUT/tune-json.tar.gz (515 s on an H100, session 63)
 #   items-gate: session 61's loader gate "items" (a split step's gate/up, W_down and next-QKV copies released once
 #          the CTA's split-KV items are done, not after its arrival past attention; the same bits): the Qwen3-0.6B
 #          and Qwen2.5-0.5B cases of the loader's GPU bit test, then the default against gpu_tune's
