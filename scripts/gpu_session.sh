@@ -148,6 +148,9 @@
 #          SmolLM-135M (build4 / build5, the kernel against its reference executor), then the default against it at
 #          4000 / 1000 / 16 (Qwen2.5-0.5B) and 2000 / 1000 / 16 (SmolLM-135M; not in the feature since session 63)
 #          -> OUT/pytest-gpu-split-cap.log, OUT/tune-*-p*.log, OUT/tune-json.tar.gz (515 s on an H100, session 63)
+#   split-cap-suite: the GPU tests that name qwen2.5-0.5b (the only preset the split_cap feature changes, session
+#          63) with MEGABAKE_EXPERIMENTAL_LAYOUTS=split_cap, in 4 processes -> OUT/pytest-gpu-scs*.log,
+#          OUT/split-cap-suite-ids.txt (~5 min?, not run yet)
 #   items-gate: session 61's loader gate "items" (a split step's gate/up, W_down and next-QKV copies released once
 #          the CTA's split-KV items are done, not after its arrival past attention; the same bits): the Qwen3-0.6B
 #          and Qwen2.5-0.5B cases of the loader's GPU bit test, then the default against gpu_tune's
@@ -400,6 +403,27 @@ if [[ " $PARTS " == *" split-cap "* ]]; then
   done
   # a call brings back 8 files at most: the 7 logs, and the tune JSONs in one archive
   (cd "$OUT" && tar -czf tune-json.tar.gz p*/ && rm -rf p*/)
+fi
+if [[ " $PARTS " == *" split-cap-suite "* ]]; then
+  # the GPU tests the split_cap feature can move, with it on: among the presets it changes only Qwen2.5-0.5B's modules
+  # (tests/test_split_cap.py pins that: codegen.split_cap_fits_group), so the tests of the tests-parallel files whose
+  # ids name qwen2.5-0.5b (15 in session 63), dealt round-robin over 4 pytest processes (~5 min?). If all pass (and
+  # every other module is the default's byte for byte), the feature may join GPU_VERIFIED_FEATURES.
+  ids=$(MEGABAKE_EXPERIMENTAL_LAYOUTS=split_cap python3 -m pytest -m gpu -q -p no:cacheprovider --collect-only \
+    -k "qwen2.5" "${TESTS3[@]:2}" tests/test_fused_o_gpu.py tests/test_global_down_gpu.py tests/test_mma_wide_gpu.py \
+    tests/test_fused_mlp_gpu.py tests/test_fused_split_gpu.py tests/test_spare_warp_gpu.py \
+    tests/test_loader_warp_gpu.py 2>/dev/null | grep "::")
+  echo "$ids" >"$OUT/split-cap-suite-ids.txt"
+  names=()
+  for ((i = 0; i < 4; i++)); do
+    names+=("scs$i")
+    mapfile -t part < <(echo "$ids" | awk -v i="$i" 'NF && (NR - 1) % 4 == i')
+    ((${#part[@]})) || continue
+    MEGABAKE_EXPERIMENTAL_LAYOUTS=split_cap OMP_NUM_THREADS=$(( $(nproc) / 4 )) \
+      TEST_LIMIT=${TEST_LIMIT:-500} run_tests "scs$i" "" "${part[@]}" &
+  done
+  wait
+  collect_tests "${names[@]}"
 fi
 if [[ " $PARTS " == *" items-gate "* ]]; then
   TEST_LIMIT=${TEST_LIMIT:-240} run_tests items-gate "loader_warp_gives_the_fused_default_bits and qwen" \

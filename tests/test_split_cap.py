@@ -143,3 +143,19 @@ def _without_feature(plan, monkeypatch) -> str:
     with monkeypatch.context() as scoped:
         scoped.delenv("MEGABAKE_EXPERIMENTAL_LAYOUTS", raising=False)
         return generate(plan).source
+
+
+def test_among_the_presets_the_split_cap_feature_can_change_only_qwen25():
+    """``codegen.split_cap_fits_group`` (session 63: 7+ query heads a KV group, one tensor-core item) holds for
+    Qwen2.5-0.5B's groups alone, so with the feature on no other preset's module changes at any batch or capacity,
+    and the GPU tests that name qwen2.5-0.5b are the ones it can move (gpu_session.sh ``PARTS=split-cap-suite``)."""
+    from megabake.codegen import split_cap_fits_group
+    from megabake.presets import PRESETS
+
+    def group(config: dict) -> tuple[int, int]:
+        heads = config["num_attention_heads"]
+        head_dim = config.get("head_dim") or config["hidden_size"] // heads
+        return heads // config.get("num_key_value_heads", heads), head_dim
+
+    assert {name for name, preset in PRESETS.items() if split_cap_fits_group(*group(preset.config))} == {"qwen2.5-0.5b"}
+    assert not split_cap_fits_group(3, 64) and not split_cap_fits_group(8, 256) and split_cap_fits_group(8, 128)

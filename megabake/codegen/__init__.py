@@ -396,6 +396,13 @@ EARLY_KV_MODES = (False, True, "l1")
 SPLIT_CAP_MIN_GROUP_HEADS = 7  # the smallest KV group (query heads) the capped schedule was measured to win on
 
 
+def split_cap_fits_group(group_heads: int, head_dim: int) -> bool:
+    """A KV group of ``group_heads`` query heads of ``head_dim`` the ``split_cap`` feature may deal: one tensor-core
+    item holds it (:func:`fused_mma_fits`) and it has at least ``SPLIT_CAP_MIN_GROUP_HEADS`` heads. Among the presets
+    only Qwen2.5-0.5B's groups (7 heads of 64) qualify, so the feature changes no other preset's module."""
+    return group_heads >= SPLIT_CAP_MIN_GROUP_HEADS and mma_attention_fits(group_heads, head_dim)
+
+
 def _split_cap_applies(plan: Plan) -> bool:
     """The ``split_cap`` feature is enabled (:func:`megabake.plan.feature_enabled`; not GPU-verified yet, so off
     unless ``MEGABAKE_EXPERIMENTAL_LAYOUTS`` names it), the plan deals more than ``GROUP_FOLD_MAX_SPLITS`` splits a
@@ -407,8 +414,8 @@ def _split_cap_applies(plan: Plan) -> bool:
     3-head groups 0.345 -> 0.347 / 0.401 -> 0.410 / 0.424 -> 0.413 at 16 / 1000 / 2000 (a 2% loss at 1000), so
     SmolLM-135M keeps the default dealing (benchmarks/results/2026-12-07-h100-session63)."""
     group_heads = plan.dims.n_heads // plan.dims.n_kv_heads
-    if not (feature_enabled("split_cap") and kv_splits(plan) > GROUP_FOLD_MAX_SPLITS and fused_mma_fits(plan)
-            and group_heads >= SPLIT_CAP_MIN_GROUP_HEADS):
+    if not (feature_enabled("split_cap") and kv_splits(plan) > GROUP_FOLD_MAX_SPLITS
+            and split_cap_fits_group(group_heads, plan.dims.head_dim)):
         return False
     tiling = next(s.tiling for s in plan.stages if s.kind == "attention")
     return GROUP_FOLD_MAX_SPLITS >= max(2, tiling.head_slices)
