@@ -98,8 +98,9 @@ def test_the_split_cap_feature_builds_the_capped_tensor_core_schedule_only_where
     fit a tensor-core item) is byte for byte the build H100 timed fastest at 1000 and 4000 (gpu_tune's
     fused-mma-schedule-cap16: the schedule, fused_o kept, 16 splits that the O blocks merge), and the runtime reads
     its dealing from the module. ``split_cap=False``, ``fused_o=False``, ``mma_attention=False``, ``group_fold=False``
-    or ``fused_split=False`` keep the plain default's dealing; the cap never comes alone (it lost 7% at 1000); Qwen3-0.6B (16 splits a group already) and SmolLM-135M (3-head groups, which lost
-    at 1000: ``SPLIT_CAP_MIN_GROUP_HEADS``) are unchanged."""
+    or ``fused_split=False`` keep the plain default's dealing; the cap never comes alone (it lost 7% at 1000);
+    Qwen3-0.6B (16 splits a group already) and SmolLM-135M (3-head groups, which lost at 1000:
+    ``SPLIT_CAP_MIN_GROUP_HEADS``) are unchanged."""
     import megabake.plan as plan_module
     from megabake.codegen import default_split_cap
     from megabake.runtime import MegakernelDecoder
