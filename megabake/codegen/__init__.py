@@ -435,7 +435,8 @@ def default_mma_schedule(plan: Plan, *, mma_attention: bool, fused_o: bool | Non
     (benchmarks/results/2026-12-07-h100-session62). False elsewhere: the schedule alone stays out of the default
     (:func:`default_fused_o`)."""
     return (mma_attention and fused_o is not False and split_cap is not False and not fold_blocked
-            and _split_cap_applies(plan) and fused_o_refusal(plan, spread_merge=spread_merge, split_barrier=barrier == "split") is None)
+            and _split_cap_applies(plan)
+            and fused_o_refusal(plan, spread_merge=spread_merge, split_barrier=barrier == "split") is None)
 
 
 def default_split_cap(plan: Plan, group_fold: bool, mma_schedule: bool) -> int | None:

@@ -121,13 +121,13 @@ def host_token_ids(token_ids) -> list[int]:
 def host_position(position) -> int:
     """A step's position as a host int: a Python or numpy integer, or a one-element integer tensor (anything
     ``operator.index`` takes, as token ids are), never a bool, a float or a string."""
-    if isinstance(position, bool) or torch.is_tensor(position) and (
-            position.numel() != 1 or position.dtype == torch.bool or position.is_floating_point()):
-        raise InputError(f"position must be an int, got {type(position).__name__} {position!r}")
-    try:
-        return operator.index(position)
-    except TypeError:
-        raise InputError(f"position must be an int, got {type(position).__name__} {position!r}") from None
+    if not (isinstance(position, bool) or torch.is_tensor(position) and (
+            position.numel() != 1 or position.dtype == torch.bool or position.is_floating_point())):
+        try:
+            return operator.index(position)
+        except TypeError:
+            pass
+    raise InputError(f"position must be an int, got {type(position).__name__} {position!r}")
 
 
 def _module_flag(module_source: str, name: str) -> bool:
