@@ -63,15 +63,19 @@ SCORED_GPU = "h200"  # issue 12's criteria are H200 numbers
 # tensor-core items for heads of 256 dims (Gemma, mma_wide), 45 fused_split and fused_mlp at batch 1 (those
 # presets, every context), 49 spare_warp and bulk_down (warp 0's ring fills after each wait: every preset's batch-1
 # build fills rings, batch 4 / 8 builds do not), 55 the paced loader warp (LOADER_PRESETS at batch 1), 60 the O
-# blocks' merge of up to 16 splits (GROUP_FOLD_PRESETS at batch 1); a failing row measured before the change that
-# applies to it is stale, and "Re-bench first" lists it (:func:`default_since`)
-KV_PREFETCH_CAPPED, MMA_ATTENTION, MMA_WIDE, SPARE_WARP, LOADER_WARP, GROUP_FOLD = 29, 33, 42, 49, 55, 60
+# blocks' merge of up to 16 splits (GROUP_FOLD_PRESETS at batch 1), 64 the split cap (SPLIT_CAP_PRESETS at batch 1:
+# the tensor-core schedule over at most 16 splits a KV group); a failing row measured before the change that applies
+# to it is stale, and "Re-bench first" lists it (:func:`default_since`)
+KV_PREFETCH_CAPPED, MMA_ATTENTION, MMA_WIDE, SPARE_WARP, LOADER_WARP, GROUP_FOLD, SPLIT_CAP = 29, 33, 42, 49, 55, 60, 64
 # the presets whose batch-1 default builds the loader warp (megabake.codegen.loader.default_loader_warp; pinned by
 # tests/test_loader_warp.py, which builds every preset)
 LOADER_PRESETS = frozenset({"qwen3-0.6b", "qwen2.5-0.5b"})
 # the presets whose batch-1 default module group_fold changes (megabake.codegen.default_group_fold: fused_split
 # with more than 8 splits a KV group; pinned by tests/test_families.py, which builds every preset)
 GROUP_FOLD_PRESETS = frozenset({"smollm-135m", "llama-3.2-1b", "qwen2.5-0.5b", "qwen3-0.6b", "granite-3.1-2b"})
+# the presets whose batch-1 default module the split_cap feature changes (megabake.codegen.split_cap_fits_group: KV
+# groups of 7+ query heads; pinned by tests/test_split_cap.py, which checks every preset)
+SPLIT_CAP_PRESETS = frozenset({"qwen2.5-0.5b"})
 
 
 @dataclass(frozen=True)
@@ -363,7 +367,8 @@ def host_line(best: dict) -> str:
 
 def default_since(config, batch: int, cls: str | None, preset: str = "") -> int:
     """The session since which a (preset, batch, position class) cell runs the default kernel of today: at batch 1,
-    60 for :data:`GROUP_FOLD_PRESETS` (the O blocks merge up to 16 splits), 55 for the other :data:`LOADER_PRESETS`
+    64 for :data:`SPLIT_CAP_PRESETS` (the capped tensor-core schedule), 60 for the other :data:`GROUP_FOLD_PRESETS`
+    (the O blocks merge up to 16 splits), 55 for the other :data:`LOADER_PRESETS`
     (the paced loader warp), else 49 (spare_warp on every preset's ring fills, bulk_down where fused_mlp applies);
     at batches 4 / 8, 33 where the
     model's KV groups are 2-8 query heads of 64 or 128 dims (the tensor-core attention,
@@ -373,6 +378,8 @@ def default_since(config, batch: int, cls: str | None, preset: str = "") -> int:
     head_dim = _head_dim(config)
     group = config.num_attention_heads // config.num_key_value_heads
     if batch == 1:
+        if preset in SPLIT_CAP_PRESETS:
+            return SPLIT_CAP
         if preset in GROUP_FOLD_PRESETS:
             return GROUP_FOLD
         return LOADER_WARP if preset in LOADER_PRESETS else SPARE_WARP
@@ -523,7 +530,8 @@ def render(cells: list[Cell], presets: list[str], config_of=preset_config) -> st
              "", "## Short-context GPU time", "", *short_target_table(best), "", batch8_line(cells, best), "",
              host_line(best), "", "## Re-bench first", "",
              f"Rows that fail a criterion on cells measured before today's default kernel (session {SPARE_WARP} at "
-             f"batch 1, {GROUP_FOLD} for {', '.join(sorted(GROUP_FOLD_PRESETS))}{_loader_only()}, {MMA_ATTENTION} "
+             f"batch 1, {SPLIT_CAP} for {', '.join(sorted(SPLIT_CAP_PRESETS))}, {GROUP_FOLD} for "
+             f"{', '.join(sorted(GROUP_FOLD_PRESETS - SPLIT_CAP_PRESETS))}{_loader_only()}, {MMA_ATTENTION} "
              "at other batches for "
              f"KV groups of 2-8 heads of 64 / 128 dims, {MMA_WIDE} for groups of 2-8 heads of 256, else "
              f"{KV_PREFETCH_CAPPED}):", ""]

@@ -193,6 +193,8 @@ def test_rebench_first_lists_failing_rows_measured_before_todays_default(status,
     assert "- new batch" not in rebench
     assert status.default_since(GQA, 1, "~16") == 49 and status.default_since(GQA, 1, "~4000") == 49  # spare_warp
     assert status.default_since(GQA, 1, "~16", "qwen3-0.6b") == 60  # group_fold (status.GROUP_FOLD_PRESETS)
+    assert status.default_since(GQA, 1, "~4000", "qwen2.5-0.5b") == 64  # split_cap (status.SPLIT_CAP_PRESETS)
+    assert status.default_since(GQA, 8, "~4000", "qwen2.5-0.5b") == 33  # batch 1 only
     assert status.default_since(GQA, 1, "~16", "phi-3-mini") == 49  # group_fold does not change it
     assert status.default_since(GQA, 4, "~16", "qwen3-0.6b") == 33  # batch 1 only
     assert status.default_since(GQA, 4, "~16") == 33

@@ -32,11 +32,13 @@ def _changed_lines(a: str, b: str) -> list[str]:
 def test_the_cap_changes_only_the_splits_the_module_deals(qwen25):
     plan = qwen25.plan
     assert kv_splits(plan) == 66
-    assert _changed_lines(generate(plan).source, generate(plan, split_cap=16).source) == [
+    plain = {"mma_schedule": False}  # the lane-group dealing (the split_cap feature's default adds the schedule)
+    assert _changed_lines(generate(plan, split_cap=False).source, generate(plan, split_cap=16, **plain).source) == [
         "-KV_SPLITS = 66", "+KV_SPLITS = 16"]
-    assert _changed_lines(generate(plan, **SCHEDULE).source, generate(plan, split_cap=16, **SCHEDULE).source) == [
+    assert _changed_lines(generate(plan, split_cap=False, **SCHEDULE).source,
+                          generate(plan, split_cap=16, **SCHEDULE).source) == [
         "-KV_SPLITS = 66", "+KV_SPLITS = 16"]
-    assert "\nKV_SPLITS = 66\n" in generate(plan, split_cap=100).source  # a cap above the plan's splits: no change
+    assert "\nKV_SPLITS = 66\n" in generate(plan, split_cap=100, **plain).source  # a cap above the plan's splits
 
 
 def test_refusals_name_the_cause_and_the_fix(qwen25):
@@ -152,11 +154,13 @@ def test_among_the_presets_the_split_cap_feature_can_change_only_qwen25():
     and the GPU tests that name qwen2.5-0.5b are the ones it can move (gpu_session.sh ``PARTS=split-cap-suite``)."""
     from megabake.codegen import split_cap_fits_group
     from megabake.presets import PRESETS
+    from tests.test_loader_warp import _bench_status
 
     def group(config: dict) -> tuple[int, int]:
         heads = config["num_attention_heads"]
         head_dim = config.get("head_dim") or config["hidden_size"] // heads
         return heads // config.get("num_key_value_heads", heads), head_dim
 
-    assert {name for name, preset in PRESETS.items() if split_cap_fits_group(*group(preset.config))} == {"qwen2.5-0.5b"}
+    fits = {name for name, preset in PRESETS.items() if split_cap_fits_group(*group(preset.config))}
+    assert fits == {"qwen2.5-0.5b"} == _bench_status().SPLIT_CAP_PRESETS  # the scorecard dates these by session 64
     assert not split_cap_fits_group(3, 64) and not split_cap_fits_group(8, 256) and split_cap_fits_group(8, 128)

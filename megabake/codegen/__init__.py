@@ -404,8 +404,8 @@ def split_cap_fits_group(group_heads: int, head_dim: int) -> bool:
 
 
 def _split_cap_applies(plan: Plan) -> bool:
-    """The ``split_cap`` feature is enabled (:func:`megabake.plan.feature_enabled`; not GPU-verified yet, so off
-    unless ``MEGABAKE_EXPERIMENTAL_LAYOUTS`` names it), the plan deals more than ``GROUP_FOLD_MAX_SPLITS`` splits a
+    """The ``split_cap`` feature is enabled (:func:`megabake.plan.feature_enabled`: in ``GPU_VERIFIED_FEATURES`` since
+    session 64, so by default), the plan deals more than ``GROUP_FOLD_MAX_SPLITS`` splits a
     KV group (among the presets, at batch 1: Qwen2.5-0.5B 66, SmolLM-135M 44), a whole KV group fits one
     tensor-core item (:func:`fused_mma_fits`), the group has at least ``SPLIT_CAP_MIN_GROUP_HEADS`` query heads and
     the cap keeps one split per head slice.
@@ -604,13 +604,14 @@ def generate(plan: Plan, *, plan_hash: str | None = None, timeline: bool | str =
     the same bits; ``early_kv="l1"`` prefetches those rows' lines into L1 there instead, which holds no registers
     (the loader builds' 168 spill with the first set held across the roping); H100, session 60, GPU ms, default /
     early_kv / "l1": Llama-3.2-1B at 4000 1.017 / 1.045 / 1.023, at 16 0.940 / 0.944 / 0.942, so both stay off.
-    ``split_cap`` (a candidate, session 60) deals split-KV attention over at most that many splits per KV group (the
-    module's ``KV_SPLITS``; the items and buffers keep the plan's layout, ``plan.attention.capped_splits``): fewer,
-    longer chunks, so with ``group_fold`` the O blocks merge every split themselves where the plan has more than 16
-    (Qwen2.5-0.5B b1: 66); refused below the plan's head slices or 2; the runtime's reference executor deals alike;
+    ``split_cap`` (session 60; Qwen2.5-0.5B b1's default since session 64) deals split-KV attention over at most
+    that many splits per KV group (the module's ``KV_SPLITS``; the items and buffers keep the plan's layout,
+    ``plan.attention.capped_splits``): fewer, longer chunks, so with ``group_fold`` the O blocks merge every split
+    themselves where the plan has more than 16 (Qwen2.5-0.5B b1: 66); refused below the plan's head slices or 2;
+    the runtime's reference executor deals alike;
     None: :func:`default_split_cap` (16 where the ``split_cap`` feature is enabled and it changes the dealing of a
-    ``mma_schedule`` build, else no cap), False: no cap. ``mma_schedule=None``: :func:`default_mma_schedule` (off
-    unless the ``split_cap`` feature is enabled; where it turns the schedule on, ``fused_o=None`` means on).
+    ``mma_schedule`` build, else no cap), False: no cap. ``mma_schedule=None``: :func:`default_mma_schedule` (on
+    where the ``split_cap`` feature applies: Qwen2.5-0.5B b1 among the presets; there ``fused_o=None`` means on).
     ``fused_o`` (session 34, measured
     faster in session 35): a step whose context fits the first split-KV chunk runs its attention and the O
     projection in one barrier interval (``bodies.fused_attention_o``; one grid barrier less per layer), other steps
