@@ -1,8 +1,8 @@
-"""The ``split_cap`` build (session 60 candidate, built without a GPU): split-KV attention dealt over at most
-``split_cap`` splits per KV group (``codegen.generate(plan, split_cap=N)``, ``plan.attention.capped_splits``).
-Only the module's ``KV_SPLITS`` changes; the runtime's reference executor deals over it too, and the capped
-dealing covers every visible key once (its fp32 logits equal the plan's dealing's to fp32 order). Its kernel
-numerics run on the GPU: tests/test_fused_split_gpu.py."""
+"""The ``split_cap`` build (session 60; Qwen2.5-0.5B b1's default since session 64, when its GPU tests passed on an
+H100): split-KV attention dealt over at most ``split_cap`` splits per KV group (``codegen.generate(plan,
+split_cap=N)``, ``plan.attention.capped_splits``). Only the module's ``KV_SPLITS`` changes; the runtime's reference
+executor deals over it too, and the capped dealing covers every visible key once (its fp32 logits equal the plan's
+dealing's to fp32 order). Its kernel numerics run on the GPU: tests/test_fused_split_gpu.py."""
 
 from __future__ import annotations
 
@@ -96,12 +96,12 @@ def test_a_capped_fused_build_compiles_for_sm90a(build, tmp_path):
 def test_the_split_cap_feature_builds_the_capped_tensor_core_schedule_only_where_groups_have_more_splits(
         qwen25, monkeypatch):
     """``codegen.default_mma_schedule`` / ``default_split_cap`` (session 62): off while the ``split_cap`` feature is
-    not enabled (not GPU-verified yet); with it, Qwen2.5-0.5B's default (66 splits a KV group, 7-head groups that
-    fit a tensor-core item) is byte for byte the build H100 timed fastest at 1000 and 4000 (gpu_tune's
-    fused-mma-schedule-cap16: the schedule, fused_o kept, 16 splits that the O blocks merge), and the runtime reads
-    its dealing from the module. ``split_cap=False``, ``fused_o=False``, ``mma_attention=False``, ``group_fold=False``
-    or ``fused_split=False`` keep the plain default's dealing; the cap never comes alone (it lost 7% at 1000);
-    Qwen3-0.6B (16 splits a group already) and SmolLM-135M (3-head groups, which lost at 1000:
+    not enabled (here: taken out of ``GPU_VERIFIED_FEATURES``); with it, Qwen2.5-0.5B's default (66 splits a KV
+    group, 7-head groups that fit a tensor-core item) is byte for byte the build H100 timed fastest at 1000 and 4000
+    (gpu_tune's fused-mma-schedule-cap16: the schedule, fused_o kept, 16 splits that the O blocks merge), and the
+    runtime reads its dealing from the module. ``split_cap=False``, ``fused_o=False``, ``mma_attention=False``,
+    ``group_fold=False`` or ``fused_split=False`` keep the plain default's dealing; the cap never comes alone (it
+    lost 7% at 1000); Qwen3-0.6B (16 splits a group already) and SmolLM-135M (3-head groups, which lost at 1000:
     ``SPLIT_CAP_MIN_GROUP_HEADS``) are unchanged."""
     import megabake.plan as plan_module
     from megabake.codegen import default_split_cap
@@ -139,6 +139,17 @@ def test_the_split_cap_feature_builds_the_capped_tensor_core_schedule_only_where
     smollm = compile_preset("smollm-135m", layers=1, vocab=512, capacity=2048).plan
     assert kv_splits(smollm) > 16 and default_split_cap(smollm, group_fold=True, mma_schedule=True) is None
     assert generate(smollm).source == _without_feature(smollm, monkeypatch)
+
+
+def test_qwen25_b1_builds_the_capped_schedule_by_default(qwen25, monkeypatch):
+    """``split_cap`` is in ``GPU_VERIFIED_FEATURES`` (session 64: the 15 Qwen2.5-0.5B GPU tests passed with it on, on
+    an H100), so with nothing exported Qwen2.5-0.5B's batch-1 default is the capped tensor-core schedule, and
+    ``split_cap=False`` gives back the uncapped default of before (gpu_tune's ``no-split-cap``)."""
+    monkeypatch.delenv("MEGABAKE_EXPERIMENTAL_LAYOUTS", raising=False)
+    default = generate(qwen25.plan).source
+    assert default == generate(qwen25.plan, split_cap=16, **SCHEDULE).source
+    assert "\nKV_SPLITS = 16\n" in default
+    assert "\nKV_SPLITS = 66\n" in generate(qwen25.plan, split_cap=False).source
 
 
 def _without_feature(plan, monkeypatch) -> str:
