@@ -398,17 +398,18 @@ SPLIT_CAP_MIN_GROUP_HEADS = 7  # the smallest KV group (query heads) the capped 
 
 def split_cap_fits_group(group_heads: int, head_dim: int) -> bool:
     """A KV group of ``group_heads`` query heads of ``head_dim`` the ``split_cap`` feature may deal: one tensor-core
-    item holds it (:func:`fused_mma_fits`) and it has at least ``SPLIT_CAP_MIN_GROUP_HEADS`` heads. Among the presets
-    only Qwen2.5-0.5B's groups (7 heads of 64) qualify, so the feature changes no other preset's module."""
+    item holds it (``plan.attention.mma_attention_fits``, as :func:`fused_mma_fits`) and it has at least
+    ``SPLIT_CAP_MIN_GROUP_HEADS`` heads. Among the presets only Qwen2.5-0.5B's groups (7 heads of 64) qualify, so
+    the feature changes no other preset's module."""
     return group_heads >= SPLIT_CAP_MIN_GROUP_HEADS and mma_attention_fits(group_heads, head_dim)
 
 
 def _split_cap_applies(plan: Plan) -> bool:
     """The ``split_cap`` feature is enabled (:func:`megabake.plan.feature_enabled`: in ``GPU_VERIFIED_FEATURES`` since
-    session 64, so by default), the plan deals more than ``GROUP_FOLD_MAX_SPLITS`` splits a
-    KV group (among the presets, at batch 1: Qwen2.5-0.5B 66, SmolLM-135M 44), a whole KV group fits one
-    tensor-core item (:func:`fused_mma_fits`), the group has at least ``SPLIT_CAP_MIN_GROUP_HEADS`` query heads and
-    the cap keeps one split per head slice.
+    session 64, so by default), the plan deals more than ``GROUP_FOLD_MAX_SPLITS`` splits a KV group (among the
+    presets, at batch 1: Qwen2.5-0.5B 66, SmolLM-135M 44), the group is one the feature may deal
+    (:func:`split_cap_fits_group`: one tensor-core item, ``SPLIT_CAP_MIN_GROUP_HEADS`` query heads or more) and the
+    cap keeps one split per head slice.
     The group size is where it was measured to win (H100, session 63, GPU ms, default -> the capped schedule):
     Qwen2.5-0.5B's 7-head groups at 16 / 1000 / 4000 0.532 -> 0.535 / 0.597 -> 0.586 / 0.649 -> 0.621, SmolLM-135M's
     3-head groups 0.345 -> 0.347 / 0.401 -> 0.410 / 0.424 -> 0.413 at 16 / 1000 / 2000 (a 2% loss at 1000), so
