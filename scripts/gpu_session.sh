@@ -109,7 +109,10 @@
 #          (pytest --shard I/N, tests/sharding.py: their CPU-bound setup, random init and CuTe DSL compiles,
 #          overlaps; kernels time-share the GPU) -> OUT/pytest-gpu-shard*.log (3 processes: 6.6 min, session 16;
 #          8 shards on an H100: 490 s in session 62, and more than 520 s with MEGABAKE_EXPERIMENTAL_LAYOUTS=split_cap
-#          in session 63, whose TEST_LIMIT=520 cut 7 shards short: use TEST_LIMIT=570 and a 600 s call)
+#          in session 63, whose TEST_LIMIT=520 cut 7 shards short: use TEST_LIMIT=570 and a 600 s call; session 65's
+#          TEST_LIMIT=565 still left 11 of 151 unreached on an H100). Shard logs are -v: one line per finished test
+#   tests-ids: the tests named in TEST_IDS (one node id a line), dealt over SHARDS (default 4) processes: what a
+#          tests-parallel call did not reach -> OUT/pytest-gpu-ids*.log
 #   loader-flip: the gate for making the loader warp a verified default (session 54). It exports
 #          MEGABAKE_EXPERIMENTAL_LAYOUTS=loader_warp (for the parts after it too; redundant since session 55 made it
 #          a verified feature), which changes only Qwen3-0.6B and Qwen2.5-0.5B builds at batch 1, and runs every GPU
@@ -181,7 +184,10 @@ run_tests() {  # name, -k expression, files...: one pytest run with its own limi
   # wait in .cpu() / synchronize)
   local selection=()
   [[ -n "$select" ]] && selection=(-k "$select")
-  timeout "${TEST_LIMIT:-580}" python3 -m pytest -m gpu -q -p no:cacheprovider --durations=10 -o faulthandler_timeout=150 \
+  # PYTEST_VERBOSITY=-v (tests-parallel, tests-ids): one line per finished test with its node id, so a run killed
+  # at TEST_LIMIT still shows which tests it reached (-q: progress dots only)
+  timeout "${TEST_LIMIT:-580}" python3 -m pytest -m gpu "${PYTEST_VERBOSITY:--q}" -p no:cacheprovider --durations=10 \
+    -o faulthandler_timeout=150 \
     "${selection[@]}" "$@" >"$OUT/pytest-gpu-$name.log" 2>&1
   echo "pytest -m gpu ($name): rc=$? $(grep -E '[0-9]+ (passed|failed)' "$OUT/pytest-gpu-$name.log" | tail -1)" \
     >"$OUT/.summary-$name"
@@ -206,9 +212,27 @@ if [[ " $PARTS " == *" tests-parallel "* ]]; then
   names=()
   for ((i = 0; i < shards; i++)); do
     names+=("shard$i")
-    OMP_NUM_THREADS=$threads run_tests "shard$i" "" --shard "$i/$shards" "${TESTS3[@]:2}" tests/test_fused_o_gpu.py \
+    OMP_NUM_THREADS=$threads PYTEST_VERBOSITY=-v run_tests "shard$i" "" --shard "$i/$shards" "${TESTS3[@]:2}" \
+      tests/test_fused_o_gpu.py \
       tests/test_global_down_gpu.py tests/test_mma_wide_gpu.py tests/test_fused_mlp_gpu.py \
       tests/test_fused_split_gpu.py tests/test_spare_warp_gpu.py tests/test_loader_warp_gpu.py &
+  done
+  wait
+  collect_tests "${names[@]}"
+fi
+if [[ " $PARTS " == *" tests-ids "* ]]; then
+  # the GPU tests named in TEST_IDS (a file in the tree, one pytest node id a line), dealt round-robin over SHARDS
+  # pytest processes (default 4): the rest of a tests-parallel call whose shards hit TEST_LIMIT (session 65 on an
+  # H100: 140 of 151 passed in 565 s). Its ids: each shard's `pytest -m gpu --collect-only -q --shard I/N FILES`
+  # (run on a CPU, same files) less the PASSED / FAILED lines of its -v log.
+  [[ -f "${TEST_IDS:-}" ]] || { echo "tests-ids: TEST_IDS=$TEST_IDS is not a file of node ids" >&2; exit 2; }
+  shards=${SHARDS:-4}
+  names=()
+  for ((i = 0; i < shards; i++)); do
+    mapfile -t part < <(awk -v i="$i" -v n="$shards" 'NF && (NR - 1) % n == i' "$TEST_IDS")
+    ((${#part[@]})) || continue
+    names+=("ids$i")
+    OMP_NUM_THREADS=$(( $(nproc) / shards )) PYTEST_VERBOSITY=-v run_tests "ids$i" "" "${part[@]}" &
   done
   wait
   collect_tests "${names[@]}"
