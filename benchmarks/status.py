@@ -368,9 +368,8 @@ def host_line(best: dict) -> str:
 def default_since(config, batch: int, cls: str | None, preset: str = "") -> int:
     """The session since which a (preset, batch, position class) cell runs the default kernel of today: at batch 1,
     64 for :data:`SPLIT_CAP_PRESETS` (the capped tensor-core schedule), 60 for the other :data:`GROUP_FOLD_PRESETS`
-    (the O blocks merge up to 16 splits), 55 for the other :data:`LOADER_PRESETS`
-    (the paced loader warp), else 49 (spare_warp on every preset's ring fills, bulk_down where fused_mlp applies);
-    at batches 4 / 8, 33 where the
+    (the O blocks merge up to 16 splits), 55 for the other :data:`LOADER_PRESETS` (the paced loader warp), else 49
+    (spare_warp on every preset's ring fills, bulk_down where fused_mlp applies); at batches 4 / 8, 33 where the
     model's KV groups are 2-8 query heads of 64 or 128 dims (the tensor-core attention,
     ``plan.attention.mma_attention_fits``), 42 where they are 2-8 query heads of 256 dims (Gemma: ``mma_wide``;
     every position class, though short contexts may deal one-head slices that it does not change, so this can
